@@ -1,0 +1,468 @@
+"""`python -m bench`: SKMQ against RabbitMQ, end to end, from separate processes.
+
+Scenarios (each SKMQ scenario on a freshly started broker with its own
+DATA_DIR and embedded Redis persisting with AOF):
+
+- ingest:  4 pipelined producers, no recipients: producer to `resp ack`, msg/s.
+- e2e:     4 pipelined producers + 4 recipients: first send to last receipt,
+           msg/s; lost and duplicated messages; latency under load.
+- latency: 1 producer paced at 1,000 msg/s, 4 recipients: send-to-receipt
+           p50/p95/p99/max.
+- backlog: 1,000,000 messages ingested with no recipients: broker RSS and
+           Redis `used_memory` growth per message (SKMQ only).
+
+The same ingest / e2e / latency scenarios run against RabbitMQ with aio-pika
+(durable queue, persistent messages, publisher confirms, manual acks,
+prefetch 100) when it listens on 127.0.0.1:5672. Everything is bounded in
+time: the run stops by itself, kills what it started and removes its files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from bench.harness import BenchError, LoadPlan, LoadResult, run_load
+from bench.report import as_json, backlog_table, machine, results_table, targets
+from bench.systems import RABBIT_URL, RabbitSystem, SkmqBroker, port_open
+
+LOAD_SCENARIOS = ("ingest", "e2e", "latency")
+ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
+ALL_SYSTEMS = ("skmq", "rabbitmq")
+
+# Process groups of brokers still running: killed by the last-resort alarm.
+_LIVE_BROKER_PGIDS: set[int] = set()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--messages",
+        type=int,
+        default=None,
+        help="messages of the ingest and e2e scenarios (default: 200,000 ingest, 100,000 e2e)",
+    )
+    p.add_argument("--backlog-messages", type=int, default=1_000_000)
+    p.add_argument(
+        "--scenarios",
+        default=",".join(ALL_SCENARIOS),
+        help="comma-separated subset of ingest,e2e,latency,backlog (default: all; backlog "
+        "only if it fits the time limit, unless --backlog)",
+    )
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="skmq,rabbitmq")
+    p.add_argument("--broker-cmd", default="skmq serve", help="command starting the SKMQ broker")
+    p.add_argument(
+        "--broker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for the broker (repeatable), e.g. SKMQ_PUSH_WINDOW=256",
+    )
+    p.add_argument("--rabbit-url", default=RABBIT_URL)
+    p.add_argument("--time-limit", type=float, default=330.0, help="seconds for the whole run")
+    p.add_argument(
+        "--backlog", action="store_true", help="run the backlog scenario even if it may not fit"
+    )
+    p.add_argument("--no-backlog", action="store_true", help="skip the backlog scenario")
+    p.add_argument("--producers", type=int, default=4)
+    p.add_argument("--recipients", type=int, default=4)
+    p.add_argument("--window", type=int, default=1000, help="unanswered messages per producer")
+    p.add_argument("--ingest-time", type=float, default=20.0, help="cap on ingest sending, s")
+    p.add_argument("--e2e-time", type=float, default=25.0, help="cap on e2e sending, s")
+    p.add_argument("--drain-time", type=float, default=30.0, help="wait for the last deliveries, s")
+    p.add_argument("--latency-rate", type=float, default=1000.0, help="msg/s of the latency run")
+    p.add_argument(
+        "--latency-time", type=float, default=10.0, help="duration of the latency run, s"
+    )
+    p.add_argument("--latency-recipients", type=int, default=4)
+    p.add_argument("--backlog-time", type=float, default=150.0, help="cap on backlog sending, s")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON (default path: bench/results/bench-<time>.json)",
+    )
+    p.add_argument("--keep-logs", action="store_true", help="keep the load processes' files")
+    args = p.parse_args(argv)
+    args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in args.scenario_list:
+        if s not in ALL_SCENARIOS:
+            p.error(f"unknown scenario {s!r}")
+    for s in args.system_list:
+        if s not in ALL_SYSTEMS:
+            p.error(f"unknown system {s!r}")
+    if args.no_backlog and "backlog" in args.scenario_list:
+        args.scenario_list.remove("backlog")
+    args.backlog_explicit = args.backlog or (
+        "backlog" in args.scenario_list and args.scenarios != ",".join(ALL_SCENARIOS)
+    )
+    if args.backlog and "backlog" not in args.scenario_list:
+        args.scenario_list.append("backlog")
+    extra_env: dict[str, str] = {}
+    for item in args.broker_env:
+        name, eq, value = item.partition("=")
+        if not eq:
+            p.error(f"--broker-env needs NAME=VALUE, got {item!r}")
+        extra_env[name] = value
+    args.extra_env = extra_env
+    return args
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t0 = time.monotonic()
+        self.deadline: float = self.t0 + float(args.time_limit)
+        self.results: list[LoadResult] = []
+        self.notes: list[str] = []
+        self.rabbit_version = "-"
+        self.workdir = Path(tempfile.mkdtemp(prefix="skmq-bench-run-"))
+
+    def log(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", flush=True)
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def plan(self, scenario: str, send_time: float | None = None) -> LoadPlan | None:
+        """The scenario's load, capped to the time left (None: no time left)."""
+        a = self.args
+        remaining = self.remaining()
+        if scenario == "ingest":
+            plan = LoadPlan(
+                scenario, a.producers, 0, a.messages or 200_000, send_time=a.ingest_time
+            )
+            plan.ack_wait, plan.drain_time = 10.0, 0.0
+        elif scenario == "e2e":
+            plan = LoadPlan(
+                scenario, a.producers, a.recipients, a.messages or 100_000, send_time=a.e2e_time
+            )
+            plan.ack_wait, plan.drain_time = 10.0, a.drain_time
+        elif scenario == "latency":
+            count = int(a.latency_rate * a.latency_time)
+            plan = LoadPlan(scenario, 1, a.latency_recipients, count, rate=a.latency_rate)
+            plan.send_time, plan.ack_wait, plan.drain_time = a.latency_time + 5.0, 10.0, 10.0
+        else:
+            plan = LoadPlan(scenario, a.producers, 0, a.backlog_messages, send_time=a.backlog_time)
+            plan.ack_wait, plan.drain_time = 15.0, 0.0
+        if send_time is not None:
+            plan.send_time = send_time
+        plan.window = a.window
+        # Fit in the time left: sending, answers and drain, plus ~15 s of setup.
+        overhead = 15.0
+        budget = remaining - overhead
+        if budget < 8.0:
+            return None
+        plan.ack_wait = min(plan.ack_wait, max(budget * 0.1, 2.0))
+        plan.drain_time = min(plan.drain_time, max(budget * 0.3, 2.0)) if plan.drain_time else 0.0
+        plan.send_time = min(plan.send_time, budget - plan.ack_wait - plan.drain_time)
+        if plan.send_time < 3.0:
+            return None
+        plan.deadline = time.time() + plan.send_time + plan.ack_wait + plan.drain_time + 90.0
+        return plan
+
+    def skipped(self, system: str, scenario: str, why: str) -> None:
+        res = LoadResult(system=system, scenario=scenario, error=f"skipped: {why}")
+        self.results.append(res)
+        self.log(f"{system} {scenario}: skipped ({why})")
+
+    async def run(self) -> None:
+        a = self.args
+        systems = list(a.system_list)
+        if "rabbitmq" in systems and not await port_open("127.0.0.1", 5672, 2.0):
+            systems.remove("rabbitmq")
+            self.notes.append("RabbitMQ: nothing listens on 127.0.0.1:5672, not measured")
+            self.log("RabbitMQ not listening on 127.0.0.1:5672: skipped")
+        load = [s for s in a.scenario_list if s in LOAD_SCENARIOS]
+        for system in systems:
+            for scenario in load:
+                await self.one(system, scenario)
+        if "backlog" in a.scenario_list and "skmq" in systems:
+            await self.backlog()
+
+    async def one(self, system: str, scenario: str) -> None:
+        plan = self.plan(scenario)
+        if plan is None:
+            self.skipped(system, scenario, "time limit")
+            return
+        self.log(
+            f"{system} {scenario}: {plan.messages:,} messages, {plan.producers} producers, "
+            f"{plan.recipients} recipients" + (f", {plan.rate:,.0f} msg/s" if plan.rate else "")
+        )
+        if system == "skmq":
+            res = await self.skmq(plan)
+        else:
+            res = await self.rabbit(plan)
+        self.results.append(res)
+        self.log(f"{system} {scenario}: {summary(res)}")
+
+    async def skmq(self, plan: LoadPlan, backlog: bool = False) -> LoadResult:
+        a = self.args
+        broker = SkmqBroker(a.broker_cmd, a.extra_env, appid=f"bench-{plan.scenario}")
+        try:
+            try:
+                await broker.start(timeout=min(60.0, max(self.remaining(), 5.0)))
+            except BenchError as exc:
+                return LoadResult(system="skmq", scenario=plan.scenario, error=str(exc))
+            if broker.proc is not None:
+                _LIVE_BROKER_PGIDS.add(broker.proc.pid)
+            if broker.redis_ps is None:
+                self.notes.append("SKMQ: no redis.json with a live pid: Redis CPU not measured")
+            extra: dict[str, Any] = {}
+            peak = [broker.rss()]
+
+            def sample() -> None:
+                peak[0] = max(peak[0], broker.rss())
+
+            if backlog:
+                mem0 = await self._redis_memory(broker)
+                extra["broker_rss_before"] = broker.rss()
+                extra["redis_used_memory_before"] = mem0.get("used_memory")
+            res = await run_load(broker, plan, self.workdir, on_sample=sample)
+            if backlog and res.acked:
+                await asyncio.sleep(1.0)
+                sample()
+                mem1 = await self._redis_memory(broker)
+                extra["broker_rss_after"] = broker.rss()
+                extra["broker_rss_peak"] = peak[0]
+                extra["redis_used_memory_after"] = mem1.get("used_memory")
+                extra["redis_used_memory_rss"] = mem1.get("used_memory_rss")
+                extra["redis_dbsize"] = mem1.get("dbsize")
+                if mem0.get("used_memory") is not None and mem1.get("used_memory") is not None:
+                    delta = mem1["used_memory"] - mem0["used_memory"]
+                    extra["redis_used_memory_delta"] = delta
+                    extra["redis_bytes_per_msg"] = delta / res.acked
+                extra["aof_bytes"] = broker.aof_bytes()
+            extra["broker_rss_peak"] = max(peak[0], broker.rss())
+            extra["delivery_log_bytes"] = broker.delivery_log_bytes()
+            res.extra.update(extra)
+            if not broker.alive():
+                rc = broker.proc.returncode if broker.proc else None
+                res.notes.append(f"broker exited during the run (code {rc}):\n{broker.log_tail()}")
+            else:
+                tail = broker.log_tail(5)
+                if tail.strip():
+                    res.notes.append(f"broker log (last lines):\n{tail}")
+            return res
+        finally:
+            await broker.stop()
+            if broker.proc is not None:
+                _LIVE_BROKER_PGIDS.discard(broker.proc.pid)
+
+    async def _redis_memory(self, broker: SkmqBroker) -> dict[str, int]:
+        try:
+            async with asyncio.timeout(15):
+                return await broker.redis_memory()
+        except Exception as exc:
+            self.notes.append(f"SKMQ: Redis INFO memory failed: {exc!r}")
+            return {}
+
+    async def rabbit(self, plan: LoadPlan) -> LoadResult:
+        queue = f"skmq-bench-{plan.scenario}-{os.getpid()}"
+        system = RabbitSystem(self.args.rabbit_url, queue)
+        try:
+            await system.reset_queue()
+        except Exception as exc:
+            return LoadResult(
+                system="rabbitmq", scenario=plan.scenario, error=f"RabbitMQ setup: {exc!r}"
+            )
+        self.rabbit_version = system.version
+        if not system.beam:
+            self.notes.append("RabbitMQ: no beam.smp process visible: broker CPU not measured")
+        try:
+            return await run_load(system, plan, self.workdir)
+        finally:
+            try:
+                await system.reset_queue(delete=True)
+            except Exception as exc:
+                self.notes.append(f"RabbitMQ: could not delete queue {queue}: {exc!r}")
+
+    async def backlog(self) -> None:
+        a = self.args
+        ingest = next(
+            (r for r in self.results if r.system == "skmq" and r.scenario == "ingest"), None
+        )
+        rate = ingest.ingest_rate if ingest is not None and ingest.ingest_rate else 20_000.0
+        needed = a.backlog_messages / rate * 1.2 + 20.0
+        if not a.backlog_explicit and needed > self.remaining():
+            self.skipped(
+                "skmq",
+                "backlog",
+                f"needs ~{needed:.0f}s at {rate:,.0f} msg/s, {self.remaining():.0f}s left"
+                " (use --backlog)",
+            )
+            return
+        plan = self.plan("backlog")
+        if plan is None:
+            self.skipped("skmq", "backlog", "time limit")
+            return
+        self.log(
+            f"skmq backlog: {plan.messages:,} messages, {plan.producers} producers, no recipients"
+        )
+        res = await self.skmq(plan, backlog=True)
+        self.results.append(res)
+        self.log(f"skmq backlog: {summary(res)}")
+
+    def cleanup(self) -> None:
+        if not self.args.keep_logs:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def report(self, started: dt.datetime, argv: list[str]) -> str:
+        m = machine()
+        lines = [
+            "",
+            "# SKMQ benchmark",
+            "",
+            f"- date: {started.isoformat(timespec='seconds')}",
+            f"- machine: {m['nproc']} CPUs, {m['cpu_model']}, Linux {m['kernel']}, "
+            f"Python {m['python']}",
+            f"- command: python -m bench {' '.join(argv)}".rstrip(),
+            f"- SKMQ broker: `{self.args.broker_cmd}` (fresh DATA_DIR per scenario, "
+            "embedded Redis, AOF)"
+            + (f", env {self.args.extra_env}" if self.args.extra_env else ""),
+            f"- RabbitMQ: {self.rabbit_version} via aio-pika: durable queue, persistent messages, "
+            "publisher confirms, manual acks, prefetch 100",
+            f"- load: {self.args.producers} producers ({self.args.window} unanswered each) and "
+            f"{self.args.recipients} recipients, one process each; 100-byte bodies; latency run "
+            f"{self.args.latency_rate:,.0f} msg/s for {self.args.latency_time:.0f}s, "
+            f"{self.args.latency_recipients} recipients",
+            f"- total time: {time.monotonic() - self.t0:.0f}s",
+            "",
+            results_table(self.results),
+            "",
+            "ingest msg/s: producer to `resp ack` (publisher confirm for RabbitMQ); e2e msg/s: "
+            "first send to last receipt; latency: send to recipient receipt (wall clock across "
+            "processes); CPU: user+system of the broker process (beam.smp for RabbitMQ) and of "
+            "its Redis, per acked (ingest) or delivered message; clients: the load processes.",
+        ]
+        bt = backlog_table(self.results)
+        if bt:
+            lines += ["", bt]
+        check_lines, _ = targets(self.results)
+        lines += ["", "Targets:", *check_lines]
+        problems = []
+        for r in self.results:
+            if r.error:
+                problems.append(f"- {r.system} {r.scenario}: {r.error}")
+            for n in r.notes:
+                problems.append(f"- {r.system} {r.scenario}: {n}")
+            if r.unexpected:
+                problems.append(
+                    f"- {r.system} {r.scenario}: {r.unexpected} received ids never sent"
+                )
+            if r.stopped_early:
+                problems.append(
+                    f"- {r.system} {r.scenario}: sending stopped at the time cap "
+                    f"({r.sent:,} of {r.planned:,} sent)"
+                )
+        problems += [f"- {n}" for n in dict.fromkeys(self.notes)]
+        if problems:
+            lines += ["", "Notes:", *problems]
+        return "\n".join(lines)
+
+
+def summary(r: LoadResult) -> str:
+    if r.error and not r.acked:
+        return f"FAILED: {r.error.splitlines()[0] if r.error else ''}"
+    parts = [f"sent {r.sent:,}", f"acked {r.acked:,}", f"ingest {r.ingest_rate or 0:,.0f} msg/s"]
+    if r.recipients:
+        parts += [f"received {r.unique:,}", f"e2e {r.e2e_rate or 0:,.0f} msg/s"]
+        if r.latency_ms:
+            parts.append(f"p99 {r.latency_ms['p99']:.2f} ms")
+        parts += [f"lost {r.lost}", f"dup {r.duplicates}"]
+    if r.error:
+        parts.append(f"error: {r.error.splitlines()[0]}")
+    return ", ".join(parts)
+
+
+def _last_resort(signum: int, frame: Any) -> None:
+    """The run overran its bound by far: kill what it started and leave."""
+    for pgid in list(_LIVE_BROKER_PGIDS):
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+    print("bench: hard time limit exceeded, aborting", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+async def amain(args: argparse.Namespace, argv: list[str]) -> int:
+    started = dt.datetime.now(dt.UTC)
+    runner = Runner(args)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main_task.cancel)
+    interrupted = False
+    try:
+        try:
+            async with asyncio.timeout(args.time_limit + 60):
+                await runner.run()
+        except TimeoutError:
+            runner.notes.append("the run hit its time limit")
+        except asyncio.CancelledError:
+            interrupted = True
+            runner.notes.append("interrupted")
+        report = runner.report(started, argv)
+        print(report, flush=True)
+        if args.json is not None:
+            path = (
+                Path(args.json)
+                if args.json
+                else (
+                    Path(__file__).resolve().parent
+                    / "results"
+                    / f"bench-{started:%Y%m%d-%H%M%S}.json"
+                )
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _, checks = targets(runner.results)
+            payload = {
+                "date": started.isoformat(timespec="seconds"),
+                "machine": machine(),
+                "command": ["python", "-m", "bench", *argv],
+                "broker_cmd": args.broker_cmd,
+                "broker_env": args.extra_env,
+                "rabbitmq_version": runner.rabbit_version,
+                "results": as_json(runner.results),
+                "targets": checks,
+                "notes": runner.notes,
+            }
+            path.write_text(json.dumps(payload, indent=2, default=str))
+            print(f"\nJSON written to {path}", flush=True)
+    finally:
+        runner.cleanup()
+    if interrupted:
+        return 130
+    failed = any(r.error and not r.error.startswith("skipped") for r in runner.results)
+    return 1 if failed or not runner.results else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    signal.signal(signal.SIGALRM, _last_resort)
+    signal.alarm(int(args.time_limit + 180))
+    try:
+        return uvloop.run(amain(args, argv))
+    finally:
+        signal.alarm(0)

@@ -1,0 +1,210 @@
+"""The result table (markdown), the target checks and the machine description."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from dataclasses import asdict
+from typing import Any
+
+from bench.harness import LoadResult
+
+TARGET_RATIO = 5.0
+TARGET_INGEST = 50_000.0
+TARGET_P99_MS = 3.0
+TARGET_BYTES_PER_MSG = 400.0
+
+
+def machine() -> dict[str, Any]:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if digits == 0:
+        return f"{value:,.0f}"
+    return f"{value:,.{digits}f}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = [
+        "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows
+    ]
+    return "\n".join([line, sep, *body])
+
+
+def results_table(results: list[LoadResult]) -> str:
+    headers = [
+        "system",
+        "scenario",
+        "messages",
+        "ingest msg/s",
+        "e2e msg/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "max ms",
+        "broker CPU µs/msg",
+        "Redis CPU µs/msg",
+        "clients CPU µs/msg",
+        "lost",
+        "dup",
+    ]
+    rows: list[list[str]] = []
+    for r in results:
+        if r.error and not r.acked:
+            rows.append([r.system, r.scenario, "FAILED", *["-"] * (len(headers) - 3)])
+            continue
+        delivered = r.recipients > 0
+        lat = r.latency_ms
+        rows.append(
+            [
+                r.system,
+                r.scenario,
+                _num(r.unique if delivered else r.acked),
+                _num(r.ingest_rate) if not delivered else "-",
+                _num(r.e2e_rate) if delivered else "-",
+                _num(lat.get("p50"), 2),
+                _num(lat.get("p95"), 2),
+                _num(lat.get("p99"), 2),
+                _num(lat.get("max"), 2),
+                _num(r.broker_cpu_us, 1),
+                _num(r.redis_cpu_us, 1),
+                _num(r.clients_cpu_us, 1),
+                _num(r.lost) if delivered else "n/a",
+                _num(r.duplicates) if delivered else "n/a",
+            ]
+        )
+    return _table(headers, rows)
+
+
+def backlog_table(results: list[LoadResult]) -> str:
+    rows = []
+    for r in results:
+        if r.scenario != "backlog" or not r.extra:
+            continue
+        x = r.extra
+        rows.append(
+            [
+                r.system,
+                _num(r.acked),
+                _num(r.ingest_rate),
+                _num(x.get("broker_rss_before", 0) / 2**20, 1),
+                _num(x.get("broker_rss_peak", 0) / 2**20, 1),
+                _num(x.get("broker_rss_after", 0) / 2**20, 1),
+                _num(x.get("redis_used_memory_delta", 0) / 2**20, 1),
+                _num(x.get("redis_bytes_per_msg"), 1),
+                _num(x.get("redis_dbsize")),
+                _num(x.get("aof_bytes", 0) / 2**20, 1),
+            ]
+        )
+    if not rows:
+        return ""
+    headers = [
+        "system",
+        "backlog msgs",
+        "ingest msg/s",
+        "broker RSS before MiB",
+        "peak MiB",
+        "after MiB",
+        "Redis used_memory +MiB",
+        "Redis bytes/msg",
+        "Redis keys",
+        "AOF MiB",
+    ]
+    return _table(headers, rows)
+
+
+def _best(results: list[LoadResult], system: str, scenario: str) -> LoadResult | None:
+    for r in results:
+        if r.system == system and r.scenario == scenario and not (r.error and not r.acked):
+            return r
+    return None
+
+
+def targets(results: list[LoadResult]) -> tuple[list[str], dict[str, Any]]:
+    """Lines checking the issue's targets, and the same as data."""
+    lines: list[str] = []
+    data: dict[str, Any] = {}
+
+    def check(name: str, ok: bool | None, text: str) -> None:
+        mark = "n/a " if ok is None else ("PASS" if ok else "FAIL")
+        lines.append(f"- [{mark}] {name}: {text}")
+        data[name] = {"ok": ok, "text": text}
+
+    s_e2e, r_e2e = _best(results, "skmq", "e2e"), _best(results, "rabbitmq", "e2e")
+    if s_e2e and r_e2e and s_e2e.e2e_rate and r_e2e.e2e_rate:
+        ratio = s_e2e.e2e_rate / r_e2e.e2e_rate
+        data["e2e_ratio"] = ratio
+        check(
+            "e2e >= 5x RabbitMQ",
+            ratio >= TARGET_RATIO,
+            f"SKMQ {s_e2e.e2e_rate:,.0f} / RabbitMQ {r_e2e.e2e_rate:,.0f} msg/s = {ratio:.2f}x",
+        )
+    else:
+        check("e2e >= 5x RabbitMQ", None, "needs both e2e runs")
+    ingest = _best(results, "skmq", "ingest")
+    if ingest and ingest.ingest_rate:
+        check(
+            "ingest >= 50,000 msg/s",
+            ingest.ingest_rate >= TARGET_INGEST,
+            f"{ingest.ingest_rate:,.0f} msg/s",
+        )
+    else:
+        check("ingest >= 50,000 msg/s", None, "not run")
+    lat = _best(results, "skmq", "latency")
+    if lat and lat.latency_ms:
+        p99 = lat.latency_ms["p99"]
+        check("latency p99 <= 3 ms at 1,000 msg/s", p99 <= TARGET_P99_MS, f"p99 {p99:.2f} ms")
+    else:
+        check("latency p99 <= 3 ms at 1,000 msg/s", None, "not run")
+    backlog = _best(results, "skmq", "backlog")
+    if backlog and backlog.extra.get("redis_bytes_per_msg") is not None:
+        bpm = float(backlog.extra["redis_bytes_per_msg"])
+        rss = backlog.extra.get("broker_rss_peak", 0) / 2**20
+        check(
+            "Redis <= 400 bytes/msg (backlog)",
+            bpm <= TARGET_BYTES_PER_MSG,
+            f"{bpm:,.1f} bytes/msg over {backlog.acked:,} messages; broker RSS peak {rss:,.1f} MiB",
+        )
+    else:
+        check("Redis <= 400 bytes/msg (backlog)", None, "not run")
+    skmq_runs = [
+        r for r in results if r.system == "skmq" and r.recipients > 0 and r.lost is not None
+    ]
+    if skmq_runs:
+        lost = sum(r.lost or 0 for r in skmq_runs)
+        dup = sum(r.duplicates for r in skmq_runs)
+        check(
+            "no loss, no duplicate (SKMQ delivery runs)",
+            lost == 0 and dup == 0,
+            f"lost {lost}, duplicated {dup}",
+        )
+    else:
+        check("no loss, no duplicate (SKMQ delivery runs)", None, "no delivery run")
+    return lines, data
+
+
+def as_json(results: list[LoadResult]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in results]

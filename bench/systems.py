@@ -1,0 +1,321 @@
+"""The systems under test: the SKMQ broker (started here) and a local RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.harness import BenchError
+
+RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
+
+
+def _cpu_of(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+def _tree(proc: psutil.Process, exclude: psutil.Process | None) -> list[psutil.Process]:
+    """`proc` and its descendants, less `exclude` and its own descendants."""
+    skip: set[int] = set()
+    if exclude is not None:
+        skip.add(exclude.pid)
+        with contextlib.suppress(psutil.Error):
+            skip.update(c.pid for c in exclude.children(recursive=True))
+    procs = [proc]
+    with contextlib.suppress(psutil.Error):
+        procs.extend(c for c in proc.children(recursive=True) if c.pid not in skip)
+    return procs
+
+
+# --------------------------------------------------------------------------- SKMQ
+
+
+class SkmqBroker:
+    """One `skmq serve` with a fresh DATA_DIR (embedded Redis with AOF)."""
+
+    def __init__(self, cmd: str, extra_env: dict[str, str], appid: str) -> None:
+        self.cmd = shlex.split(cmd)
+        self.extra_env = extra_env
+        self.appid = appid
+        self.name = "skmq"
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.data_dir: Path | None = None
+        self.log_path: Path | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ps: psutil.Process | None = None
+        self.redis_info: dict[str, Any] = {}
+        self.redis_ps: psutil.Process | None = None
+
+    # -- System protocol -------------------------------------------------------
+
+    def producer_cmd(
+        self, index: int, count: int, rate: float, prefix: str
+    ) -> tuple[str, list[str]]:
+        args = ["producer", "--host", self.host, "--port", str(self.port)]
+        args += ["--appid", self.appid, "--count", str(count), "--rate", f"{rate:.3f}"]
+        args += ["--prefix", prefix]
+        return "bench.skmq_load", args
+
+    def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
+        args = ["recipient", "--host", self.host, "--port", str(self.port)]
+        args += ["--appid", self.appid, "--rid", f"r{index + 1}"]
+        return "bench.skmq_load", args
+
+    def cpu(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {"broker": None, "redis": None}
+        if self.ps is not None:
+            total = 0.0
+            for p in _tree(self.ps, self.redis_ps):
+                with contextlib.suppress(psutil.Error):
+                    total += _cpu_of(p)
+            out["broker"] = total
+        if self.redis_ps is not None:
+            # Redis and its forks (AOF rewrite): the live ones and the reaped ones.
+            total = 0.0
+            for p in _tree(self.redis_ps, None):
+                with contextlib.suppress(psutil.Error):
+                    total += _cpu_of(p)
+            with contextlib.suppress(psutil.Error):
+                t = self.redis_ps.cpu_times()
+                total += float(t.children_user + t.children_system)
+            out["redis"] = total
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self.data_dir = Path(tempfile.mkdtemp(prefix="skmq-bench-"))
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.port = free_port()
+        env = dict(os.environ)
+        env.update(
+            {
+                "SKMQ_DATA_DIR": str(self.data_dir),
+                "SKMQ_PORT": str(self.port),
+                "SKMQ_HOST": self.host,
+                "SKMQ_LOG_LEVEL": "warning",
+                "SKMQ_REDIS_URL": "",
+            }
+        )
+        env.update(self.extra_env)
+        with open(self.log_path, "wb") as log:
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *self.cmd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise BenchError(f"cannot start broker {self.cmd}: {exc}") from exc
+        self.ps = psutil.Process(self.proc.pid)
+        deadline = time.monotonic() + timeout
+        while not await port_open(self.host, self.port, 0.5):
+            if self.proc.returncode is not None:
+                raise BenchError(
+                    f"broker exited with {self.proc.returncode} before listening:\n"
+                    + self.log_tail()
+                )
+            if time.monotonic() > deadline:
+                raise BenchError(f"broker not listening after {timeout:.0f}s:\n{self.log_tail()}")
+            await asyncio.sleep(0.1)
+        redis_json = self.data_dir / "redis.json"
+        while not redis_json.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if redis_json.exists():
+            with contextlib.suppress(ValueError, OSError):
+                self.redis_info = json.loads(redis_json.read_text())
+            pid = self.redis_info.get("pid")
+            if isinstance(pid, int):
+                with contextlib.suppress(psutil.Error):
+                    self.redis_ps = psutil.Process(pid)
+
+    def log_tail(self, n: int = 20) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def rss(self) -> int:
+        """Resident memory of the broker (its process tree, Redis excluded)."""
+        if self.ps is None:
+            return 0
+        total = 0
+        for p in _tree(self.ps, self.redis_ps):
+            with contextlib.suppress(psutil.Error):
+                total += int(p.memory_info().rss)
+        return total
+
+    async def redis_memory(self) -> dict[str, int]:
+        """`INFO memory` figures of the broker's Redis (empty if unknown)."""
+        if not self.redis_info:
+            return {}
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis(
+            host=str(self.redis_info.get("host", "127.0.0.1")),
+            port=int(self.redis_info.get("port", 6379)),
+            password=self.redis_info.get("password"),
+            socket_timeout=10,
+        )
+        try:
+            info = await client.info("memory")
+            keyspace = await client.dbsize()
+        finally:
+            await client.aclose()
+        out: dict[str, int] = {
+            k: int(info[k]) for k in ("used_memory", "used_memory_rss") if k in info
+        }
+        out["dbsize"] = int(keyspace)
+        return out
+
+    def aof_bytes(self) -> int:
+        if self.data_dir is None:
+            return 0
+        total = 0
+        for path in self.data_dir.rglob("*"):
+            if path.is_file() and (".aof" in path.name or "appendonly" in str(path)):
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+        return total
+
+    def delivery_log_bytes(self) -> int:
+        if self.data_dir is None:
+            return 0
+        total = 0
+        for path in (self.data_dir / "delivery-log").rglob("*"):
+            if path.is_file():
+                with contextlib.suppress(OSError):
+                    total += path.stat().st_size
+        return total
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5):
+                        await proc.wait()
+        if proc is not None:
+            # Anything left in the broker's session (its own workers).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self.redis_ps is not None:
+            # The embedded Redis should stop with the broker; make sure it did.
+            deadline = time.monotonic() + 5
+            while self.redis_ps.is_running() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            with contextlib.suppress(psutil.Error):
+                if self.redis_ps.is_running():  # is_running() also checks the pid's start time
+                    self.redis_ps.kill()
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+
+
+# --------------------------------------------------------------------------- RabbitMQ
+
+
+class RabbitSystem:
+    """A RabbitMQ already listening on 127.0.0.1:5672, driven with aio-pika."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        self.url = url
+        self.queue = queue
+        self.name = "rabbitmq"
+        self.beam: list[psutil.Process] = []
+        self.version = "?"
+        for p in psutil.process_iter(["name"]):
+            if p.info.get("name") == "beam.smp":
+                self.beam.append(p)
+
+    def producer_cmd(
+        self, index: int, count: int, rate: float, prefix: str
+    ) -> tuple[str, list[str]]:
+        args = ["producer", "--url", self.url, "--queue", self.queue, "--count", str(count)]
+        args += ["--rate", f"{rate:.3f}", "--prefix", prefix]
+        return "bench.rabbit_load", args
+
+    def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
+        args = ["consumer", "--url", self.url, "--queue", self.queue, "--rid", f"c{index + 1}"]
+        return "bench.rabbit_load", args
+
+    def cpu(self) -> dict[str, float | None]:
+        if not self.beam:
+            return {"broker": None, "redis": None}
+        total = 0.0
+        for p in self.beam:
+            with contextlib.suppress(psutil.Error):
+                total += _cpu_of(p)
+        return {"broker": total, "redis": None}
+
+    async def reset_queue(self, delete: bool = False) -> None:
+        """Declare the durable queue and purge it (or delete it)."""
+        import aio_pika
+
+        async with asyncio.timeout(20):
+            connection = await aio_pika.connect(self.url, timeout=10)
+            try:
+                underlay = connection.transport
+                raw = getattr(underlay.connection, "server_properties", None) if underlay else None
+                props: dict[str, Any] = dict(raw or {})
+                version = props.get("version")
+                if version:
+                    self.version = version.decode() if isinstance(version, bytes) else str(version)
+                channel = await connection.channel()
+                queue = await channel.declare_queue(self.queue, durable=True)
+                if delete:
+                    await queue.delete(if_unused=False, if_empty=False)
+                else:
+                    await queue.purge()
+            finally:
+                await connection.close()

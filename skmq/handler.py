@@ -1,0 +1,179 @@
+"""The handle stage: every decoded frame becomes exactly one reply (but a fatal error,
+which becomes a reply and a close).
+
+Producer frames of one batch are stored together by the enqueue worker; answers and
+registrations run as tasks; everything else is answered on the spot. A reply is bytes,
+or an awaitable of bytes that the reply stage awaits in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
+from skmq.config import Settings
+from skmq.deliverylog import now_ms
+from skmq.registry.registration import (
+    RegistrationError,
+    check_address,
+    parse_registration,
+    parse_unregistration,
+)
+from skmq.store import NewMessage
+from skmq.workers.engine import Engine
+from skmq.workers.enqueue import EnqueueBatch, Enqueuer
+
+log = structlog.get_logger("skmq.handler")
+
+MAX_ID_BYTES = 256
+Reply = bytes | Awaitable[bytes]
+
+
+@dataclass(slots=True)
+class Outcome:
+    reply: Reply
+    close: bool = False
+
+
+def _bad_id(value: str) -> str | None:
+    """Why msgid/appid `value` is refused, or None. CR/LF never reach here (the codec)."""
+    if len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES:
+        return f"longer than {MAX_ID_BYTES} bytes"
+    if any(ord(c) < 32 or c == "\x7f" for c in value):
+        return "holds a control character"
+    return None
+
+
+def _int_field(frame: Frame, key: str) -> int | None:
+    """The field as a non-negative integer, None when absent; ValueError when invalid."""
+    raw = frame.fields.get(key)
+    if raw is None or raw == "":
+        return None
+    value = int(raw)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+class Handler:
+    def __init__(self, settings: Settings, enqueuer: Enqueuer, engine: Engine) -> None:
+        self.settings = settings
+        self.enqueuer = enqueuer
+        self.engine = engine
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._id_counter = itertools.count(1)
+        self._tasks: set[asyncio.Task[bytes]] = set()
+
+    def handle_batch(
+        self, items: list[tuple[str, Frame | InvalidFrame | CodecError | None]]
+    ) -> list[Outcome]:
+        """items: (peer host, decoded item); None is the end of the peer's stream."""
+        batch = EnqueueBatch()
+        out = [self._handle(peer, item, batch) for peer, item in items]
+        self.enqueuer.submit(batch)
+        return out
+
+    def _handle(
+        self, peer: str, item: Frame | InvalidFrame | CodecError | None, batch: EnqueueBatch
+    ) -> Outcome:
+        if item is None:
+            return Outcome(b"", close=True)
+        if isinstance(item, CodecError):
+            return Outcome(encode_resp("error", f"frame refused, closing: {item}"), close=True)
+        if isinstance(item, InvalidFrame):
+            return Outcome(self._error(f"invalid frame: {item.reason}", item.fields.get("msgid")))
+        kind = item.type
+        if kind in ("queue", "topic"):
+            return Outcome(self._produce(item, batch))
+        if kind == "ping":
+            return Outcome(PONG)
+        if kind in ("ack", "reject", "error", "arrived"):
+            return Outcome(self._spawn(self._answer(item)))
+        if kind == "register":
+            return Outcome(self._spawn(self._register(item, peer)))
+        if kind == "unregister":
+            return Outcome(self._spawn(self._unregister(item)))
+        msgid = item.fields.get("msgid")
+        if not kind:
+            return Outcome(self._error("frame without a type field", msgid))
+        return Outcome(self._error(f"unknown frame type {kind!r}", msgid))
+
+    @staticmethod
+    def _error(reason: str, msgid: str | None = None, status: str = "error") -> bytes:
+        if msgid is not None and ("\r" in msgid or "\n" in msgid):
+            msgid = None
+        return encode_resp(status, reason, msgid)
+
+    def _spawn(self, coro: Awaitable[bytes]) -> asyncio.Task[bytes]:
+        async def run() -> bytes:
+            return await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- producers ----------------------------------------------------------
+    def _produce(self, frame: Frame, batch: EnqueueBatch) -> Reply:
+        fields = frame.fields
+        msgid = fields.get("msgid")
+        app = fields.get("appid")
+        if not app:
+            return self._error("appid required", msgid)
+        if (why := _bad_id(app)) is not None:
+            return self._error(f"appid {why}", msgid)
+        if msgid is None or msgid == "":
+            msgid = f"{self._id_prefix}-{next(self._id_counter)}"
+        elif (why := _bad_id(msgid)) is not None:
+            return self._error(f"msgid {why}", None)
+        if frame.content is None:
+            return self._error("content required", msgid)
+        try:
+            delay = _int_field(frame, "delay")
+            deliver_at = _int_field(frame, "deliver_at")
+        except ValueError:
+            return self._error("delay and deliver_at must be non-negative integers (ms)", msgid)
+        due = 0
+        if delay or deliver_at:
+            due = max(deliver_at or 0, now_ms() + (delay or 0))
+        return batch.add(app, NewMessage(msgid, frame.type, frame.content, due))
+
+    # -- recipients' answers and registrations ------------------------------
+    async def _answer(self, frame: Frame) -> bytes:
+        msgid = frame.fields.get("msgid")
+        try:
+            status, content = await self.engine.answer(frame)
+        except (RedisError, OSError):
+            status, content = "error", "store unavailable, answer again later"
+        return self._error(content, msgid, status)
+
+    async def _register(self, frame: Frame, peer: str) -> bytes:
+        msgid = frame.fields.get("msgid")
+        try:
+            reg = parse_registration(frame.content, peer)
+            check_address(reg.host, peer, self.settings.recipient_networks)
+            await self.engine.registry.register(reg)
+            await self.engine.note_apps({reg.app})
+        except RegistrationError as exc:
+            return self._error(str(exc), msgid, "reject")
+        except (RedisError, OSError):
+            return self._error("store unavailable, register again later", msgid)
+        return self._error("registered", msgid, "ack")
+
+    async def _unregister(self, frame: Frame) -> bytes:
+        msgid = frame.fields.get("msgid")
+        try:
+            app, rid = parse_unregistration(frame.content)
+            removed = await self.engine.registry.unregister(app, rid)
+        except RegistrationError as exc:
+            return self._error(str(exc), msgid, "reject")
+        except (RedisError, OSError):
+            return self._error("store unavailable, unregister again later", msgid)
+        return self._error("unregistered" if removed else "was not registered", msgid, "ack")

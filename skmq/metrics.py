@@ -1,0 +1,197 @@
+"""Prometheus metrics and health on METRICS_HOST:METRICS_PORT (`/metrics`, `/healthz`).
+
+The hot path only bumps plain dict counters (every delivery-log event passes through
+`observe`); they become Prometheus families at scrape time, when the depth gauges are
+also read from Redis. The HTTP side is a minimal asyncio server: two GET routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
+
+from skmq.deliverylog import now_ms
+from skmq.store import AppCounts, Store
+
+if TYPE_CHECKING:
+    from skmq.workers.engine import Engine
+
+# delivery-log event -> (metric name, help)
+COUNTERS = {
+    "received": ("skmq_messages_received_total", "Producer messages received"),
+    "stored": ("skmq_messages_stored_total", "Messages stored in Redis"),
+    "duplicate": ("skmq_messages_duplicate_total", "Producer messages refused as duplicates"),
+    "pushed": ("skmq_pushes_total", "Pushes to recipients"),
+    "acked": ("skmq_messages_acked_total", "Deliveries acked by a recipient"),
+    "rejected": ("skmq_messages_rejected_total", "Deliveries rejected by a recipient"),
+    "errored": ("skmq_messages_errored_total", "Deliveries that failed at the recipient"),
+    "timeout": ("skmq_delivery_timeouts_total", "Deliveries with no final answer in time"),
+    "unreachable": ("skmq_delivery_unreachable_total", "Pushes to an unreachable recipient"),
+    "retry_scheduled": ("skmq_retries_total", "Retries scheduled"),
+    "dead_lettered": ("skmq_messages_dead_lettered_total", "Deliveries moved to the DLQ"),
+    "replayed": ("skmq_messages_replayed_total", "Dead letters replayed"),
+}
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+
+class Metrics(Collector):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.counts: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.latency: dict[str, list[int]] = {}
+        self.latency_sum: defaultdict[str, float] = defaultdict(float)
+        self._depths: dict[str, AppCounts] = {}
+        self._recipients: dict[str, tuple[int, int]] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server: asyncio.Server | None = None
+        self._engine: Engine | None = None
+
+    # -- hot path -------------------------------------------------------------
+    def observe(self, event: str, app: str) -> None:
+        self.counts[(event, app)] += 1
+
+    def observe_latency(self, app: str, ms: int) -> None:
+        buckets = self.latency.get(app)
+        if buckets is None:
+            buckets = self.latency[app] = [0] * (len(LATENCY_BUCKETS) + 1)
+        seconds = ms / 1000
+        buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum[app] += seconds
+
+    # -- scrape ---------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        for event, (name, doc) in COUNTERS.items():
+            counter = CounterMetricFamily(name, doc, labels=["app"])
+            for (ev, app), value in sorted(self.counts.items()):
+                if ev == event and app:
+                    counter.add_metric([app], value)
+            yield counter
+        hist = HistogramMetricFamily(
+            "skmq_delivery_latency_seconds", "Time from stored to acked", labels=["app"]
+        )
+        for app, buckets in sorted(self.latency.items()):
+            cumulative, running = [], 0
+            for bound, count in zip((*LATENCY_BUCKETS, float("inf")), buckets, strict=True):
+                running += count
+                cumulative.append((str(bound) if bound != float("inf") else "+Inf", running))
+            hist.add_metric([app], cumulative, self.latency_sum[app])
+        yield hist
+        gauges: dict[str, GaugeMetricFamily] = {
+            "pending": GaugeMetricFamily("skmq_pending_messages", "Ready to push", labels=["app"]),
+            "delayed": GaugeMetricFamily("skmq_delayed_messages", "Not due yet", labels=["app"]),
+            "in_flight": GaugeMetricFamily(
+                "skmq_inflight_messages", "Pushed, not answered", labels=["app"]
+            ),
+            "dead": GaugeMetricFamily("skmq_dead_letters", "In the DLQ", labels=["app"]),
+        }
+        for app, c in sorted(self._depths.items()):
+            for key, family in gauges.items():
+                family.add_metric([app], getattr(c, key))
+        yield from gauges.values()
+        recipients = GaugeMetricFamily(
+            "skmq_recipients", "Registered recipients", labels=["app", "state"]
+        )
+        for app, (alive, lost) in sorted(self._recipients.items()):
+            recipients.add_metric([app, "alive"], alive)
+            recipients.add_metric([app, "lost"], lost)
+        yield recipients
+
+    async def refresh(self) -> None:
+        apps = await self.store.apps()
+        self._depths = await self.store.counts(apps, now_ms())
+        if self._engine is not None:
+            reg = self._engine.registry
+            self._recipients = {
+                app: (len(reg.alive(app)), len(reg.all(app)) - len(reg.alive(app))) for app in apps
+            }
+
+    async def healthy(self) -> bool:
+        if self._engine is None or not self._engine.healthy:
+            return False
+        try:
+            await self.store.redis.ping()
+        except (RedisError, OSError):
+            return False
+        return True
+
+    # -- HTTP -----------------------------------------------------------------
+    async def serve(self, host: str, port: int, engine: Engine) -> None:
+        self._engine = engine
+        self._server = await asyncio.start_server(self._http, host, port)
+
+    @property
+    def port(self) -> int | None:
+        if self._server is None:
+            return None
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                request = await reader.readline()
+                while (await reader.readline()).strip():
+                    pass
+            parts = request.split()
+            path = parts[1].decode("latin-1") if len(parts) > 1 else ""
+            if path.split("?")[0] == "/metrics":
+                try:
+                    await self.refresh()
+                except (RedisError, OSError):
+                    pass
+                status, body = "200 OK", generate_latest(self.registry)
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+            elif path.split("?")[0] == "/healthz":
+                ok = await self.healthy()
+                status = "200 OK" if ok else "503 Service Unavailable"
+                body, ctype = (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
+            else:
+                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()

@@ -1,0 +1,1 @@
+"""Recipients: registration and address checks, the weighted balance, heartbeats."""

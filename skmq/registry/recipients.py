@@ -1,0 +1,109 @@
+"""This broker's view of the recipients kept in Redis, refreshed from it regularly so that
+several brokers on one Redis agree; state changes are logged once, by the broker that
+made them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.registry.registration import Registration
+from skmq.store import Store
+
+log = structlog.get_logger("skmq.registry")
+
+
+@dataclass(slots=True)
+class Recipient:
+    app: str
+    id: str
+    host: str
+    port: int
+    weight: int
+    alive: bool
+    last_heartbeat: int
+
+
+class Registry:
+    def __init__(self, store: Store, dlog: DeliveryLog, on_change: Callable[[str], None]) -> None:
+        self.store = store
+        self.dlog = dlog
+        self.on_change = on_change
+        self._apps: dict[str, dict[str, Recipient]] = {}
+
+    def alive(self, app: str) -> list[Recipient]:
+        return [r for r in self._apps.get(app, {}).values() if r.alive]
+
+    def all(self, app: str) -> list[Recipient]:
+        return list(self._apps.get(app, {}).values())
+
+    def get(self, app: str, rid: str) -> Recipient | None:
+        return self._apps.get(app, {}).get(rid)
+
+    def apps(self) -> list[str]:
+        return list(self._apps)
+
+    async def refresh(self, apps: list[str]) -> None:
+        found = await self.store.recipients(apps)
+        for app, recs in found.items():
+            old = self._apps.get(app, {})
+            new = {
+                str(r["id"]): Recipient(
+                    app,
+                    str(r["id"]),
+                    str(r["host"]),
+                    int(r["port"]),
+                    int(r.get("weight", 0)),
+                    bool(r["alive"]),
+                    int(r["last_heartbeat"]),
+                )
+                for r in recs
+            }
+            self._apps[app] = new
+            if any(
+                rid not in old
+                or old[rid].alive != r.alive
+                or old[rid].port != r.port
+                or old[rid].host != r.host
+                or old[rid].weight != r.weight
+                for rid, r in new.items()
+            ):
+                self.on_change(app)
+
+    async def register(self, reg: Registration) -> None:
+        now = now_ms()
+        await self.store.register(reg.app, reg.id, reg.as_json(), now)
+        self._apps.setdefault(reg.app, {})[reg.id] = Recipient(
+            reg.app, reg.id, reg.host, reg.port, reg.weight, True, now
+        )
+        self.dlog.event(
+            "recipient_registered",
+            "",
+            reg.app,
+            None,
+            reg.id,
+            detail=f"{reg.host}:{reg.port} weight={reg.weight}",
+        )
+        self.on_change(reg.app)
+
+    async def unregister(self, app: str, rid: str) -> bool:
+        removed = await self.store.unregister(app, rid)
+        self._apps.get(app, {}).pop(rid, None)
+        self.on_change(app)
+        return removed
+
+    async def mark(self, app: str, rid: str, alive: bool, detail: str = "") -> None:
+        """Record a heartbeat or connection outcome; log only real state changes."""
+        previous = await self.store.set_state(app, rid, alive, now_ms())
+        rec = self._apps.get(app, {}).get(rid)
+        if rec is not None:
+            rec.alive = alive
+        if previous == -1 or bool(previous) == alive:
+            return
+        event = "recipient_alive" if alive else "recipient_lost"
+        self.dlog.event(event, "", app, None, rid, detail=detail or None)
+        log.info(event, app=app, recipient=rid, detail=detail)
+        self.on_change(app)

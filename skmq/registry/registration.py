@@ -1,0 +1,123 @@
+"""Parsing a `register` / `unregister` content, and the recipient address allowlist (SPEC 4)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_ID = 256
+
+
+class RegistrationError(ValueError):
+    """Answered `reject` with this reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    app: str
+    id: str
+    host: str
+    port: int
+    weight: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "app_id": self.app,
+            "host": self.host,
+            "port": self.port,
+            "weight": self.weight,
+        }
+
+
+def _text(obj: dict[str, Any], key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise RegistrationError(f"{key} must be a non-empty string")
+    if len(value) > MAX_ID or any(ord(c) < 32 or c == "\x7f" for c in value):
+        raise RegistrationError(f"{key} must be at most {MAX_ID} printable characters")
+    return value
+
+
+def _int(value: Any, key: str, default: int | None = None) -> int:
+    if value is None or value == "":
+        if default is None:
+            raise RegistrationError(f"{key} is required")
+        return default
+    if isinstance(value, bool):
+        raise RegistrationError(f"{key} must be an integer")
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise RegistrationError(f"{key} must be an integer, got {value!r}") from None
+    if isinstance(value, int):
+        return value
+    raise RegistrationError(f"{key} must be an integer")
+
+
+def _object(content: bytes | None) -> dict[str, Any]:
+    if not content:
+        raise RegistrationError("content must be a JSON object")
+    try:
+        obj = json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        raise RegistrationError("content is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise RegistrationError("content must be a JSON object")
+    return obj
+
+
+def parse_registration(content: bytes | None, peer_host: str) -> Registration:
+    """The original sends `port` as a JSON string and may leave `host` empty (then: the peer)."""
+    obj = _object(content)
+    port = _int(obj.get("port"), "port")
+    if not 0 < port < 65536:
+        raise RegistrationError("port must be 1-65535")
+    weight = _int(obj.get("weight"), "weight", default=0)
+    if weight < 0:
+        raise RegistrationError("weight must be >= 0")
+    host = obj.get("host")
+    if host is None or host == "":
+        host = peer_host
+    if not isinstance(host, str) or len(host) > 255:
+        raise RegistrationError("host must be a string")
+    return Registration(_text(obj, "app_id"), _text(obj, "id"), host, port, weight)
+
+
+def parse_unregistration(content: bytes | None) -> tuple[str, str]:
+    obj = _object(content)
+    return _text(obj, "app_id"), _text(obj, "id")
+
+
+def check_address(host: str, peer_host: str, networks: Sequence[str]) -> None:
+    """Allowed: loopback, the registering connection's own address, or RECIPIENT_NETWORKS.
+
+    Host names other than `localhost` are refused: resolving them would let DNS decide
+    where the broker connects.
+    """
+    if host == "localhost":
+        return
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        raise RegistrationError(
+            f"host {host!r} is not an IP address (only IP literals and localhost are accepted)"
+        ) from None
+    if addr.is_loopback:
+        return
+    try:
+        if addr == ipaddress.ip_address(peer_host):
+            return
+    except ValueError:
+        pass
+    for net in networks:
+        if addr in ipaddress.ip_network(net, strict=False):
+            return
+    raise RegistrationError(
+        f"address {host} not allowed: only loopback, the registering peer's own address, "
+        "or RECIPIENT_NETWORKS"
+    )

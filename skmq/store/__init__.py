@@ -1,0 +1,29 @@
+"""The one module that owns every Redis key and every state change of SKMQ."""
+
+from skmq.store.store import (
+    SEP,
+    AppCounts,
+    Claimed,
+    DeadLetter,
+    Failed,
+    Finished,
+    NewMessage,
+    Reaped,
+    Store,
+    connect_redis,
+    split_delivery,
+)
+
+__all__ = [
+    "SEP",
+    "AppCounts",
+    "Claimed",
+    "DeadLetter",
+    "Failed",
+    "Finished",
+    "NewMessage",
+    "Reaped",
+    "Store",
+    "connect_redis",
+    "split_delivery",
+]

@@ -1,0 +1,415 @@
+"""The Lua scripts behind every Redis state change that touches more than one key.
+
+Every script works on the keys of ONE app, all sharing the hash tag `{app}`, and gets
+that app's key base (`<prefix>:{<app>}:`) as KEYS[1]. Key layout under the base:
+
+    m:<msgid>   HASH  c content, k kind (q|t), ts stored ms, at deliver_at ms,
+                      n attempts, r last recipient, e last error, h history;
+                      topic copies keep n:<rid> / e:<rid> / h:<rid>, o copies
+                      outstanding, dc copies dead
+    ready       LIST  delivery ids ready to push, FIFO
+    delayed     ZSET  delivery id -> due ms (delayed messages, retry waits, replays)
+    inflight    ZSET  delivery id -> lease deadline ms (pushed, waiting for an answer)
+    dead        ZSET  delivery id -> ms it died (the dead-letter queue)
+    done:<b>    SET   msgids completed in time bucket b (dedupe after completion)
+    recipients  HASH  rid -> JSON registration
+    rstate      HASH  rid -> 1 alive | 0 lost
+    rbeat       HASH  rid -> ms of the last answered heartbeat
+
+A delivery id is the msgid for a queue message (and for a topic message not yet
+fanned out), and `msgid \\x1f rid` for one recipient's copy of a topic message.
+The msgid only ever follows `m:` or sits inside a collection, so no msgid can
+collide with a key of the broker.
+"""
+
+from __future__ import annotations
+
+COMMON = r"""
+local base = KEYS[1]
+local function split(id)
+  local p = string.find(id, '\31', 1, true)
+  if p then return string.sub(id, 1, p - 1), string.sub(id, p + 1) end
+  return id, nil
+end
+local function sfx(crid) if crid then return ':' .. crid end return '' end
+"""
+
+# ARGV: now, done bucket (current), done bucket (previous), then (msgid, kind, content, deliver_at)*
+# Returns one 1 (stored) or 0 (duplicate) a message.
+STORE = (
+    COMMON
+    + r"""
+local now = tonumber(ARGV[1])
+local cur = base .. 'done:' .. ARGV[2]
+local prev = base .. 'done:' .. ARGV[3]
+local out = {}
+for i = 4, #ARGV, 4 do
+  local id = ARGV[i]
+  local mk = base .. 'm:' .. id
+  if redis.call('EXISTS', mk) == 1 or redis.call('SISMEMBER', cur, id) == 1
+      or redis.call('SISMEMBER', prev, id) == 1 then
+    out[#out + 1] = 0
+  else
+    local at = tonumber(ARGV[i + 3])
+    if at > now then
+      redis.call('HSET', mk, 'c', ARGV[i + 2], 'k', ARGV[i + 1], 'ts', now, 'at', at)
+      redis.call('ZADD', base .. 'delayed', at, id)
+    else
+      redis.call('HSET', mk, 'c', ARGV[i + 2], 'k', ARGV[i + 1], 'ts', now)
+      redis.call('RPUSH', base .. 'ready', id)
+    end
+    out[#out + 1] = 1
+  end
+end
+return out
+"""
+)
+
+# ARGV: now, lease ms, n, k, alive rid * k, queue assignment rid * n
+# Takes up to n messages, due retries and delays first, then the ready list.
+# Returns (delivery id, kind, content, attempt, rid)* and last the next due ms (-1: none).
+CLAIM = (
+    COMMON
+    + r"""
+local now = tonumber(ARGV[1])
+local lease = now + tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+local k = tonumber(ARGV[4])
+local qi = 5 + k
+local inflight = base .. 'inflight'
+local out = {}
+local function take(id)
+  local msgid, crid = split(id)
+  local mk = base .. 'm:' .. msgid
+  local kc = redis.call('HMGET', mk, 'k', 'c')
+  if not kc[1] then return end
+  if crid then
+    local a = redis.call('HINCRBY', mk, 'n:' .. crid, 1)
+    redis.call('ZADD', inflight, lease, id)
+    out[#out + 1] = id; out[#out + 1] = 't'; out[#out + 1] = kc[2]
+    out[#out + 1] = a; out[#out + 1] = crid
+  elseif kc[1] == 'q' then
+    local rid = ARGV[qi]
+    qi = qi + 1
+    local a = redis.call('HINCRBY', mk, 'n', 1)
+    redis.call('HSET', mk, 'r', rid)
+    redis.call('ZADD', inflight, lease, id)
+    out[#out + 1] = id; out[#out + 1] = 'q'; out[#out + 1] = kc[2]
+    out[#out + 1] = a; out[#out + 1] = rid
+  else
+    for j = 1, k do
+      local rid = ARGV[4 + j]
+      local cid = msgid .. '\31' .. rid
+      redis.call('HSET', mk, 'n:' .. rid, 1)
+      redis.call('ZADD', inflight, lease, cid)
+      out[#out + 1] = cid; out[#out + 1] = 't'; out[#out + 1] = kc[2]
+      out[#out + 1] = 1; out[#out + 1] = rid
+    end
+    redis.call('HSET', mk, 'o', k, 'dc', 0)
+  end
+end
+local taken = 0
+if k > 0 and n > 0 then
+  local due = redis.call('ZRANGEBYSCORE', base .. 'delayed', '-inf', now, 'LIMIT', 0, n)
+  for _, id in ipairs(due) do
+    redis.call('ZREM', base .. 'delayed', id)
+    take(id)
+    taken = taken + 1
+  end
+  if taken < n then
+    local ids = redis.call('LPOP', base .. 'ready', n - taken)
+    if ids then for _, id in ipairs(ids) do take(id) end end
+  end
+end
+local nxt = redis.call('ZRANGE', base .. 'delayed', 0, 0, 'WITHSCORES')
+if nxt[2] then out[#out + 1] = nxt[2] else out[#out + 1] = -1 end
+return out
+"""
+)
+
+# A failed attempt (reject, error, timeout, broken connection): retry after the
+# backoff of its attempt, or dead after retry_times attempts.
+FAIL_ONE = r"""
+local function fail_one(id, outcome, detail, rid_hint, now, retry_times, backoff)
+  if redis.call('ZREM', base .. 'inflight', id) == 0 then return {0, 0, 0, rid_hint} end
+  local msgid, crid = split(id)
+  local mk = base .. 'm:' .. msgid
+  if redis.call('EXISTS', mk) == 0 then return {0, 0, 0, rid_hint} end
+  local s = sfx(crid)
+  local n = tonumber(redis.call('HGET', mk, 'n' .. s) or '0')
+  local rid = crid or rid_hint
+  if rid == '' then rid = redis.call('HGET', mk, 'r') or '' end
+  local line = now .. ' attempt=' .. n .. ' recipient=' .. rid .. ' ' .. outcome .. ': ' .. detail
+  local h = redis.call('HGET', mk, 'h' .. s)
+  if h then
+    h = h .. '\n' .. line
+    if #h > 8192 then h = string.sub(h, #h - 8191) end
+  else
+    h = line
+  end
+  redis.call('HSET', mk, 'h' .. s, h, 'e' .. s, outcome .. ': ' .. detail)
+  if n >= retry_times then
+    redis.call('ZADD', base .. 'dead', now, id)
+    if crid then
+      redis.call('HINCRBY', mk, 'o', -1)
+      redis.call('HINCRBY', mk, 'dc', 1)
+    end
+    return {2, n, now, rid}
+  end
+  local i = n
+  if i > #backoff then i = #backoff end
+  if i < 1 then i = 1 end
+  local due = now + backoff[i]
+  redis.call('ZADD', base .. 'delayed', due, id)
+  return {1, n, due, rid}
+end
+"""
+
+# ARGV: now, retry_times, nb, backoff ms * nb, then (id, outcome, detail, rid)*
+# Returns (code, attempt, due, rid)* with code 0 not in flight (stale), 1 retry, 2 dead.
+FAIL = (
+    COMMON
+    + FAIL_ONE
+    + r"""
+local now = tonumber(ARGV[1])
+local retry_times = tonumber(ARGV[2])
+local nb = tonumber(ARGV[3])
+local backoff = {}
+for j = 1, nb do backoff[j] = tonumber(ARGV[3 + j]) end
+local out = {}
+for i = 4 + nb, #ARGV, 4 do
+  local r = fail_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], now, retry_times, backoff)
+  for _, v in ipairs(r) do out[#out + 1] = v end
+end
+return out
+"""
+)
+
+# ARGV: now, limit, retry_times, nb, backoff ms * nb
+# Leases that ran out (the broker that pushed died, or never heard back) count as timeouts.
+# Returns (id, code, attempt, due, rid)*.
+REAP = (
+    COMMON
+    + FAIL_ONE
+    + r"""
+local now = tonumber(ARGV[1])
+local retry_times = tonumber(ARGV[3])
+local nb = tonumber(ARGV[4])
+local backoff = {}
+for j = 1, nb do backoff[j] = tonumber(ARGV[4 + j]) end
+local limit = tonumber(ARGV[2])
+local ids = redis.call('ZRANGEBYSCORE', base .. 'inflight', '-inf', now, 'LIMIT', 0, limit)
+local out = {}
+for _, id in ipairs(ids) do
+  local r = fail_one(id, 'timeout', 'no final answer within ack_timeout', '', now, retry_times,
+                     backoff)
+  out[#out + 1] = id
+  for _, v in ipairs(r) do out[#out + 1] = v end
+end
+return out
+"""
+)
+
+# ARGV: now, done bucket, done ttl ms, then delivery ids.
+# An ack completes the delivery wherever it stands (in flight, waiting for a retry,
+# or dead: the recipient did process it). Returns (ok, attempt, stored ts, recipient)*.
+FINISH = (
+    COMMON
+    + r"""
+local now = tonumber(ARGV[1])
+local done = base .. 'done:' .. ARGV[2]
+local added = false
+local out = {}
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local msgid, crid = split(id)
+  local mk = base .. 'm:' .. msgid
+  local r_in = redis.call('ZREM', base .. 'inflight', id)
+  local r_de = redis.call('ZREM', base .. 'delayed', id)
+  local r_dd = redis.call('ZREM', base .. 'dead', id)
+  if r_in + r_de + r_dd == 0 or redis.call('EXISTS', mk) == 0 then
+    out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = ''
+  else
+    local s = sfx(crid)
+    local a = tonumber(redis.call('HGET', mk, 'n' .. s) or '0')
+    local ts = tonumber(redis.call('HGET', mk, 'ts') or '0')
+    local rid = crid or redis.call('HGET', mk, 'r') or ''
+    local complete = true
+    if crid then
+      if r_dd == 1 then
+        redis.call('HINCRBY', mk, 'dc', -1)
+        redis.call('HINCRBY', mk, 'o', 1)
+      end
+      redis.call('HDEL', mk, 'n' .. s, 'h' .. s, 'e' .. s)
+      local o = redis.call('HINCRBY', mk, 'o', -1)
+      local dc = tonumber(redis.call('HGET', mk, 'dc') or '0')
+      complete = o <= 0 and dc <= 0
+    end
+    if complete then
+      redis.call('DEL', mk)
+      redis.call('SADD', done, msgid)
+      added = true
+    end
+    out[#out + 1] = 1; out[#out + 1] = a; out[#out + 1] = ts; out[#out + 1] = rid
+  end
+end
+if added then redis.call('PEXPIRE', done, tonumber(ARGV[3])) end
+return out
+"""
+)
+
+# ARGV: queue delivery ids whose recipient was unreachable: back to the head of the
+# ready list without spending an attempt. Returns 1 (released) or 0 (not in flight) an id.
+RELEASE = (
+    COMMON
+    + r"""
+local out = {}
+for i = 1, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZREM', base .. 'inflight', id) == 1 then
+    local msgid, crid = split(id)
+    local mk = base .. 'm:' .. msgid
+    if redis.call('EXISTS', mk) == 1 then
+      redis.call('HINCRBY', mk, 'n' .. sfx(crid), -1)
+      if crid then
+        redis.call('ZADD', base .. 'delayed', 0, id)
+      else
+        redis.call('LPUSH', base .. 'ready', id)
+      end
+    end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
+# ARGV: msgid, recipient hint. Finds the delivery an answer without push-connection
+# context is for: the msgid itself for a queue message; for a topic message the copy
+# of the hinted recipient, else the first copy still waiting for an answer.
+RESOLVE = (
+    COMMON
+    + r"""
+local msgid = ARGV[1]
+local mk = base .. 'm:' .. msgid
+local kind = redis.call('HGET', mk, 'k')
+if not kind then return false end
+if kind == 'q' then return msgid end
+if ARGV[2] ~= '' then return msgid .. '\31' .. ARGV[2] end
+local fields = redis.call('HKEYS', mk)
+local fallback = false
+for _, f in ipairs(fields) do
+  if string.sub(f, 1, 2) == 'n:' then
+    local cid = msgid .. '\31' .. string.sub(f, 3)
+    if redis.call('ZSCORE', base .. 'inflight', cid) then return cid end
+    if not fallback and redis.call('ZSCORE', base .. 'delayed', cid) then fallback = cid end
+  end
+end
+return fallback
+"""
+)
+
+# ARGV: now, delivery ids. Dead letters back to pending, attempts reset.
+REPLAY = (
+    COMMON
+    + r"""
+local now = tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZREM', base .. 'dead', id) == 1 then
+    local msgid, crid = split(id)
+    local mk = base .. 'm:' .. msgid
+    redis.call('HSET', mk, 'n' .. sfx(crid), 0)
+    if crid then
+      redis.call('HINCRBY', mk, 'dc', -1)
+      redis.call('HINCRBY', mk, 'o', 1)
+    end
+    redis.call('ZADD', base .. 'delayed', now, id)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
+# ARGV: delivery ids. Dead letters removed for good.
+PURGE = (
+    COMMON
+    + r"""
+local out = {}
+for i = 1, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZREM', base .. 'dead', id) == 1 then
+    local msgid, crid = split(id)
+    local mk = base .. 'm:' .. msgid
+    if crid then
+      local s = sfx(crid)
+      redis.call('HDEL', mk, 'n' .. s, 'h' .. s, 'e' .. s)
+      local dc = redis.call('HINCRBY', mk, 'dc', -1)
+      local o = tonumber(redis.call('HGET', mk, 'o') or '0')
+      if o <= 0 and dc <= 0 then redis.call('DEL', mk) end
+    else
+      redis.call('DEL', mk)
+    end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
+# ARGV: rid, state (1 alive | 0 lost), now. Returns the previous state, or -1 when
+# the recipient is not registered (then nothing is written).
+SET_STATE = (
+    COMMON
+    + r"""
+if redis.call('HEXISTS', base .. 'recipients', ARGV[1]) == 0 then return -1 end
+local old = tonumber(redis.call('HGET', base .. 'rstate', ARGV[1]) or '1')
+redis.call('HSET', base .. 'rstate', ARGV[1], ARGV[2])
+if ARGV[2] == '1' then redis.call('HSET', base .. 'rbeat', ARGV[1], ARGV[3]) end
+return old
+"""
+)
+
+# ARGV: rid, registration JSON, now. Registering (again) makes the recipient alive.
+REGISTER = (
+    COMMON
+    + r"""
+redis.call('HSET', base .. 'recipients', ARGV[1], ARGV[2])
+redis.call('HSET', base .. 'rstate', ARGV[1], 1)
+redis.call('HSET', base .. 'rbeat', ARGV[1], ARGV[3])
+return 1
+"""
+)
+
+# ARGV: rid.
+UNREGISTER = (
+    COMMON
+    + r"""
+redis.call('HDEL', base .. 'rstate', ARGV[1])
+redis.call('HDEL', base .. 'rbeat', ARGV[1])
+return redis.call('HDEL', base .. 'recipients', ARGV[1])
+"""
+)
+
+ALL = {
+    "store": STORE,
+    "claim": CLAIM,
+    "fail": FAIL,
+    "reap": REAP,
+    "finish": FINISH,
+    "release": RELEASE,
+    "resolve": RESOLVE,
+    "replay": REPLAY,
+    "purge": PURGE,
+    "set_state": SET_STATE,
+    "register": REGISTER,
+    "unregister": UNREGISTER,
+}

@@ -1,0 +1,382 @@
+"""Store: typed, batched calls of the Lua scripts in `scripts.py`, one app per call.
+
+Scripts run by EVALSHA; a NOSCRIPT (Redis restarted, or a fresh server) loads them
+all again and retries the call once. Several broker processes can share one Redis:
+every transition is one script, so each delivery is in flight from one broker at most.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from skmq.store import scripts
+
+SEP = "\x1f"
+ENC = "surrogateescape"
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode("utf-8", ENC) if isinstance(value, bytes) else value
+
+
+def split_delivery(delivery_id: str) -> tuple[str, str | None]:
+    """`msgid` -> (msgid, None); `msgid \\x1f rid` (a topic copy) -> (msgid, rid)."""
+    msgid, sep, rid = delivery_id.partition(SEP)
+    return (msgid, rid) if sep else (msgid, None)
+
+
+def _escape_tag(app: str) -> str:
+    """Keep `{`, `}` and `:` out of the hash tag, so that no app id can break the layout."""
+    return app.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
+
+
+def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        url,
+        encoding_errors=ENC,
+        decode_responses=False,
+        max_connections=max_connections,
+        health_check_interval=0,
+        socket_connect_timeout=2.0,
+        socket_timeout=10.0,
+    )
+
+
+@dataclass(slots=True)
+class NewMessage:
+    msgid: str
+    kind: str  # "queue" | "topic"
+    content: bytes
+    deliver_at: int = 0  # unix ms; 0: now
+
+
+@dataclass(slots=True)
+class Claimed:
+    delivery_id: str
+    msgid: str
+    kind: str
+    content: bytes
+    attempt: int
+    recipient: str
+
+
+@dataclass(slots=True)
+class Finished:
+    ok: bool
+    attempt: int
+    stored_ts: int
+    recipient: str
+
+
+@dataclass(slots=True)
+class Failed:
+    code: int  # 0 stale (not in flight), 1 retry scheduled, 2 dead
+    attempt: int
+    due: int
+    recipient: str
+
+    STALE = 0
+    RETRY = 1
+    DEAD = 2
+
+
+@dataclass(slots=True)
+class Reaped:
+    delivery_id: str
+    result: Failed
+
+
+@dataclass(slots=True)
+class AppCounts:
+    pending: int
+    delayed: int
+    in_flight: int
+    dead: int
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    appid: str
+    delivery_id: str
+    msgid: str
+    kind: str
+    recipient: str | None
+    content: bytes
+    attempts: int
+    last_error: str
+    history: list[str]
+    died_at: int
+    stored_at: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "appid": self.appid,
+            "msgid": self.msgid,
+            "kind": self.kind,
+            "recipient": self.recipient,
+            "content": self.content.decode("utf-8", "replace"),
+            "attempts": self.attempts,
+            "last_error": self.last_error,
+            "history": self.history,
+            "died_at": self.died_at,
+            "stored_at": self.stored_at,
+        }
+
+
+class Store:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str = "skmq",
+        *,
+        retry_times: int = 5,
+        backoff: Sequence[float] = (1.0,),
+        ack_timeout: float = 60.0,
+        dedupe_window: float = 3600.0,
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.retry_times = retry_times
+        self.backoff_ms = [int(b * 1000) for b in backoff]
+        self.lease_ms = int(ack_timeout * 1000)
+        self.dedupe_ms = max(1, int(dedupe_window * 1000))
+        self._sha: dict[str, str] = {}
+        self._bases: dict[str, str] = {}
+
+    # -- keys ---------------------------------------------------------------
+    def base(self, app: str) -> str:
+        base = self._bases.get(app)
+        if base is None:
+            base = self._bases[app] = f"{self.prefix}:{{{_escape_tag(app)}}}:"
+        return base
+
+    @property
+    def apps_key(self) -> str:
+        return f"{self.prefix}:apps"
+
+    def global_key(self, name: str) -> str:
+        return f"{self.prefix}:{name}"
+
+    # -- scripts ------------------------------------------------------------
+    async def load_scripts(self) -> None:
+        for name, source in scripts.ALL.items():
+            self._sha[name] = _s(await self.redis.script_load(source))
+
+    async def _call(self, name: str, app: str, args: Sequence[Any]) -> Any:
+        if not self._sha:
+            await self.load_scripts()
+        try:
+            return await self.redis.evalsha(self._sha[name], 1, self.base(app), *args)
+        except NoScriptError:
+            await self.load_scripts()
+            return await self.redis.evalsha(self._sha[name], 1, self.base(app), *args)
+
+    def _bucket(self, now: int) -> int:
+        return now // self.dedupe_ms
+
+    # -- producers ----------------------------------------------------------
+    async def store(self, batches: dict[str, list[NewMessage]], now: int) -> dict[str, list[bool]]:
+        """Store the messages of several apps in one round trip; True stored, False duplicate."""
+        if not self._sha:
+            await self.load_scripts()
+        bucket = self._bucket(now)
+        apps = list(batches)
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            for app in apps:
+                args: list[Any] = [now, bucket, bucket - 1]
+                for m in batches[app]:
+                    args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
+                pipe.evalsha(self._sha["store"], 1, self.base(app), *args)
+            try:
+                results = await pipe.execute()
+                break
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self.load_scripts()
+        return {app: [bool(x) for x in res] for app, res in zip(apps, results, strict=True)}
+
+    async def add_apps(self, apps: Iterable[str]) -> None:
+        await self.redis.sadd(self.apps_key, *apps)
+
+    async def apps(self) -> list[str]:
+        return sorted(_s(a) for a in await self.redis.smembers(self.apps_key))
+
+    # -- dispatch -----------------------------------------------------------
+    async def claim(
+        self, app: str, now: int, n: int, alive: Sequence[str], assignment: Sequence[str]
+    ) -> tuple[list[Claimed], int | None]:
+        """Take up to n deliveries in flight; queue ones go to `assignment` in order."""
+        args = [now, self.lease_ms, n, len(alive), *alive, *assignment]
+        res = await self._call("claim", app, args)
+        nxt = int(float(res[-1]))
+        out = []
+        for i in range(0, len(res) - 1, 5):
+            did = _s(res[i])
+            msgid, _ = split_delivery(did)
+            kind = "topic" if res[i + 1] == b"t" else "queue"
+            out.append(Claimed(did, msgid, kind, res[i + 2], int(res[i + 3]), _s(res[i + 4])))
+        return out, (None if nxt < 0 else nxt)
+
+    async def finish(self, app: str, delivery_ids: Sequence[str], now: int) -> list[Finished]:
+        bucket = self._bucket(now)
+        res = await self._call("finish", app, [now, bucket, 2 * self.dedupe_ms, *delivery_ids])
+        return [
+            Finished(bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
+            for i in range(0, len(res), 4)
+        ]
+
+    def _retry_args(self) -> list[Any]:
+        return [self.retry_times, len(self.backoff_ms), *self.backoff_ms]
+
+    async def fail(
+        self, app: str, failures: Sequence[tuple[str, str, str, str]], now: int
+    ) -> list[Failed]:
+        """failures: (delivery id, outcome, detail, recipient)."""
+        args: list[Any] = [now, *self._retry_args()]
+        for f in failures:
+            args += f
+        res = await self._call("fail", app, args)
+        return [
+            Failed(int(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
+            for i in range(0, len(res), 4)
+        ]
+
+    async def reap(self, app: str, now: int, limit: int = 500) -> list[Reaped]:
+        res = await self._call("reap", app, [now, limit, *self._retry_args()])
+        return [
+            Reaped(
+                _s(res[i]),
+                Failed(int(res[i + 1]), int(res[i + 2]), int(res[i + 3]), _s(res[i + 4])),
+            )
+            for i in range(0, len(res), 5)
+        ]
+
+    async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
+        if not delivery_ids:
+            return []
+        return [bool(x) for x in await self._call("release", app, list(delivery_ids))]
+
+    async def resolve(self, app: str, msgid: str, recipient: str = "") -> str | None:
+        res = await self._call("resolve", app, [msgid, recipient])
+        return _s(res) if res else None
+
+    async def find_app(self, msgid: str) -> str | None:
+        """The app holding msgid, for an answer that names no appid (the original's `ack`)."""
+        apps = await self.apps()
+        if not apps:
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.exists(f"{self.base(app)}m:{msgid}")
+        for app, found in zip(apps, await pipe.execute(), strict=True):
+            if found:
+                return app
+        return None
+
+    # -- recipients ---------------------------------------------------------
+    async def register(self, app: str, rid: str, registration: dict[str, Any], now: int) -> None:
+        await self._call("register", app, [rid, json.dumps(registration), now])
+        await self.redis.sadd(self.apps_key, app)
+
+    async def unregister(self, app: str, rid: str) -> bool:
+        return bool(await self._call("unregister", app, [rid]))
+
+    async def set_state(self, app: str, rid: str, alive: bool, now: int) -> int:
+        """Returns the previous state (1 alive, 0 lost) or -1 if rid is not registered."""
+        return int(await self._call("set_state", app, [rid, 1 if alive else 0, now]))
+
+    async def recipients(self, apps: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+        """Every registered recipient of each app, with `alive` and `last_heartbeat`."""
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            base = self.base(app)
+            pipe.hgetall(base + "recipients")
+            pipe.hgetall(base + "rstate")
+            pipe.hgetall(base + "rbeat")
+        res = await pipe.execute()
+        out: dict[str, list[dict[str, Any]]] = {}
+        for i, app in enumerate(apps):
+            regs, states, beats = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+            found = []
+            for rid_b, raw in regs.items():
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                rec["alive"] = states.get(rid_b, b"1") == b"1"
+                rec["last_heartbeat"] = int(beats.get(rid_b, 0))
+                found.append(rec)
+            out[app] = sorted(found, key=lambda r: str(r["id"]))
+        return out
+
+    # -- operators ----------------------------------------------------------
+    async def counts(self, apps: Sequence[str], now: int) -> dict[str, AppCounts]:
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            base = self.base(app)
+            pipe.llen(base + "ready")
+            pipe.zcount(base + "delayed", "-inf", now)
+            pipe.zcount(base + "delayed", f"({now}", "+inf")
+            pipe.zcard(base + "inflight")
+            pipe.zcard(base + "dead")
+        res = await pipe.execute()
+        return {
+            app: AppCounts(
+                pending=int(res[5 * i]) + int(res[5 * i + 1]),
+                delayed=int(res[5 * i + 2]),
+                in_flight=int(res[5 * i + 3]),
+                dead=int(res[5 * i + 4]),
+            )
+            for i, app in enumerate(apps)
+        }
+
+    async def dead_letters(self, app: str, limit: int | None = None) -> list[DeadLetter]:
+        base = self.base(app)
+        stop = -1 if limit is None else limit - 1
+        entries = cast(
+            list[tuple[bytes, float]],
+            await self.redis.zrange(base + "dead", 0, stop, withscores=True),
+        )
+        pipe = self.redis.pipeline(transaction=False)
+        for member, _ in entries:
+            pipe.hgetall(f"{base}m:{split_delivery(_s(member))[0]}")
+        out = []
+        for (member, died), fields in zip(entries, await pipe.execute(), strict=True):
+            did = _s(member)
+            msgid, rid = split_delivery(did)
+            sfx = f":{rid}" if rid is not None else ""
+            history = _s(fields.get(f"h{sfx}".encode(), b""))
+            out.append(
+                DeadLetter(
+                    appid=app,
+                    delivery_id=did,
+                    msgid=msgid,
+                    kind="topic" if fields.get(b"k") == b"t" else "queue",
+                    recipient=rid if rid is not None else _s(fields.get(b"r", b"")) or None,
+                    content=fields.get(b"c", b""),
+                    attempts=int(fields.get(f"n{sfx}".encode(), 0)),
+                    last_error=_s(fields.get(f"e{sfx}".encode(), b"")),
+                    history=history.split("\n") if history else [],
+                    died_at=int(died),
+                    stored_at=int(fields.get(b"ts", 0)),
+                )
+            )
+        return out
+
+    async def replay(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
+        if not delivery_ids:
+            return []
+        return [bool(x) for x in await self._call("replay", app, [now, *delivery_ids])]
+
+    async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
+        if not delivery_ids:
+            return []
+        return [bool(x) for x in await self._call("purge", app, list(delivery_ids))]

@@ -1,0 +1,150 @@
+"""Final answers (ack, reject, error, timeout, broken connection) batched into one script
+call an app an event-loop turn, then logged and answered.
+
+A caller gets a future of the `resp` (status, content) to send back; the Redis state
+changes before the answer goes out, so an `ack` resp means the broker recorded it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.store import Failed, Store, split_delivery
+
+log = structlog.get_logger("skmq.answers")
+
+Resp = tuple[str, str]
+
+
+@dataclass(slots=True)
+class Answer:
+    delivery_id: str
+    outcome: str  # acked | rejected | errored | timeout | unreachable
+    detail: str
+    recipient: str
+    attempt: int | None
+    future: asyncio.Future[Resp]
+
+
+def _kind(delivery_id: str) -> str:
+    return "topic" if split_delivery(delivery_id)[1] is not None else "queue"
+
+
+class AnswerBatcher:
+    def __init__(
+        self,
+        store: Store,
+        dlog: DeliveryLog,
+        on_done: Callable[[str], None],
+        on_acked: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.dlog = dlog
+        self.on_done = on_done
+        self.on_acked = on_acked
+        self._pending: dict[str, list[Answer]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(
+        self,
+        app: str,
+        delivery_id: str,
+        outcome: str,
+        detail: str = "",
+        recipient: str = "",
+        attempt: int | None = None,
+    ) -> asyncio.Future[Resp]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Resp] = loop.create_future()
+        self._pending.setdefault(app, []).append(
+            Answer(delivery_id, outcome, detail, recipient, attempt, fut)
+        )
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        return fut
+
+    async def _run(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, {}
+                await asyncio.gather(*(self._flush(app, answers) for app, answers in batch.items()))
+        finally:
+            self._task = None
+
+    async def drain(self) -> None:
+        while self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def _flush(self, app: str, answers: list[Answer]) -> None:
+        acks = [a for a in answers if a.outcome == "acked"]
+        fails = [a for a in answers if a.outcome != "acked"]
+        now = now_ms()
+        try:
+            if acks:
+                done = await self.store.finish(app, [a.delivery_id for a in acks], now)
+                for a, f in zip(acks, done, strict=True):
+                    self._finished(app, a, f.ok, f.attempt, f.stored_ts, f.recipient, now)
+            if fails:
+                items = [(a.delivery_id, a.outcome, a.detail, a.recipient) for a in fails]
+                for a, r in zip(fails, await self.store.fail(app, items, now), strict=True):
+                    a.future.set_result(
+                        self.record_failure(app, a.delivery_id, a.outcome, a.detail, a.recipient, r)
+                    )
+        except (RedisError, OSError) as exc:
+            log.warning("store unavailable for answers", app=app, error=repr(exc))
+            for a in answers:
+                if not a.future.done():
+                    a.future.set_result(("error", "store unavailable, answer again later"))
+        self.on_done(app)
+
+    def _finished(
+        self, app: str, a: Answer, ok: bool, attempt: int, stored: int, rid: str, now: int
+    ) -> None:
+        msgid = split_delivery(a.delivery_id)[0]
+        if not ok:
+            a.future.set_result(("error", "unknown message, or already finished"))
+            return
+        self.dlog.event(
+            "acked",
+            msgid,
+            app,
+            _kind(a.delivery_id),
+            a.recipient or rid,
+            a.attempt or attempt,
+            ts=now,
+        )
+        if self.on_acked is not None:
+            self.on_acked(app, now - stored)
+        a.future.set_result(("ack", "acked"))
+
+    def record_failure(
+        self, app: str, delivery_id: str, outcome: str, detail: str, recipient: str, r: Failed
+    ) -> Resp:
+        """Log a failed attempt and what became of it; returns the resp for whoever answered."""
+        msgid = split_delivery(delivery_id)[0]
+        kind = _kind(delivery_id)
+        rid = recipient or r.recipient
+        if r.code == Failed.STALE:
+            return ("error", "message not in flight")
+        self.dlog.event(outcome, msgid, app, kind, rid, r.attempt, detail or None)
+        if r.code == Failed.DEAD:
+            self.dlog.event(
+                "dead_lettered",
+                msgid,
+                app,
+                kind,
+                rid,
+                r.attempt,
+                f"after {r.attempt} attempts; last: {outcome}",
+            )
+            return ("ack", "dead-lettered")
+        self.dlog.event(
+            "retry_scheduled", msgid, app, kind, rid, r.attempt, f"next attempt at {r.due}"
+        )
+        return ("ack", "retry scheduled")

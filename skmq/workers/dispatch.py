@@ -1,0 +1,93 @@
+"""The dequeue worker of one app: claims pending deliveries from Redis as fast as the
+app's recipients have free window slots, and hands them to their links.
+
+One dispatcher an app, so an app without recipients, or with slow ones, never holds up
+another. It sleeps until woken (a message stored, a slot freed, a recipient back) or
+until the next delayed message falls due, and polls now and then for work stored by
+other brokers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.deliverylog import now_ms
+from skmq.ratelimit import TokenBucket
+from skmq.registry.balance import Balancer
+from skmq.registry.recipients import Recipient
+from skmq.store import Claimed, Store
+
+log = structlog.get_logger("skmq.dispatch")
+
+CLAIM_BATCH = 512
+POLL = 0.25
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        app: str,
+        store: Store,
+        alive: Callable[[str], list[Recipient]],
+        free_slots: Callable[[str, list[Recipient]], dict[str, int]],
+        deliver: Callable[[str, list[Claimed]], None],
+        delivery_rate: float = 0.0,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.alive = alive
+        self.free_slots = free_slots
+        self.deliver = deliver
+        self.wake = asyncio.Event()
+        self.balancer = Balancer()
+        self.bucket = TokenBucket(delivery_rate) if delivery_rate > 0 else None
+        self.paused = False
+
+    async def run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                timeout = await self.step()
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                log.warning("dispatch failed, retrying", app=self.app, error=repr(exc))
+                timeout, backoff = backoff, min(backoff * 2, 2.0)
+            if timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self.wake.wait()
+
+    async def step(self) -> float:
+        """Claim and push once; returns how long to sleep unless woken (0: go on now)."""
+        self.wake.clear()
+        recipients = [] if self.paused else self.alive(self.app)
+        if not recipients:
+            return POLL
+        free = self.free_slots(self.app, recipients)
+        n = min(sum(free.values()), CLAIM_BATCH)
+        if n <= 0:
+            return POLL
+        if self.bucket is not None:
+            n = self.bucket.take_up_to(n)
+            if n == 0:
+                return self.bucket.wait_time()
+        weights = {r.id: r.weight for r in recipients}
+        assignment = self.balancer.pick(weights, free, n)
+        now = now_ms()
+        claimed, next_due = await self.store.claim(
+            self.app, now, n, [r.id for r in recipients], assignment
+        )
+        if claimed:
+            self.deliver(self.app, claimed)
+        if len(claimed) >= n:
+            return 0.0
+        if self.bucket is not None:
+            self.bucket.give_back(n - len(claimed))
+        if next_due is not None:
+            return min(POLL, max(0.0, (next_due - now_ms()) / 1000))
+        return POLL

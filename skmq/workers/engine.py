@@ -1,0 +1,325 @@
+"""The delivery engine: one dispatcher an app, one link a recipient, and the background
+loops a broker runs (app discovery and recipient refresh, lease reaping, heartbeats,
+the ACK_WAIT sweep). Every state change goes through the store's scripts, so any
+number of engines (brokers) can share one Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.codec import Frame
+from skmq.config import Settings
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.registry.heartbeat import heartbeat_round
+from skmq.registry.recipients import Recipient, Registry
+from skmq.store import Claimed, Failed, Store, split_delivery
+from skmq.workers.answers import AnswerBatcher, Resp
+from skmq.workers.dispatch import Dispatcher
+from skmq.workers.link import ANSWERS, Delivery, RecipientLink
+
+log = structlog.get_logger("skmq.engine")
+
+
+class Engine:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        dlog: DeliveryLog,
+        broker_id: str,
+        on_acked: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.dlog = dlog
+        self.broker_id = broker_id
+        self.registry = Registry(store, dlog, self.notify)
+        self.answers = AnswerBatcher(store, dlog, self.notify, on_acked)
+        self.links: dict[tuple[str, str], RecipientLink] = {}
+        self.dispatchers: dict[str, Dispatcher] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dispatch_tasks: dict[str, asyncio.Task[None]] = {}
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._known_apps: set[str] = set()
+        self.healthy = True
+
+    # -- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        await self.store.load_scripts()
+        await self._refresh()
+        s = self.settings
+        self._tasks = [
+            self._loop(self._refresh, min(1.0, s.heartbeat_interval), "refresh"),
+            self._loop(self._reap, min(1.0, max(0.05, s.ack_timeout / 4)), "reap"),
+            self._loop(self._heartbeat, s.heartbeat_interval, "heartbeat"),
+            self._loop(self._sweep_ack_wait, min(1.0, max(0.05, s.ack_wait / 2)), "ack-wait"),
+        ]
+
+    def _loop(
+        self, step: Callable[[], Awaitable[None]], interval: float, name: str
+    ) -> asyncio.Task[None]:
+        async def run() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await step()
+                    self.healthy = True
+                except (RedisError, OSError) as exc:
+                    self.healthy = False
+                    log.warning("background step failed", step=name, error=repr(exc))
+
+        return asyncio.get_running_loop().create_task(run(), name=f"skmq-{name}")
+
+    async def stop(self) -> None:
+        """Stop claiming, give in-flight pushes SHUTDOWN_TIMEOUT to be answered, then hand
+        whatever is left back to Redis (no attempt spent), for this or another broker."""
+        for d in self.dispatchers.values():
+            d.paused = True
+        for task in [*self._dispatch_tasks.values(), *self._tasks]:
+            task.cancel()
+        await asyncio.gather(*self._dispatch_tasks.values(), *self._tasks, return_exceptions=True)
+        deadline = time.monotonic() + self.settings.shutdown_timeout
+        while any(link.inflight for link in self.links.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self.answers.drain()
+        by_app: dict[str, list[str]] = {}
+        for link in self.links.values():
+            by_app.setdefault(link.app, []).extend(d.delivery_id for d in link.inflight.values())
+            link.inflight.clear()
+        for app, ids in by_app.items():
+            with contextlib.suppress(RedisError, OSError):
+                await self.store.release(app, ids)
+        for link in self.links.values():
+            link.close()
+        for task in list(self._side_tasks):
+            task.cancel()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    # -- dispatch -----------------------------------------------------------
+    def notify(self, app: str) -> None:
+        """Wake the app's dispatcher (creating it for an app seen for the first time)."""
+        d = self.dispatchers.get(app)
+        if d is None:
+            d = self.dispatchers[app] = Dispatcher(
+                app,
+                self.store,
+                self.registry.alive,
+                self._free_slots,
+                self._deliver,
+                self.settings.delivery_rate,
+            )
+            self._dispatch_tasks[app] = asyncio.get_running_loop().create_task(
+                d.run(), name=f"skmq-dispatch-{app}"
+            )
+        d.wake.set()
+
+    async def note_apps(self, apps: set[str]) -> None:
+        """Record apps in Redis (once a process), so that every broker finds them."""
+        new = apps - self._known_apps
+        if new:
+            await self.store.add_apps(new)
+            self._known_apps |= new
+
+    def _link(self, app: str, r: Recipient) -> RecipientLink:
+        link = self.links.get((app, r.id))
+        if link is not None and (link.host, link.port) != (r.host, r.port):
+            link.close()
+            link = None
+        if link is None:
+            s = self.settings
+            link = self.links[(app, r.id)] = RecipientLink(
+                self,
+                app,
+                r.id,
+                r.host,
+                r.port,
+                window=s.push_window,
+                connect_timeout=min(s.ack_timeout, max(s.heartbeat_timeout, 1.0)),
+                max_frame_bytes=s.max_frame_bytes,
+            )
+        return link
+
+    def _free_slots(self, app: str, recipients: list[Recipient]) -> dict[str, int]:
+        return {r.id: self._link(app, r).free for r in recipients}
+
+    def _deliver(self, app: str, claimed: list[Claimed]) -> None:
+        orphans: list[Delivery] = []
+        for c in claimed:
+            d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
+            r = self.registry.get(app, c.recipient)
+            if r is None:
+                orphans.append(d)
+                continue
+            self._link(app, r).push(d)
+            self.dlog.event("pushed", c.msgid, app, c.kind, c.recipient, c.attempt)
+        if orphans:
+            self._spawn(self._unreachable(app, "", orphans, "recipient no longer registered"))
+
+    # -- LinkOwner ----------------------------------------------------------
+    def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
+        self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
+
+    def on_answer(
+        self, link: RecipientLink, d: Delivery, outcome: str, detail: str
+    ) -> asyncio.Future[Resp]:
+        return self.answers.submit(link.app, d.delivery_id, outcome, detail, link.rid, d.attempt)
+
+    def on_unknown_answer(self, link: RecipientLink, frame: Frame) -> None:
+        async def late() -> None:
+            status, content = await self.answer(frame, link.app, link.rid)
+            link.send_resp(frame.fields.get("msgid", ""), status, content)
+
+        self._spawn(late())
+
+    def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
+        for d in deliveries:
+            self.answers.submit(link.app, d.delivery_id, "errored", detail, link.rid, d.attempt)
+
+    def on_unreachable(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
+        self._spawn(self._unreachable(link.app, link.rid, deliveries, detail))
+
+    async def _unreachable(
+        self, app: str, rid: str, deliveries: list[Delivery], detail: str
+    ) -> None:
+        """An unreachable recipient is lost; its queue messages go to another recipient
+        without spending an attempt, its topic copies count a failed attempt."""
+        try:
+            if rid:
+                await self.registry.mark(app, rid, False, detail)
+            queue = [d for d in deliveries if d.kind == "queue"]
+            released = await self.store.release(app, [d.delivery_id for d in queue])
+            for d, ok in zip(queue, released, strict=True):
+                if ok:
+                    self.dlog.event(
+                        "unreachable", d.msgid, app, d.kind, d.recipient, d.attempt, detail
+                    )
+            for d in deliveries:
+                if d.kind == "topic":
+                    self.answers.submit(
+                        app, d.delivery_id, "unreachable", detail, d.recipient, d.attempt
+                    )
+        except (RedisError, OSError) as exc:
+            log.warning("could not hand back deliveries; their leases will", error=repr(exc))
+        self.notify(app)
+
+    # -- answers on the broker's own port (the recipient's own connection) ---
+    def _find_local(
+        self, app: str | None, msgid: str, rid: str | None
+    ) -> tuple[RecipientLink, Delivery] | None:
+        for link in self.links.values():
+            if (app and link.app != app) or (rid and link.rid != rid):
+                continue
+            d = link.inflight.get(msgid)
+            if d is not None:
+                return link, d
+        return None
+
+    async def answer(self, frame: Frame, app: str | None = None, rid: str | None = None) -> Resp:
+        """An `arrived`, `ack`, `reject` or `error` that did not come on a push connection
+        (SPEC 3: after `arrived` the recipient may answer on its own connection)."""
+        msgid = frame.fields.get("msgid")
+        if not msgid:
+            return ("error", "msgid required")
+        app = app or frame.fields.get("appid") or None
+        rid = rid or frame.fields.get("recipient") or None
+        found = self._find_local(app, msgid, rid)
+        if frame.type == "arrived":
+            if found is None:
+                return ("ack", "arrived")
+            link, d = found
+            d.arrived_at = time.monotonic()
+            self.on_arrived(link, d)
+            return ("ack", "arrived")
+        outcome = ANSWERS[frame.type]
+        detail = (frame.content or b"").decode("utf-8", "replace") if outcome == "errored" else ""
+        if found is not None:
+            link, d = found
+            link.take(msgid)
+            return await self.answers.submit(
+                link.app, d.delivery_id, outcome, detail, link.rid, d.attempt
+            )
+        if app is None:
+            app = await self.store.find_app(msgid)
+            if app is None:
+                return ("error", f"unknown message {msgid!r}")
+        delivery_id = await self.store.resolve(app, msgid, rid or "")
+        if delivery_id is None:
+            return ("error", f"unknown message {msgid!r}")
+        crid = split_delivery(delivery_id)[1]
+        return await self.answers.submit(app, delivery_id, outcome, detail, crid or "")
+
+    # -- background steps -----------------------------------------------------
+    async def _refresh(self) -> None:
+        apps = await self.store.apps()
+        self._known_apps.update(apps)
+        await self.registry.refresh(apps)
+        for app in apps:
+            if app not in self.dispatchers:
+                self.notify(app)
+        await self.store.redis.hset(
+            self.store.global_key("brokers"),
+            self.broker_id,
+            json.dumps(
+                {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port}
+            ),
+        )
+
+    async def _reap(self) -> None:
+        """Leases that ran out: pushes never answered, here or on a broker that died."""
+        for app in list(self.dispatchers):
+            reaped = await self.store.reap(app, now_ms())
+            for r in reaped:
+                if r.result.code == Failed.STALE:
+                    continue
+                msgid, crid = split_delivery(r.delivery_id)
+                rid = crid or r.result.recipient
+                link = self.links.get((app, rid))
+                if link is not None:
+                    link.take(msgid)
+                self.answers.record_failure(
+                    app,
+                    r.delivery_id,
+                    "timeout",
+                    "no final answer within ack_timeout",
+                    rid,
+                    r.result,
+                )
+            if reaped:
+                self.notify(app)
+
+    async def _heartbeat(self) -> None:
+        s = self.settings
+        lock = self.store.global_key("heartbeat-lock")
+        ttl = max(1, int(s.heartbeat_interval * 900))
+        if not await self.store.redis.set(lock, self.broker_id, nx=True, px=ttl):
+            return
+        targets = [
+            (app, r.id, r.host, r.port)
+            for app in self.registry.apps()
+            for r in self.registry.all(app)
+        ]
+
+        async def report(app: str, rid: str, ok: bool) -> None:
+            await self.registry.mark(app, rid, ok, "" if ok else "no pong within heartbeat_timeout")
+
+        await heartbeat_round(targets, s.heartbeat_timeout, report)
+
+    async def _sweep_ack_wait(self) -> None:
+        now = time.monotonic()
+        for link in self.links.values():
+            link.close_if_waiting_only(self.settings.ack_wait, now)

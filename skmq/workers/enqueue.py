@@ -1,0 +1,111 @@
+"""The enqueue worker: producer messages of one handle batch stored in one Redis round
+trip (one script call an app, pipelined), logged, and then answered.
+
+A batch's replies are awaitables resolving to `resp` bytes; the reply stage awaits them
+in frame order, so several batches can wait on Redis at once while every connection
+still gets its answers in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import Any
+
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.codec import encode_resp
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.store import NewMessage, Store
+
+log = structlog.get_logger("skmq.enqueue")
+
+STORED = b'{"status":"ack","content":"stored"}'
+
+
+class StoreReply:
+    """The resp for one message of a batch, ready once the batch is stored."""
+
+    __slots__ = ("app", "batch", "index", "msgid")
+
+    def __init__(self, batch: EnqueueBatch, app: str, index: int, msgid: str) -> None:
+        self.batch = batch
+        self.app = app
+        self.index = index
+        self.msgid = msgid
+
+    def __await__(self) -> Generator[Any, None, bytes]:
+        results = yield from self.batch.future.__await__()
+        if results is None:
+            return encode_resp("error", "store unavailable, message not stored", self.msgid)
+        if results[self.app][self.index]:
+            return encode_resp("ack", "stored", self.msgid)
+        return encode_resp(
+            "ack", "duplicate: a message with this msgid is already stored", self.msgid
+        )
+
+
+class EnqueueBatch:
+    def __init__(self) -> None:
+        self.messages: dict[str, list[NewMessage]] = {}
+        self.received: list[int] = []
+        self.future: asyncio.Future[dict[str, list[bool]] | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def add(self, app: str, message: NewMessage) -> StoreReply:
+        msgs = self.messages.setdefault(app, [])
+        msgs.append(message)
+        return StoreReply(self, app, len(msgs) - 1, message.msgid)
+
+
+class Enqueuer:
+    def __init__(
+        self,
+        store: Store,
+        dlog: DeliveryLog,
+        on_stored: Callable[[set[str]], None],
+        note_apps: Callable[[set[str]], Any],
+    ) -> None:
+        self.store = store
+        self.dlog = dlog
+        self.on_stored = on_stored
+        self.note_apps = note_apps
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, batch: EnqueueBatch) -> None:
+        if not batch.messages:
+            batch.future.set_result({})
+            return
+        task = asyncio.get_running_loop().create_task(self._store(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _store(self, batch: EnqueueBatch) -> None:
+        received = now_ms()
+        try:
+            await self.note_apps(set(batch.messages))
+            results = await self.store.store(batch.messages, received)
+        except (RedisError, OSError) as exc:
+            log.warning("store unavailable", error=repr(exc))
+            batch.future.set_result(None)
+            return
+        stored_ts = now_ms()
+        event = self.dlog.event
+        for app, msgs in batch.messages.items():
+            for m, ok in zip(msgs, results[app], strict=True):
+                event("received", m.msgid, app, m.kind, ts=received)
+                if ok:
+                    detail = f"deliver_at={m.deliver_at}" if m.deliver_at else None
+                    event("stored", m.msgid, app, m.kind, detail=detail, ts=stored_ts)
+                else:
+                    event("duplicate", m.msgid, app, m.kind, ts=stored_ts)
+        # The log lines reach the kernel before any producer hears `ack`.
+        self.dlog.flush()
+        batch.future.set_result(results)
+        self.on_stored({app for app, res in results.items() if any(res)})

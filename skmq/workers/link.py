@@ -1,0 +1,208 @@
+"""The broker's connection to one recipient (SPEC 3): kept open and reused, with up to
+PUSH_WINDOW pushes unanswered at once, reconnected on the next push after it breaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from skmq.codec import CodecError, Decoder, Frame, encode_frame, encode_resp
+
+log = structlog.get_logger("skmq.link")
+
+
+@dataclass(slots=True)
+class Delivery:
+    app: str
+    delivery_id: str
+    msgid: str
+    kind: str
+    content: bytes
+    attempt: int
+    recipient: str
+    pushed_at: float = field(default_factory=time.monotonic)
+    arrived_at: float = 0.0
+
+
+class LinkOwner(Protocol):
+    def on_arrived(self, link: RecipientLink, delivery: Delivery) -> None: ...
+    def on_answer(
+        self, link: RecipientLink, delivery: Delivery, outcome: str, detail: str
+    ) -> asyncio.Future[tuple[str, str]]: ...
+    def on_unknown_answer(self, link: RecipientLink, frame: Frame) -> None: ...
+    def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None: ...
+    def on_unreachable(
+        self, link: RecipientLink, deliveries: list[Delivery], detail: str
+    ) -> None: ...
+
+
+ANSWERS = {"ack": "acked", "reject": "rejected", "error": "errored"}
+
+
+class RecipientLink(asyncio.Protocol):
+    def __init__(
+        self,
+        owner: LinkOwner,
+        app: str,
+        rid: str,
+        host: str,
+        port: int,
+        *,
+        window: int,
+        connect_timeout: float,
+        max_frame_bytes: int,
+    ) -> None:
+        self.owner = owner
+        self.app = app
+        self.rid = rid
+        self.host = host
+        self.port = port
+        self.window = window
+        self.connect_timeout = connect_timeout
+        self.max_frame_bytes = max_frame_bytes
+        self.inflight: dict[str, Delivery] = {}
+        self.last_write = 0.0
+        self._transport: asyncio.Transport | None = None
+        self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self._connecting: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def free(self) -> int:
+        return self.window - len(self.inflight)
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
+    # -- pushing ----------------------------------------------------------
+    def push(self, d: Delivery) -> None:
+        self.inflight[d.msgid] = d
+        fields: tuple[tuple[str, str], ...] = (("appid", self.app), ("msgid", d.msgid))
+        if d.kind == "topic":
+            fields += (("recipient", self.rid),)
+        self._write(encode_frame("push", fields, d.content))
+
+    def send_resp(self, msgid: str, status: str, content: str) -> None:
+        if self._transport is not None:
+            self._write(encode_resp(status, content, msgid))
+
+    def _write(self, data: bytes) -> None:
+        self._out.append(data)
+        if self._transport is None:
+            if self._connecting is None and not self._closed:
+                self._connecting = asyncio.get_running_loop().create_task(self._connect())
+            return
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._transport is not None and self._out:
+            self._transport.write(b"".join(self._out))
+            self._out.clear()
+            self.last_write = time.monotonic()
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await loop.create_connection(lambda: self, self.host, self.port)
+        except (OSError, TimeoutError) as exc:
+            self._connecting = None
+            self._out.clear()
+            lost = list(self.inflight.values())
+            self.inflight.clear()
+            self.owner.on_unreachable(self, lost, f"connect to {self.host}:{self.port}: {exc!r}")
+            return
+        self._connecting = None
+
+    # -- asyncio.Protocol -------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._decoder = Decoder(max_frame_bytes=self.max_frame_bytes)
+        if self._closed:
+            transport.close()
+            return
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except CodecError as exc:
+            log.warning(
+                "recipient sent an invalid stream", app=self.app, recipient=self.rid, error=str(exc)
+            )
+            if self._transport is not None:
+                self._transport.close()
+            return
+        for frame in frames:
+            if isinstance(frame, Frame):
+                self._on_frame(frame)
+
+    def _on_frame(self, frame: Frame) -> None:
+        kind = frame.type
+        if kind in ("pong", "resp"):
+            return
+        msgid = frame.fields.get("msgid", "")
+        d = self.inflight.get(msgid)
+        if d is None:
+            self.owner.on_unknown_answer(self, frame)
+            return
+        if kind == "arrived":
+            d.arrived_at = time.monotonic()
+            self.owner.on_arrived(self, d)
+            self.send_resp(msgid, "ack", "arrived")
+            return
+        outcome = ANSWERS.get(kind)
+        if outcome is None:
+            self.send_resp(msgid, "error", f"unexpected frame type {kind!r} from a recipient")
+            return
+        del self.inflight[msgid]
+        detail = (frame.content or b"").decode("utf-8", "replace") if kind == "error" else ""
+        fut = self.owner.on_answer(self, d, outcome, detail)
+        fut.add_done_callback(lambda f: self._answered(msgid, f))
+
+    def _answered(self, msgid: str, fut: asyncio.Future[tuple[str, str]]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            status, content = fut.result()
+            self.send_resp(msgid, status, content)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._out.clear()
+        # A push never answered by the time its connection broke is a failed attempt;
+        # one that `arrived` keeps waiting for a final answer on another connection.
+        broken = [d for d in self.inflight.values() if not d.arrived_at]
+        for d in broken:
+            del self.inflight[d.msgid]
+        if broken:
+            self.owner.on_broken(self, broken, "connection to recipient lost")
+
+    # -- housekeeping -----------------------------------------------------
+    def close_if_waiting_only(self, ack_wait: float, now: float) -> None:
+        """SPEC 3: after `arrived` the broker waits ACK_WAIT for the final answer on this
+        connection, then may close it; the recipient sends the answer on its own connection."""
+        if self._transport is None or not self.inflight or now - self.last_write < ack_wait:
+            return
+        if all(d.arrived_at and now - d.arrived_at >= ack_wait for d in self.inflight.values()):
+            self._transport.close()
+
+    def take(self, msgid: str) -> Delivery | None:
+        return self.inflight.pop(msgid, None)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._transport is not None:
+            self._transport.close()
+        if self._connecting is not None:
+            self._connecting.cancel()
