@@ -101,7 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="also write the results as JSON (default path: bench/results/bench-<time>.json)",
     )
-    p.add_argument("--keep-logs", action="store_true", help="keep the load processes' files")
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the load processes' files and the brokers' DATA_DIRs and logs",
+    )
     args = p.parse_args(argv)
     args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -194,8 +198,10 @@ class Runner:
             self.notes.append("RabbitMQ: nothing listens on 127.0.0.1:5672, not measured")
             self.log("RabbitMQ not listening on 127.0.0.1:5672: skipped")
         load = [s for s in a.scenario_list if s in LOAD_SCENARIOS]
-        for system in systems:
-            for scenario in load:
+        # Scenario by scenario, the systems back to back: on a shared machine both
+        # sides of a comparison then run under about the same conditions.
+        for scenario in load:
+            for system in systems:
                 await self.one(system, scenario)
         if "backlog" in a.scenario_list and "skmq" in systems:
             await self.backlog()
@@ -218,7 +224,9 @@ class Runner:
 
     async def skmq(self, plan: LoadPlan, backlog: bool = False) -> LoadResult:
         a = self.args
-        broker = SkmqBroker(a.broker_cmd, a.extra_env, appid=f"bench-{plan.scenario}")
+        broker = SkmqBroker(
+            a.broker_cmd, a.extra_env, appid=f"bench-{plan.scenario}", keep=a.keep_logs
+        )
         try:
             try:
                 await broker.start(timeout=min(60.0, max(self.remaining(), 5.0)))
@@ -263,6 +271,8 @@ class Runner:
                 tail = broker.log_tail(5)
                 if tail.strip():
                     res.notes.append(f"broker log (last lines):\n{tail}")
+            if a.keep_logs:
+                res.notes.append(f"kept: {broker.data_dir} and {broker.log_path}")
             return res
         finally:
             await broker.stop()
@@ -324,7 +334,9 @@ class Runner:
         self.log(f"skmq backlog: {summary(res)}")
 
     def cleanup(self) -> None:
-        if not self.args.keep_logs:
+        if self.args.keep_logs:
+            print(f"load processes' files kept in {self.workdir}", flush=True)
+        else:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def report(self, started: dt.datetime, argv: list[str]) -> str:
@@ -353,7 +365,8 @@ class Runner:
             "ingest msg/s: producer to `resp ack` (publisher confirm for RabbitMQ); e2e msg/s: "
             "first send to last receipt; latency: send to recipient receipt (wall clock across "
             "processes); CPU: user+system of the broker process (beam.smp for RabbitMQ) and of "
-            "its Redis, per acked (ingest) or delivered message; clients: the load processes.",
+            "its Redis, per acked (ingest) or delivered message; clients: the load processes; "
+            "other CPU %: CPU used by the rest of the machine meanwhile (of all cores).",
         ]
         bt = backlog_table(self.results)
         if bt:
@@ -369,6 +382,12 @@ class Runner:
             if r.unexpected:
                 problems.append(
                     f"- {r.system} {r.scenario}: {r.unexpected} received ids never sent"
+                )
+            bg = r.extra.get("background_cpu_pct")
+            if bg is not None and bg >= 10.0:
+                problems.append(
+                    f"- {r.system} {r.scenario}: other processes used {bg:.0f}% of the machine's "
+                    "CPU during this run (shared machine): figures are pessimistic"
                 )
             if r.stopped_early:
                 problems.append(

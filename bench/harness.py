@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
+
 BENCH_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -296,14 +298,14 @@ async def _run_load(
     for child in producers:
         await child.wait_event("ready", 30)
 
-    cpu0 = system.cpu()
+    cpu0 = _sample(system)
     for child in producers:
         child.send("go")
     producer_results: list[dict[str, Any]] = []
     for child in producers:
         budget = plan.send_time + plan.ack_wait + 15
         producer_results.append(await _wait_with_samples(child.result(budget), on_sample))
-    cpu_after_ingest = system.cpu()
+    cpu_after_ingest = _sample(system)
 
     res.sent = sum(int(r["sent"]) for r in producer_results)
     res.acked = sum(int(r["acked"]) for r in producer_results)
@@ -341,7 +343,7 @@ async def _run_load(
             on_sample()
         await asyncio.sleep(0.1)
     await asyncio.sleep(plan.settle_time)
-    cpu1 = system.cpu()
+    cpu1 = _sample(system)
     for child in recipients:
         child.send("stop")
     recipient_results = [await c.result(30) for c in recipients]
@@ -394,6 +396,26 @@ def _set_cpu(
     res.broker_cpu_us = broker * 1e6 / res.cpu_basis if broker is not None else None
     res.redis_cpu_us = redis * 1e6 / res.cpu_basis if redis is not None else None
     res.clients_cpu_us = clients_cpu * 1e6 / res.cpu_basis
+    # What the rest of the machine used meanwhile (a shared machine skews the figures).
+    wall = _cpu_delta(before, after, "_wall")
+    busy = _cpu_delta(before, after, "_busy")
+    own = _cpu_delta(before, after, "_self")
+    if wall and busy is not None and own is not None:
+        ours = (broker or 0.0) + (redis or 0.0) + clients_cpu + own
+        capacity = wall * (os.cpu_count() or 1)
+        res.extra["machine_busy_pct"] = round(100.0 * busy / capacity, 1)
+        res.extra["background_cpu_pct"] = round(100.0 * max(busy - ours, 0.0) / capacity, 1)
+
+
+def _sample(system: System) -> dict[str, float | None]:
+    """The system's CPU counters, plus the whole machine's busy time and ours."""
+    out = dict(system.cpu())
+    t = psutil.cpu_times()
+    out["_busy"] = float(sum(t)) - float(t.idle) - float(getattr(t, "iowait", 0.0))
+    out["_wall"] = time.monotonic()
+    own = os.times()
+    out["_self"] = own.user + own.system
+    return out
 
 
 async def _wait_with_samples(

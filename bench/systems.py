@@ -65,8 +65,9 @@ def _tree(proc: psutil.Process, exclude: psutil.Process | None) -> list[psutil.P
 class SkmqBroker:
     """One `skmq serve` with a fresh DATA_DIR (embedded Redis with AOF)."""
 
-    def __init__(self, cmd: str, extra_env: dict[str, str], appid: str) -> None:
+    def __init__(self, cmd: str, extra_env: dict[str, str], appid: str, keep: bool = False) -> None:
         self.cmd = shlex.split(cmd)
+        self.keep = keep
         self.extra_env = extra_env
         self.appid = appid
         self.name = "skmq"
@@ -255,6 +256,8 @@ class SkmqBroker:
             with contextlib.suppress(psutil.Error):
                 if self.redis_ps.is_running():  # is_running() also checks the pid's start time
                     self.redis_ps.kill()
+        if self.keep:
+            return
         if self.data_dir is not None:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         if self.log_path is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -42,11 +43,14 @@ class Outcome:
     close: bool = False
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _bad_id(value: str) -> str | None:
     """Why msgid/appid `value` is refused, or None. CR/LF never reach here (the codec)."""
-    if len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES:
+    if len(value) * 4 > MAX_ID_BYTES and len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES:
         return f"longer than {MAX_ID_BYTES} bytes"
-    if any(ord(c) < 32 or c == "\x7f" for c in value):
+    if _CONTROL.search(value):
         return "holds a control character"
     return None
 

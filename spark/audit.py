@@ -198,8 +198,7 @@ DEFAULT_SAMPLE = 20
 MAX_TIME_BUCKETS = 120
 # Bucket widths for the throughput chart, in ms: the smallest giving <= MAX_TIME_BUCKETS.
 _TIME_WIDTHS = [
-    s * 1000
-    for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600)
+    s * 1000 for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600)
 ] + [43200_000 * k for k in (1, 2, 4, 7, 14, 28, 56, 112, 224, 448)]
 # Upper edges (exclusive, ms) of the latency histogram buckets, roughly log-spaced.
 _S, _MIN, _H = 1000, 60_000, 3_600_000
@@ -209,6 +208,12 @@ LATENCY_EDGES: tuple[int, ...] = (
     *(_MIN, 2 * _MIN, 5 * _MIN, 10 * _MIN, 20 * _MIN, 30 * _MIN),
     *(_H, 2 * _H, 6 * _H, 12 * _H, 24 * _H, 48 * _H),
 )
+# An acked event's (ts, attempt) packed in a long: ts << 20 | attempt (all ones: none).
+_ATTEMPT_BITS = 20
+_NO_ATTEMPT = (1 << _ATTEMPT_BITS) - 1
+_MAX_ATTEMPT = _NO_ATTEMPT - 1
+# Valid ts: 0 <= ts < 2**42 (until the year 2109), so that the packing cannot overflow.
+MAX_TS = 1 << 42
 # Ordering of events with equal ts in the acked-after-dead-letter scan.
 _PRIO_ACKED, _PRIO_DEAD, _PRIO_REPLAYED = 0, 1, 2
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -319,16 +324,18 @@ def resolve_log_paths(logs: str | Sequence[str]) -> list[str]:
 
 # ------------------------------------------------------------------------------ spark
 
+# WARN at the root (the level Spark's shell default expects, so it says nothing about
+# it); ERROR for the usual start-up noise; build_spark then sets ERROR everywhere.
 _LOG4J2 = """\
-rootLogger.level = error
+rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
 appender.console.type = Console
 appender.console.name = console
 appender.console.target = SYSTEM_ERR
 appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
-logger.repl.name = org.apache.spark.repl.Main
-logger.repl.level = error
+logger.native.name = org.apache.hadoop.util.NativeCodeLoader
+logger.native.level = error
 """
 
 
@@ -413,6 +420,74 @@ def _latency_bucket(col: Column) -> Column:
     return expr.otherwise(F.lit(len(LATENCY_EDGES)))
 
 
+def _ack_key() -> Column:
+    """``ts`` and ``attempt`` of an event in one long that orders as (ts, attempt).
+
+    A missing attempt sorts after any number; attempts are clamped to the field.
+    """
+    attempt = F.least(F.greatest(F.col("attempt"), F.lit(0)), F.lit(_MAX_ATTEMPT))
+    return F.shiftleft(F.col("ts"), _ATTEMPT_BITS) + F.coalesce(attempt, F.lit(_NO_ATTEMPT))
+
+
+def _ack_ts(key: Column) -> Column:
+    return F.shiftright(key, _ATTEMPT_BITS)
+
+
+def _ack_attempt(key: Column) -> Column:
+    attempt = key.bitwiseAND(F.lit(_NO_ATTEMPT))
+    return F.when(attempt != _NO_ATTEMPT, attempt)
+
+
+def _acked_after_dead_letter(message_events: DataFrame, deliveries: DataFrame) -> DataFrame:
+    """Deliveries acked after a dead letter with no replay between (appid, msgid, recipient).
+
+    Only deliveries with both an ack and a dead letter can be: their ack, dead-letter
+    and replay events (those of the recipient, and the message-wide ones) are gathered,
+    sorted by (ts, acked < dead_lettered < replayed) and scanned.
+    """
+    candidates = deliveries.where(F.col("acked_and_dead")).select(
+        F.col("appid").alias("c_appid"),
+        F.col("msgid").alias("c_msgid"),
+        F.col("recipient"),
+    )
+    prio = (
+        F.when(_is("acked"), F.lit(_PRIO_ACKED))
+        .when(_is("dead_lettered"), F.lit(_PRIO_DEAD))
+        .otherwise(F.lit(_PRIO_REPLAYED))
+    )
+    steps = message_events.where(F.col("event").isin("acked", "dead_lettered", "replayed")).select(
+        "appid",
+        "msgid",
+        F.when(
+            (F.col("kind") == "topic") & F.col("recipient").isNotNull(), F.col("recipient")
+        ).alias("rkey"),
+        F.struct(F.col("ts").alias("ts"), prio.alias("prio")).alias("step"),
+    )
+    joined = steps.join(
+        candidates,
+        (steps["appid"] == candidates["c_appid"])
+        & (steps["msgid"] == candidates["c_msgid"])
+        & (steps["rkey"].isNull() | steps["rkey"].eqNullSafe(candidates["recipient"])),
+    )
+    scan = F.aggregate(
+        F.array_sort(F.collect_list("step")),
+        F.struct(F.lit(False).alias("dead"), F.lit(False).alias("flag")),
+        lambda acc, x: F.struct(
+            F.when(x["prio"] == _PRIO_DEAD, F.lit(True))
+            .when(x["prio"] == _PRIO_REPLAYED, F.lit(False))
+            .otherwise(acc["dead"])
+            .alias("dead"),
+            (acc["flag"] | ((x["prio"] == _PRIO_ACKED) & acc["dead"])).alias("flag"),
+        ),
+    )
+    return (
+        joined.groupBy("appid", "msgid", "recipient")
+        .agg(scan["flag"].alias("flag"))
+        .where(F.col("flag"))
+        .select("appid", "msgid", "recipient")
+    )
+
+
 def _time_width(first_ts: int | None, last_ts: int | None) -> int:
     if first_ts is None or last_ts is None:
         return _TIME_WIDTHS[0]
@@ -468,9 +543,13 @@ def _compute(
             "kind",
             "recipient",
             "attempt",
-            (F.col("ts").isNull() | F.col("event").isNull() | F.col("appid").isNull()).alias(
-                "invalid"
-            ),
+            (
+                F.col("ts").isNull()
+                | (F.col("ts") < 0)
+                | (F.col("ts") >= MAX_TS)
+                | F.col("event").isNull()
+                | F.col("appid").isNull()
+            ).alias("invalid"),
         ).persist(level)
         cached.append(events)
         stats = events.agg(
@@ -490,33 +569,26 @@ def _compute(
 
     valid = events.where(~F.col("invalid"))
     message_events = valid.where(
-        ~F.col("event").isin(*RECIPIENT_EVENTS) & F.col("msgid").isNotNull() & (F.col("msgid") != "")
+        ~F.col("event").isin(*RECIPIENT_EVENTS)
+        & F.col("msgid").isNotNull()
+        & (F.col("msgid") != "")
     )
 
     # ---- 2. per delivery, then per message
     with prog.stage("grouping events by message and delivery") as notes:
+        # Only fixed-width aggregates here, so that Spark hash-aggregates (a string max,
+        # a struct min or collect_list would make it sort all the events).
         topic_recipient = F.when(
             (F.col("kind") == "topic") & F.col("recipient").isNotNull(), F.col("recipient")
-        )
-        prio = (
-            F.when(_is("acked"), F.lit(_PRIO_ACKED))
-            .when(_is("dead_lettered"), F.lit(_PRIO_DEAD))
-            .otherwise(F.lit(_PRIO_REPLAYED))
         )
         units = message_events.groupBy("appid", "msgid", topic_recipient.alias("rkey")).agg(
             _count_if(_is("stored")).alias("n_stored"),
             F.min(F.when(_is("stored"), F.col("ts"))).alias("stored_ts"),
             _count_if(_is("acked")).alias("n_acked"),
-            F.min(F.when(_is("acked"), F.struct("ts", "attempt"))).alias("first_ack"),
+            F.min(F.when(_is("acked"), _ack_key())).alias("first_ack"),
             _count_if(_is("dead_lettered")).alias("n_dl"),
             F.max(F.when(_is("pushed"), F.col("ts"))).alias("last_push_ts"),
-            F.max("kind").alias("kind"),
-            F.collect_list(
-                F.when(
-                    F.col("event").isin("acked", "dead_lettered", "replayed"),
-                    F.struct(F.col("ts").alias("ts"), prio.alias("prio")),
-                )
-            ).alias("timeline"),
+            _count_if(F.col("kind") == "topic").alias("n_topic"),
         )
         msg_window = Window.partitionBy("appid", "msgid")
         message_level = F.col("rkey").isNull()
@@ -531,7 +603,6 @@ def _compute(
             from_message_row("n_acked").alias("ml_n_acked"),
             from_message_row("first_ack").alias("ml_first_ack"),
             from_message_row("n_dl").alias("ml_n_dl"),
-            from_message_row("timeline").alias("ml_timeline"),
         ).persist(level)
         cached.append(wide)
 
@@ -543,60 +614,50 @@ def _compute(
                 F.sum("n_acked").alias("n_acked"),
                 F.min("first_ack").alias("first_ack"),
                 F.sum("n_dl").alias("n_dl"),
-                F.max("kind").alias("kind"),
+                (F.sum("n_topic") > 0).alias("topic"),
             )
             .select(
                 "appid",
                 "msgid",
                 "stored",
-                "kind",
+                "topic",
                 F.when(F.col("n_acked") > 0, F.lit("acked"))
                 .when(F.col("n_dl") > 0, F.lit("dead_lettered"))
                 .otherwise(F.lit("unresolved"))
                 .alias("status"),
-                (F.col("first_ack.ts") - F.col("stored_ts")).alias("latency"),
-                F.col("first_ack.attempt").alias("attempt"),
+                (_ack_ts(F.col("first_ack")) - F.col("stored_ts")).alias("latency"),
+                _ack_attempt(F.col("first_ack")).alias("attempt"),
             )
             .persist(level)
         )
         cached.append(messages)
 
-        # Deliveries: recipient rows of topic messages (plus the message-wide ack/dead
-        # letter/replay events), or the message row itself (queue, or topic without any).
+        # Deliveries: recipient rows of topic messages (plus the message-wide ack and
+        # dead-letter events), or the message row itself (queue, or topic without any).
         own = message_level
         zero = F.lit(0)
         acks = F.when(own, F.col("n_acked")).otherwise(
             F.col("n_acked") + F.coalesce(F.col("ml_n_acked"), zero)
         )
-        dls = F.when(own, F.col("n_dl")).otherwise(F.col("n_dl") + F.coalesce(F.col("ml_n_dl"), zero))
-        first_ack_ts = F.when(own, F.col("first_ack.ts")).otherwise(
-            F.least(F.col("first_ack.ts"), F.col("ml_first_ack.ts"))
+        dls = F.when(own, F.col("n_dl")).otherwise(
+            F.col("n_dl") + F.coalesce(F.col("ml_n_dl"), zero)
         )
-        timeline = F.when(own | F.col("ml_timeline").isNull(), F.col("timeline")).otherwise(
-            F.concat(F.col("timeline"), F.col("ml_timeline"))
-        )
-        scan = F.aggregate(
-            F.array_sort(timeline),
-            F.struct(F.lit(False).alias("dead"), F.lit(False).alias("flag")),
-            lambda acc, x: F.struct(
-                F.when(x["prio"] == _PRIO_DEAD, F.lit(True))
-                .when(x["prio"] == _PRIO_REPLAYED, F.lit(False))
-                .otherwise(acc["dead"])
-                .alias("dead"),
-                (acc["flag"] | ((x["prio"] == _PRIO_ACKED) & acc["dead"])).alias("flag"),
-            ),
+        first_ack = F.when(own, F.col("first_ack")).otherwise(
+            F.least(F.col("first_ack"), F.col("ml_first_ack"))
         )
         deliveries = (
-            wide.where((F.col("m_stored") > 0) & (F.col("rkey").isNotNull() | (F.col("m_recipients") == 0)))
+            wide.where(
+                (F.col("m_stored") > 0) & (F.col("rkey").isNotNull() | (F.col("m_recipients") == 0))
+            )
             .select(
                 "appid",
                 "msgid",
                 F.col("rkey").alias("recipient"),
                 (acks > 1).alias("acked_more_than_once"),
-                F.coalesce(F.col("last_push_ts") > first_ack_ts, F.lit(False)).alias(
+                F.coalesce(F.col("last_push_ts") > _ack_ts(first_ack), F.lit(False)).alias(
                     "pushed_after_ack"
                 ),
-                scan["flag"].alias("acked_after_dead_letter"),
+                ((acks > 0) & (dls > 0)).alias("acked_and_dead"),
                 ((acks == 0) & (dls == 0)).alias("unresolved"),
             )
             .persist(level)
@@ -624,7 +685,7 @@ def _compute(
                 _count_if(F.col("status") == "dead_lettered").alias("dead_lettered"),
                 _count_if(F.col("status") == "unresolved").alias("unresolved"),
                 F.percentile(F.col("latency"), 0.99).alias("p99_ms"),
-                _count_if(F.col("kind") == "topic").alias("topic_messages"),
+                _count_if(F.col("topic")).alias("topic_messages"),
             )
             .orderBy("appid")
             .collect()
@@ -701,26 +762,33 @@ def _compute(
             for r in recipient_rows
         ]
         flags = ("acked_more_than_once", "pushed_after_ack", "acked_after_dead_letter")
+        late = _acked_after_dead_letter(message_events, deliveries).persist(level)
+        cached.append(late)
         anomaly_counts = deliveries.agg(
-            *[_count_if(F.col(name)).alias(name) for name in (*flags, "unresolved")]
+            *[
+                _count_if(F.col(name)).alias(name)
+                for name in ("acked_more_than_once", "pushed_after_ack", "unresolved")
+            ]
         ).first()
         assert anomaly_counts is not None
+        found = {name: int(anomaly_counts[name]) for name in anomaly_counts.asDict()}
+        found["acked_after_dead_letter"] = late.count()
         order = [F.col("appid").asc(), F.col("msgid").asc(), F.col("recipient").asc_nulls_first()]
 
         def sample(name: str) -> list[dict[str, Any]]:
-            if sample_size <= 0 or int(anomaly_counts[name]) == 0:
+            if sample_size <= 0 or found[name] == 0:
                 return []
+            frame = late if name == "acked_after_dead_letter" else deliveries.where(F.col(name))
             rows = (
-                deliveries.where(F.col(name))
-                .select("appid", "msgid", "recipient")
+                frame.select("appid", "msgid", "recipient")
                 .orderBy(*order)
                 .limit(sample_size)
                 .collect()
             )
             return _ref_rows(rows)
 
-        anomalies: dict[str, Any] = {name: int(anomaly_counts[name]) for name in flags}
-        anomalies["unresolved"] = int(anomaly_counts["unresolved"])
+        anomalies: dict[str, Any] = {name: found[name] for name in flags}
+        anomalies["unresolved"] = found["unresolved"]
         anomalies["unresolved_sample"] = sample("unresolved")
         anomalies["samples"] = {name: sample(name) for name in flags}
         anomalies["acked_before_stored"] = int(lat["negative"])

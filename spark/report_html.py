@@ -29,6 +29,7 @@ LABELS = {
     "dead_lettered": "dead-lettered",
     "unresolved": "unresolved",
 }
+DASH = "\u2013"  # en dash
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
 
 CSS = """
@@ -63,7 +64,7 @@ svg{display:block;max-width:100%;height:auto}
 
 def _num(value: Any) -> str:
     if value is None:
-        return "–"
+        return DASH
     if isinstance(value, float) and not value.is_integer():
         return f"{value:,.1f}"
     return f"{int(value):,}"
@@ -71,7 +72,7 @@ def _num(value: Any) -> str:
 
 def _ms(value: Any) -> str:
     if value is None:
-        return "–"
+        return DASH
     v = float(value)
     a = abs(v)
     if a < 1000:
@@ -94,7 +95,7 @@ def _ms_short(value: float) -> str:
 
 
 def _pct(part: int, whole: int) -> str:
-    return "–" if whole == 0 else f"{100.0 * part / whole:.1f}%"
+    return DASH if whole == 0 else f"{100.0 * part / whole:.1f}%"
 
 
 def _esc(value: Any) -> str:
@@ -217,7 +218,8 @@ def bar_chart(
         parts.append(
             f'<line x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{top + plot_h}" '
             f'stroke="#c62828" stroke-dasharray="4 3"/>'
-            f'<text x="{x + 3:.1f}" y="13" fill="#c62828">{_esc(text)}</text>'
+            f'<text x="{x + 3 if x < width - 40 else x - 3:.1f}" y="13" fill="#c62828" '
+            f'text-anchor="{"start" if x < width - 40 else "end"}">{_esc(text)}</text>'
         )
     parts.append(
         f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" '
@@ -348,7 +350,10 @@ def _table(
 
 
 def _card(value: str, label: str) -> str:
-    return f'<div class="card"><div class="v">{_esc(value)}</div><div class="k">{_esc(label)}</div></div>'
+    return (
+        f'<div class="card"><div class="v">{_esc(value)}</div>'
+        f'<div class="k">{_esc(label)}</div></div>'
+    )
 
 
 def _hist_label(row: dict[str, Any]) -> str:
@@ -362,8 +367,8 @@ def _hist_label(row: dict[str, Any]) -> str:
     low, high = _ms_short(lo), _ms_short(hi)
     unit_low, unit_high = low.lstrip("0123456789."), high.lstrip("0123456789.")
     if unit_low == unit_high:
-        return f"{low[: len(low) - len(unit_low)]}–{high}"
-    return f"{low}–{high}"
+        return f"{low[: len(low) - len(unit_low)]}{DASH}{high}"
+    return f"{low}{DASH}{high}"
 
 
 def _marker_position(rows: Sequence[dict[str, Any]], value: float) -> float | None:
@@ -507,7 +512,7 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
     sections.append(
         "<h2>Per app: outcomes and dead letters</h2>"
         f'<div class="panel">{_legend(("acked", "dead_lettered", "unresolved"))}{app_chart}'
-        f"</div><div class=\"panel\">{app_table}</div>"
+        f'</div><div class="panel">{app_table}</div>'
     )
 
     # per recipient
@@ -564,13 +569,13 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
     samples: dict[str, list[dict[str, Any]]] = dict(anomalies.get("samples", {}))
     samples["unresolved"] = anomalies.get("unresolved_sample", [])
     sample_rows = [
-        [key, s["appid"], s["msgid"], s["recipient"] if s["recipient"] is not None else "–"]
+        [key, s["appid"], s["msgid"], s["recipient"] if s["recipient"] is not None else DASH]
         for key, _ in described
         for s in samples.get(key, [])
     ]
     sections.append(
         '<h2>Anomalies</h2><div class="grid"><div class="panel">'
-        + _table(["", "count"], anomaly_rows, warn=lambda row: row[1] not in ("0", "–"))
+        + _table(["", "count"], anomaly_rows, warn=lambda row: row[1] not in ("0", DASH))
         + '<p class="note">A queue message is one delivery; a topic message one delivery per '
         "recipient.</p></div>"
         + '<div class="panel">'

@@ -263,7 +263,9 @@ class LogBuilder:
         b.acks.append((t + 20, 1))
         for attempt in range(1, RETRY_TIMES + 1):
             self.emit(t + 100 * attempt, "pushed", msg.msgid, msg.appid, "topic", "n1", attempt)
-            self.emit(t + 100 * attempt + 5, "timeout", msg.msgid, msg.appid, "topic", "n1", attempt)
+            self.emit(
+                t + 100 * attempt + 5, "timeout", msg.msgid, msg.appid, "topic", "n1", attempt
+            )
         self.emit(t + 600, "dead_lettered", msg.msgid, msg.appid, "topic", "n1")
         self.emit(t + 700, "replayed", msg.msgid, msg.appid, "topic", None)
         self.emit(t + 800, "pushed", msg.msgid, msg.appid, "topic", "n1", 1)

@@ -103,7 +103,7 @@ class FakeBroker:
 
 
 @pytest.fixture
-async def broker() -> AsyncIterator[FakeBroker]:
+async def fake_broker() -> AsyncIterator[FakeBroker]:
     b = FakeBroker()
     await b.start()
     yield b
@@ -186,14 +186,14 @@ def test_resp_from_garbage_is_an_error() -> None:
 # ------------------------------------------------------------------- Producer
 
 
-async def test_send_writes_the_fields(broker: FakeBroker) -> None:
-    async with Producer("127.0.0.1", broker.port) as producer:
+async def test_send_writes_the_fields(fake_broker: FakeBroker) -> None:
+    async with Producer("127.0.0.1", fake_broker.port) as producer:
         resp = await within(
             producer.send("a", "hello", msgid="m1", delay_ms=1500, deliver_at_ms=1700000000000)
         )
         assert resp == Resp("ack", "hello", "m1") and resp.ok
         await within(producer.send("a", b"x", topic=True))
-    queue, topic = broker.frames
+    queue, topic = fake_broker.frames
     assert queue.type == "queue"
     assert queue.fields == {
         "appid": "a",
@@ -205,18 +205,18 @@ async def test_send_writes_the_fields(broker: FakeBroker) -> None:
     assert topic.type == "topic" and topic.fields == {"appid": "a"}
 
 
-async def test_msgid_generated_by_the_broker_is_returned(broker: FakeBroker) -> None:
-    async with Producer("127.0.0.1", broker.port) as producer:
+async def test_msgid_generated_by_the_broker_is_returned(fake_broker: FakeBroker) -> None:
+    async with Producer("127.0.0.1", fake_broker.port) as producer:
         resp = await within(producer.send("a", b"x"))
     assert resp.msgid == "generated-1"
-    assert "msgid" not in broker.frames[0].fields
+    assert "msgid" not in fake_broker.frames[0].fields
 
 
-async def test_binary_content_round_trips(broker: FakeBroker) -> None:
+async def test_binary_content_round_trips(fake_broker: FakeBroker) -> None:
     content = b"line one\r\nline two\n\r\n"
-    async with Producer("127.0.0.1", broker.port) as producer:
+    async with Producer("127.0.0.1", fake_broker.port) as producer:
         await within(producer.send("a", content))
-    assert broker.frames[0].content == content
+    assert fake_broker.frames[0].content == content
 
 
 async def test_a_thousand_sends_in_flight_matched_in_order() -> None:
@@ -231,13 +231,13 @@ async def test_a_thousand_sends_in_flight_matched_in_order() -> None:
     await broker.stop()
 
 
-async def test_send_many_in_one_write(broker: FakeBroker) -> None:
+async def test_send_many_in_one_write(fake_broker: FakeBroker) -> None:
     contents = [f"c{i}".encode() for i in range(500)]
-    async with Producer("127.0.0.1", broker.port) as producer:
+    async with Producer("127.0.0.1", fake_broker.port) as producer:
         resps = await within(producer.send_many("a", iter(contents), topic=True))
         assert await within(producer.send_many("a", [])) == []
     assert [r.content.encode() for r in resps] == contents
-    assert {f.type for f in broker.frames} == {"topic"}
+    assert {f.type for f in fake_broker.frames} == {"topic"}
 
 
 async def test_broken_connection_fails_every_pending_send() -> None:
@@ -274,9 +274,9 @@ async def test_cancelled_send_does_not_shift_later_resps() -> None:
 # ------------------------------------------------------------------- Consumer
 
 
-async def test_register_sends_where_we_listen(broker: FakeBroker) -> None:
-    consumer = await start_consumer(broker, ack_all, weight=3)
-    (frame,) = broker.frames
+async def test_register_sends_where_we_listen(fake_broker: FakeBroker) -> None:
+    consumer = await start_consumer(fake_broker, ack_all, weight=3)
+    (frame,) = fake_broker.frames
     assert frame.type == "register"
     assert json.loads(frame.content or b"") == {
         "id": "c1",
@@ -288,8 +288,8 @@ async def test_register_sends_where_we_listen(broker: FakeBroker) -> None:
     assert consumer.port != 0
     resp = await within(consumer.unregister())
     assert resp.ok
-    assert broker.frames[1].type == "unregister"
-    assert json.loads(broker.frames[1].content or b"") == {"id": "c1", "app_id": "app"}
+    assert fake_broker.frames[1].type == "unregister"
+    assert json.loads(fake_broker.frames[1].content or b"") == {"id": "c1", "app_id": "app"}
     await within(consumer.stop())
     with pytest.raises(OSError):
         await within(asyncio.open_connection("127.0.0.1", consumer.port))
@@ -308,14 +308,14 @@ async def test_refused_registration_raises_and_stops_listening() -> None:
     await broker.stop()
 
 
-async def test_ack_reject_and_error_answers(broker: FakeBroker) -> None:
+async def test_ack_reject_and_error_answers(fake_broker: FakeBroker) -> None:
     async def handler(msg: Message) -> None:
         if msg.content == b"no":
             raise Reject
         if msg.content == b"bad":
             raise ValueError("broken\r\nbadly")
 
-    consumer = await start_consumer(broker, handler)
+    consumer = await start_consumer(fake_broker, handler)
     pusher = await Pusher.connect(consumer.port)
     pusher.push("m1", b"ok", recipient="c1")
     pusher.push("m2", b"no")
@@ -336,7 +336,7 @@ async def test_ack_reject_and_error_answers(broker: FakeBroker) -> None:
     await within(consumer.stop())
 
 
-async def test_many_unanswered_pushes_on_one_connection(broker: FakeBroker) -> None:
+async def test_many_unanswered_pushes_on_one_connection(fake_broker: FakeBroker) -> None:
     gate = asyncio.Event()
     seen: list[Message] = []
 
@@ -344,7 +344,7 @@ async def test_many_unanswered_pushes_on_one_connection(broker: FakeBroker) -> N
         seen.append(msg)
         await gate.wait()
 
-    consumer = await start_consumer(broker, handler)
+    consumer = await start_consumer(fake_broker, handler)
     pusher = await Pusher.connect(consumer.port)
     for i in range(10):
         pusher.push(f"m{i}", f"c{i}".encode())
@@ -359,7 +359,7 @@ async def test_many_unanswered_pushes_on_one_connection(broker: FakeBroker) -> N
     await within(consumer.stop())
 
 
-async def test_concurrency_is_bounded_per_connection(broker: FakeBroker) -> None:
+async def test_concurrency_is_bounded_per_connection(fake_broker: FakeBroker) -> None:
     gate = asyncio.Event()
     running = 0
     most = 0
@@ -371,7 +371,7 @@ async def test_concurrency_is_bounded_per_connection(broker: FakeBroker) -> None
         await gate.wait()
         running -= 1
 
-    consumer = await start_consumer(broker, handler, concurrency=2)
+    consumer = await start_consumer(fake_broker, handler, concurrency=2)
     pusher = await Pusher.connect(consumer.port)
     for i in range(6):
         pusher.push(f"m{i}", b"x")
@@ -384,13 +384,13 @@ async def test_concurrency_is_bounded_per_connection(broker: FakeBroker) -> None
     await within(consumer.stop())
 
 
-async def test_arrived_then_ack(broker: FakeBroker) -> None:
+async def test_arrived_then_ack(fake_broker: FakeBroker) -> None:
     gate = asyncio.Event()
 
     async def handler(msg: Message) -> None:
         await gate.wait()
 
-    consumer = await start_consumer(broker, handler, send_arrived=True)
+    consumer = await start_consumer(fake_broker, handler, send_arrived=True)
     pusher = await Pusher.connect(consumer.port)
     pusher.push("m1", b"x")
     (arrived,) = await pusher.read(1)
@@ -404,7 +404,7 @@ async def test_arrived_then_ack(broker: FakeBroker) -> None:
 
 
 async def test_final_answer_after_arrived_goes_to_the_broker_if_push_connection_closed(
-    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+    fake_broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = asyncio.Event()
     lost = asyncio.Event()
@@ -419,7 +419,7 @@ async def test_final_answer_after_arrived_goes_to_the_broker_if_push_connection_
     async def handler(msg: Message) -> None:
         await gate.wait()
 
-    consumer = await start_consumer(broker, handler, send_arrived=True)
+    consumer = await start_consumer(fake_broker, handler, send_arrived=True)
     pusher = await Pusher.connect(consumer.port)
     pusher.push("m1", b"x", recipient="c1")
     (arrived,) = await pusher.read(1)
@@ -427,14 +427,14 @@ async def test_final_answer_after_arrived_goes_to_the_broker_if_push_connection_
     pusher.close()  # the broker gives up waiting on this connection
     await within(lost.wait())
     gate.set()
-    frames = await broker.wait_for_frames(2)  # register, then the late ack
+    frames = await fake_broker.wait_for_frames(2)  # register, then the late ack
     assert frames[1].type == "ack"
     assert frames[1].fields == {"msgid": "m1", "appid": "app", "recipient": "c1"}
     await within(consumer.stop())
 
 
-async def test_heartbeat_on_its_own_connection(broker: FakeBroker) -> None:
-    consumer = await start_consumer(broker, ack_all)
+async def test_heartbeat_on_its_own_connection(fake_broker: FakeBroker) -> None:
+    consumer = await start_consumer(fake_broker, ack_all)
     for _ in range(3):
         pusher = await Pusher.connect(consumer.port)
         await pusher.ping()
@@ -442,13 +442,15 @@ async def test_heartbeat_on_its_own_connection(broker: FakeBroker) -> None:
     await within(consumer.stop())
 
 
-async def test_double_terminator_and_odd_frames_get_no_extra_answer(broker: FakeBroker) -> None:
+async def test_double_terminator_and_odd_frames_get_no_extra_answer(
+    fake_broker: FakeBroker,
+) -> None:
     received: list[bytes] = []
 
     async def handler(msg: Message) -> None:
         received.append(msg.content)
 
-    consumer = await start_consumer(broker, handler)
+    consumer = await start_consumer(fake_broker, handler)
     pusher = await Pusher.connect(consumer.port)
     # As the original sender writes it: terminator twice.
     pusher.writer.write(b"appid=app\r\nmsgid=m1\r\ntype=push\r\ncontent=hello\r\n\r\n\r\n\r\n")
@@ -466,8 +468,8 @@ async def test_double_terminator_and_odd_frames_get_no_extra_answer(broker: Fake
     await within(consumer.stop())
 
 
-async def test_push_split_into_single_bytes(broker: FakeBroker) -> None:
-    consumer = await start_consumer(broker, ack_all)
+async def test_push_split_into_single_bytes(fake_broker: FakeBroker) -> None:
+    consumer = await start_consumer(fake_broker, ack_all)
     pusher = await Pusher.connect(consumer.port)
     for byte in encode_frame("push", {"appid": "app", "msgid": "m1"}, b"x"):
         pusher.writer.write(bytes([byte]))
@@ -509,14 +511,14 @@ async def run_cli(*args: str, stdin: bytes = b"") -> tuple[int, str, str]:
 
 
 @cli
-async def test_cli_send(broker: FakeBroker) -> None:
-    port = str(broker.port)
+async def test_cli_send(fake_broker: FakeBroker) -> None:
+    port = str(fake_broker.port)
     code, out, err = await run_cli("send", "--app", "a", "--port", port, "--msgid", "m1", "hi")
     assert code == 0, err
     assert json.loads(out) == {"status": "ack", "content": "hi", "msgid": "m1"}
     code, out, _ = await run_cli("send", "--app", "a", "--port", port, "--topic", stdin=b"in\n")
     assert code == 0
-    assert broker.frames[1].type == "topic" and broker.frames[1].content == b"in\n"
+    assert fake_broker.frames[1].type == "topic" and fake_broker.frames[1].content == b"in\n"
 
 
 @cli
@@ -562,8 +564,8 @@ async def _stop(proc: asyncio.subprocess.Process) -> int:
 
 
 @cli
-async def test_cli_consume_prints_and_acks(broker: FakeBroker) -> None:
-    proc, port = await _start_consume(broker)
+async def test_cli_consume_prints_and_acks(fake_broker: FakeBroker) -> None:
+    proc, port = await _start_consume(fake_broker)
     pusher = await Pusher.connect(port)
     pusher.push("m1", b"hello\nworld")
     (ack,) = await pusher.read(1)
@@ -572,17 +574,17 @@ async def test_cli_consume_prints_and_acks(broker: FakeBroker) -> None:
     assert await within(proc.stdout.readline()) == b"app m1 hello\\nworld\n"
     pusher.close()
     assert await _stop(proc) == 0
-    assert [f.type for f in broker.frames] == ["register"]  # no unregister by default
+    assert [f.type for f in fake_broker.frames] == ["register"]  # no unregister by default
 
 
 @cli
-async def test_cli_consume_exec(broker: FakeBroker, tmp_path: Path) -> None:
+async def test_cli_consume_exec(fake_broker: FakeBroker, tmp_path: Path) -> None:
     out = shlex.quote(str(tmp_path))
     script = (
         f'cat > {out}/"$SKMQ_MSGID"; case "$SKMQ_MSGID" in m1) exit 0;; m2) exit 3;; esac; exit 1'
     )
     proc, port = await _start_consume(
-        broker, "--exec", script, "--reject-exit-code", "3", "--unregister-on-exit"
+        fake_broker, "--exec", script, "--reject-exit-code", "3", "--unregister-on-exit"
     )
     pusher = await Pusher.connect(port)
     for i in (1, 2, 3):
@@ -594,7 +596,7 @@ async def test_cli_consume_exec(broker: FakeBroker, tmp_path: Path) -> None:
     assert (tmp_path / "m2").read_bytes() == b"body2"
     pusher.close()
     assert await _stop(proc) == 0
-    assert [f.type for f in broker.frames] == ["register", "unregister"]
+    assert [f.type for f in fake_broker.frames] == ["register", "unregister"]
 
 
 # ------------------------------------------------------------------- uvloop
@@ -620,7 +622,7 @@ UVLOOP_SCENARIOS: list[Callable[..., Awaitable[None]]] = [
 @pytest.mark.parametrize("scenario", UVLOOP_SCENARIOS, ids=lambda f: f.__name__)
 def test_under_uvloop(scenario: Callable[..., Awaitable[None]]) -> None:
     async def main() -> None:
-        if "broker" not in inspect.signature(scenario).parameters:
+        if "fake_broker" not in inspect.signature(scenario).parameters:
             await scenario()
             return
         broker = FakeBroker()

@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         f"{anomalies['acked_after_dead_letter']} acked after dead letter, "
         f"{anomalies['unresolved']} unresolved deliveries"
     )
-    print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, by_app.csv, "
-          "by_recipient.csv)")
+    print(
+        f"report: {os.path.join(args.out, 'report.html')} (and report.json, by_app.csv, "
+        "by_recipient.csv)"
+    )
     return 0

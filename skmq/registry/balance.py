@@ -1,7 +1,10 @@
 """Point-to-point load balance: smooth weighted round robin over weight + 1.
 
-Over any run of picks each recipient's share is (w+1)/sum(w+1), whatever the order of
-registration, and picks interleave instead of coming in bursts.
+Picks follow one strict sequence in which each recipient's share is (w+1)/sum(w+1),
+whatever the order of registration. When the next recipient in the sequence has no
+free window slot the batch stops there (its turn is kept for the next call) rather
+than handing its turn to another: that is what keeps the shares exact. Recipients
+that are stalled are left out by the caller, so they cannot hold up their app.
 """
 
 from __future__ import annotations
@@ -12,28 +15,36 @@ from collections.abc import Mapping
 class Balancer:
     def __init__(self) -> None:
         self._current: dict[str, int] = {}
+        self._owed: str | None = None
+
+    def _next(self, weights: Mapping[str, int]) -> str:
+        current = self._current
+        total = 0
+        best = ""
+        best_value = 0
+        for rid, weight in weights.items():
+            value = current.get(rid, 0) + weight + 1
+            current[rid] = value
+            total += weight + 1
+            if not best or value > best_value:
+                best, best_value = rid, value
+        current[best] -= total
+        return best
 
     def pick(self, weights: Mapping[str, int], free: Mapping[str, int], n: int) -> list[str]:
-        """n recipients in turn, among those with free slots; fewer when slots run out."""
-        slots = {rid: s for rid, s in free.items() if s > 0 and rid in weights}
-        current = self._current
-        for rid in list(current):
-            if rid not in weights:
-                del current[rid]
+        """Up to n recipients in weighted turn; stops at the first one with no free slot."""
+        for rid in [r for r in self._current if r not in weights]:
+            del self._current[rid]
+        if self._owed is not None and self._owed not in weights:
+            self._owed = None
+        slots = dict(free)
         out: list[str] = []
-        while len(out) < n and slots:
-            total = 0
-            best = ""
-            best_value = 0
-            for rid in slots:
-                value = current.get(rid, 0) + weights[rid] + 1
-                current[rid] = value
-                total += weights[rid] + 1
-                if not best or value > best_value:
-                    best, best_value = rid, value
-            current[best] -= total
-            out.append(best)
-            slots[best] -= 1
-            if slots[best] == 0:
-                del slots[best]
+        while len(out) < n and weights:
+            rid = self._owed if self._owed is not None else self._next(weights)
+            if slots.get(rid, 0) <= 0:
+                self._owed = rid
+                break
+            self._owed = None
+            slots[rid] -= 1
+            out.append(rid)
         return out

@@ -11,8 +11,10 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
+from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import NoScriptError
 
 from skmq.store import scripts
@@ -37,15 +39,34 @@ def _escape_tag(app: str) -> str:
 
 
 def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url,
-        encoding_errors=ENC,
-        decode_responses=False,
-        max_connections=max_connections,
-        health_check_interval=0,
-        socket_connect_timeout=2.0,
-        socket_timeout=10.0,
+    """A client for REDIS_URL: `redis://`, `rediss://`, `unix://`, or
+    `redis+sentinel://[:password@]host1:26379,host2:26379/<service>[/<db>]`, which asks
+    the Sentinels for the current master (and again after a failover)."""
+    options: dict[str, Any] = {
+        "encoding_errors": ENC,
+        "decode_responses": False,
+        "max_connections": max_connections,
+        "socket_connect_timeout": 2.0,
+        "socket_timeout": 10.0,
+    }
+    if not url.startswith("redis+sentinel://"):
+        return aioredis.Redis.from_url(url, **options)
+    parsed = urlsplit(url)
+    hosts = []
+    for part in parsed.netloc.rpartition("@")[2].split(","):
+        host, _, port = part.rpartition(":")
+        hosts.append((host or part, int(port) if host else 26379))
+    path = [p for p in parsed.path.split("/") if p]
+    if not path:
+        raise ValueError("redis+sentinel:// URL needs the service name: .../<service>[/<db>]")
+    sentinel = Sentinel(hosts, socket_connect_timeout=2.0)  # type: ignore[no-untyped-call]
+    master: aioredis.Redis = sentinel.master_for(
+        path[0],
+        db=int(path[1]) if len(path) > 1 else 0,
+        password=unquote(parsed.password) if parsed.password else None,
+        **options,
     )
+    return master
 
 
 @dataclass(slots=True)

@@ -76,8 +76,13 @@ class Dispatcher:
             n = self.bucket.take_up_to(n)
             if n == 0:
                 return self.bucket.wait_time()
-        weights = {r.id: r.weight for r in recipients}
+        weights = {r.id: r.weight for r in recipients if r.id in free}
         assignment = self.balancer.pick(weights, free, n)
+        if len(assignment) < n and self.bucket is not None:
+            self.bucket.give_back(n - len(assignment))
+        n = len(assignment)
+        if n == 0:
+            return POLL
         now = now_ms()
         claimed, next_due = await self.store.claim(
             self.app, now, n, [r.id for r in recipients], assignment

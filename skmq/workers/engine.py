@@ -155,7 +155,16 @@ class Engine:
         return link
 
     def _free_slots(self, app: str, recipients: list[Recipient]) -> dict[str, int]:
-        return {r.id: self._link(app, r).free for r in recipients}
+        """Free window slots of each recipient that is not stalled (a full window whose
+        oldest push has waited longer than a healthy recipient would take)."""
+        stall_after = min(1.0, self.settings.ack_timeout / 2)
+        now = time.monotonic()
+        free = {}
+        for r in recipients:
+            link = self._link(app, r)
+            if link.free > 0 or not link.stalled(now, stall_after):
+                free[r.id] = link.free
+        return free
 
     def _deliver(self, app: str, claimed: list[Claimed]) -> None:
         orphans: list[Delivery] = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import structlog
 
@@ -127,11 +127,11 @@ class RecipientLink(asyncio.Protocol):
 
     # -- asyncio.Protocol -------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports do not subclass asyncio.Transport: cast, do not assert.
+        self._transport = cast(asyncio.Transport, transport)
         self._decoder = Decoder(max_frame_bytes=self.max_frame_bytes)
         if self._closed:
-            transport.close()
+            self._transport.close()
             return
         self._flush()
 
@@ -196,6 +196,10 @@ class RecipientLink(asyncio.Protocol):
             return
         if all(d.arrived_at and now - d.arrived_at >= ack_wait for d in self.inflight.values()):
             self._transport.close()
+
+    def stalled(self, now: float, after: float) -> bool:
+        oldest = next(iter(self.inflight.values()), None)
+        return oldest is not None and now - oldest.pushed_at > after
 
     def take(self, msgid: str) -> Delivery | None:
         return self.inflight.pop(msgid, None)

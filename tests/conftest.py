@@ -1,0 +1,189 @@
+"""Fixtures: a real embedded Redis on a free port for the whole session (never the
+machine's own servers), and brokers on it, each test under its own KEY_PREFIX."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+import uvloop
+
+from skmq.broker import Broker
+from skmq.config import Settings
+from skmq.embedded import EmbeddedRedis
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Every async test runs on uvloop, the loop the broker runs on."""
+    return {"uvloop": uvloop.new_event_loop}
+
+# Short timings, so that no test waits for seconds (the held-out suite uses the same).
+FAST: dict[str, Any] = {
+    "ack_timeout": 1.5,
+    "ack_wait": 0.5,
+    "retry_backoff": [0.2],
+    "retry_times": 3,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 0.3,
+    "max_frame_bytes": 65536,
+    "shutdown_timeout": 1.0,
+}
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+BrokerFactory = Callable[..., Awaitable[Broker]]
+
+
+@pytest.fixture
+async def make_broker(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> AsyncIterator[BrokerFactory]:
+    """Start in-process brokers on the session Redis: `await make_broker(**settings)`."""
+    brokers: list[Broker] = []
+
+    async def factory(**overrides: Any) -> Broker:
+        values: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "redis_url": redis_url,
+            "key_prefix": prefix,
+            "data_dir": tmp_path / "data",
+            **FAST,
+        }
+        values.update(overrides)
+        broker = Broker(Settings(**values))
+        await broker.start()
+        brokers.append(broker)
+        return broker
+
+    yield factory
+    for broker in brokers:
+        if not broker.stopping.is_set():
+            broker.stopping.set()
+            await broker.stop()
+
+
+@pytest.fixture
+async def broker(make_broker: BrokerFactory) -> Broker:
+    return await make_broker()
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+class BrokerProcess:
+    """`skmq serve` as a real child process, for kill -9, SIGTERM and CLI tests."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.port = int(env["SKMQ_PORT"])
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> BrokerProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skmq.cli", "serve"],
+            env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_listening(self.port, self.proc)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def broker_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
+    env.update(
+        SKMQ_HOST="127.0.0.1",
+        SKMQ_PORT=str(free_port()),
+        SKMQ_DATA_DIR=str(tmp_path / "data"),
+        SKMQ_ACK_TIMEOUT="1.5",
+        SKMQ_ACK_WAIT="0.5",
+        SKMQ_RETRY_BACKOFF="0.2",
+        SKMQ_RETRY_TIMES="3",
+        SKMQ_HEARTBEAT_INTERVAL="0.5",
+        SKMQ_HEARTBEAT_TIMEOUT="0.3",
+        SKMQ_MAX_FRAME_BYTES="65536",
+        SKMQ_LOG_LEVEL="warning",
+    )
+    return env
+
+
+@pytest.fixture
+def broker_process(broker_env: dict[str, str], tmp_path: Path) -> Iterator[BrokerProcess]:
+    proc = BrokerProcess(broker_env, tmp_path / "broker.log")
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.proc.kill()
+        proc.proc.wait(10)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Await a condition that only Redis or the log can tell (no event to wait on), bounded."""
+    async with asyncio.timeout(timeout):
+        while not await check():
+            await asyncio.sleep(0.02)

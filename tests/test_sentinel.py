@@ -1,0 +1,55 @@
+"""REDIS_URL through Redis Sentinel: the broker asks a real Sentinel (valkey-server in
+sentinel mode) for the master and stores there."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.embedded import EmbeddedRedis, server_binary
+from tests.conftest import BrokerFactory, free_port, wait_listening
+from tests.peers import RawClient
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
+    master = EmbeddedRedis(tmp_path / "master")
+    master.start()
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor skmq 127.0.0.1 {master.port} 1\n"
+        "sentinel down-after-milliseconds skmq 1000\n"
+    )
+    proc = subprocess.Popen(
+        [str(server_binary()), str(conf), "--sentinel"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_listening(port, proc)  # type: ignore[arg-type]
+        yield master, port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        master.stop()
+
+
+async def test_broker_stores_through_sentinel(
+    sentinel: tuple[EmbeddedRedis, int], make_broker: BrokerFactory
+) -> None:
+    master, port = sentinel
+    broker = await make_broker(redis_url=f"redis+sentinel://127.0.0.1:{port}/skmq/0")
+    client = await RawClient.connect(broker.server.port)
+    resp = await client.request("queue", b"via sentinel", appid="s", msgid="s1")
+    assert resp["status"] == "ack"
+    direct = aioredis.Redis.from_url(master.url)
+    try:
+        assert await direct.hget(f"{broker.store.base('s')}m:s1", "c") == b"via sentinel"
+    finally:
+        await direct.aclose()
+    await client.close()

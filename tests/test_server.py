@@ -1,0 +1,246 @@
+"""The broker core over raw TCP, as SPEC sections 1-2 describe it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import redis.asyncio as aioredis
+
+from skmq.broker import Broker
+from tests.conftest import BrokerFactory
+from tests.peers import RawClient
+
+
+async def test_queue_and_topic_are_stored_and_acked(broker: Broker, redis: aioredis.Redis) -> None:
+    client = await RawClient.connect(broker.server.port)
+    q = await client.request("queue", b"hello", appid="app1", msgid="m1")
+    t = await client.request("topic", b"news", appid="app1", msgid="m2")
+    assert (q["status"], q["content"], q["msgid"]) == ("ack", "stored", "m1")
+    assert (t["status"], t["msgid"]) == ("ack", "m2")
+    base = broker.store.base("app1")
+    assert await redis.hget(f"{base}m:m1", "c") == b"hello"
+    assert await redis.hget(f"{base}m:m2", "k") == b"t"
+    await client.close()
+
+
+async def test_duplicate_msgid_is_recognised(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    first = await client.request("queue", b"x", appid="a", msgid="dup")
+    second = await client.request("queue", b"y", appid="a", msgid="dup")
+    assert first["content"] == "stored"
+    assert second["status"] == "ack" and "duplicate" in second["content"]
+    await client.close()
+
+
+async def test_broker_generates_a_msgid_when_none_is_given(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    a = await client.request("queue", b"x", appid="a")
+    b = await client.request("queue", b"x", appid="a")
+    assert a["status"] == b["status"] == "ack"
+    assert a["msgid"] and b["msgid"] and a["msgid"] != b["msgid"]
+    await client.close()
+
+
+async def test_msgid_cannot_collide_with_broker_keys(broker: Broker, redis: aioredis.Redis) -> None:
+    client = await RawClient.connect(broker.server.port)
+    for evil in ("ready", "inflight", "dead", "delayed", "recipients", "m:x", "{a}", "done:1"):
+        resp = await client.request("queue", b"x", appid="a", msgid=evil)
+        assert resp["content"] == "stored", evil
+    base = broker.store.base("a")
+    assert await redis.type(f"{base}ready") == b"list"
+    assert await redis.llen(f"{base}ready") == 8
+    await client.close()
+
+
+async def test_original_doubled_terminator_and_arbitrary_chunks(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    stream = b"".join(
+        f"appid=a\r\nmsgid=c{i}\r\ntype=queue\r\ncontent=body {i}\r\n\r\n\r\n\r\n".encode()
+        for i in range(20)
+    )
+    for i in range(0, len(stream), 7):
+        client.send_raw(stream[i : i + 7])
+        await client.writer.drain()
+    answers = [await client.resp() for _ in range(20)]
+    assert [a["msgid"] for a in answers] == [f"c{i}" for i in range(20)]
+    assert all(a["status"] == "ack" for a in answers)
+    await client.close()
+
+
+async def test_answers_come_in_frame_order(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    frames = []
+    for i in range(300):
+        if i % 3 == 0:
+            frames.append(b"ping\r\n\r\n")
+        elif i % 3 == 1:
+            frames.append(f"appid=a\r\nmsgid=o{i}\r\ntype=queue\r\ncontent=x\r\n\r\n".encode())
+        else:
+            frames.append(f"msgid=o{i}\r\ntype=queue\r\ncontent=no app\r\n\r\n".encode())
+    client.send_raw(b"".join(frames))
+    for i in range(300):
+        frame = await client.recv()
+        if i % 3 == 0:
+            assert frame.type == "pong"
+        else:
+            body = json.loads(frame.content or b"")
+            assert frame.fields["msgid"] == f"o{i}"
+            assert body["status"] == ("ack" if i % 3 == 1 else "error")
+    await client.close()
+
+
+async def test_ping_is_answered_pong(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(b"ping\r\n\r\n")
+    assert (await client.recv()).type == "pong"
+    await client.close()
+
+
+async def test_malformed_inputs_get_error_and_connection_goes_on(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    bad = [
+        b"garbage line\r\n\r\n",  # a line without '='
+        b"=novalue\r\n\r\n",  # empty key
+        b"msgid=x\r\ncontent=no type\r\n\r\n",  # no type
+        b"type=bogus\r\nmsgid=x\r\n\r\n",  # unknown type
+        b"type=queue\r\nmsgid=x\r\ncontent=no app\r\n\r\n",  # appid missing
+        b"type=queue\r\nappid=a\r\nmsgid=x\r\n\r\n",  # content missing
+        b"type=queue\r\nappid=a\r\ndelay=soon\r\ncontent=x\r\n\r\n",  # delay not a number
+        b"type=queue\r\nappid=a\r\nmsgid=\x01bad\r\ncontent=x\r\n\r\n",  # control char in msgid
+        b"type=queue\r\nappid=a\r\nmsgid=" + b"l" * 300 + b"\r\ncontent=x\r\n\r\n",  # too long
+        b"type=register\r\ncontent=not json\r\n\r\n",
+        b"type=ack\r\n\r\n",  # ack without msgid
+        b"type=ack\r\nmsgid=never-seen\r\n\r\n",
+    ]
+    for frame in bad:
+        client.send_raw(frame)
+        resp = await client.resp()
+        assert resp["status"] in ("error", "reject"), (frame, resp)
+        assert resp["content"], frame
+    ok = await client.request("queue", b"still fine", appid="a", msgid="after")
+    assert ok["status"] == "ack"
+    await client.close()
+
+
+async def test_unknown_keys_are_ignored(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    resp = await client.request("queue", b"x", appid="a", msgid="u1", colour="blue")
+    assert resp["status"] == "ack"
+    await client.close()
+
+
+async def test_binary_content_with_length(broker: Broker, redis: aioredis.Redis) -> None:
+    client = await RawClient.connect(broker.server.port)
+    body = b"line1\r\n\r\nline2\nend\r"
+    resp = await client.request("queue", body, appid="a", msgid="bin")
+    assert resp["status"] == "ack"
+    assert await redis.hget(f"{broker.store.base('a')}m:bin", "c") == body
+    await client.close()
+
+
+async def test_oversized_frame_gets_error_then_close(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(b"type=queue\r\nappid=a\r\ncontent=" + b"x" * 70_000 + b"\r\n\r\n")
+    resp = await client.resp()
+    assert resp["status"] == "error" and "refused" in resp["content"]
+    assert await client.closed()
+
+
+async def test_overlong_header_line_gets_error_then_close(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(max_line_bytes=128)
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(b"type=queue\r\nappid=" + b"a" * 200)
+    resp = await client.resp()
+    assert resp["status"] == "error"
+    assert await client.closed()
+
+
+async def test_frames_before_an_oversized_one_are_answered(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(
+        b"type=queue\r\nappid=a\r\nmsgid=before\r\ncontent=x\r\n\r\n"
+        b"type=queue\r\nappid=a\r\ncontent=" + b"x" * 70_000 + b"\r\n\r\n"
+    )
+    first = await client.resp()
+    assert (first["status"], first["msgid"]) == ("ack", "before")
+    assert (await client.resp())["status"] == "error"
+    assert await client.closed()
+
+
+async def test_half_closed_peer_still_gets_its_answers(broker: Broker) -> None:
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(b"type=queue\r\nappid=a\r\nmsgid=hc\r\ncontent=x\r\n\r\n")
+    client.writer.write_eof()
+    resp = await client.resp()
+    assert resp["status"] == "ack"
+    assert await client.closed()
+
+
+async def test_delayed_message_is_stored_delayed(broker: Broker, redis: aioredis.Redis) -> None:
+    client = await RawClient.connect(broker.server.port)
+    assert (await client.request("queue", b"x", appid="a", msgid="d1", delay="60000"))["status"] == "ack"
+    score = await redis.zscore(f"{broker.store.base('a')}delayed", "d1")
+    assert score is not None and score > 0
+    await client.close()
+
+
+async def test_register_and_unregister(broker: Broker, redis: aioredis.Redis) -> None:
+    client = await RawClient.connect(broker.server.port)
+    reg = {"id": "r1", "app_id": "a", "host": "127.0.0.1", "port": "9001", "weight": 2}
+    resp = await client.request("register", json.dumps(reg).encode())
+    assert resp["status"] == "ack"
+    stored = json.loads(await redis.hget(f"{broker.store.base('a')}recipients", "r1"))
+    assert (stored["port"], stored["weight"]) == (9001, 2)
+    resp = await client.request("unregister", json.dumps({"id": "r1", "app_id": "a"}).encode())
+    assert resp["status"] == "ack"
+    assert await redis.hget(f"{broker.store.base('a')}recipients", "r1") is None
+    await client.close()
+
+
+async def test_register_refuses_addresses_outside_the_allowlist(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(recipient_networks=["10.9.0.0/16"])
+    client = await RawClient.connect(broker.server.port)
+    for host, status in (("8.8.8.8", "reject"), ("example.com", "reject"),
+                         ("10.9.1.2", "ack"), ("127.0.0.2", "ack"), ("", "ack")):  # fmt: skip
+        reg = {"id": f"r-{host}", "app_id": "a", "host": host, "port": 9001}
+        resp = await client.request("register", json.dumps(reg).encode())
+        assert resp["status"] == status, (host, resp)
+    await client.close()
+
+
+async def test_too_many_connections(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(max_connections=2)
+    first = await RawClient.connect(broker.server.port)
+    second = await RawClient.connect(broker.server.port)
+    assert (await first.request("queue", b"x", appid="a"))["status"] == "ack"
+    assert (await second.request("queue", b"x", appid="a"))["status"] == "ack"
+    third = await RawClient.connect(broker.server.port)
+    resp = await third.resp()
+    assert resp["status"] == "error" and "too many" in resp["content"]
+    assert await third.closed()
+    await first.close()
+    await second.close()
+
+
+async def test_idle_connection_is_closed(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(idle_timeout=0.3)
+    client = await RawClient.connect(broker.server.port)
+    assert await client.closed(timeout=5)
+
+
+async def test_ingest_rate_limit_slows_without_dropping(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(rate=200)
+    client = await RawClient.connect(broker.server.port)
+    n = 400
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    client.send_raw(
+        b"".join(f"appid=a\r\nmsgid=r{i}\r\ntype=queue\r\ncontent=x\r\n\r\n".encode() for i in range(n))
+    )
+    answers = [await client.resp() for _ in range(n)]
+    elapsed = loop.time() - start
+    assert all(a["status"] == "ack" for a in answers)
+    # 400 frames at 200/s with a burst of 200: at least ~1 s of backpressure.
+    assert elapsed >= 0.8
+    await client.close()
