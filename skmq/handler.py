@@ -48,7 +48,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 def _bad_id(value: str) -> str | None:
     """Why msgid/appid `value` is refused, or None. CR/LF never reach here (the codec)."""
-    if len(value) * 4 > MAX_ID_BYTES and len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES:
+    if (
+        len(value) * 4 > MAX_ID_BYTES
+        and len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES
+    ):
         return f"longer than {MAX_ID_BYTES} bytes"
     if _CONTROL.search(value):
         return "holds a control character"

@@ -13,8 +13,9 @@ The broker's delivery log (SPEC section 7): JSON lines files
 skipped); a local glob is expanded; any other path (``hdfs://``, ``s3a://``, ...) is
 given to Spark as it is.  The files are read with an explicit schema (no inference).
 Events may come in any order within and across files.  A line that is not valid JSON
-or lacks ``ts``, ``event`` or ``appid`` is counted in ``anomalies.invalid_lines`` and
-otherwise ignored (e.g. the torn last line of a broker killed mid-write).
+or lacks ``ts``, ``event`` or ``appid`` (or whose ``ts`` is not in ``0 .. 2**42``, i.e.
+before the year 2109) is counted in ``anomalies.invalid_lines`` and otherwise ignored
+(e.g. the torn last line of a broker killed mid-write); blank lines are skipped.
 
 Definitions
 -----------
@@ -50,8 +51,9 @@ stored messages, except ``duplicates`` and ``pushes``, which count events.
 
 ``attempts``
     For acked stored messages: how many had their first ``acked`` event (earliest ts;
-    on a tie the lower attempt) on attempt 1, 2, ...; keys are the attempt numbers as
-    strings in numeric order, ``"unknown"`` last for an ``acked`` event without one.
+    on a tie the lower attempt, an event without attempt last) on attempt 1, 2, ...;
+    keys are the attempt numbers as strings in numeric order, ``"unknown"`` last for a
+    first ``acked`` event without an attempt.
 
 ``by_app``
     One object per appid with at least one stored message, sorted by appid:
@@ -110,24 +112,31 @@ Spark SQL expressions and need no Python code from this project.
 
 Scaling on a cluster
 --------------------
-The logs are read in parallel splits (one or more tasks per file; use uncompressed or
-splittable files for big ones) and cached once (memory and disk) after parsing, since
-several aggregations read them.  There are two wide shuffles of event volume: events
-are aggregated per delivery ``(appid, msgid, recipient-of-topic)`` with partial
-(map-side) aggregation, and the per-recipient counts per ``(appid, recipient)``, whose
-output is small.  Everything else works on the per-delivery table (about one row per
-message): a window over ``(appid, msgid)`` shuffles it once and the per-message
-aggregate reuses that partitioning; per-app and global aggregates then shuffle only
-partial aggregates.  Exact percentiles keep one count per distinct latency value (ms)
-per group, which stays small because latencies are whole milliseconds within a bounded
-range.  Only aggregated rows come back to the driver: one row per app, per recipient,
-per attempt number, per latency bucket (bounded), per time bucket (at most ~120), and
-at most ``sample_size`` sampled msgids per anomaly.  On a cluster pass ``--master``
-(``spark://``, ``yarn``, ``k8s://``) or run the file with ``spark-submit``; the log path
-must then be readable by the executors (HDFS, S3, a shared mount) and ``--out`` is
-written by the driver.  Local mode (the default ``local[*]``) uses
-``spark.sql.shuffle.partitions`` = 2 x cores and binds to 127.0.0.1
-(``SPARK_LOCAL_IP``) unless told otherwise.
+The logs are read in parallel splits (one task per file or per 128 MB of it; gzip files
+are not splittable, so many moderate files beat one huge one), parsed once and cached
+(memory and disk), since several aggregations read them.  One shuffle carries event
+volume: the hash aggregation of events per delivery ``(appid, msgid, recipient of a
+topic copy)``, with map-side partial aggregation, so what crosses the network is about
+one row per delivery and map task (only fixed-width aggregates are used there, so no
+sort of the events is needed).  The per-recipient and per-time-bucket counts are hash
+aggregations too whose shuffles carry only partial counts.  The per-delivery table
+(about one row per message) is shuffled once more for a window over ``(appid, msgid)``;
+the per-message aggregation reuses that partitioning.  The per-app and global
+aggregates shuffle partial aggregates only; the exact percentiles keep one count per
+distinct latency value in ms per group, which stays small because latencies are whole
+milliseconds within a bounded range.  The acked-after-dead-letter scan looks only at
+deliveries having both an ack and a dead letter (normally few; AQE broadcasts them).
+Only aggregated rows come back to the driver: one row per app, per recipient, per
+attempt number, per latency bucket (at most 29) and per time bucket (at most ~120),
+and at most ``sample_size`` msgids per anomaly sample; nothing grows with the number
+of messages.  The work is spread over as many executors as there are partitions, so
+it scales out roughly linearly with the log volume.  On a cluster pass ``--master``
+(``spark://host:7077``, ``yarn``, ``k8s://...``) to ``skmq audit``/this file, or run
+``spark-submit --master URL spark/audit.py --logs PATH --out DIR``; the log path must
+then be readable by the executors (HDFS, S3, a shared mount), and ``--out`` is written
+by the driver.  Local mode (the default ``local[*]``) sets
+``spark.sql.shuffle.partitions`` to twice the cores and ``SPARK_LOCAL_IP=127.0.0.1``
+unless set (under ``spark-submit`` the JVM is already up: set it in the environment).
 """
 
 from __future__ import annotations
@@ -151,6 +160,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from pyspark import StorageLevel
+from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
@@ -285,41 +295,51 @@ def _log_files_under(directory: str) -> list[str]:
     return sorted(found)
 
 
-def resolve_log_paths(logs: str | Sequence[str]) -> list[str]:
+def resolve_log_paths(logs: str | Sequence[str], *, must_exist: bool = True) -> list[str]:
     """Turn ``--logs`` arguments into the list of paths given to Spark.
 
     Local directories are searched recursively for ``*.jsonl`` files, local globs are
-    expanded, remote URIs pass through.  Raises :class:`AuditInputError` when a local
-    argument yields no file.
+    expanded, URIs with a scheme pass through.  Raises :class:`AuditInputError` when a
+    local argument yields no file.  With ``must_exist=False`` (a cluster) a path that is
+    not found here passes through too (Spark resolves it on the cluster's default
+    file system, e.g. HDFS) and local files are given as ``file:`` URIs.
     """
     items = [logs] if isinstance(logs, str) else list(logs)
     if not items:
         raise AuditInputError("no log path given")
-    paths: list[str] = []
+    uris: list[str] = []  # given to Spark as they are
+    files: list[str] = []  # found here
     for item in items:
         if _is_remote(item):
-            paths.append(item)
+            uris.append(item)
             continue
         local = item[len("file://") :] if item.startswith("file://") else item
         local = os.path.expanduser(local)
         if os.path.isdir(local):
-            files = _log_files_under(local)
-            if not files:
+            found = _log_files_under(local)
+            if not found:
                 raise AuditInputError(
                     f"no delivery log files ({', '.join('*' + s for s in LOG_SUFFIXES)}) "
                     f"under {item}"
                 )
-            paths.extend(files)
+            files.extend(found)
         elif os.path.isfile(local):
-            paths.append(local)
+            files.append(local)
+        elif _GLOB_CHARS.search(local) and glob.glob(local, recursive=True):
+            for match in sorted(glob.glob(local, recursive=True)):
+                files.extend(_log_files_under(match) if os.path.isdir(match) else [match])
+        elif not must_exist:
+            uris.append(item)
         elif _GLOB_CHARS.search(local):
-            files = sorted(f for f in glob.glob(local, recursive=True) if os.path.isfile(f))
-            if not files:
-                raise AuditInputError(f"no file matches {item}")
-            paths.extend(files)
+            raise AuditInputError(f"no file matches {item}")
         else:
             raise AuditInputError(f"no such file or directory: {item}")
-    return list(dict.fromkeys(os.path.abspath(p) if not _is_remote(p) else p for p in paths))
+    if not files and not uris:
+        raise AuditInputError(f"no delivery log files in {', '.join(items)}")
+    absolute = [os.path.abspath(f) for f in files]
+    if not must_exist:
+        absolute = [f"file://{f}" for f in absolute]
+    return list(dict.fromkeys([*absolute, *uris]))
 
 
 # ------------------------------------------------------------------------------ spark
@@ -533,8 +553,12 @@ def _compute(
     level = StorageLevel.MEMORY_AND_DISK
 
     # ---- 1. read and parse the logs (once), with an explicit schema
-    with prog.stage(f"reading logs ({len(paths)} path{'s' if len(paths) != 1 else ''})") as notes:
-        raw = spark.read.schema(LOG_SCHEMA).option("mode", "PERMISSIVE").json(list(paths))
+    noun = "path" if any(_is_remote(p) for p in paths) else "file"
+    with prog.stage(f"reading logs ({len(paths)} {noun}{'s' if len(paths) != 1 else ''})") as notes:
+        try:
+            raw = spark.read.schema(LOG_SCHEMA).option("mode", "PERMISSIVE").json(list(paths))
+        except AnalysisException as exc:  # a path that Spark cannot find
+            raise AuditInputError(str(exc).splitlines()[0]) from exc
         events = raw.select(
             "ts",
             "event",
@@ -922,7 +946,13 @@ def run_audit(
     Raises :class:`AuditInputError` when there is nothing to read.
     """
     prog = _Progress(STAGES, (stream or sys.stderr) if progress else None)
-    paths = resolve_log_paths(logs)
+    if spark is not None:
+        local_mode = str(spark.sparkContext.master).startswith("local")
+    elif master is not None:
+        local_mode = _local_cores(master) is not None
+    else:  # local[*], unless spark-submit already started the JVM with its own master
+        local_mode = "PYSPARK_GATEWAY_PORT" not in os.environ
+    paths = resolve_log_paths(logs, must_exist=local_mode)
     own_session = spark is None
     if spark is None:
         prog.note(f"starting Spark ({master or 'local[*]'}) ...")

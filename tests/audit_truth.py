@@ -387,6 +387,7 @@ class LogBuilder:
             '{"ts": 1760000000123, "event": "pus',  # torn last line of a killed broker
             "not json at all",
             json.dumps({"ts": BASE_TS, "event": "pushed", "msgid": "x", "appid": None}),
+            json.dumps({"ts": -5, "event": "stored", "msgid": "neg", "appid": "orders"}),
         ]
         for i, line in enumerate(invalid):
             buckets[i % n_files].append(line)

@@ -6,6 +6,7 @@ decoder does, so a field decoded from the wire is written back byte for byte.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 
@@ -63,21 +64,20 @@ def encode_resp(status: str, content: str, msgid: str | None = None) -> bytes:
     echoed back) makes the JSON fall back to ``\\uXXXX`` escapes, so the content is
     always valid JSON.
     """
+    tail = _resp_tail(status, content)
+    if msgid is None:
+        return b"type=resp" + tail
+    if "\r" in msgid or "\n" in msgid:
+        raise ValueError(f"CR or LF inside msgid: {msgid!r}")
+    return b"".join((b"msgid=", msgid.encode("utf-8", "surrogateescape"), b"\r\ntype=resp", tail))
+
+
+@functools.lru_cache(maxsize=1024)
+def _resp_tail(status: str, content: str) -> bytes:
+    """`\r\ncontent={json}\r\n\r\n`: the same few answers recur, so they are cached."""
     obj = {"status": status, "content": content}
     try:
         body = _json_compact(obj).encode("utf-8")
     except UnicodeEncodeError:
         body = _json_ascii(obj).encode("ascii")
-    if msgid is None:
-        return b"".join((b"type=resp\r\ncontent=", body, b"\r\n\r\n"))
-    if "\r" in msgid or "\n" in msgid:
-        raise ValueError(f"CR or LF inside msgid: {msgid!r}")
-    return b"".join(
-        (
-            b"msgid=",
-            msgid.encode("utf-8", "surrogateescape"),
-            b"\r\ntype=resp\r\ncontent=",
-            body,
-            b"\r\n\r\n",
-        )
-    )
+    return b"\r\ncontent=" + body + b"\r\n\r\n"

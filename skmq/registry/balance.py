@@ -5,6 +5,7 @@ whatever the order of registration. When the next recipient in the sequence has 
 free window slot the batch stops there (its turn is kept for the next call) rather
 than handing its turn to another: that is what keeps the shares exact. Recipients
 that are stalled are left out by the caller, so they cannot hold up their app.
+Picks are proposals: after a claim the caller commits only as many as were used.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ class Balancer:
     def __init__(self) -> None:
         self._current: dict[str, int] = {}
         self._owed: str | None = None
+        self._saved: tuple[dict[str, int], str | None] = ({}, None)
+        self._last: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {})
 
     def _next(self, weights: Mapping[str, int]) -> str:
         current = self._current
@@ -33,6 +36,8 @@ class Balancer:
 
     def pick(self, weights: Mapping[str, int], free: Mapping[str, int], n: int) -> list[str]:
         """Up to n recipients in weighted turn; stops at the first one with no free slot."""
+        self._saved = (dict(self._current), self._owed)
+        self._last = (weights, free)
         for rid in [r for r in self._current if r not in weights]:
             del self._current[rid]
         if self._owed is not None and self._owed not in weights:
@@ -48,3 +53,10 @@ class Balancer:
             slots[rid] -= 1
             out.append(rid)
         return out
+
+    def commit(self, used: int) -> None:
+        """Keep only the first `used` picks of the last `pick` (the others go unused)."""
+        self._current, self._owed = self._saved
+        weights, free = self._last
+        if used:
+            self.pick(weights, free, used)

@@ -224,19 +224,24 @@ for i = 4, #ARGV do
   local id = ARGV[i]
   local msgid, crid = split(id)
   local mk = base .. 'm:' .. msgid
-  local r_in = redis.call('ZREM', base .. 'inflight', id)
-  local r_de = redis.call('ZREM', base .. 'delayed', id)
-  local r_dd = redis.call('ZREM', base .. 'dead', id)
-  if r_in + r_de + r_dd == 0 or redis.call('EXISTS', mk) == 0 then
+  local found = redis.call('ZREM', base .. 'inflight', id)
+  local was_dead = 0
+  if found == 0 then
+    found = redis.call('ZREM', base .. 'delayed', id)
+    if found == 0 then
+      was_dead = redis.call('ZREM', base .. 'dead', id)
+      found = was_dead
+    end
+  end
+  local s = sfx(crid)
+  local f = {false}
+  if found == 1 then f = redis.call('HMGET', mk, 'ts', 'n' .. s, 'r') end
+  if not f[1] then
     out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = ''
   else
-    local s = sfx(crid)
-    local a = tonumber(redis.call('HGET', mk, 'n' .. s) or '0')
-    local ts = tonumber(redis.call('HGET', mk, 'ts') or '0')
-    local rid = crid or redis.call('HGET', mk, 'r') or ''
     local complete = true
     if crid then
-      if r_dd == 1 then
+      if was_dead == 1 then
         redis.call('HINCRBY', mk, 'dc', -1)
         redis.call('HINCRBY', mk, 'o', 1)
       end
@@ -250,7 +255,8 @@ for i = 4, #ARGV do
       redis.call('SADD', done, msgid)
       added = true
     end
-    out[#out + 1] = 1; out[#out + 1] = a; out[#out + 1] = ts; out[#out + 1] = rid
+    out[#out + 1] = 1; out[#out + 1] = tonumber(f[2] or '0'); out[#out + 1] = tonumber(f[1])
+    out[#out + 1] = crid or f[3] or ''
   end
 end
 if added then redis.call('PEXPIRE', done, tonumber(ARGV[3])) end

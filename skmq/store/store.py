@@ -59,7 +59,7 @@ def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
     path = [p for p in parsed.path.split("/") if p]
     if not path:
         raise ValueError("redis+sentinel:// URL needs the service name: .../<service>[/<db>]")
-    sentinel = Sentinel(hosts, socket_connect_timeout=2.0)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(hosts, socket_connect_timeout=2.0)
     master: aioredis.Redis = sentinel.master_for(
         path[0],
         db=int(path[1]) if len(path) > 1 else 0,

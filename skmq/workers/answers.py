@@ -1,8 +1,9 @@
 """Final answers (ack, reject, error, timeout, broken connection) batched into one script
 call an app an event-loop turn, then logged and answered.
 
-A caller gets a future of the `resp` (status, content) to send back; the Redis state
-changes before the answer goes out, so an `ack` resp means the broker recorded it.
+Whoever submits an answer gets the `resp` (status, content) to send back through a
+callback (or a future, for callers that await); the Redis state changes before the
+answer goes out, so an `ack` resp means the broker recorded it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Answer:
     detail: str
     recipient: str
     attempt: int | None
-    future: asyncio.Future[Resp]
+    done: Callable[[Resp], None]
 
 
 def _kind(delivery_id: str) -> str:
@@ -59,14 +60,25 @@ class AnswerBatcher:
         detail: str = "",
         recipient: str = "",
         attempt: int | None = None,
-    ) -> asyncio.Future[Resp]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Resp] = loop.create_future()
+        done: Callable[[Resp], None] = lambda resp: None,
+    ) -> None:
         self._pending.setdefault(app, []).append(
-            Answer(delivery_id, outcome, detail, recipient, attempt, fut)
+            Answer(delivery_id, outcome, detail, recipient, attempt, done)
         )
         if self._task is None:
-            self._task = loop.create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def submit_and_wait(
+        self,
+        app: str,
+        delivery_id: str,
+        outcome: str,
+        detail: str = "",
+        recipient: str = "",
+        attempt: int | None = None,
+    ) -> asyncio.Future[Resp]:
+        fut: asyncio.Future[Resp] = asyncio.get_running_loop().create_future()
+        self.submit(app, delivery_id, outcome, detail, recipient, attempt, fut.set_result)
         return fut
 
     async def _run(self) -> None:
@@ -85,30 +97,40 @@ class AnswerBatcher:
         acks = [a for a in answers if a.outcome == "acked"]
         fails = [a for a in answers if a.outcome != "acked"]
         now = now_ms()
-        try:
-            if acks:
+        if acks:
+            try:
                 done = await self.store.finish(app, [a.delivery_id for a in acks], now)
+            except (RedisError, OSError) as exc:
+                self._unavailable(app, acks, exc)
+            else:
                 for a, f in zip(acks, done, strict=True):
                     self._finished(app, a, f.ok, f.attempt, f.stored_ts, f.recipient, now)
-            if fails:
-                items = [(a.delivery_id, a.outcome, a.detail, a.recipient) for a in fails]
-                for a, r in zip(fails, await self.store.fail(app, items, now), strict=True):
-                    a.future.set_result(
+        if fails:
+            items = [(a.delivery_id, a.outcome, a.detail, a.recipient) for a in fails]
+            try:
+                results = await self.store.fail(app, items, now)
+            except (RedisError, OSError) as exc:
+                self._unavailable(app, fails, exc)
+            else:
+                for a, r in zip(fails, results, strict=True):
+                    a.done(
                         self.record_failure(app, a.delivery_id, a.outcome, a.detail, a.recipient, r)
                     )
-        except (RedisError, OSError) as exc:
-            log.warning("store unavailable for answers", app=app, error=repr(exc))
-            for a in answers:
-                if not a.future.done():
-                    a.future.set_result(("error", "store unavailable, answer again later"))
         self.on_done(app)
+
+    @staticmethod
+    def _unavailable(app: str, answers: list[Answer], exc: BaseException) -> None:
+        """The deliveries stay in flight in Redis; their leases run out and they are retried."""
+        log.warning("store unavailable for answers", app=app, error=repr(exc))
+        for a in answers:
+            a.done(("error", "store unavailable, answer again later"))
 
     def _finished(
         self, app: str, a: Answer, ok: bool, attempt: int, stored: int, rid: str, now: int
     ) -> None:
         msgid = split_delivery(a.delivery_id)[0]
         if not ok:
-            a.future.set_result(("error", "unknown message, or already finished"))
+            a.done(("error", "unknown message, or already finished"))
             return
         self.dlog.event(
             "acked",
@@ -121,7 +143,7 @@ class AnswerBatcher:
         )
         if self.on_acked is not None:
             self.on_acked(app, now - stored)
-        a.future.set_result(("ack", "acked"))
+        a.done(("ack", "acked"))
 
     def record_failure(
         self, app: str, delivery_id: str, outcome: str, detail: str, recipient: str, r: Failed

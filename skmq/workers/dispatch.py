@@ -25,6 +25,7 @@ from skmq.store import Claimed, Store
 log = structlog.get_logger("skmq.dispatch")
 
 CLAIM_BATCH = 512
+FIRST_CLAIM = 16
 POLL = 0.25
 
 
@@ -47,6 +48,9 @@ class Dispatcher:
         self.balancer = Balancer()
         self.bucket = TokenBucket(delivery_rate) if delivery_rate > 0 else None
         self.paused = False
+        # Claims start small and double while they come back full: a lone message does
+        # not pay for a batch of 512 picks and arguments.
+        self.batch = FIRST_CLAIM
 
     async def run(self) -> None:
         backoff = 0.05
@@ -69,7 +73,7 @@ class Dispatcher:
         if not recipients:
             return POLL
         free = self.free_slots(self.app, recipients)
-        n = min(sum(free.values()), CLAIM_BATCH)
+        n = min(sum(free.values()), self.batch)
         if n <= 0:
             return POLL
         if self.bucket is not None:
@@ -87,12 +91,15 @@ class Dispatcher:
         claimed, next_due = await self.store.claim(
             self.app, now, n, [r.id for r in recipients], assignment
         )
+        self.balancer.commit(sum(1 for c in claimed if c.kind == "queue"))
         if claimed:
             self.deliver(self.app, claimed)
         if len(claimed) >= n:
+            self.batch = min(CLAIM_BATCH, self.batch * 2)
             return 0.0
+        self.batch = FIRST_CLAIM
         if self.bucket is not None:
-            self.bucket.give_back(n - len(claimed))
+            self.bucket.give_back(max(0, n - len(claimed)))
         if next_due is not None:
             return min(POLL, max(0.0, (next_due - now_ms()) / 1000))
         return POLL

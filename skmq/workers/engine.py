@@ -23,7 +23,7 @@ from skmq.registry.recipients import Recipient, Registry
 from skmq.store import Claimed, Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher, Resp
 from skmq.workers.dispatch import Dispatcher
-from skmq.workers.link import ANSWERS, Delivery, RecipientLink
+from skmq.workers.link import ANSWERS, DETAILS, Delivery, RecipientLink
 
 log = structlog.get_logger("skmq.engine")
 
@@ -183,10 +183,11 @@ class Engine:
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
         self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
 
-    def on_answer(
-        self, link: RecipientLink, d: Delivery, outcome: str, detail: str
-    ) -> asyncio.Future[Resp]:
-        return self.answers.submit(link.app, d.delivery_id, outcome, detail, link.rid, d.attempt)
+    def on_answer(self, link: RecipientLink, d: Delivery, outcome: str, detail: str) -> None:
+        def reply(resp: Resp) -> None:
+            link.send_resp(d.msgid, *resp)
+
+        self.answers.submit(link.app, d.delivery_id, outcome, detail, link.rid, d.attempt, reply)
 
     def on_unknown_answer(self, link: RecipientLink, frame: Frame) -> None:
         async def late() -> None:
@@ -255,11 +256,11 @@ class Engine:
             self.on_arrived(link, d)
             return ("ack", "arrived")
         outcome = ANSWERS[frame.type]
-        detail = (frame.content or b"").decode("utf-8", "replace") if outcome == "errored" else ""
+        detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
         if found is not None:
             link, d = found
             link.take(msgid)
-            return await self.answers.submit(
+            return await self.answers.submit_and_wait(
                 link.app, d.delivery_id, outcome, detail, link.rid, d.attempt
             )
         if app is None:
@@ -270,7 +271,7 @@ class Engine:
         if delivery_id is None:
             return ("error", f"unknown message {msgid!r}")
         crid = split_delivery(delivery_id)[1]
-        return await self.answers.submit(app, delivery_id, outcome, detail, crid or "")
+        return await self.answers.submit_and_wait(app, delivery_id, outcome, detail, crid or "")
 
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:

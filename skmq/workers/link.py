@@ -33,7 +33,7 @@ class LinkOwner(Protocol):
     def on_arrived(self, link: RecipientLink, delivery: Delivery) -> None: ...
     def on_answer(
         self, link: RecipientLink, delivery: Delivery, outcome: str, detail: str
-    ) -> asyncio.Future[tuple[str, str]]: ...
+    ) -> None: ...
     def on_unknown_answer(self, link: RecipientLink, frame: Frame) -> None: ...
     def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None: ...
     def on_unreachable(
@@ -42,6 +42,7 @@ class LinkOwner(Protocol):
 
 
 ANSWERS = {"ack": "acked", "reject": "rejected", "error": "errored"}
+DETAILS = {"ack": "", "reject": "rejected by the recipient", "error": "error at the recipient"}
 
 
 class RecipientLink(asyncio.Protocol):
@@ -168,14 +169,8 @@ class RecipientLink(asyncio.Protocol):
             self.send_resp(msgid, "error", f"unexpected frame type {kind!r} from a recipient")
             return
         del self.inflight[msgid]
-        detail = (frame.content or b"").decode("utf-8", "replace") if kind == "error" else ""
-        fut = self.owner.on_answer(self, d, outcome, detail)
-        fut.add_done_callback(lambda f: self._answered(msgid, f))
-
-    def _answered(self, msgid: str, fut: asyncio.Future[tuple[str, str]]) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            status, content = fut.result()
-            self.send_resp(msgid, status, content)
+        detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[kind]
+        self.owner.on_answer(self, d, outcome, detail)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
