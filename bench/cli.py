@@ -76,6 +76,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra environment for the broker (repeatable), e.g. SKMQ_PUSH_WINDOW=256",
     )
     p.add_argument("--rabbit-url", default=RABBIT_URL)
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each scenario, wait up to this long for the machine to be idle "
+        "(other processes under 15%% CPU); for shared machines (default: 0, off)",
+    )
     p.add_argument("--time-limit", type=float, default=330.0, help="seconds for the whole run")
     p.add_argument(
         "--backlog", action="store_true", help="run the backlog scenario even if it may not fit"
@@ -206,7 +214,21 @@ class Runner:
         if "backlog" in a.scenario_list and "skmq" in systems:
             await self.backlog()
 
+    async def wait_quiet(self) -> None:
+        """Wait (bounded by --quiet-wait) until the machine is about idle."""
+        limit = min(float(self.args.quiet_wait), self.remaining() - 60.0)
+        if limit <= 0:
+            return
+        end = time.monotonic() + limit
+        busy = 100.0
+        while time.monotonic() < end:
+            busy = await machine_busy_pct(1.0)
+            if busy < 15.0:
+                return
+        self.log(f"machine still {busy:.0f}% busy after {limit:.0f}s: going on")
+
     async def one(self, system: str, scenario: str) -> None:
+        await self.wait_quiet()
         plan = self.plan(scenario)
         if plan is None:
             self.skipped(system, scenario, "time limit")
@@ -322,6 +344,7 @@ class Runner:
                 " (use --backlog)",
             )
             return
+        await self.wait_quiet()
         plan = self.plan("backlog")
         if plan is None:
             self.skipped("skmq", "backlog", "time limit")
@@ -398,6 +421,21 @@ class Runner:
         if problems:
             lines += ["", "Notes:", *problems]
         return "\n".join(lines)
+
+
+async def machine_busy_pct(interval: float) -> float:
+    """Busy share of all cores over `interval` seconds."""
+    import psutil
+
+    def busy() -> tuple[float, float]:
+        t = psutil.cpu_times()
+        idle = float(t.idle) + float(getattr(t, "iowait", 0.0))
+        return float(sum(t)) - idle, float(sum(t))
+
+    b0, t0 = busy()
+    await asyncio.sleep(interval)
+    b1, t1 = busy()
+    return 100.0 * (b1 - b0) / max(t1 - t0, 1e-9)
 
 
 def summary(r: LoadResult) -> str:

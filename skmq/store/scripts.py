@@ -3,22 +3,25 @@
 Every script works on the keys of ONE app, all sharing the hash tag `{app}`, and gets
 that app's key base (`<prefix>:{<app>}:`) as KEYS[1]. Key layout under the base:
 
-    m:<msgid>   HASH  c content, k kind (q|t), ts stored ms, at deliver_at ms,
-                      n attempts, r last recipient, e last error, h history;
-                      topic copies keep n:<rid> / e:<rid> / h:<rid>, o copies
-                      outstanding, dc copies dead
-    ready       LIST  delivery ids ready to push, FIFO
-    delayed     ZSET  delivery id -> due ms (delayed messages, retry waits, replays)
-    inflight    ZSET  delivery id -> lease deadline ms (pushed, waiting for an answer)
-    dead        ZSET  delivery id -> ms it died (the dead-letter queue)
-    done:<b>    SET   msgids completed in time bucket b (dedupe after completion)
-    recipients  HASH  rid -> JSON registration
-    rstate      HASH  rid -> 1 alive | 0 lost
-    rbeat       HASH  rid -> ms of the last answered heartbeat
+    m:<msgid>   STRING  kind (q|t), stored ms (13 digits), then the content: a plain
+                        string, because a waiting message should cost as little as
+                        possible (a small hash costs ~190 bytes more here)
+    s:<msgid>   HASH    delivery state, created at the first claim: n attempts,
+                        r last recipient, e last error, h history; a topic message
+                        keeps n:<rid> / e:<rid> / h:<rid> a copy, o copies
+                        outstanding, dc copies dead
+    ready       LIST    delivery ids ready to push, FIFO
+    delayed     ZSET    delivery id -> due ms (delayed messages, retry waits, replays)
+    inflight    ZSET    delivery id -> lease deadline ms (pushed, waiting for an answer)
+    dead        ZSET    delivery id -> ms it died (the dead-letter queue)
+    done:<b>    SET     msgids completed in time bucket b (dedupe after completion)
+    recipients  HASH    rid -> JSON registration
+    rstate      HASH    rid -> 1 alive | 0 lost
+    rbeat       HASH    rid -> ms of the last answered heartbeat
 
 A delivery id is the msgid for a queue message (and for a topic message not yet
 fanned out), and `msgid \\x1f rid` for one recipient's copy of a topic message.
-The msgid only ever follows `m:` or sits inside a collection, so no msgid can
+The msgid only ever follows `m:`/`s:` or sits inside a collection, so no msgid can
 collide with a key of the broker.
 """
 
@@ -34,28 +37,25 @@ end
 local function sfx(crid) if crid then return ':' .. crid end return '' end
 """
 
-# ARGV: now, done bucket (current), done bucket (previous), then (msgid, kind, content, deliver_at)*
-# Returns one 1 (stored) or 0 (duplicate) a message.
+# ARGV: now (13 digits), done bucket (current), done bucket (previous),
+# then (msgid, kind q|t, content, deliver_at)*. Returns 1 (stored) or 0 (duplicate) each.
 STORE = (
     COMMON
     + r"""
-local now = tonumber(ARGV[1])
+local now = ARGV[1]
 local cur = base .. 'done:' .. ARGV[2]
 local prev = base .. 'done:' .. ARGV[3]
 local out = {}
 for i = 4, #ARGV, 4 do
   local id = ARGV[i]
-  local mk = base .. 'm:' .. id
-  if redis.call('EXISTS', mk) == 1 or redis.call('SISMEMBER', cur, id) == 1
-      or redis.call('SISMEMBER', prev, id) == 1 then
+  if redis.call('SISMEMBER', cur, id) == 1 or redis.call('SISMEMBER', prev, id) == 1
+      or not redis.call('SET', base .. 'm:' .. id, ARGV[i + 1] .. now .. ARGV[i + 2], 'NX') then
     out[#out + 1] = 0
   else
     local at = tonumber(ARGV[i + 3])
-    if at > now then
-      redis.call('HSET', mk, 'c', ARGV[i + 2], 'k', ARGV[i + 1], 'ts', now, 'at', at)
+    if at > tonumber(now) then
       redis.call('ZADD', base .. 'delayed', at, id)
     else
-      redis.call('HSET', mk, 'c', ARGV[i + 2], 'k', ARGV[i + 1], 'ts', now)
       redis.call('RPUSH', base .. 'ready', id)
     end
     out[#out + 1] = 1
@@ -80,32 +80,33 @@ local inflight = base .. 'inflight'
 local out = {}
 local function take(id)
   local msgid, crid = split(id)
-  local mk = base .. 'm:' .. msgid
-  local kc = redis.call('HMGET', mk, 'k', 'c')
-  if not kc[1] then return end
+  local m = redis.call('GET', base .. 'm:' .. msgid)
+  if not m then return end
+  local sk = base .. 's:' .. msgid
+  local content = string.sub(m, 15)
   if crid then
-    local a = redis.call('HINCRBY', mk, 'n:' .. crid, 1)
+    local a = redis.call('HINCRBY', sk, 'n:' .. crid, 1)
     redis.call('ZADD', inflight, lease, id)
-    out[#out + 1] = id; out[#out + 1] = 't'; out[#out + 1] = kc[2]
+    out[#out + 1] = id; out[#out + 1] = 't'; out[#out + 1] = content
     out[#out + 1] = a; out[#out + 1] = crid
-  elseif kc[1] == 'q' then
+  elseif string.sub(m, 1, 1) == 'q' then
     local rid = ARGV[qi]
     qi = qi + 1
-    local a = redis.call('HINCRBY', mk, 'n', 1)
-    redis.call('HSET', mk, 'r', rid)
+    local a = redis.call('HINCRBY', sk, 'n', 1)
+    redis.call('HSET', sk, 'r', rid)
     redis.call('ZADD', inflight, lease, id)
-    out[#out + 1] = id; out[#out + 1] = 'q'; out[#out + 1] = kc[2]
+    out[#out + 1] = id; out[#out + 1] = 'q'; out[#out + 1] = content
     out[#out + 1] = a; out[#out + 1] = rid
   else
     for j = 1, k do
       local rid = ARGV[4 + j]
       local cid = msgid .. '\31' .. rid
-      redis.call('HSET', mk, 'n:' .. rid, 1)
+      redis.call('HSET', sk, 'n:' .. rid, 1)
       redis.call('ZADD', inflight, lease, cid)
-      out[#out + 1] = cid; out[#out + 1] = 't'; out[#out + 1] = kc[2]
+      out[#out + 1] = cid; out[#out + 1] = 't'; out[#out + 1] = content
       out[#out + 1] = 1; out[#out + 1] = rid
     end
-    redis.call('HSET', mk, 'o', k, 'dc', 0)
+    redis.call('HSET', sk, 'o', k, 'dc', 0)
   end
 end
 local taken = 0
@@ -133,26 +134,27 @@ FAIL_ONE = r"""
 local function fail_one(id, outcome, detail, rid_hint, now, retry_times, backoff)
   if redis.call('ZREM', base .. 'inflight', id) == 0 then return {0, 0, 0, rid_hint} end
   local msgid, crid = split(id)
-  local mk = base .. 'm:' .. msgid
-  if redis.call('EXISTS', mk) == 0 then return {0, 0, 0, rid_hint} end
+  if redis.call('EXISTS', base .. 'm:' .. msgid) == 0 then return {0, 0, 0, rid_hint} end
+  local sk = base .. 's:' .. msgid
   local s = sfx(crid)
-  local n = tonumber(redis.call('HGET', mk, 'n' .. s) or '0')
+  local f = redis.call('HMGET', sk, 'n' .. s, 'h' .. s, 'r')
+  local n = tonumber(f[1] or '0')
   local rid = crid or rid_hint
-  if rid == '' then rid = redis.call('HGET', mk, 'r') or '' end
+  if rid == '' then rid = f[3] or '' end
   local line = now .. ' attempt=' .. n .. ' recipient=' .. rid .. ' ' .. outcome .. ': ' .. detail
-  local h = redis.call('HGET', mk, 'h' .. s)
+  local h = f[2]
   if h then
     h = h .. '\n' .. line
     if #h > 8192 then h = string.sub(h, #h - 8191) end
   else
     h = line
   end
-  redis.call('HSET', mk, 'h' .. s, h, 'e' .. s, outcome .. ': ' .. detail)
+  redis.call('HSET', sk, 'h' .. s, h, 'e' .. s, outcome .. ': ' .. detail)
   if n >= retry_times then
     redis.call('ZADD', base .. 'dead', now, id)
     if crid then
-      redis.call('HINCRBY', mk, 'o', -1)
-      redis.call('HINCRBY', mk, 'dc', 1)
+      redis.call('HINCRBY', sk, 'o', -1)
+      redis.call('HINCRBY', sk, 'dc', 1)
     end
     return {2, n, now, rid}
   end
@@ -216,7 +218,6 @@ return out
 FINISH = (
     COMMON
     + r"""
-local now = tonumber(ARGV[1])
 local done = base .. 'done:' .. ARGV[2]
 local added = false
 local out = {}
@@ -224,6 +225,7 @@ for i = 4, #ARGV do
   local id = ARGV[i]
   local msgid, crid = split(id)
   local mk = base .. 'm:' .. msgid
+  local sk = base .. 's:' .. msgid
   local found = redis.call('ZREM', base .. 'inflight', id)
   local was_dead = 0
   if found == 0 then
@@ -233,30 +235,31 @@ for i = 4, #ARGV do
       found = was_dead
     end
   end
-  local s = sfx(crid)
-  local f = {false}
-  if found == 1 then f = redis.call('HMGET', mk, 'ts', 'n' .. s, 'r') end
-  if not f[1] then
+  local ts = false
+  if found == 1 then ts = redis.call('GETRANGE', mk, 1, 13) end
+  if not ts or ts == '' then
     out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = ''
   else
+    local s = sfx(crid)
+    local f = redis.call('HMGET', sk, 'n' .. s, 'r')
     local complete = true
     if crid then
       if was_dead == 1 then
-        redis.call('HINCRBY', mk, 'dc', -1)
-        redis.call('HINCRBY', mk, 'o', 1)
+        redis.call('HINCRBY', sk, 'dc', -1)
+        redis.call('HINCRBY', sk, 'o', 1)
       end
-      redis.call('HDEL', mk, 'n' .. s, 'h' .. s, 'e' .. s)
-      local o = redis.call('HINCRBY', mk, 'o', -1)
-      local dc = tonumber(redis.call('HGET', mk, 'dc') or '0')
+      redis.call('HDEL', sk, 'n' .. s, 'h' .. s, 'e' .. s)
+      local o = redis.call('HINCRBY', sk, 'o', -1)
+      local dc = tonumber(redis.call('HGET', sk, 'dc') or '0')
       complete = o <= 0 and dc <= 0
     end
     if complete then
-      redis.call('DEL', mk)
+      redis.call('DEL', mk, sk)
       redis.call('SADD', done, msgid)
       added = true
     end
-    out[#out + 1] = 1; out[#out + 1] = tonumber(f[2] or '0'); out[#out + 1] = tonumber(f[1])
-    out[#out + 1] = crid or f[3] or ''
+    out[#out + 1] = 1; out[#out + 1] = tonumber(f[1] or '0'); out[#out + 1] = tonumber(ts)
+    out[#out + 1] = crid or f[2] or ''
   end
 end
 if added then redis.call('PEXPIRE', done, tonumber(ARGV[3])) end
@@ -264,8 +267,9 @@ return out
 """
 )
 
-# ARGV: queue delivery ids whose recipient was unreachable: back to the head of the
-# ready list without spending an attempt. Returns 1 (released) or 0 (not in flight) an id.
+# ARGV: delivery ids to hand back without spending an attempt (an unreachable
+# recipient's queue messages, or a broker shutting down): queue ones to the head of
+# the ready list, topic copies due at once. Returns 1 (released) or 0 (not in flight).
 RELEASE = (
     COMMON
     + r"""
@@ -274,9 +278,8 @@ for i = 1, #ARGV do
   local id = ARGV[i]
   if redis.call('ZREM', base .. 'inflight', id) == 1 then
     local msgid, crid = split(id)
-    local mk = base .. 'm:' .. msgid
-    if redis.call('EXISTS', mk) == 1 then
-      redis.call('HINCRBY', mk, 'n' .. sfx(crid), -1)
+    if redis.call('EXISTS', base .. 'm:' .. msgid) == 1 then
+      redis.call('HINCRBY', base .. 's:' .. msgid, 'n' .. sfx(crid), -1)
       if crid then
         redis.call('ZADD', base .. 'delayed', 0, id)
       else
@@ -299,12 +302,11 @@ RESOLVE = (
     COMMON
     + r"""
 local msgid = ARGV[1]
-local mk = base .. 'm:' .. msgid
-local kind = redis.call('HGET', mk, 'k')
-if not kind then return false end
+local kind = redis.call('GETRANGE', base .. 'm:' .. msgid, 0, 0)
+if kind == '' then return false end
 if kind == 'q' then return msgid end
 if ARGV[2] ~= '' then return msgid .. '\31' .. ARGV[2] end
-local fields = redis.call('HKEYS', mk)
+local fields = redis.call('HKEYS', base .. 's:' .. msgid)
 local fallback = false
 for _, f in ipairs(fields) do
   if string.sub(f, 1, 2) == 'n:' then
@@ -327,11 +329,11 @@ for i = 2, #ARGV do
   local id = ARGV[i]
   if redis.call('ZREM', base .. 'dead', id) == 1 then
     local msgid, crid = split(id)
-    local mk = base .. 'm:' .. msgid
-    redis.call('HSET', mk, 'n' .. sfx(crid), 0)
+    local sk = base .. 's:' .. msgid
+    redis.call('HSET', sk, 'n' .. sfx(crid), 0)
     if crid then
-      redis.call('HINCRBY', mk, 'dc', -1)
-      redis.call('HINCRBY', mk, 'o', 1)
+      redis.call('HINCRBY', sk, 'dc', -1)
+      redis.call('HINCRBY', sk, 'o', 1)
     end
     redis.call('ZADD', base .. 'delayed', now, id)
     out[#out + 1] = 1
@@ -352,16 +354,16 @@ for i = 1, #ARGV do
   local id = ARGV[i]
   if redis.call('ZREM', base .. 'dead', id) == 1 then
     local msgid, crid = split(id)
-    local mk = base .. 'm:' .. msgid
+    local sk = base .. 's:' .. msgid
+    local gone = true
     if crid then
       local s = sfx(crid)
-      redis.call('HDEL', mk, 'n' .. s, 'h' .. s, 'e' .. s)
-      local dc = redis.call('HINCRBY', mk, 'dc', -1)
-      local o = tonumber(redis.call('HGET', mk, 'o') or '0')
-      if o <= 0 and dc <= 0 then redis.call('DEL', mk) end
-    else
-      redis.call('DEL', mk)
+      redis.call('HDEL', sk, 'n' .. s, 'h' .. s, 'e' .. s)
+      local dc = redis.call('HINCRBY', sk, 'dc', -1)
+      local o = tonumber(redis.call('HGET', sk, 'o') or '0')
+      gone = o <= 0 and dc <= 0
     end
+    if gone then redis.call('DEL', base .. 'm:' .. msgid, sk) end
     out[#out + 1] = 1
   else
     out[#out + 1] = 0

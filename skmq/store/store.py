@@ -368,26 +368,31 @@ class Store:
         )
         pipe = self.redis.pipeline(transaction=False)
         for member, _ in entries:
-            pipe.hgetall(f"{base}m:{split_delivery(_s(member))[0]}")
+            msgid = split_delivery(_s(member))[0]
+            pipe.get(f"{base}m:{msgid}")
+            pipe.hgetall(f"{base}s:{msgid}")
+        res = await pipe.execute()
         out = []
-        for (member, died), fields in zip(entries, await pipe.execute(), strict=True):
+        for i, (member, died) in enumerate(entries):
+            message: bytes = res[2 * i] or b"q0000000000000"
+            state: dict[bytes, bytes] = res[2 * i + 1]
             did = _s(member)
             msgid, rid = split_delivery(did)
             sfx = f":{rid}" if rid is not None else ""
-            history = _s(fields.get(f"h{sfx}".encode(), b""))
+            history = _s(state.get(f"h{sfx}".encode(), b""))
             out.append(
                 DeadLetter(
                     appid=app,
                     delivery_id=did,
                     msgid=msgid,
-                    kind="topic" if fields.get(b"k") == b"t" else "queue",
-                    recipient=rid if rid is not None else _s(fields.get(b"r", b"")) or None,
-                    content=fields.get(b"c", b""),
-                    attempts=int(fields.get(f"n{sfx}".encode(), 0)),
-                    last_error=_s(fields.get(f"e{sfx}".encode(), b"")),
+                    kind="topic" if message[:1] == b"t" else "queue",
+                    recipient=rid if rid is not None else _s(state.get(b"r", b"")) or None,
+                    content=message[14:],
+                    attempts=int(state.get(f"n{sfx}".encode(), 0)),
+                    last_error=_s(state.get(f"e{sfx}".encode(), b"")),
                     history=history.split("\n") if history else [],
                     died_at=int(died),
-                    stored_at=int(fields.get(b"ts", 0)),
+                    stored_at=int(message[1:14]),
                 )
             )
         return out
