@@ -288,7 +288,10 @@ class Runner:
             res.extra.update(extra)
             if not broker.alive():
                 rc = broker.proc.returncode if broker.proc else None
-                res.notes.append(f"broker exited during the run (code {rc}):\n{broker.log_tail()}")
+                msg = f"broker exited during the run (code {rc}; the harness had not stopped it)"
+                res.error = f"{res.error}; {msg}" if res.error else msg
+                res.notes.append(f"broker log (last lines):\n{broker.log_tail()}")
+                res.notes.append(f"Redis log (last lines):\n{broker.redis_log_tail()}")
             else:
                 tail = broker.log_tail(5)
                 if tail.strip():

@@ -34,6 +34,10 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _mib(value: float | None) -> str:
+    return _num(value / 2**20, 1) if value else "-"
+
+
 def _num(value: float | None, digits: int = 0) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -112,13 +116,13 @@ def backlog_table(results: list[LoadResult]) -> str:
                 r.system,
                 _num(r.acked),
                 _num(r.ingest_rate),
-                _num(x.get("broker_rss_before", 0) / 2**20, 1),
-                _num(x.get("broker_rss_peak", 0) / 2**20, 1),
-                _num(x.get("broker_rss_after", 0) / 2**20, 1),
-                _num(x.get("redis_used_memory_delta", 0) / 2**20, 1),
+                _mib(x.get("broker_rss_before")),
+                _mib(x.get("broker_rss_peak")),
+                _mib(x.get("broker_rss_after")),
+                _mib(x.get("redis_used_memory_delta")),
                 _num(x.get("redis_bytes_per_msg"), 1),
                 _num(x.get("redis_dbsize")),
-                _num(x.get("aof_bytes", 0) / 2**20, 1),
+                _mib(x.get("aof_bytes")),
             ]
         )
     if not rows:

@@ -174,6 +174,15 @@ class SkmqBroker:
         except OSError:
             return ""
 
+    def redis_log_tail(self, n: int = 8) -> str:
+        """The end of the embedded Redis's own log, if the broker keeps one in DATA_DIR."""
+        if self.data_dir is None:
+            return ""
+        for path in sorted(self.data_dir.rglob("*.log")):
+            with contextlib.suppress(OSError):
+                return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 

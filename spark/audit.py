@@ -156,7 +156,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from pyspark import StorageLevel
@@ -164,6 +164,9 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+# timezone.utc, not datetime.UTC: the official Spark images run Python 3.10.
+UTC = timezone.utc  # noqa: UP017
 
 try:
     from spark.report_html import render_html

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from html import escape
 from typing import Any
+
+# timezone.utc, not datetime.UTC: the official Spark images run Python 3.10.
+UTC = timezone.utc  # noqa: UP017
 
 __all__ = ["render_html"]
 

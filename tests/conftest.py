@@ -51,6 +51,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local Spark session for every audit test (a JVM start costs seconds)."""
+    from spark.audit import build_spark
+
+    session = build_spark("local[2]")
+    yield session
+    session.stop()
+
+
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
     return redis_server.url

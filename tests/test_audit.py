@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -45,7 +44,6 @@ from pyspark.sql import SparkSession  # noqa: E402
 from spark.audit import (  # noqa: E402
     REPORT_KEYS,
     AuditInputError,
-    build_spark,
     resolve_log_paths,
     run_audit,
 )
@@ -55,13 +53,6 @@ N_MESSAGES = 1500
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
-    session = build_spark("local[2]")
-    yield session
-    session.stop()
 
 
 @pytest.fixture(scope="session")

@@ -68,21 +68,25 @@ async def snapshot(store: Store) -> dict[str, Any]:
 
 def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group:
     apps = Table(title="apps")
-    for col in ("app", "pending", "delayed", "in flight", "dead", "acked/s"):
+    columns = ["app", "pending", "delayed", "in flight", "dead"]
+    if rates is not None:
+        columns.append("done/s")
+    for col in columns:
         apps.add_column(col, justify="right" if col != "app" else "left")
     recips = Table(title="recipients")
     for col in ("app", "recipient", "address", "weight", "state", "last heartbeat"):
         recips.add_column(col)
     for a in snap["apps"]:
-        rate = "" if rates is None else f"{rates.get(a['appid'], 0.0):.0f}"
-        apps.add_row(
+        row = [
             a["appid"],
             str(a["pending"]),
             str(a["delayed"]),
             str(a["in_flight"]),
             str(a["dead"]),
-            rate,
-        )
+        ]
+        if rates is not None:
+            row.append(f"{rates.get(a['appid'], 0.0):.0f}")
+        apps.add_row(*row)
         for r in a["recipients"]:
             ago = (snap["ts"] - r["last_heartbeat"]) / 1000 if r["last_heartbeat"] else None
             recips.add_row(
