@@ -86,7 +86,7 @@ def results_table(results: list[LoadResult]) -> str:
         rows.append(
             [
                 r.system,
-                r.scenario,
+                r.scenario + (" (error)" if r.error else ""),
                 _num(r.unique if delivered else r.acked),
                 _num(r.ingest_rate) if not delivered else "-",
                 _num(r.e2e_rate) if delivered else "-",
@@ -144,7 +144,7 @@ def backlog_table(results: list[LoadResult]) -> str:
 
 def _best(results: list[LoadResult], system: str, scenario: str) -> LoadResult | None:
     for r in results:
-        if r.system == system and r.scenario == scenario and not (r.error and not r.acked):
+        if r.system == system and r.scenario == scenario and not r.error:
             return r
     return None
 
@@ -203,7 +203,9 @@ def targets(results: list[LoadResult]) -> tuple[list[str], dict[str, Any]]:
     else:
         check("Redis <= 400 bytes/msg (backlog)", None, "not run")
     skmq_runs = [
-        r for r in results if r.system == "skmq" and r.recipients > 0 and r.lost is not None
+        r
+        for r in results
+        if r.system == "skmq" and r.recipients > 0 and r.lost is not None and not r.error
     ]
     if skmq_runs:
         lost = sum(r.lost or 0 for r in skmq_runs)

@@ -89,7 +89,7 @@ class Broker:
         self.engine = Engine(s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency)
         while True:
             try:
-                await self.engine.start()
+                await self.engine.start(orphans=self.embedded is not None)
                 break
             except (RedisError, OSError) as exc:
                 if self.stopping.is_set():

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from skmq.cli import audit, consume, dlq, send, serve, status  # noqa: F401 (subcommands)
+from skmq.cli import audit, consume, dlq, send, serve, status
 
 SUBCOMMANDS = (serve, send, consume, status, dlq, audit)
 
@@ -20,6 +19,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: int = args.func(args)
     return result
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -280,6 +280,9 @@ class Store:
             for i in range(0, len(res), 5)
         ]
 
+    async def in_flight(self, app: str) -> list[str]:
+        return [_s(x) for x in await self.redis.zrange(self.base(app) + "inflight", 0, -1)]
+
     async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:
             return []

@@ -52,8 +52,12 @@ class Engine:
         self.healthy = True
 
     # -- lifecycle ----------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, orphans: bool = False) -> None:
+        """`orphans`: every lease in Redis is a dead process's (this broker owns its Redis
+        alone, as with the embedded one): hand them back now rather than at expiry."""
         await self.store.load_scripts()
+        if orphans:
+            await self._release_orphans()
         await self._refresh()
         s = self.settings
         self._tasks = [
@@ -62,6 +66,14 @@ class Engine:
             self._loop(self._heartbeat, s.heartbeat_interval, "heartbeat"),
             self._loop(self._sweep_ack_wait, min(1.0, max(0.05, s.ack_wait / 2)), "ack-wait"),
         ]
+
+    async def _release_orphans(self) -> None:
+        for app in await self.store.apps():
+            ids = await self.store.in_flight(app)
+            released = await self.store.release(app, ids)
+            if ids:
+                log.info("in-flight messages of a previous run handed back", app=app,
+                         count=sum(released))  # fmt: skip
 
     def _loop(
         self, step: Callable[[], Awaitable[None]], interval: float, name: str

@@ -1,0 +1,7 @@
+"""`python -m skmq.cli ...`, the same as the `skmq` command."""
+
+import sys
+
+from skmq.cli import main
+
+sys.exit(main())
