@@ -157,6 +157,10 @@ class System(Protocol):
         """CPU seconds used so far: {"broker": s, "redis": s or None}."""
         ...
 
+    def alive(self) -> bool:
+        """False once the system under test is known to be gone."""
+        ...
+
 
 @dataclass
 class LoadPlan:
@@ -334,7 +338,7 @@ async def _run_load(
     # Drain: wait until the recipients hold every acked message (bounded).
     deadline = time.monotonic() + plan.drain_time
     while time.monotonic() < deadline:
-        if any("exit" in c.events for c in recipients):
+        if any("exit" in c.events for c in recipients) or not system.alive():
             break
         unique = sum(int(c.progress.get("unique", 0)) for c in recipients)
         if unique >= res.acked:

@@ -97,22 +97,22 @@ class SkmqBroker:
 
     def cpu(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {"broker": None, "redis": None}
-        if self.ps is not None:
-            total = 0.0
-            for p in _tree(self.ps, self.redis_ps):
-                with contextlib.suppress(psutil.Error):
-                    total += _cpu_of(p)
-            out["broker"] = total
+        if self.ps is not None and self.alive():
+            with contextlib.suppress(psutil.Error):
+                total = _cpu_of(self.ps)  # gone: no figure rather than a wrong one
+                for p in _tree(self.ps, self.redis_ps)[1:]:
+                    with contextlib.suppress(psutil.Error):
+                        total += _cpu_of(p)
+                out["broker"] = total
         if self.redis_ps is not None:
             # Redis and its forks (AOF rewrite): the live ones and the reaped ones.
-            total = 0.0
-            for p in _tree(self.redis_ps, None):
-                with contextlib.suppress(psutil.Error):
-                    total += _cpu_of(p)
             with contextlib.suppress(psutil.Error):
                 t = self.redis_ps.cpu_times()
-                total += float(t.children_user + t.children_system)
-            out["redis"] = total
+                total = float(t.user + t.system + t.children_user + t.children_system)
+                for p in _tree(self.redis_ps, None)[1:]:
+                    with contextlib.suppress(psutil.Error):
+                        total += _cpu_of(p)
+                out["redis"] = total
         return out
 
     # -- lifecycle ---------------------------------------------------------------
@@ -300,6 +300,9 @@ class RabbitSystem:
     def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
         args = ["consumer", "--url", self.url, "--queue", self.queue, "--rid", f"c{index + 1}"]
         return "bench.rabbit_load", args
+
+    def alive(self) -> bool:
+        return True
 
     def cpu(self) -> dict[str, float | None]:
         if not self.beam:

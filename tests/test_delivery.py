@@ -107,6 +107,27 @@ async def settled(redis: aioredis.Redis, broker: Broker, app: str) -> bool:
     return not [k async for k in redis.scan_iter(match=f"{b}m:*", count=1000)]
 
 
+async def settle(redis: aioredis.Redis, broker: Broker, app: str, timeout: float = WAIT) -> None:
+    """Wait until `settled`; on timeout, fail showing what is left and the app's log."""
+    try:
+        await eventually(lambda: settled(redis, broker, app), timeout)
+    except TimeoutError:
+        b = base(broker, app)
+        left = {
+            "ready": await redis.lrange(b + "ready", 0, -1),
+            "delayed": await redis.zrange(b + "delayed", 0, -1, withscores=True),
+            "inflight": await redis.zrange(b + "inflight", 0, -1, withscores=True),
+            "dead": await redis.zrange(b + "dead", 0, -1),
+            "messages": [k async for k in redis.scan_iter(match=f"{b}m:*", count=1000)],
+        }
+        events = [
+            (e["event"], e["msgid"], e["recipient"], e["attempt"], e["detail"])
+            for e in log_events(broker)
+            if e["appid"] == app
+        ]
+        raise AssertionError(f"not settled: {left}\nlog: {events}") from None
+
+
 async def recipient_state(broker: Broker, app: str, rid: str) -> dict[str, Any] | None:
     found = await broker.store.recipients([app])
     return next((r for r in found[app] if r["id"] == rid), None)
@@ -276,7 +297,7 @@ async def test_queue_message_goes_to_exactly_one_alive_recipient(
     ids = [f"q1-{i}" for i in range(30)]
     await produce(broker.server.port, app, ids)
     await tally.reach(30)
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     got = [f.fields["msgid"] for r in recs for f in r.received]
     assert sorted(got) == sorted(ids)  # each exactly once, none lost
     assert all(len(r.received) == 10 for r in recs)  # equal weights: an even spread
@@ -298,7 +319,7 @@ async def test_topic_goes_to_every_alive_recipient(broker: Broker, redis: aiored
         frames = [await r.next_push() for _ in ids]
         assert sorted(f.fields["msgid"] for f in frames) == ids
         assert all(f.content == f.fields["msgid"].encode() for f in frames)
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     for m in ids:
         pushed = log_events(broker, m, "pushed")
         assert sorted(e["recipient"] for e in pushed) == ["r0", "r1", "r2"], pushed
@@ -342,7 +363,7 @@ async def test_topic_copies_have_their_own_ack_retry_and_dead_state(
     assert await broker.store.replay(app, [dl.delivery_id], now_ms()) == [True]
     frame = await bad.next_push()
     assert (frame.fields["msgid"], frame.content) == ("tc", b"broadcast body")
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     acked = log_events(broker, "tc", "acked")
     assert [(e["recipient"], e["attempt"]) for e in acked] == [("good", 1), ("bad", 1)]
     assert len(good.received) == 1
@@ -366,7 +387,7 @@ async def test_topic_message_hash_stays_until_every_copy_is_resolved(
     assert await redis.zscore(base(broker, app) + "inflight", "th\x1fslow") is not None
     s_conn.answer("ack", "th", app)
     assert (await s_conn.resp())["status"] == "ack"
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
 
 
 async def test_weighted_distribution_in_any_registration_order(broker: Broker) -> None:
@@ -397,7 +418,7 @@ async def test_messages_produced_before_any_recipient_wait_for_one(
     await registered(broker.server.port, rec)
     frames = [await rec.next_push() for _ in ids]
     assert sorted(f.fields["msgid"] for f in frames) == ids
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
 
 
 async def test_push_window_several_unanswered_on_one_connection(
@@ -431,7 +452,7 @@ async def test_push_window_several_unanswered_on_one_connection(
             seen.append(nxt[0].fields["msgid"])
     assert sorted(seen) == sorted(ids)
     assert len(peer.push_conns) == 1
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
 
 
 async def test_one_connection_carries_many_messages(
@@ -446,7 +467,7 @@ async def test_one_connection_carries_many_messages(
     for batch in range(4):
         await produce(broker.server.port, app, [f"c{batch}-{i}" for i in range(50)])
         await tally.reach(50 * (batch + 1))
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     assert rec.connections == 1
 
 
@@ -466,7 +487,7 @@ async def test_arrived_then_ack_on_the_push_connection(
     conn.answer("ack", "a1", app)
     resp = await conn.resp()
     assert (resp["status"], resp["msgid"]) == ("ack", "a1")
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     names = [e["event"] for e in log_events(broker, "a1")]
     assert names == ["received", "stored", "pushed", "arrived", "acked"], names
 
@@ -494,7 +515,7 @@ async def test_final_answer_on_the_recipients_own_connection_after_ack_wait(
     without_app = await own.request("ack", msgid="o2")  # the original sends no appid
     assert (without_app["status"], without_app["msgid"]) == ("ack", "o2"), without_app
     await own.close()
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     for m in ("o1", "o2"):
         assert attempts(broker, m, "acked") == [1]
         assert attempts(broker, m, "pushed") == [1]
@@ -518,7 +539,7 @@ async def test_ack_without_arrived(broker: Broker, redis: aioredis.Redis) -> Non
     conn.answer("ack", "d1")
     resp = await conn.resp()
     assert (resp["status"], resp["content"], resp["msgid"]) == ("ack", "acked", "d1")
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     assert log_events(broker, "d1", "arrived") == []
 
 
@@ -544,7 +565,7 @@ async def test_answer_through_another_broker_frees_the_pushing_brokers_window(
         resp = await own.request("ack", msgid=m, appid=app)
         assert (resp["status"], resp["msgid"]) == ("ack", m), resp
     await own.close()
-    await eventually(lambda: settled(redis, first, app))
+    await settle(redis, first, app)
     second.stopping.set()
     await second.stop()
     await produce(first.server.port, app, ["x3"])
@@ -654,7 +675,7 @@ async def test_no_final_answer_within_ack_timeout_is_retried_elsewhere(
     (r1, _, t1), (r2, _, t2) = tally.order
     assert r1 != r2, "the retry went to the recipient that timed out, another was alive"
     assert t2 - t1 >= broker.settings.ack_timeout - 0.05
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     timeout = log_events(broker, "s1", "timeout")
     assert [(e["recipient"], e["attempt"]) for e in timeout] == [(r1, 1)]
     assert [(e["recipient"], e["attempt"]) for e in log_events(broker, "s1", "acked")] == [(r2, 2)]
@@ -674,7 +695,7 @@ async def test_unreachable_recipient_is_lost_and_spends_no_attempt(
     ids = [f"u{i}" for i in range(6)]
     await produce(broker.server.port, app, ids)
     await tally.reach(len(ids))
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     assert sorted(f.fields["msgid"] for f in ok.received) == ids
     assert not (await recipient_state(broker, app, "gone") or {}).get("alive", True)
     lost = log_events(broker, event="recipient_lost")
@@ -697,7 +718,7 @@ async def test_broken_connection_is_a_failed_attempt(
     await registered(broker.server.port, rec)
     await produce(broker.server.port, app, ["b1"])
     await tally.reach(2)
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     events = log_events(broker, "b1")
     failures = [e for e in events if e["event"] in ("errored", "rejected", "timeout")]
     assert [e["attempt"] for e in failures] == [1], events
@@ -784,7 +805,7 @@ async def test_registering_the_same_id_again_updates_it(
     assert len((await broker.store.recipients([app]))[app]) == 1
     await produce(broker.server.port, app, ["u2"])
     assert (await new.next_push()).fields["msgid"] == "u2"
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     assert [f.fields["msgid"] for f in old.received] == ["u1"]
 
 
@@ -812,7 +833,7 @@ async def test_producer_ack_means_stored_and_duplicates_are_not_delivered_again(
     await rec.start()
     await registered(broker.server.port, rec)
     assert (await rec.next_push()).content == b"first"
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     after_done = await client.request("topic", b"third", appid=app, msgid="m1")
     assert after_done["status"] == "ack" and "duplicate" in after_done["content"]
     assert (await client.request("queue", b"next", appid=app, msgid="m2"))["status"] == "ack"
@@ -853,7 +874,7 @@ async def test_delayed_messages_are_pushed_on_time_never_early(
     for m, when in due.items():
         late = arrival[m] - when
         assert 0 <= late < 500, (m, late)
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
 
 
 async def test_broker_restart_keeps_delayed_in_flight_and_recipients(
@@ -882,7 +903,7 @@ async def test_broker_restart_keeps_delayed_in_flight_and_recipients(
     got = {(await rec.next_push()).fields["msgid"] for _ in range(2)}
     assert got == {"inflight", "delayed"}
     assert 0 <= arrival["delayed"] - due < 500
-    await eventually(lambda: settled(redis, second, app))
+    await settle(redis, second, app)
 
 
 async def test_several_brokers_on_one_redis_push_each_message_once(
@@ -901,7 +922,7 @@ async def test_several_brokers_on_one_redis_push_each_message_once(
         produce(brokers[1].server.port, app, ids[100:]),
     )
     await tally.reach(len(ids))
-    await eventually(lambda: settled(redis, brokers[0], app))
+    await settle(redis, brokers[0], app)
     assert sorted(f.fields["msgid"] for f in rec.received) == sorted(ids)
     pushed_by = {e["broker"] for m in ids[:20] for e in log_events(brokers[0], m, "pushed")}
     assert pushed_by <= {brokers[0].broker_id, brokers[1].broker_id}
@@ -1010,7 +1031,7 @@ async def test_wire_compatible_with_an_original_consumer(
     conn = pushed[0][1]
     assert b"length=" not in conn.raw  # plain content stays in the original form
     assert b"type=push\r\ncontent=hi g1\r\n\r\n" in conn.raw
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     resps = [await conn.resp() for _ in range(2 * len(ids))]  # arrived + ack, each answered
     assert all(r["status"] == "ack" for r in resps), resps
     assert all(set(json.loads(raw)) == {"status", "content"} for raw in conn.raw_resps)
@@ -1041,7 +1062,7 @@ async def test_delivery_log_holds_every_step_of_a_delivery(
     await produce(broker.server.port, app, ["l2"], kind="topic")
     await rec.next_push()
     await rec.next_push()
-    await eventually(lambda: settled(redis, broker, app))
+    await settle(redis, broker, app)
     for msgid, kind in (("l1", "queue"), ("l2", "topic")):
         events = log_events(broker, msgid)
         assert [e["event"] for e in events] == ["received", "stored", "pushed", "acked"], events

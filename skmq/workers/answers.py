@@ -42,7 +42,7 @@ class AnswerBatcher:
         self,
         store: Store,
         dlog: DeliveryLog,
-        on_done: Callable[[str], None],
+        on_done: Callable[[str, bool], None],
         on_acked: Callable[[str, int], None] | None = None,
     ) -> None:
         self.store = store
@@ -116,7 +116,7 @@ class AnswerBatcher:
                     a.done(
                         self.record_failure(app, a.delivery_id, a.outcome, a.detail, a.recipient, r)
                     )
-        self.on_done(app)
+        self.on_done(app, bool(fails))
 
     @staticmethod
     def _unavailable(app: str, answers: list[Answer], exc: BaseException) -> None:

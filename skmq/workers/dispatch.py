@@ -25,7 +25,7 @@ from skmq.store import Claimed, Store
 log = structlog.get_logger("skmq.dispatch")
 
 CLAIM_BATCH = 512
-FIRST_CLAIM = 16
+FIRST_CLAIM = 4
 POLL = 0.25
 
 
@@ -48,6 +48,8 @@ class Dispatcher:
         self.balancer = Balancer()
         self.bucket = TokenBucket(delivery_rate) if delivery_rate > 0 else None
         self.paused = False
+        # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
+        self.starved = False
         # Claims start small and double while they come back full: a lone message does
         # not pay for a batch of 512 picks and arguments.
         self.batch = FIRST_CLAIM
@@ -74,6 +76,7 @@ class Dispatcher:
             return POLL
         free = self.free_slots(self.app, recipients)
         n = min(sum(free.values()), self.batch)
+        self.starved = n <= 0
         if n <= 0:
             return POLL
         if self.bucket is not None:
@@ -86,6 +89,7 @@ class Dispatcher:
             self.bucket.give_back(n - len(assignment))
         n = len(assignment)
         if n == 0:
+            self.starved = True
             return POLL
         now = now_ms()
         claimed, next_due = await self.store.claim(

@@ -42,7 +42,7 @@ class Engine:
         self.dlog = dlog
         self.broker_id = broker_id
         self.registry = Registry(store, dlog, self.notify)
-        self.answers = AnswerBatcher(store, dlog, self.notify, on_acked)
+        self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.links: dict[tuple[str, str], RecipientLink] = {}
         self.dispatchers: dict[str, Dispatcher] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -139,6 +139,13 @@ class Engine:
                 d.run(), name=f"skmq-dispatch-{app}"
             )
         d.wake.set()
+
+    def _answered(self, app: str, failed: bool) -> None:
+        """Answers free window slots; failures also schedule retries whose due time the
+        dispatcher must learn. A dispatcher that has neither to wait for sleeps on."""
+        d = self.dispatchers.get(app)
+        if d is not None and (failed or d.starved):
+            d.wake.set()
 
     async def note_apps(self, apps: set[str]) -> None:
         """Record apps in Redis (once a process), so that every broker finds them."""
