@@ -16,6 +16,7 @@ import time
 
 import structlog
 
+from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
 from skmq.handler import Handler, Outcome
@@ -91,9 +92,7 @@ class Server:
                     self.decode_q.empty() and self.handle_q.empty() and self.reply_q.empty()
                 ):
                     await asyncio.sleep(0.01)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         for conn in list(self.connections):
             conn.writer.close()
 

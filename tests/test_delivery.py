@@ -99,12 +99,42 @@ def base(broker: Broker, app: str) -> str:
     return broker.store.base(app)
 
 
+async def message_keys(redis: aioredis.Redis, broker: Broker, app: str) -> list[bytes]:
+    """Keys of the app's messages (`m:<msgid>`, and `s:<msgid>` delivery state if any)."""
+    b = base(broker, app)
+    return [
+        k
+        for pattern in (f"{b}m:*", f"{b}s:*")
+        async for k in redis.scan_iter(match=pattern, count=1000)
+    ]
+
+
 async def settled(redis: aioredis.Redis, broker: Broker, app: str) -> bool:
     """Nothing of the app left in Redis: every message done (acked) and forgotten."""
     b = base(broker, app)
     if await redis.exists(b + "ready", b + "delayed", b + "inflight", b + "dead"):
         return False
-    return not [k async for k in redis.scan_iter(match=f"{b}m:*", count=1000)]
+    return not await message_keys(redis, broker, app)
+
+
+async def logged(
+    where: Broker | Path,
+    event: str,
+    msgid: str | None = None,
+    n: int = 1,
+    app: str | None = None,
+    timeout: float = WAIT,
+) -> list[dict[str, Any]]:
+    """Wait until the log holds n `event` lines (a broker logs right after Redis changed)."""
+
+    def found() -> list[dict[str, Any]]:
+        return [e for e in log_events(where, msgid, event) if app is None or e["appid"] == app]
+
+    async def check() -> bool:
+        return len(found()) >= n
+
+    await eventually(check, timeout)
+    return found()
 
 
 async def settle(redis: aioredis.Redis, broker: Broker, app: str, timeout: float = WAIT) -> None:
@@ -118,7 +148,7 @@ async def settle(redis: aioredis.Redis, broker: Broker, app: str, timeout: float
             "delayed": await redis.zrange(b + "delayed", 0, -1, withscores=True),
             "inflight": await redis.zrange(b + "inflight", 0, -1, withscores=True),
             "dead": await redis.zrange(b + "dead", 0, -1),
-            "messages": [k async for k in redis.scan_iter(match=f"{b}m:*", count=1000)],
+            "messages": await message_keys(redis, broker, app),
         }
         events = [
             (e["event"], e["msgid"], e["recipient"], e["attempt"], e["detail"])
@@ -321,6 +351,7 @@ async def test_topic_goes_to_every_alive_recipient(broker: Broker, redis: aiored
         assert all(f.content == f.fields["msgid"].encode() for f in frames)
     await settle(redis, broker, app)
     for m in ids:
+        await logged(broker, "acked", m, n=3)
         pushed = log_events(broker, m, "pushed")
         assert sorted(e["recipient"] for e in pushed) == ["r0", "r1", "r2"], pushed
         assert {e["kind"] for e in pushed} == {"topic"}
@@ -343,6 +374,8 @@ async def test_topic_copies_have_their_own_ack_retry_and_dead_state(
         await bad.next_push()
     key = f"{base(broker, app)}m:tc"
     await eventually(lambda: redis.zscore(base(broker, app) + "dead", "tc\x1fbad"))
+    await logged(broker, "dead_lettered", "tc")
+    await logged(broker, "acked", "tc")
     # good's copy is done, bad's copy is dead: the DLQ holds bad's copy only
     assert attempts(broker, "tc", "acked") == [1]
     assert log_events(broker, "tc", "acked")[0]["recipient"] == "good"
@@ -364,7 +397,7 @@ async def test_topic_copies_have_their_own_ack_retry_and_dead_state(
     frame = await bad.next_push()
     assert (frame.fields["msgid"], frame.content) == ("tc", b"broadcast body")
     await settle(redis, broker, app)
-    acked = log_events(broker, "tc", "acked")
+    acked = await logged(broker, "acked", "tc", n=2)
     assert [(e["recipient"], e["attempt"]) for e in acked] == [("good", 1), ("bad", 1)]
     assert len(good.received) == 1
 
@@ -488,6 +521,7 @@ async def test_arrived_then_ack_on_the_push_connection(
     resp = await conn.resp()
     assert (resp["status"], resp["msgid"]) == ("ack", "a1")
     await settle(redis, broker, app)
+    await logged(broker, "acked", "a1")
     names = [e["event"] for e in log_events(broker, "a1")]
     assert names == ["received", "stored", "pushed", "arrived", "acked"], names
 
@@ -591,6 +625,7 @@ async def test_reject_is_retried_with_growing_waits_then_dead(
     for _ in range(4):
         await rec.next_push()
     await eventually(lambda: redis.zscore(base(broker, app) + "dead", "g1"))
+    await logged(broker, "dead_lettered", "g1")
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     for gap, wait in zip(gaps, backoff, strict=True):
         assert wait - 0.01 <= gap < wait + 0.5, (gaps, backoff)
@@ -613,6 +648,7 @@ async def test_error_answers_lead_to_the_dead_letter_queue_with_history(
     for _ in range(broker.settings.retry_times):
         await rec.next_push()
     await eventually(lambda: redis.zscore(base(broker, app) + "dead", "e1"))
+    await logged(broker, "dead_lettered", "e1")
     assert attempts(broker, "e1", "errored") == [1, 2, 3]
     assert attempts(broker, "e1", "dead_lettered") == [3]
     (dl,) = await broker.store.dead_letters(app)
@@ -641,7 +677,8 @@ async def test_dead_letters_replay_and_purge(broker: Broker, redis: aioredis.Red
     assert await broker.store.replay(app, [letters["p1"].delivery_id], now_ms()) == [True]
     frame = await rec.next_push()
     assert frame.fields["msgid"] == "p1"
-    await eventually(lambda: is_gone(redis, f"{base(broker, app)}m:p1"))
+    await logged(broker, "acked", "p1")
+    assert not await redis.exists(f"{base(broker, app)}m:p1")
     assert attempts(broker, "p1", "pushed") == [1, 2, 3, 1]  # attempts reset by the replay
     assert attempts(broker, "p1", "acked") == [1]
     assert await broker.store.purge(app, [letters["p2"].delivery_id]) == [True]
@@ -651,10 +688,6 @@ async def test_dead_letters_replay_and_purge(broker: Broker, redis: aioredis.Red
 
 async def redis_zcard_is(redis: aioredis.Redis, key: str, n: int) -> bool:
     return bool(await redis.zcard(key) == n)
-
-
-async def is_gone(redis: aioredis.Redis, key: str) -> bool:
-    return not await redis.exists(key)
 
 
 async def test_no_final_answer_within_ack_timeout_is_retried_elsewhere(
@@ -676,6 +709,7 @@ async def test_no_final_answer_within_ack_timeout_is_retried_elsewhere(
     assert r1 != r2, "the retry went to the recipient that timed out, another was alive"
     assert t2 - t1 >= broker.settings.ack_timeout - 0.05
     await settle(redis, broker, app)
+    await logged(broker, "acked", "s1")
     timeout = log_events(broker, "s1", "timeout")
     assert [(e["recipient"], e["attempt"]) for e in timeout] == [(r1, 1)]
     assert [(e["recipient"], e["attempt"]) for e in log_events(broker, "s1", "acked")] == [(r2, 2)]
@@ -698,7 +732,9 @@ async def test_unreachable_recipient_is_lost_and_spends_no_attempt(
     await settle(redis, broker, app)
     assert sorted(f.fields["msgid"] for f in ok.received) == ids
     assert not (await recipient_state(broker, app, "gone") or {}).get("alive", True)
-    lost = log_events(broker, event="recipient_lost")
+    for m in ids:
+        await logged(broker, "acked", m)
+    lost = await logged(broker, "recipient_lost", app=app)
     assert [(e["appid"], e["recipient"]) for e in lost] == [(app, "gone")]
     unreachable = [e for e in log_events(broker, event="unreachable") if e["appid"] == app]
     assert unreachable and {e["recipient"] for e in unreachable} == {"gone"}
@@ -719,6 +755,7 @@ async def test_broken_connection_is_a_failed_attempt(
     await produce(broker.server.port, app, ["b1"])
     await tally.reach(2)
     await settle(redis, broker, app)
+    await logged(broker, "acked", "b1")
     events = log_events(broker, "b1")
     failures = [e for e in events if e["event"] in ("errored", "rejected", "timeout")]
     assert [e["attempt"] for e in failures] == [1], events
@@ -743,14 +780,14 @@ async def test_recipient_that_stops_answering_ping_is_lost_then_alive_again(
     flaky.answer_pings = False
     await eventually(lambda: is_alive(broker, app, "flaky", False), timeout=5)
     assert flaky.pings >= 1
-    lost = [e for e in log_events(broker, event="recipient_lost") if e["appid"] == app]
+    lost = await logged(broker, "recipient_lost", app=app)
     assert [e["recipient"] for e in lost] == ["flaky"]
     await produce(broker.server.port, app, [f"h{i}" for i in range(10)])
     await tally.reach(10)
     assert tally.by["flaky"] == 0  # a lost recipient gets no new deliveries
     flaky.answer_pings = True
     await eventually(lambda: is_alive(broker, app, "flaky"), timeout=5)
-    alive = [e for e in log_events(broker, event="recipient_alive") if e["appid"] == app]
+    alive = await logged(broker, "recipient_alive", app=app)
     assert [e["recipient"] for e in alive] == ["flaky"]
     await until_recipient_gets_one(broker, app, tally, "flaky", "h-again")
 
@@ -826,7 +863,7 @@ async def test_producer_ack_means_stored_and_duplicates_are_not_delivered_again(
     client = await RawClient.connect(broker.server.port)
     resp = await client.request("queue", b"first", appid=app, msgid="m1")
     assert resp["status"] == "ack"
-    assert await redis.hget(f"{base(broker, app)}m:m1", "c") == b"first"  # stored before ack
+    assert await redis.exists(f"{base(broker, app)}m:m1")  # stored before the ack
     again = await client.request("queue", b"second", appid=app, msgid="m1")
     assert again["status"] == "ack" and "duplicate" in again["content"]
     rec = FakeRecipient(app, "r")
@@ -863,7 +900,7 @@ async def test_delayed_messages_are_pushed_on_time_never_early(
     await produce(broker.server.port, app, ["now"])
     due = {}
     for m in ("by-delay", "at-time", "topic-delay"):
-        at = await redis.hget(f"{base(broker, app)}m:{m}", "at")
+        at = await redis.zscore(base(broker, app) + "delayed", m)
         assert at is not None, m
         due[m] = int(at)
     assert due["at-time"] == t0 + 600
@@ -895,7 +932,7 @@ async def test_broker_restart_keeps_delayed_in_flight_and_recipients(
     await produce(first.server.port, app, ["inflight"])
     assert (await rec.next_push()).fields["msgid"] == "inflight"  # unanswered
     await produce(first.server.port, app, ["delayed"], delay="700")
-    due = int(await redis.hget(f"{base(first, app)}m:delayed", "at"))
+    due = int(await redis.zscore(base(first, app) + "delayed", "delayed"))
     first.stopping.set()
     await first.stop()
     answer["now"] = "ack"
@@ -1064,6 +1101,7 @@ async def test_delivery_log_holds_every_step_of_a_delivery(
     await rec.next_push()
     await settle(redis, broker, app)
     for msgid, kind in (("l1", "queue"), ("l2", "topic")):
+        await logged(broker, "acked", msgid)
         events = log_events(broker, msgid)
         assert [e["event"] for e in events] == ["received", "stored", "pushed", "acked"], events
         for e in events:
@@ -1119,6 +1157,7 @@ async def test_broker_process_kill_9_loses_nothing_and_keeps_delayed(
         await produce(proc.port, app, ["d-at"], deliver_at=str(t0 + 1500))
         await produce(proc.port, app, ["pending"])
         await rec.next_push()  # "pending" delivered and acked
+        await logged(log_dir, "acked", "pending")
         await asyncio.to_thread(proc.kill)
         await asyncio.to_thread(proc.start)  # same DATA_DIR: the embedded Redis data is back
         got = {(await rec.next_push()).fields["msgid"] for _ in range(3)}

@@ -18,4 +18,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result
-

@@ -131,14 +131,18 @@ return out
 # A failed attempt (reject, error, timeout, broken connection): retry after the
 # backoff of its attempt, or dead after retry_times attempts.
 FAIL_ONE = r"""
-local function fail_one(id, outcome, detail, rid_hint, now, retry_times, backoff)
-  if redis.call('ZREM', base .. 'inflight', id) == 0 then return {0, 0, 0, rid_hint} end
+-- `attempt` fences the answer: a failure reported for attempt 1 must not end attempt 2,
+-- which another broker may hold by now (0: whichever attempt is current).
+local function fail_one(id, outcome, detail, rid_hint, attempt, now, retry_times, backoff)
+  if not redis.call('ZSCORE', base .. 'inflight', id) then return {0, 0, 0, rid_hint} end
   local msgid, crid = split(id)
-  if redis.call('EXISTS', base .. 'm:' .. msgid) == 0 then return {0, 0, 0, rid_hint} end
   local sk = base .. 's:' .. msgid
   local s = sfx(crid)
   local f = redis.call('HMGET', sk, 'n' .. s, 'h' .. s, 'r')
   local n = tonumber(f[1] or '0')
+  if attempt > 0 and n ~= attempt then return {0, n, 0, rid_hint} end
+  redis.call('ZREM', base .. 'inflight', id)
+  if redis.call('EXISTS', base .. 'm:' .. msgid) == 0 then return {0, 0, 0, rid_hint} end
   local rid = crid or rid_hint
   if rid == '' then rid = f[3] or '' end
   local line = now .. ' attempt=' .. n .. ' recipient=' .. rid .. ' ' .. outcome .. ': ' .. detail
@@ -167,7 +171,7 @@ local function fail_one(id, outcome, detail, rid_hint, now, retry_times, backoff
 end
 """
 
-# ARGV: now, retry_times, nb, backoff ms * nb, then (id, outcome, detail, rid)*
+# ARGV: now, retry_times, nb, backoff ms * nb, then (id, outcome, detail, rid, attempt)*
 # Returns (code, attempt, due, rid)* with code 0 not in flight (stale), 1 retry, 2 dead.
 FAIL = (
     COMMON
@@ -179,8 +183,9 @@ local nb = tonumber(ARGV[3])
 local backoff = {}
 for j = 1, nb do backoff[j] = tonumber(ARGV[3 + j]) end
 local out = {}
-for i = 4 + nb, #ARGV, 4 do
-  local r = fail_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], now, retry_times, backoff)
+for i = 4 + nb, #ARGV, 5 do
+  local r = fail_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4]), now,
+                     retry_times, backoff)
   for _, v in ipairs(r) do out[#out + 1] = v end
 end
 return out
@@ -203,8 +208,8 @@ local limit = tonumber(ARGV[2])
 local ids = redis.call('ZRANGEBYSCORE', base .. 'inflight', '-inf', now, 'LIMIT', 0, limit)
 local out = {}
 for _, id in ipairs(ids) do
-  local r = fail_one(id, 'timeout', 'no final answer within ack_timeout', '', now, retry_times,
-                     backoff)
+  local r = fail_one(id, 'timeout', 'no final answer within ack_timeout', '', 0, now,
+                     retry_times, backoff)
   out[#out + 1] = id
   for _, v in ipairs(r) do out[#out + 1] = v end
 end

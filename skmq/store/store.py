@@ -258,9 +258,9 @@ class Store:
         return [self.retry_times, len(self.backoff_ms), *self.backoff_ms]
 
     async def fail(
-        self, app: str, failures: Sequence[tuple[str, str, str, str]], now: int
+        self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
     ) -> list[Failed]:
-        """failures: (delivery id, outcome, detail, recipient)."""
+        """failures: (delivery id, outcome, detail, recipient, attempt or 0 for the current)."""
         args: list[Any] = [now, *self._retry_args()]
         for f in failures:
             args += f

@@ -106,7 +106,9 @@ class AnswerBatcher:
                 for a, f in zip(acks, done, strict=True):
                     self._finished(app, a, f.ok, f.attempt, f.stored_ts, f.recipient, now)
         if fails:
-            items = [(a.delivery_id, a.outcome, a.detail, a.recipient) for a in fails]
+            items = [
+                (a.delivery_id, a.outcome, a.detail, a.recipient, a.attempt or 0) for a in fails
+            ]
             try:
                 results = await self.store.fail(app, items, now)
             except (RedisError, OSError) as exc:

@@ -56,7 +56,7 @@ class Dispatcher:
 
     async def run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self.paused:
             try:
                 timeout = await self.step()
                 backoff = 0.05

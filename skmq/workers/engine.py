@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.aio import cancel_and_wait
 from skmq.codec import Frame
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog, now_ms
@@ -49,6 +50,7 @@ class Engine:
         self._dispatch_tasks: dict[str, asyncio.Task[None]] = {}
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._known_apps: set[str] = set()
+        self._stopping = False
         self.healthy = True
 
     # -- lifecycle ----------------------------------------------------------
@@ -64,7 +66,7 @@ class Engine:
             self._loop(self._refresh, min(1.0, s.heartbeat_interval), "refresh"),
             self._loop(self._reap, min(1.0, max(0.05, s.ack_timeout / 4)), "reap"),
             self._loop(self._heartbeat, s.heartbeat_interval, "heartbeat"),
-            self._loop(self._sweep_ack_wait, min(1.0, max(0.05, s.ack_wait / 2)), "ack-wait"),
+            self._loop(self._sweep_links, min(1.0, max(0.05, s.ack_wait / 2)), "links"),
         ]
 
     async def _release_orphans(self) -> None:
@@ -79,7 +81,7 @@ class Engine:
         self, step: Callable[[], Awaitable[None]], interval: float, name: str
     ) -> asyncio.Task[None]:
         async def run() -> None:
-            while True:
+            while not self._stopping:
                 await asyncio.sleep(interval)
                 try:
                     await step()
@@ -93,11 +95,11 @@ class Engine:
     async def stop(self) -> None:
         """Stop claiming, give in-flight pushes SHUTDOWN_TIMEOUT to be answered, then hand
         whatever is left back to Redis (no attempt spent), for this or another broker."""
+        self._stopping = True
         for d in self.dispatchers.values():
             d.paused = True
-        for task in [*self._dispatch_tasks.values(), *self._tasks]:
-            task.cancel()
-        await asyncio.gather(*self._dispatch_tasks.values(), *self._tasks, return_exceptions=True)
+            d.wake.set()
+        await cancel_and_wait([*self._dispatch_tasks.values(), *self._tasks])
         deadline = time.monotonic() + self.settings.shutdown_timeout
         while any(link.inflight for link in self.links.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -111,8 +113,7 @@ class Engine:
                 await self.store.release(app, ids)
         for link in self.links.values():
             link.close()
-        for task in list(self._side_tasks):
-            task.cancel()
+        await cancel_and_wait(self._side_tasks)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         async def run() -> None:
@@ -125,6 +126,8 @@ class Engine:
     # -- dispatch -----------------------------------------------------------
     def notify(self, app: str) -> None:
         """Wake the app's dispatcher (creating it for an app seen for the first time)."""
+        if self._stopping:
+            return
         d = self.dispatchers.get(app)
         if d is None:
             d = self.dispatchers[app] = Dispatcher(
@@ -181,6 +184,8 @@ class Engine:
         free = {}
         for r in recipients:
             link = self._link(app, r)
+            if link.benched(now):
+                continue
             if link.free > 0 or not link.stalled(now, stall_after):
                 free[r.id] = link.free
         return free
@@ -319,7 +324,7 @@ class Engine:
                 rid = crid or r.result.recipient
                 link = self.links.get((app, rid))
                 if link is not None:
-                    link.take(msgid)
+                    link.timed_out(msgid, time.monotonic(), self.settings.ack_timeout)
                 self.answers.record_failure(
                     app,
                     r.delivery_id,
@@ -348,7 +353,9 @@ class Engine:
 
         await heartbeat_round(targets, s.heartbeat_timeout, report)
 
-    async def _sweep_ack_wait(self) -> None:
+    async def _sweep_links(self) -> None:
         now = time.monotonic()
         for link in self.links.values():
             link.close_if_waiting_only(self.settings.ack_wait, now)
+            if link.drop_expired(now, self.settings.ack_timeout):
+                self._answered(link.app, False)

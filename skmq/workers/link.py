@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -68,6 +69,12 @@ class RecipientLink(asyncio.Protocol):
         self.max_frame_bytes = max_frame_bytes
         self.inflight: dict[str, Delivery] = {}
         self.last_write = 0.0
+        # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
+        # elsewhere). An answer from it lifts the bench.
+        self.benched_until = 0.0
+        # Pushes given up on, kept (bounded) so that a late answer still names its attempt:
+        # that attempt fences it off from a newer one, perhaps another broker's.
+        self.expired: OrderedDict[str, Delivery] = OrderedDict()
         self._transport: asyncio.Transport | None = None
         self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
         self._out: list[bytes] = []
@@ -157,7 +164,12 @@ class RecipientLink(asyncio.Protocol):
         msgid = frame.fields.get("msgid", "")
         d = self.inflight.get(msgid)
         if d is None:
-            self.owner.on_unknown_answer(self, frame)
+            late = self.expired.pop(msgid, None) if kind in ANSWERS else None
+            if late is None:
+                self.owner.on_unknown_answer(self, frame)
+            else:
+                self.inflight[msgid] = late  # answered below like any other
+                self._on_frame(frame)
             return
         if kind == "arrived":
             d.arrived_at = time.monotonic()
@@ -169,6 +181,7 @@ class RecipientLink(asyncio.Protocol):
             self.send_resp(msgid, "error", f"unexpected frame type {kind!r} from a recipient")
             return
         del self.inflight[msgid]
+        self.benched_until = 0.0
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[kind]
         self.owner.on_answer(self, d, outcome, detail)
 
@@ -191,6 +204,34 @@ class RecipientLink(asyncio.Protocol):
             return
         if all(d.arrived_at and now - d.arrived_at >= ack_wait for d in self.inflight.values()):
             self._transport.close()
+
+    def drop_expired(self, now: float, ack_timeout: float) -> int:
+        """Forget pushes older than ACK_TIMEOUT: by then each was answered elsewhere (on a
+        connection of the recipient's own, perhaps to another broker) or reaped as a
+        timeout in Redis. Returns how many window slots that freed."""
+        expired = [m for m, d in self.inflight.items() if now - d.pushed_at > ack_timeout]
+        for msgid in expired:
+            self.timed_out(msgid, now, ack_timeout)
+        return len(expired)
+
+    def timed_out(self, msgid: str, now: float, bench_for: float) -> None:
+        """A push got no final answer in time: bench the recipient; if it also stopped
+        reading (our unsent data piles up), drop the connection with that data, so that a
+        recipient that stopped reading costs no memory."""
+        d = self.inflight.pop(msgid, None)
+        if d is None:
+            return
+        self.expired[msgid] = d
+        if len(self.expired) > 4 * self.window:
+            self.expired.popitem(last=False)
+        if d.arrived_at:
+            return
+        self.benched_until = now + bench_for
+        if self._transport is not None and self._transport.get_write_buffer_size() > 0:
+            self._transport.abort()
+
+    def benched(self, now: float) -> bool:
+        return now < self.benched_until
 
     def stalled(self, now: float, after: float) -> bool:
         oldest = next(iter(self.inflight.values()), None)

@@ -1,0 +1,23 @@
+"""Small asyncio helpers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import structlog
+
+log = structlog.get_logger("skmq")
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[None]], timeout: float = 2.0) -> None:
+    """Cancel tasks and wait for them, bounded: on Python 3.11 a cancel() that coincides
+    with an expiring asyncio.timeout() can be swallowed, so a wait must never be open-ended
+    (the loops also check a stop flag of their own)."""
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        _, still = await asyncio.wait(pending, timeout=timeout)
+        for task in still:
+            log.warning("task did not stop in time", task=task.get_name())
