@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import subprocess
 import sys
@@ -412,7 +413,7 @@ async def test_topic_message_hash_stays_until_every_copy_is_resolved(
     await registered(broker.server.port, fast, slow)
     await produce(broker.server.port, app, ["th"], kind="topic")
     f_frame, f_conn = await fast.next_push()
-    s_frame, s_conn = await slow.next_push()
+    _, s_conn = await slow.next_push()
     assert f_frame.fields.get("recipient") == "fast"  # extension: the copy names its recipient
     f_conn.answer("ack", "th", app)
     assert (await f_conn.resp())["status"] == "ack"
@@ -512,7 +513,7 @@ async def test_arrived_then_ack_on_the_push_connection(
     await peer.start()
     await registered(broker.server.port, peer)
     await produce(broker.server.port, app, ["a1"])
-    frame, conn = await peer.next_push()
+    _, conn = await peer.next_push()
     conn.answer("arrived", "a1", app)
     resp = await conn.resp()
     assert (resp["status"], resp["msgid"]) == ("ack", "a1")
@@ -569,12 +570,92 @@ async def test_ack_without_arrived(broker: Broker, redis: aioredis.Redis) -> Non
     await peer.start()
     await registered(broker.server.port, peer)
     await produce(broker.server.port, app, ["d1"])
-    frame, conn = await peer.next_push()
+    _, conn = await peer.next_push()
     conn.answer("ack", "d1")
     resp = await conn.resp()
     assert (resp["status"], resp["content"], resp["msgid"]) == ("ack", "acked", "d1")
     await settle(redis, broker, app)
     assert log_events(broker, "d1", "arrived") == []
+
+
+async def test_every_answer_on_the_push_connection_gets_a_resp(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    app = "resps"
+    peer = Peer(app, "p")
+    await peer.start()
+    await registered(broker.server.port, peer)
+    await produce(broker.server.port, app, ["r1"])
+    for answer in ("reject", "error", "ack"):
+        frame, conn = await peer.next_push()
+        assert frame.fields["msgid"] == "r1"
+        conn.answer(answer, "r1", app)
+        resp = await conn.resp()
+        assert (resp["status"], resp["msgid"]) == ("ack", "r1"), (answer, resp)
+        assert resp["content"]
+    await settle(redis, broker, app)
+    await logged(broker, "acked", "r1")
+    assert attempts(broker, "r1", "rejected") == [1]
+    assert attempts(broker, "r1", "errored") == [2]
+    assert attempts(broker, "r1", "acked") == [3]
+
+
+async def test_arrived_then_connection_lost_still_takes_the_final_answer_elsewhere(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    app = "arrclose"
+    peer = Peer(app, "p")
+    await peer.start()
+    await registered(broker.server.port, peer)
+    await produce(broker.server.port, app, ["ac1"])
+    _, conn = await peer.next_push()
+    conn.answer("arrived", "ac1", app)
+    assert (await conn.resp())["status"] == "ack"
+    conn.writer.close()  # the recipient's end goes away after `arrived`
+    async with asyncio.timeout(WAIT):
+        await conn.closed.wait()
+    own = await RawClient.connect(broker.server.port)
+    resp = await own.request("ack", msgid="ac1", appid=app)
+    await own.close()
+    assert (resp["status"], resp["msgid"]) == ("ack", "ac1"), resp
+    await settle(redis, broker, app)
+    await logged(broker, "acked", "ac1")
+    for failure in ("errored", "rejected", "timeout", "retry_scheduled"):
+        assert log_events(broker, "ac1", failure) == [], log_events(broker, "ac1")
+    assert attempts(broker, "ac1", "pushed") == [1]
+
+
+async def test_topic_answers_on_own_connections_resolve_each_recipients_copy(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    app = "topown"
+    peers = [Peer(app, "a"), Peer(app, "b")]
+    await started(*peers)
+    await registered(broker.server.port, *peers)
+    await produce(broker.server.port, app, ["tw"], kind="topic")
+    for p in peers:
+        frame, conn = await p.next_push()
+        assert frame.fields["recipient"] == p.rid
+        conn.answer("arrived", "tw", app)
+        assert (await conn.resp())["status"] == "ack"
+    own = await RawClient.connect(broker.server.port)
+    # b fails its copy, a acks its own: each names its copy (appid + recipient)
+    resp = await own.request("error", b"b cannot", msgid="tw", appid=app, recipient="b")
+    assert resp["status"] == "ack", resp
+    resp = await own.request("ack", msgid="tw", appid=app, recipient="a")
+    assert resp["status"] == "ack", resp
+    frame, conn = await peers[1].next_push()  # b's copy alone is retried
+    assert frame.fields["msgid"] == "tw"
+    conn.answer("ack", "tw", app)
+    assert (await conn.resp())["status"] == "ack"
+    await own.close()
+    await settle(redis, broker, app)
+    acked = await logged(broker, "acked", "tw", n=2)
+    assert sorted((e["recipient"], e["attempt"]) for e in acked) == [("a", 1), ("b", 2)]
+    assert [(e["recipient"], e["attempt"]) for e in log_events(broker, "tw", "errored")] == [
+        ("b", 1)
+    ]
+    assert peers[0].pushes.empty()
 
 
 async def test_answer_through_another_broker_frees_the_pushing_brokers_window(
@@ -626,7 +707,7 @@ async def test_reject_is_retried_with_growing_waits_then_dead(
         await rec.next_push()
     await eventually(lambda: redis.zscore(base(broker, app) + "dead", "g1"))
     await logged(broker, "dead_lettered", "g1")
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     for gap, wait in zip(gaps, backoff, strict=True):
         assert wait - 0.01 <= gap < wait + 0.5, (gaps, backoff)
     assert gaps[0] < gaps[1] < gaps[2]
@@ -744,9 +825,7 @@ async def test_unreachable_recipient_is_lost_and_spends_no_attempt(
             assert log_events(broker, m, failure) == []
 
 
-async def test_broken_connection_is_a_failed_attempt(
-    broker: Broker, redis: aioredis.Redis
-) -> None:
+async def test_broken_connection_is_a_failed_attempt(broker: Broker, redis: aioredis.Redis) -> None:
     app = "brk"
     tally = Tally()
     rec = FakeRecipient(app, "r", tally.policy("r", lambda f: "close" if tally.n == 1 else "ack"))
@@ -803,6 +882,26 @@ async def until_recipient_gets_one(
             await produce(broker.server.port, app, [f"{prefix}-{i}"])
             await tally.reach(n + 1)
             i += 1
+
+
+async def test_messages_wait_while_every_recipient_is_lost(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    app = "alllost"
+    arrival: list[int] = []
+    rec = FakeRecipient(app, "only", lambda f: (arrival.append(now_ms()), "ack")[1])
+    await rec.start()
+    await registered(broker.server.port, rec)
+    rec.answer_pings = False
+    await eventually(lambda: is_alive(broker, app, "only", False), timeout=5)
+    await produce(broker.server.port, app, ["l1", "l2", "l3"])
+    assert await redis.llen(base(broker, app) + "ready") == 3  # waiting in Redis
+    rec.answer_pings = True
+    frames = [await rec.next_push() for _ in range(3)]
+    assert sorted(f.fields["msgid"] for f in frames) == ["l1", "l2", "l3"]
+    (alive,) = await logged(broker, "recipient_alive", app=app)
+    assert min(arrival) >= alive["ts"]  # nothing went out while it was lost
+    await settle(redis, broker, app)
 
 
 async def test_registering_again_revives_a_lost_recipient(
@@ -1000,6 +1099,40 @@ async def test_delivery_rate_limits_pushes_per_app(
     assert await redis.llen(base(broker, app) + "ready") >= n - len(times) - 1
 
 
+async def test_delivery_rate_is_per_app_across_brokers_sharing_redis(
+    make_broker: BrokerFactory, redis: aioredis.Redis
+) -> None:
+    """DELIVERY_RATE caps an app's pushes, not each broker's: two brokers on one Redis
+    together stay at RATE (measured after the first half second, past any burst)."""
+    rate = 40
+    brokers = [await make_broker(delivery_rate=rate), await make_broker(delivery_rate=rate)]
+    app = "rate2"
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+
+    def note(frame: Frame) -> str:
+        times.append(loop.time())
+        return "ack"
+
+    rec = FakeRecipient(app, "r", note)
+    await rec.start()
+    await registered(brokers[0].server.port, rec)
+    await eventually(lambda: has_recipient(brokers[1], app))
+    n = 6 * rate
+    await asyncio.gather(
+        produce(brokers[0].server.port, app, [f"a{i}" for i in range(n // 2)]),
+        produce(brokers[1].server.port, app, [f"b{i}" for i in range(n // 2)]),
+    )
+    await rec.next_push()
+    async with asyncio.timeout(WAIT):
+        while times[-1] - times[0] <= 1.0:
+            await rec.next_push()
+    steady = sum(1 for t in times if 0.5 < t - times[0] <= 1.0)
+    assert steady <= rate * 0.5 * 1.3 + 2, (steady, rate)
+    pushed_by = {e["broker"] for e in log_events(brokers[0], event="pushed") if e["appid"] == app}
+    assert len(pushed_by) == 2  # both brokers did deliver
+
+
 # --------------------------------------------------------------------------- compatibility
 
 
@@ -1142,8 +1275,9 @@ async def test_broker_process_kill_9_loses_nothing_and_keeps_delayed(
     arrival: dict[str, list[int]] = collections.defaultdict(list)
 
     def note(frame: Frame) -> str:
-        arrival[frame.fields["msgid"]].append(now_ms())
-        return "silent" if frame.fields["msgid"] == "flight" and len(arrival["flight"]) == 1 else "ack"
+        msgid = frame.fields["msgid"]
+        arrival[msgid].append(now_ms())
+        return "silent" if msgid == "flight" and len(arrival[msgid]) == 1 else "ack"
 
     rec = FakeRecipient(app, "r", note)
     await rec.start()
@@ -1173,3 +1307,38 @@ async def test_broker_process_kill_9_loses_nothing_and_keeps_delayed(
 
 async def all_acked(log_dir: Path, ids: list[str]) -> bool:
     return all(log_events(log_dir, m, "acked") for m in ids)
+
+
+async def test_a_crashed_brokers_in_flight_messages_are_redelivered_by_another(
+    broker_env: dict[str, str],
+    tmp_path: Path,
+    make_broker: BrokerFactory,
+    redis_url: str,
+    prefix: str,
+    redis: aioredis.Redis,
+) -> None:
+    broker_env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix)  # the shared Redis
+    proc = CliBrokerProcess(broker_env, tmp_path / "broker.log")
+    app = "handover"
+    answer = {"now": "silent"}
+    rec = FakeRecipient(app, "r", lambda f: answer["now"])
+    await rec.start()
+    ids = [f"h{i}" for i in range(5)]
+    try:
+        await asyncio.to_thread(proc.start)
+        await registered(proc.port, rec)
+        await produce(proc.port, app, ids)
+        assert sorted([(await rec.next_push()).fields["msgid"] for _ in ids]) == ids
+        answer["now"] = "ack"
+        await asyncio.to_thread(proc.kill)  # with 5 messages in flight
+        other = await make_broker()
+        redelivered = [(await rec.next_push()).fields["msgid"] for _ in ids]
+        assert sorted(redelivered) == ids
+        await settle(redis, other, app)
+        for m in ids:
+            (acked,) = await logged(other, "acked", m)
+            assert (acked["broker"], acked["attempt"]) == (other.broker_id, 2)
+    finally:
+        await rec.stop()
+        if proc.proc is not None and proc.proc.poll() is None:
+            await asyncio.to_thread(proc.terminate)

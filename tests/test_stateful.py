@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections import Counter
@@ -65,7 +66,23 @@ class BrokerMachine(RuleBasedStateMachine):
         self.sent = 0
 
     def run(self, coro: Any, timeout: float = 30.0) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        except BaseException as exc:
+            self.report(f"step failed: {exc!r}")
+            raise
+
+    def check(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.report(message)
+            raise AssertionError(message)
+
+    def report(self, message: str) -> None:
+        """Print what went wrong now: a timing-dependent failure may not recur when
+        hypothesis replays the example (it then reports the replay, not this)."""
+        log = self.dir / "broker.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        print(f"STATEFUL FAILURE: {message}\n--- broker log tail ---\n{tail}", file=sys.stderr)
 
     @initialize()
     def start(self) -> None:
@@ -90,7 +107,7 @@ class BrokerMachine(RuleBasedStateMachine):
                 await client.close()
 
         acked = self.run(send())
-        assert acked == ids, "a healthy broker stores every message"
+        self.check(acked == ids, f"a healthy broker stores every message: {acked} != {ids}")
         self.acked += acked
 
     # -- recipients -------------------------------------------------------------
@@ -120,7 +137,8 @@ class BrokerMachine(RuleBasedStateMachine):
 
         async def start() -> None:
             await recipient.start()
-            assert (await recipient.register(self.broker.port))["status"] == "ack"
+            resp = await recipient.register(self.broker.port)
+            self.check(resp["status"] == "ack", f"register: {resp}")
 
         self.run(start())
         self.up[i] = True
@@ -136,7 +154,11 @@ class BrokerMachine(RuleBasedStateMachine):
         async def restart() -> None:
             assert self.broker.proc is not None
             self.broker.proc.terminate()
-            assert await self.broker.exited(10) == 0
+            try:
+                rc = await self.broker.exited(10)
+            except TimeoutError:
+                rc = None
+            self.check(rc == 0, f"SIGTERM: the broker exited with {rc} (None: not in 10 s)")
             await self.broker.up()
 
         self.run(restart())
@@ -150,17 +172,17 @@ class BrokerMachine(RuleBasedStateMachine):
     def no_acknowledged_message_is_gone(self) -> None:
         states = self.run(where(self.redis, self.prefix, self.acked))
         bad = {m: s for m, s in states.items() if s.startswith(("LOST", "CORRUPT"))}
-        assert not bad, f"acknowledged messages gone or in two places: {bad}"
+        self.check(not bad, f"acknowledged messages gone or in two places: {bad}")
 
     @invariant()
     def acked_at_most_once_and_then_done(self) -> None:
         events = log_events(self.dir)
         acks = Counter(e["msgid"] for e in events if e["event"] == "acked")
         twice = {m: n for m, n in acks.items() if n > 1}
-        assert not twice, f"acked more than once by the broker: {twice}"
+        self.check(not twice, f"acked more than once by the broker: {twice}")
         states = self.run(where(self.redis, self.prefix, list(acks)))
         undone = {m: s for m, s in states.items() if s != "done"}
-        assert not undone, f"logged as acked but not done: {undone}"
+        self.check(not undone, f"logged as acked but not done: {undone}")
 
     def teardown(self) -> None:
         try:
@@ -198,6 +220,7 @@ class BrokerMachine(RuleBasedStateMachine):
         try:
             self.run(wait(), timeout=20)
         except TimeoutError:
+            self.report(f"not settled in 20 s: {Counter(last.values())}")
             pytest.fail(f"not settled: {Counter(last.values())}")
 
 

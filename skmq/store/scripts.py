@@ -129,11 +129,18 @@ return out
 )
 
 # A failed attempt (reject, error, timeout, broken connection): retry after the
-# backoff of its attempt, or dead after retry_times attempts.
+# backoff of its attempt, or dead after retry_times attempts. The scripts using it take
+# ARGV: now, limit, retry_times, nb, backoff ms * nb, then their own arguments.
 FAIL_ONE = r"""
+local now = tonumber(ARGV[1])
+local retry_times = tonumber(ARGV[3])
+local nb = tonumber(ARGV[4])
+local backoff = {}
+for j = 1, nb do backoff[j] = tonumber(ARGV[4 + j]) end
+local rest = 5 + nb
 -- `attempt` fences the answer: a failure reported for attempt 1 must not end attempt 2,
 -- which another broker may hold by now (0: whichever attempt is current).
-local function fail_one(id, outcome, detail, rid_hint, attempt, now, retry_times, backoff)
+local function fail_one(id, outcome, detail, rid_hint, attempt)
   if not redis.call('ZSCORE', base .. 'inflight', id) then return {0, 0, 0, rid_hint} end
   local msgid, crid = split(id)
   local sk = base .. 's:' .. msgid
@@ -171,45 +178,32 @@ local function fail_one(id, outcome, detail, rid_hint, attempt, now, retry_times
 end
 """
 
-# ARGV: now, retry_times, nb, backoff ms * nb, then (id, outcome, detail, rid, attempt)*
+# ARGV: (see FAIL_ONE), then (id, outcome, detail, rid, attempt)*
 # Returns (code, attempt, due, rid)* with code 0 not in flight (stale), 1 retry, 2 dead.
 FAIL = (
     COMMON
     + FAIL_ONE
     + r"""
-local now = tonumber(ARGV[1])
-local retry_times = tonumber(ARGV[2])
-local nb = tonumber(ARGV[3])
-local backoff = {}
-for j = 1, nb do backoff[j] = tonumber(ARGV[3 + j]) end
 local out = {}
-for i = 4 + nb, #ARGV, 5 do
-  local r = fail_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4]), now,
-                     retry_times, backoff)
+for i = rest, #ARGV, 5 do
+  local r = fail_one(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4]))
   for _, v in ipairs(r) do out[#out + 1] = v end
 end
 return out
 """
 )
 
-# ARGV: now, limit, retry_times, nb, backoff ms * nb
-# Leases that ran out (the broker that pushed died, or never heard back) count as timeouts.
-# Returns (id, code, attempt, due, rid)*.
+# ARGV: (see FAIL_ONE). Leases that ran out (the broker that pushed died, or never heard
+# back) count as timeouts. Returns (id, code, attempt, due, rid)*.
 REAP = (
     COMMON
     + FAIL_ONE
     + r"""
-local now = tonumber(ARGV[1])
-local retry_times = tonumber(ARGV[3])
-local nb = tonumber(ARGV[4])
-local backoff = {}
-for j = 1, nb do backoff[j] = tonumber(ARGV[4 + j]) end
-local limit = tonumber(ARGV[2])
-local ids = redis.call('ZRANGEBYSCORE', base .. 'inflight', '-inf', now, 'LIMIT', 0, limit)
+local ids = redis.call('ZRANGEBYSCORE', base .. 'inflight', '-inf', now, 'LIMIT', 0,
+                       tonumber(ARGV[2]))
 local out = {}
 for _, id in ipairs(ids) do
-  local r = fail_one(id, 'timeout', 'no final answer within ack_timeout', '', 0, now,
-                     retry_times, backoff)
+  local r = fail_one(id, 'timeout', 'no final answer within ack_timeout', '', 0)
   out[#out + 1] = id
   for _, v in ipairs(r) do out[#out + 1] = v end
 end

@@ -261,7 +261,7 @@ class Store:
         self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
     ) -> list[Failed]:
         """failures: (delivery id, outcome, detail, recipient, attempt or 0 for the current)."""
-        args: list[Any] = [now, *self._retry_args()]
+        args: list[Any] = [now, 0, *self._retry_args()]
         for f in failures:
             args += f
         res = await self._call("fail", app, args)

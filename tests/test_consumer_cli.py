@@ -1,0 +1,307 @@
+"""`skmq consume`, `skmq send` and `skmq dlq` as real processes against a real
+`skmq serve`, and the Python `Consumer` end to end against an in-process broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.broker import Broker
+from tests.test_delivery import (
+    RUN_CLI,
+    CliBrokerProcess,
+    attempts,
+    log_events,
+    logged,
+    produce,
+    settle,
+)
+
+pytest.importorskip("skmq.client")
+pytest.importorskip("skmq.cli.consume")
+
+from skmq.client import Consumer, Message, Reject
+
+SKMQ = [sys.executable, "-c", RUN_CLI]
+LIMIT = 30.0  # upper bound of a CLI command
+
+
+async def cli(env: dict[str, str], *args: str, stdin: bytes = b"") -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *SKMQ, *args, env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), LIMIT)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+class ConsumeProcess:
+    """One `skmq consume` process; its stdout lines collected as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.stderr: list[str] = []
+        self._changed = asyncio.Event()
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._read(proc.stdout, self.lines)),
+            asyncio.get_running_loop().create_task(self._read(proc.stderr, self.stderr)),
+        ]
+
+    @classmethod
+    async def start(cls, env: dict[str, str], *args: str) -> ConsumeProcess:
+        proc = await asyncio.create_subprocess_exec(
+            *SKMQ, "consume", *args, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        self = cls(proc)
+        await self.until(lambda: any("listening" in line for line in self.stderr))
+        return self
+
+    async def _read(self, stream: asyncio.StreamReader | None, into: list[str]) -> None:
+        assert stream is not None
+        while line := await stream.readline():
+            into.append(line.decode().rstrip("\n"))
+            self._changed.set()
+        self._changed.set()
+
+    async def until(self, check: object, timeout: float = LIMIT) -> None:
+        assert callable(check)
+        async with asyncio.timeout(timeout):
+            while not check():
+                if self.proc.returncode is not None:
+                    raise AssertionError(f"consume exited {self.proc.returncode}: {self.stderr}")
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def wait_lines(consumers: list[ConsumeProcess], n: int, timeout: float = LIMIT) -> None:
+    async def total() -> None:
+        while sum(len(c.lines) for c in consumers) < n:
+            waits = [asyncio.ensure_future(c._changed.wait()) for c in consumers]
+            for c in consumers:
+                c._changed.clear()
+            if sum(len(c.lines) for c in consumers) < n:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+
+    await asyncio.wait_for(total(), timeout)
+
+
+@pytest.fixture
+async def serve(broker_env: dict[str, str], tmp_path: Path) -> AsyncIterator[CliBrokerProcess]:
+    proc = CliBrokerProcess(broker_env, tmp_path / "broker.log")
+    await asyncio.to_thread(proc.start)
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        await asyncio.to_thread(proc.terminate)
+
+
+def test_python_dash_m_skmq_cli_runs() -> None:
+    """`python -m skmq.cli ...` (the brief's and conftest's broker_process's way of
+    running the CLI) needs a `skmq/cli/__main__.py`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "skmq.cli", "--help"], capture_output=True, timeout=LIMIT
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"consume" in done.stdout
+
+
+async def test_consumers_share_sent_messages_by_weight(
+    serve: CliBrokerProcess, broker_env: dict[str, str]
+) -> None:
+    env = dict(broker_env)
+    app = "cw"
+    light = await ConsumeProcess.start(env, "--app", app, "--id", "light", "--port", "0")
+    heavy = await ConsumeProcess.start(
+        env, "--app", app, "--id", "heavy", "--port", "0", "--weight", "3"
+    )
+    try:
+        n = 10
+        sent = await asyncio.gather(
+            *(cli(env, "send", "--app", app, "--msgid", f"s{i}", f"body {i}") for i in range(n))
+        )
+        for code, out, err in sent:
+            assert code == 0, err
+            assert json.loads(out)["status"] == "ack"
+        await wait_lines([light, heavy], n)
+        got = {}
+        for c in (light, heavy):
+            for line in c.lines:
+                appid, msgid, content = line.split(" ", 2)
+                assert appid == app and content == f"body {msgid[1:]}", line
+                got[msgid] = c
+        assert sorted(got) == sorted(f"s{i}" for i in range(n))
+        # shares (w+1)/sum(w+1): 1/5 and 4/5
+        assert abs(len(light.lines) - 2) <= 1 and abs(len(heavy.lines) - 8) <= 1, (
+            light.lines,
+            heavy.lines,
+        )
+    finally:
+        await light.stop()
+        await heavy.stop()
+
+
+async def test_exec_failures_go_to_the_dlq_and_replay_redelivers(
+    serve: CliBrokerProcess, broker_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = dict(broker_env)
+    app = "cx"
+    log_dir = Path(env["SKMQ_DATA_DIR"]) / "delivery-log"
+    ok, seen = tmp_path / "ok", tmp_path / "seen"
+    command = f'cat >/dev/null; echo "$SKMQ_MSGID" >> {seen}; test -f {ok}'
+    worker = await ConsumeProcess.start(
+        env, "--app", app, "--id", "w", "--port", "0", "--exec", command
+    )
+    try:
+        code, out, err = await cli(env, "send", "--app", app, "--msgid", "job1", "payload one")
+        assert code == 0, err
+        await logged(log_dir, "dead_lettered", "job1", timeout=LIMIT)
+        assert attempts(log_dir, "job1", "errored") == [1, 2, 3]
+        assert seen.read_text().split() == ["job1"] * 3
+        code, out, err = await cli(env, "dlq", "list", "--app", app, "--json")
+        assert code == 0, err
+        (letter,) = json.loads(out)
+        assert (letter["msgid"], letter["appid"], letter["content"]) == ("job1", app, "payload one")
+        assert letter["attempts"] == 3
+        assert "exit status 1" in letter["last_error"], letter
+        assert len(letter["history"]) == 3
+        ok.touch()
+        code, out, err = await cli(env, "dlq", "replay", "--all", "--json")
+        assert code == 0, err
+        assert json.loads(out) == {"replay": 1, "selected": 1}
+        await logged(log_dir, "acked", "job1", timeout=LIMIT)
+        assert [e["attempt"] for e in log_events(log_dir, "job1", "acked")] == [1]
+        assert log_events(log_dir, "job1", "replayed")
+        assert seen.read_text().split() == ["job1"] * 4
+        code, out, err = await cli(env, "dlq", "list", "--app", app, "--json")
+        assert code == 0 and json.loads(out) == [], (out, err)
+    finally:
+        await worker.stop()
+
+
+async def test_dlq_purge_removes_dead_letters(
+    serve: CliBrokerProcess, broker_env: dict[str, str]
+) -> None:
+    env = dict(broker_env)
+    app = "cp"
+    log_dir = Path(env["SKMQ_DATA_DIR"]) / "delivery-log"
+    worker = await ConsumeProcess.start(
+        env, "--app", app, "--id", "w", "--port", "0", "--exec", "cat >/dev/null; exit 3",
+        "--reject-exit-code", "3",
+    )  # fmt: skip
+    try:
+        code, _, err = await cli(env, "send", "--app", app, "--msgid", "gone1", "x")
+        assert code == 0, err
+        await logged(log_dir, "dead_lettered", "gone1", timeout=LIMIT)
+        assert attempts(log_dir, "gone1", "rejected") == [1, 2, 3]
+        code, out, err = await cli(env, "dlq", "purge", "--all", "--app", app, "--json")
+        assert code == 0, err
+        assert json.loads(out) == {"purge": 1, "selected": 1}
+        code, out, err = await cli(env, "dlq", "list", "--app", app, "--json")
+        assert code == 0 and json.loads(out) == [], (out, err)
+        code, out, err = await cli(env, "status", "--json")
+        assert code == 0, err
+        (status,) = [a for a in json.loads(out)["apps"] if a["appid"] == app]
+        assert (status["pending"], status["in_flight"], status["dead"]) == (0, 0, 0)
+        assert [r["id"] for r in status["recipients"]] == ["w"]
+        assert status["recipients"][0]["state"] == "alive"
+        # `--app A` alone selects all of A's dead letters (as `skmq dlq replay -h` says)
+        code, out, err = await cli(env, "dlq", "replay", "--app", app, "--json")
+        assert code == 0, err
+        assert json.loads(out) == {"replay": 0, "selected": 0}
+    finally:
+        await worker.stop()
+
+
+# --------------------------------------------------------------------------- Consumer class
+
+
+async def test_python_consumer_answers_ack_error_and_reject(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    app = "pyc"
+
+    async def handler(msg: Message) -> None:
+        text = msg.content.decode()
+        if text == "boom":
+            raise RuntimeError("boom happened")
+        if text == "later":
+            raise Reject("not now")
+
+    consumer = Consumer(app, "c1", handler, broker_port=broker.server.port)
+    await consumer.start()
+    try:
+        for m in ("ok", "boom", "later"):
+            await produce(broker.server.port, app, [m], content=m.encode())
+        await logged(broker, "acked", "ok")
+        await logged(broker, "dead_lettered", "boom")
+        await logged(broker, "dead_lettered", "later")
+        await only_dead_letters_left(broker, app)
+    finally:
+        await consumer.stop()
+    assert attempts(broker, "ok", "acked") == [1]
+    errored = log_events(broker, "boom", "errored")
+    assert [e["attempt"] for e in errored] == [1, 2, 3]
+    assert all("boom happened" in (e["detail"] or "") for e in errored), errored
+    assert attempts(broker, "later", "rejected") == [1, 2, 3]
+    assert consumer.stats == {"received": 7, "acked": 1, "rejected": 3, "errored": 3}
+    dead = {d.msgid: d for d in await broker.store.dead_letters(app)}
+    assert sorted(dead) == ["boom", "later"]
+    assert "boom happened" in dead["boom"].last_error
+
+
+async def only_dead_letters_left(broker: Broker, app: str) -> None:
+    counts = (await broker.store.counts([app], 0))[app]
+    assert (counts.pending, counts.delayed, counts.in_flight, counts.dead) == (0, 0, 0, 2)
+
+
+async def test_python_consumer_slow_handler_answers_after_ack_wait(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    """arrived, then processing longer than ACK_WAIT: the final answer still lands,
+    on the push connection or, once the broker closed it, on the consumer's own."""
+    app = "pyslow"
+    slow = broker.settings.ack_wait + 0.5
+
+    async def handler(msg: Message) -> None:
+        await asyncio.sleep(slow)  # the processing itself, longer than ACK_WAIT
+
+    consumer = Consumer(app, "c1", handler, broker_port=broker.server.port, send_arrived=True)
+    await consumer.start()
+    try:
+        await produce(broker.server.port, app, ["slow1", "slow2"])
+        await logged(broker, "acked", "slow1")
+        await logged(broker, "acked", "slow2")
+        await settle(redis, broker, app)
+    finally:
+        await consumer.stop()
+    for m in ("slow1", "slow2"):
+        assert attempts(broker, m, "arrived") == [1]
+        assert attempts(broker, m, "acked") == [1]
+        assert attempts(broker, m, "pushed") == [1]
+    assert consumer.stats["acked"] == 2
