@@ -1,4 +1,4 @@
-"""Server logging through structlog: a console renderer by default, JSON lines with LOG_FORMAT=json."""
+"""Server logging through structlog: console by default, JSON lines with LOG_FORMAT=json."""
 
 from __future__ import annotations
 

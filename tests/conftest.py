@@ -30,6 +30,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     """Every async test runs on uvloop, the loop the broker runs on."""
     return {"uvloop": uvloop.new_event_loop}
 
+
 # Short timings, so that no test waits for seconds (the held-out suite uses the same).
 FAST: dict[str, Any] = {
     "ack_timeout": 1.5,
@@ -75,9 +76,7 @@ BrokerFactory = Callable[..., Awaitable[Broker]]
 
 
 @pytest.fixture
-async def make_broker(
-    redis_url: str, prefix: str, tmp_path: Path
-) -> AsyncIterator[BrokerFactory]:
+async def make_broker(redis_url: str, prefix: str, tmp_path: Path) -> AsyncIterator[BrokerFactory]:
     """Start in-process brokers on the session Redis: `await make_broker(**settings)`."""
     brokers: list[Broker] = []
 

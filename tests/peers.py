@@ -49,7 +49,9 @@ class RawClient:
         body["msgid"] = frame.fields.get("msgid")
         return body
 
-    async def request(self, type: str, content: bytes | None = None, **fields: str) -> dict[str, Any]:
+    async def request(
+        self, type: str, content: bytes | None = None, **fields: str
+    ) -> dict[str, Any]:
         self.send(type, content, **fields)
         return await self.resp()
 

@@ -16,11 +16,13 @@ async def test_in_flight_messages_return_at_once_after_kill_9(
     broker_process.env["SKMQ_HEARTBEAT_INTERVAL"] = "30"
     broker_process.start()
     answer = {"ack": False}
-    rec = await FakeRecipient("crash", "r1", lambda f: "ack" if answer["ack"] else "silent").start()
+    rec = FakeRecipient("crash", "r1", lambda f: "ack" if answer["ack"] else "silent")
+    await rec.start()
     assert (await rec.register(broker_process.port))["status"] == "ack"
     client = await RawClient.connect(broker_process.port)
     for i in range(5):
-        assert (await client.request("queue", b"x", appid="crash", msgid=f"c{i}"))["status"] == "ack"
+        resp = await client.request("queue", b"x", appid="crash", msgid=f"c{i}")
+        assert resp["status"] == "ack"
     first = {(await rec.next_push()).fields["msgid"] for _ in range(5)}
     assert first == {f"c{i}" for i in range(5)}
     await client.close()
