@@ -14,9 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
+from tests.conftest import BrokerProcess
 from tests.test_delivery import (
-    RUN_CLI,
-    CliBrokerProcess,
     attempts,
     log_events,
     logged,
@@ -29,7 +28,7 @@ pytest.importorskip("skmq.cli.consume")
 
 from skmq.client import Consumer, Message, Reject
 
-SKMQ = [sys.executable, "-c", RUN_CLI]
+SKMQ = [sys.executable, "-m", "skmq.cli"]
 LIMIT = 30.0  # upper bound of a CLI command
 
 
@@ -113,17 +112,17 @@ async def wait_lines(consumers: list[ConsumeProcess], n: int, timeout: float = L
 
 
 @pytest.fixture
-async def serve(broker_env: dict[str, str], tmp_path: Path) -> AsyncIterator[CliBrokerProcess]:
-    proc = CliBrokerProcess(broker_env, tmp_path / "broker.log")
-    await asyncio.to_thread(proc.start)
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        await asyncio.to_thread(proc.terminate)
+async def serve(broker_process: BrokerProcess) -> AsyncIterator[BrokerProcess]:
+    """A running `skmq serve` (started off the event loop: recipients in this loop must
+    keep answering the broker meanwhile)."""
+    await asyncio.to_thread(broker_process.start)
+    yield broker_process
+    if broker_process.proc is not None and broker_process.proc.poll() is None:
+        await asyncio.to_thread(broker_process.terminate)
 
 
 def test_python_dash_m_skmq_cli_runs() -> None:
-    """`python -m skmq.cli ...` (the brief's and conftest's broker_process's way of
-    running the CLI) needs a `skmq/cli/__main__.py`."""
+    """`python -m skmq.cli` (how conftest's broker_process and these tests run it)."""
     done = subprocess.run(
         [sys.executable, "-m", "skmq.cli", "--help"], capture_output=True, timeout=LIMIT
     )
@@ -132,7 +131,7 @@ def test_python_dash_m_skmq_cli_runs() -> None:
 
 
 async def test_consumers_share_sent_messages_by_weight(
-    serve: CliBrokerProcess, broker_env: dict[str, str]
+    serve: BrokerProcess, broker_env: dict[str, str]
 ) -> None:
     env = dict(broker_env)
     app = "cw"
@@ -167,7 +166,7 @@ async def test_consumers_share_sent_messages_by_weight(
 
 
 async def test_exec_failures_go_to_the_dlq_and_replay_redelivers(
-    serve: CliBrokerProcess, broker_env: dict[str, str], tmp_path: Path
+    serve: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
 ) -> None:
     env = dict(broker_env)
     app = "cx"
@@ -205,7 +204,7 @@ async def test_exec_failures_go_to_the_dlq_and_replay_redelivers(
 
 
 async def test_dlq_purge_removes_dead_letters(
-    serve: CliBrokerProcess, broker_env: dict[str, str]
+    serve: BrokerProcess, broker_env: dict[str, str]
 ) -> None:
     env = dict(broker_env)
     app = "cp"

@@ -12,8 +12,6 @@ import collections
 import contextlib
 import itertools
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,17 +22,8 @@ import redis.asyncio as aioredis
 from skmq.broker import Broker
 from skmq.codec import PONG, Decoder, Frame, InvalidFrame, encode_frame
 from skmq.deliverylog import now_ms
-from tests.conftest import (
-    BrokerFactory,
-    BrokerProcess,
-    eventually,
-    free_port,
-    wait_listening,
-)
+from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import WAIT, FakeRecipient, RawClient
-
-RUN_CLI = "import sys; from skmq.cli import main; sys.exit(main())"
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -1253,23 +1242,10 @@ async def test_delivery_log_holds_every_step_of_a_delivery(
 # --------------------------------------------------------------------------- processes
 
 
-class CliBrokerProcess(BrokerProcess):
-    """`skmq serve` started through skmq.cli.main (works with or without a __main__)."""
-
-    def start(self) -> CliBrokerProcess:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", RUN_CLI, "serve"],
-            env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_listening(self.port, self.proc)
-        return self
-
-
 async def test_broker_process_kill_9_loses_nothing_and_keeps_delayed(
-    broker_env: dict[str, str], tmp_path: Path
+    broker_process: BrokerProcess, broker_env: dict[str, str]
 ) -> None:
-    proc = CliBrokerProcess(broker_env, tmp_path / "broker.log")
+    proc = broker_process
     log_dir = Path(broker_env["SKMQ_DATA_DIR"]) / "delivery-log"
     app = "crash"
     arrival: dict[str, list[int]] = collections.defaultdict(list)
@@ -1310,15 +1286,15 @@ async def all_acked(log_dir: Path, ids: list[str]) -> bool:
 
 
 async def test_a_crashed_brokers_in_flight_messages_are_redelivered_by_another(
+    broker_process: BrokerProcess,
     broker_env: dict[str, str],
-    tmp_path: Path,
     make_broker: BrokerFactory,
     redis_url: str,
     prefix: str,
     redis: aioredis.Redis,
 ) -> None:
     broker_env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix)  # the shared Redis
-    proc = CliBrokerProcess(broker_env, tmp_path / "broker.log")
+    proc = broker_process
     app = "handover"
     answer = {"now": "silent"}
     rec = FakeRecipient(app, "r", lambda f: answer["now"])
