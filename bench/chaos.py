@@ -483,7 +483,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=200.0, help="messages a second, all told")
     parser.add_argument("--window", type=int, default=50, help="unanswered sends a producer")
     parser.add_argument("--recipients", type=int, default=2)
-    parser.add_argument("--work-ms", type=float, default=5.0, help="recipient time a message")
+    parser.add_argument("--work-ms", type=float, default=20.0, help="recipient time a message")
     parser.add_argument("--ack-timeout", type=float, default=2.0)
     parser.add_argument("--retry-times", type=int, default=20)
     parser.add_argument("--drain-time", type=float, default=30.0, help="wait for deliveries")

@@ -785,6 +785,32 @@ async def test_no_final_answer_within_ack_timeout_is_retried_elsewhere(
     assert [(e["recipient"], e["attempt"]) for e in log_events(broker, "s1", "acked")] == [(r2, 2)]
 
 
+async def test_arrived_without_a_final_answer_times_out_and_is_retried(
+    make_broker: BrokerFactory, redis: aioredis.Redis
+) -> None:
+    broker = await make_broker(ack_timeout=0.6)
+    app = "arrslow"
+    peer = Peer(app, "p")
+    await peer.start()
+    await registered(broker.server.port, peer)
+    await produce(broker.server.port, app, ["as1"])
+    loop = asyncio.get_running_loop()
+    frame, conn = await peer.next_push()
+    first = loop.time()
+    conn.answer("arrived", "as1", app)  # and then nothing: no final answer
+    assert (await conn.resp())["status"] == "ack"
+    frame, conn = await peer.next_push(timeout=5)
+    assert frame.fields["msgid"] == "as1"
+    assert loop.time() - first >= broker.settings.ack_timeout - 0.05
+    conn.answer("ack", "as1", app)
+    assert (await conn.resp())["status"] == "ack"
+    await settle(redis, broker, app)
+    await logged(broker, "acked", "as1")
+    assert attempts(broker, "as1", "timeout") == [1]
+    assert attempts(broker, "as1", "pushed") == [1, 2]
+    assert attempts(broker, "as1", "acked") == [2]
+
+
 async def test_unreachable_recipient_is_lost_and_spends_no_attempt(
     make_broker: BrokerFactory, redis: aioredis.Redis
 ) -> None:
@@ -858,6 +884,40 @@ async def test_recipient_that_stops_answering_ping_is_lost_then_alive_again(
     alive = await logged(broker, "recipient_alive", app=app)
     assert [e["recipient"] for e in alive] == ["flaky"]
     await until_recipient_gets_one(broker, app, tally, "flaky", "h-again")
+
+
+async def test_registry_refresh_does_not_undo_a_newer_heartbeat_mark(broker: Broker) -> None:
+    """White box, to make deterministic the interleaving that
+    test_topic_goes_to_every_alive_recipient hits now and then: the periodic refresh reads
+    Redis, a heartbeat marks a recipient lost meanwhile, then the refresh applies its older
+    read. The lost recipient must not be alive again in the broker's view (it would get
+    new deliveries, SPEC 4; a topic would fan a copy out to it, SPEC 5)."""
+    app = "race"
+    gone = {"id": "x", "app_id": app, "host": "127.0.0.1", "port": free_port()}
+    assert (await register_raw(broker.server.port, gone))["status"] == "ack"
+    registry = broker.engine.registry
+    real = registry.store.recipients
+    read, marked = asyncio.Event(), asyncio.Event()
+
+    async def read_then_wait(apps: Any) -> Any:
+        found = await real(apps)  # read now (x alive)...
+        read.set()
+        await marked.wait()  # ...applied after the mark
+        return found
+
+    registry.store.recipients = read_then_wait  # type: ignore[method-assign]
+    try:
+        refresh = asyncio.ensure_future(registry.refresh([app]))
+        async with asyncio.timeout(WAIT):
+            await read.wait()
+        await registry.mark(app, "x", False, "no pong within heartbeat_timeout")
+        marked.set()
+        async with asyncio.timeout(WAIT):
+            await refresh
+    finally:
+        registry.store.recipients = real  # type: ignore[method-assign]
+    assert await is_alive(broker, app, "x", False)  # Redis: lost
+    assert [r.id for r in registry.alive(app)] == []  # and so must the broker's view be
 
 
 async def until_recipient_gets_one(
@@ -981,16 +1041,19 @@ async def test_delayed_messages_are_pushed_on_time_never_early(
     await rec.start()
     await registered(broker.server.port, rec)
     t0 = now_ms()
-    await produce(broker.server.port, app, ["by-delay"], delay="400")
-    await produce(broker.server.port, app, ["at-time"], deliver_at=str(t0 + 600))
-    await produce(broker.server.port, app, ["topic-delay"], kind="topic", delay="300")
+    due: dict[str, int] = {}
+
+    async def delayed(msgid: str, kind: str = "queue", **when: str) -> None:
+        await produce(broker.server.port, app, [msgid], kind=kind, **when)
+        at = await redis.zscore(base(broker, app) + "delayed", msgid)  # its due time
+        assert at is not None, msgid
+        due[msgid] = int(at)
+
+    await delayed("by-delay", delay="400")
+    await delayed("at-time", deliver_at=str(t0 + 600))
+    await delayed("topic-delay", kind="topic", delay="300")
     await produce(broker.server.port, app, ["at-past"], deliver_at=str(t0 - 5000))
     await produce(broker.server.port, app, ["now"])
-    due = {}
-    for m in ("by-delay", "at-time", "topic-delay"):
-        at = await redis.zscore(base(broker, app) + "delayed", m)
-        assert at is not None, m
-        due[m] = int(at)
     assert due["at-time"] == t0 + 600
     assert due["by-delay"] >= t0 + 400
     order = [(await rec.next_push()).fields["msgid"] for _ in range(5)]

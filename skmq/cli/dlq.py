@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     listing.set_defaults(func=run)
     for verb, what in (("replay", "back to pending, attempts reset"), ("purge", "delete")):
         p = verbs.add_parser(verb, help=f"dead letters: {what}")
-        which = p.add_mutually_exclusive_group(required=True)
+        which = p.add_mutually_exclusive_group()
         which.add_argument("--all", action="store_true", help="every dead letter")
         which.add_argument("msgids", nargs="*", default=[], metavar="MSGID")
         p.add_argument("--app", help="only this app (with --all, or alone: all of this app)")

@@ -65,9 +65,12 @@ return out
 """
 )
 
-# ARGV: now, lease ms, n, k, alive rid * k, queue assignment rid * n
-# Takes up to n messages, due retries and delays first, then the ready list.
-# Returns (delivery id, kind, content, attempt, rid)* and last the next due ms (-1: none).
+# ARGV: now, lease ms, n, k, rate, alive rid * k, queue assignment rid * n
+# Takes up to n messages, due retries and delays first, then the ready list; with a
+# rate (DELIVERY_RATE, pushes/s for the app, whichever brokers push) a token bucket
+# under `rate` holding a tenth of a second's burst caps the pushes. Returns
+# (delivery id, kind, content, attempt, rid)*, then the next due ms (-1: none), then the
+# ms until the bucket has a token again (0: not limited).
 CLAIM = (
     COMMON
     + r"""
@@ -75,7 +78,16 @@ local now = tonumber(ARGV[1])
 local lease = now + tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
 local k = tonumber(ARGV[4])
-local qi = 5 + k
+local rate = tonumber(ARGV[5])
+local qi = 6 + k
+local tokens = 0
+if rate > 0 then
+  local burst = math.max(1, rate / 10)
+  local st = redis.call('HMGET', base .. 'rate', 't', 'ts')
+  tokens = tonumber(st[1] or burst)
+  tokens = math.min(burst, tokens + (now - tonumber(st[2] or now)) * rate / 1000)
+  if n > math.floor(tokens) then n = math.floor(tokens) end
+end
 local inflight = base .. 'inflight'
 local out = {}
 local function take(id)
@@ -99,7 +111,7 @@ local function take(id)
     out[#out + 1] = a; out[#out + 1] = rid
   else
     for j = 1, k do
-      local rid = ARGV[4 + j]
+      local rid = ARGV[5 + j]
       local cid = msgid .. '\31' .. rid
       redis.call('HSET', sk, 'n:' .. rid, 1)
       redis.call('ZADD', inflight, lease, cid)
@@ -124,6 +136,13 @@ if k > 0 and n > 0 then
 end
 local nxt = redis.call('ZRANGE', base .. 'delayed', 0, 0, 'WITHSCORES')
 if nxt[2] then out[#out + 1] = nxt[2] else out[#out + 1] = -1 end
+local wait = 0
+if rate > 0 then
+  tokens = tokens - #out / 5
+  redis.call('HSET', base .. 'rate', 't', tokens, 'ts', now)
+  if tokens < 1 then wait = math.ceil((1 - tokens) * 1000 / rate) end
+end
+out[#out + 1] = wait
 return out
 """
 )

@@ -232,19 +232,28 @@ class Store:
 
     # -- dispatch -----------------------------------------------------------
     async def claim(
-        self, app: str, now: int, n: int, alive: Sequence[str], assignment: Sequence[str]
-    ) -> tuple[list[Claimed], int | None]:
-        """Take up to n deliveries in flight; queue ones go to `assignment` in order."""
-        args = [now, self.lease_ms, n, len(alive), *alive, *assignment]
+        self,
+        app: str,
+        now: int,
+        n: int,
+        alive: Sequence[str],
+        assignment: Sequence[str],
+        rate: float = 0.0,
+    ) -> tuple[list[Claimed], int | None, float]:
+        """Take up to n deliveries in flight; queue ones go to `assignment` in order.
+
+        Returns them, when the next delayed one falls due (unix ms), and how long the
+        app's DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
+        args = [now, self.lease_ms, n, len(alive), rate, *alive, *assignment]
         res = await self._call("claim", app, args)
-        nxt = int(float(res[-1]))
+        nxt = int(float(res[-2]))
         out = []
-        for i in range(0, len(res) - 1, 5):
+        for i in range(0, len(res) - 2, 5):
             did = _s(res[i])
             msgid, _ = split_delivery(did)
             kind = "topic" if res[i + 1] == b"t" else "queue"
             out.append(Claimed(did, msgid, kind, res[i + 2], int(res[i + 3]), _s(res[i + 4])))
-        return out, (None if nxt < 0 else nxt)
+        return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
 
     async def finish(self, app: str, delivery_ids: Sequence[str], now: int) -> list[Finished]:
         bucket = self._bucket(now)

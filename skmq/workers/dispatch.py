@@ -17,7 +17,6 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.deliverylog import now_ms
-from skmq.ratelimit import TokenBucket
 from skmq.registry.balance import Balancer
 from skmq.registry.recipients import Recipient
 from skmq.store import Claimed, Store
@@ -46,7 +45,7 @@ class Dispatcher:
         self.deliver = deliver
         self.wake = asyncio.Event()
         self.balancer = Balancer()
-        self.bucket = TokenBucket(delivery_rate) if delivery_rate > 0 else None
+        self.delivery_rate = delivery_rate
         self.paused = False
         # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
         self.starved = False
@@ -79,31 +78,25 @@ class Dispatcher:
         self.starved = n <= 0
         if n <= 0:
             return POLL
-        if self.bucket is not None:
-            n = self.bucket.take_up_to(n)
-            if n == 0:
-                return self.bucket.wait_time()
         weights = {r.id: r.weight for r in recipients if r.id in free}
         assignment = self.balancer.pick(weights, free, n)
-        if len(assignment) < n and self.bucket is not None:
-            self.bucket.give_back(n - len(assignment))
         n = len(assignment)
         if n == 0:
             self.starved = True
             return POLL
         now = now_ms()
-        claimed, next_due = await self.store.claim(
-            self.app, now, n, [r.id for r in recipients], assignment
+        claimed, next_due, rate_wait = await self.store.claim(
+            self.app, now, n, [r.id for r in recipients], assignment, self.delivery_rate
         )
         self.balancer.commit(sum(1 for c in claimed if c.kind == "queue"))
         if claimed:
             self.deliver(self.app, claimed)
+        if rate_wait > 0:
+            return rate_wait
         if len(claimed) >= n:
             self.batch = min(CLAIM_BATCH, self.batch * 2)
             return 0.0
         self.batch = FIRST_CLAIM
-        if self.bucket is not None:
-            self.bucket.give_back(max(0, n - len(claimed)))
         if next_due is not None:
             return min(POLL, max(0.0, (next_due - now_ms()) / 1000))
         return POLL

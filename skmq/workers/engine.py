@@ -255,13 +255,24 @@ class Engine:
     def _find_local(
         self, app: str | None, msgid: str, rid: str | None
     ) -> tuple[RecipientLink, Delivery] | None:
-        for link in self.links.values():
-            if (app and link.app != app) or (rid and link.rid != rid):
-                continue
-            d = link.inflight.get(msgid)
-            if d is not None:
+        """The push an answer from the recipient's own connection is for. Such answers
+        follow `arrived` (SPEC 3), so without a recipient named: a push that arrived, else
+        one given up on (its attempt then fences the answer off from a newer attempt),
+        else any push of that msgid."""
+        links = [
+            link
+            for link in self.links.values()
+            if (not app or link.app == app) and (not rid or link.rid == rid)
+        ]
+        pushed = [(link, d) for link in links if (d := link.inflight.get(msgid)) is not None]
+        for link, d in pushed:
+            if d.arrived_at or rid:
                 return link, d
-        return None
+        for link in links:
+            late = link.expired.get(msgid)
+            if late is not None:
+                return link, late
+        return pushed[0] if pushed else None
 
     async def answer(self, frame: Frame, app: str | None = None, rid: str | None = None) -> Resp:
         """An `arrived`, `ack`, `reject` or `error` that did not come on a push connection
@@ -283,7 +294,10 @@ class Engine:
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
         if found is not None:
             link, d = found
-            link.take(msgid)
+            if link.inflight.get(msgid) is d:
+                link.take(msgid)
+            else:
+                del link.expired[msgid]
             return await self.answers.submit_and_wait(
                 link.app, d.delivery_id, outcome, detail, link.rid, d.attempt
             )
