@@ -480,10 +480,10 @@ class _PushProtocol(asyncio.Protocol):
             self._reading_paused = False
 
     def _answer(self, msg: Message, kind: str, reason: str | None = None) -> None:
-        fields = [("msgid", msg.msgid), ("appid", msg.appid)]
-        recipient = msg.fields.get("recipient")
-        if recipient is not None:
-            fields.append(("recipient", recipient))
+        # `recipient` (an extension original brokers ignore) names us, so that a late
+        # answer reaching any broker can only end a push that was made to us.
+        recipient = msg.fields.get("recipient") or self._consumer.id
+        fields = [("msgid", msg.msgid), ("appid", msg.appid), ("recipient", recipient)]
         content = reason.encode() if reason is not None else None
         assert self._transport is not None
         if not self._lost and not self._transport.is_closing():

@@ -324,7 +324,7 @@ async def test_ack_reject_and_error_answers(fake_broker: FakeBroker) -> None:
     assert answers["m1"].type == "ack"
     assert answers["m1"].fields == {"msgid": "m1", "appid": "app", "recipient": "c1"}
     assert answers["m2"].type == "reject"
-    assert answers["m2"].fields == {"msgid": "m2", "appid": "app"}
+    assert answers["m2"].fields == {"msgid": "m2", "appid": "app", "recipient": "c1"}
     assert answers["m3"].type == "error"
     assert answers["m3"].content == b"broken  badly"
     assert answers["m3"].get("recipient") == "c1"
@@ -395,7 +395,7 @@ async def test_arrived_then_ack(fake_broker: FakeBroker) -> None:
     pusher.push("m1", b"x")
     (arrived,) = await pusher.read(1)
     assert arrived.type == "arrived"
-    assert arrived.fields == {"msgid": "m1", "appid": "app"}
+    assert arrived.fields == {"msgid": "m1", "appid": "app", "recipient": "c1"}
     gate.set()
     (ack,) = await pusher.read(1)
     assert ack.type == "ack" and ack.get("msgid") == "m1"

@@ -7,7 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -48,43 +48,48 @@ async def cli(env: dict[str, str], *args: str, stdin: bytes = b"") -> tuple[int,
 
 
 class ConsumeProcess:
-    """One `skmq consume` process; its stdout lines collected as they come."""
+    """One `skmq consume` process; its output lines collected as they come, and
+    `changed` set on each (an event several consumers may share)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, changed: asyncio.Event) -> None:
         self.proc = proc
         self.lines: list[str] = []
         self.stderr: list[str] = []
-        self._changed = asyncio.Event()
+        self.changed = changed
+        loop = asyncio.get_running_loop()
         self._tasks = [
-            asyncio.get_running_loop().create_task(self._read(proc.stdout, self.lines)),
-            asyncio.get_running_loop().create_task(self._read(proc.stderr, self.stderr)),
+            loop.create_task(self._read(proc.stdout, self.lines)),
+            loop.create_task(self._read(proc.stderr, self.stderr)),
         ]
 
     @classmethod
-    async def start(cls, env: dict[str, str], *args: str) -> ConsumeProcess:
+    async def start(
+        cls, env: dict[str, str], *args: str, changed: asyncio.Event | None = None
+    ) -> ConsumeProcess:
         proc = await asyncio.create_subprocess_exec(
             *SKMQ, "consume", *args, env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        self = cls(proc)
-        await self.until(lambda: any("listening" in line for line in self.stderr))
+        self = cls(proc, changed or asyncio.Event())
+
+        def ready() -> bool:
+            return any("listening" in x for x in self.stderr)
+
+        try:  # listening and registered, or gone (stderr closed)
+            await until(self.changed, lambda: ready() or self._tasks[1].done())
+        except TimeoutError:
+            pass
+        if not ready():
+            await self.stop()
+            raise AssertionError(f"skmq consume did not start: {self.stderr}")
         return self
 
     async def _read(self, stream: asyncio.StreamReader | None, into: list[str]) -> None:
         assert stream is not None
         while line := await stream.readline():
             into.append(line.decode().rstrip("\n"))
-            self._changed.set()
-        self._changed.set()
-
-    async def until(self, check: object, timeout: float = LIMIT) -> None:
-        assert callable(check)
-        async with asyncio.timeout(timeout):
-            while not check():
-                if self.proc.returncode is not None:
-                    raise AssertionError(f"consume exited {self.proc.returncode}: {self.stderr}")
-                self._changed.clear()
-                await self._changed.wait()
+            self.changed.set()
+        self.changed.set()
 
     async def stop(self) -> None:
         if self.proc.returncode is None:
@@ -97,18 +102,14 @@ class ConsumeProcess:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def wait_lines(consumers: list[ConsumeProcess], n: int, timeout: float = LIMIT) -> None:
-    async def total() -> None:
-        while sum(len(c.lines) for c in consumers) < n:
-            waits = [asyncio.ensure_future(c._changed.wait()) for c in consumers]
-            for c in consumers:
-                c._changed.clear()
-            if sum(len(c.lines) for c in consumers) < n:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-
-    await asyncio.wait_for(total(), timeout)
+async def until(changed: asyncio.Event, check: Callable[[], bool], timeout: float = LIMIT) -> None:
+    """Wait (bounded) until check() holds, re-checking each time `changed` is set."""
+    async with asyncio.timeout(timeout):
+        while True:
+            changed.clear()
+            if check():
+                return
+            await changed.wait()
 
 
 @pytest.fixture
@@ -135,9 +136,12 @@ async def test_consumers_share_sent_messages_by_weight(
 ) -> None:
     env = dict(broker_env)
     app = "cw"
-    light = await ConsumeProcess.start(env, "--app", app, "--id", "light", "--port", "0")
+    changed = asyncio.Event()
+    light = await ConsumeProcess.start(
+        env, "--app", app, "--id", "light", "--port", "0", changed=changed
+    )
     heavy = await ConsumeProcess.start(
-        env, "--app", app, "--id", "heavy", "--port", "0", "--weight", "3"
+        env, "--app", app, "--id", "heavy", "--port", "0", "--weight", "3", changed=changed
     )
     try:
         n = 10
@@ -147,7 +151,7 @@ async def test_consumers_share_sent_messages_by_weight(
         for code, out, err in sent:
             assert code == 0, err
             assert json.loads(out)["status"] == "ack"
-        await wait_lines([light, heavy], n)
+        await until(changed, lambda: len(light.lines) + len(heavy.lines) >= n)
         got = {}
         for c in (light, heavy):
             for line in c.lines:

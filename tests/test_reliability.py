@@ -593,13 +593,15 @@ async def test_a_stale_broker_cannot_touch_the_lease_of_another(
     await recipient.stop()
 
 
+@pytest.mark.parametrize("to", ["same_broker", "other_broker"])
 async def test_a_late_answer_on_the_recipients_own_connection_cannot_end_a_newer_attempt(
-    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str, to: str
 ) -> None:
     """r1 answers `arrived` for m, then goes quiet past ACK_TIMEOUT: m is retried and now in
     flight to r2. r1's late `error`, sent on a connection of its own (SPEC 3) and naming
     itself, is about its own, expired, attempt: it must not end r2's attempt (which would
-    put m in flight twice)."""
+    put m in flight twice), whether it reaches the broker that pushed to r1 or another one
+    of the cluster (the client answers through the broker it registered with)."""
     broker = await make_broker()
     r1 = await start_recipient(broker.server.port, "r1", policy="arrived")
     assert await produce(broker.server.port, ["m"]) == ["m"]
@@ -611,7 +613,8 @@ async def test_a_late_answer_on_the_recipients_own_connection_cannot_end_a_newer
     lease = await redis.zscore(inflight, "m")
     assert lease is not None
 
-    client = await RawClient.connect(broker.server.port)
+    port = broker.server.port if to == "same_broker" else (await make_broker()).server.port
+    client = await RawClient.connect(port)
     resp = await client.request("error", b"failed late", msgid="m", appid=APP, recipient="r1")
     await client.close()
     assert (resp["status"], await redis.zscore(inflight, "m")) == ("error", lease), (

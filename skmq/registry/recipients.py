@@ -33,6 +33,8 @@ class Registry:
         self.dlog = dlog
         self.on_change = on_change
         self._apps: dict[str, dict[str, Recipient]] = {}
+        # Bumped by every local change: a refresh whose read raced one keeps the newer view.
+        self._changes: dict[str, int] = {}
 
     def alive(self, app: str) -> list[Recipient]:
         return [r for r in self._apps.get(app, {}).values() if r.alive]
@@ -47,8 +49,11 @@ class Registry:
         return list(self._apps)
 
     async def refresh(self, apps: list[str]) -> None:
+        before = {app: self._changes.get(app, 0) for app in apps}
         found = await self.store.recipients(apps)
         for app, recs in found.items():
+            if self._changes.get(app, 0) != before[app]:
+                continue
             old = self._apps.get(app, {})
             new = {
                 str(r["id"]): Recipient(
@@ -73,8 +78,12 @@ class Registry:
             ):
                 self.on_change(app)
 
+    def _changed(self, app: str) -> None:
+        self._changes[app] = self._changes.get(app, 0) + 1
+
     async def register(self, reg: Registration) -> None:
         now = now_ms()
+        self._changed(reg.app)
         await self.store.register(reg.app, reg.id, reg.as_json(), now)
         self._apps.setdefault(reg.app, {})[reg.id] = Recipient(
             reg.app, reg.id, reg.host, reg.port, reg.weight, True, now
@@ -90,6 +99,7 @@ class Registry:
         self.on_change(reg.app)
 
     async def unregister(self, app: str, rid: str) -> bool:
+        self._changed(app)
         removed = await self.store.unregister(app, rid)
         self._apps.get(app, {}).pop(rid, None)
         self.on_change(app)
@@ -97,6 +107,7 @@ class Registry:
 
     async def mark(self, app: str, rid: str, alive: bool, detail: str = "") -> None:
         """Record a heartbeat or connection outcome; log only real state changes."""
+        self._changed(app)
         previous = await self.store.set_state(app, rid, alive, now_ms())
         rec = self._apps.get(app, {}).get(rid)
         if rec is not None:

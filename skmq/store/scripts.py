@@ -167,6 +167,11 @@ local function fail_one(id, outcome, detail, rid_hint, attempt)
   local f = redis.call('HMGET', sk, 'n' .. s, 'h' .. s, 'r')
   local n = tonumber(f[1] or '0')
   if attempt > 0 and n ~= attempt then return {0, n, 0, rid_hint} end
+  -- A recipient's failure ends only an attempt pushed to it: a late answer reaching a
+  -- broker that knows nothing of its push names no attempt, but it may name its sender.
+  if not crid and rid_hint ~= '' and f[3] and f[3] ~= rid_hint then
+    return {0, n, 0, rid_hint}
+  end
   redis.call('ZREM', base .. 'inflight', id)
   if redis.call('EXISTS', base .. 'm:' .. msgid) == 0 then return {0, 0, 0, rid_hint} end
   local rid = crid or rid_hint

@@ -309,7 +309,9 @@ class Engine:
         if delivery_id is None:
             return ("error", f"unknown message {msgid!r}")
         crid = split_delivery(delivery_id)[1]
-        return await self.answers.submit_and_wait(app, delivery_id, outcome, detail, crid or "")
+        return await self.answers.submit_and_wait(
+            app, delivery_id, outcome, detail, crid or rid or ""
+        )
 
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:
