@@ -86,10 +86,6 @@ class RecipientLink(asyncio.Protocol):
     def free(self) -> int:
         return self.window - len(self.inflight)
 
-    @property
-    def connected(self) -> bool:
-        return self._transport is not None
-
     # -- pushing ----------------------------------------------------------
     def push(self, d: Delivery) -> None:
         self.inflight[d.msgid] = d
