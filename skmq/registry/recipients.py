@@ -33,7 +33,9 @@ class Registry:
         self.dlog = dlog
         self.on_change = on_change
         self._apps: dict[str, dict[str, Recipient]] = {}
-        # Bumped by every local change: a refresh whose read raced one keeps the newer view.
+        # Bumped by every local change, as it starts and once it is in Redis: a refresh
+        # whose read raced one (even one whose write was already on the way when the read
+        # began) keeps the newer view.
         self._changes: dict[str, int] = {}
 
     def alive(self, app: str) -> list[Recipient]:
@@ -85,6 +87,7 @@ class Registry:
         now = now_ms()
         self._changed(reg.app)
         await self.store.register(reg.app, reg.id, reg.as_json(), now)
+        self._changed(reg.app)
         self._apps.setdefault(reg.app, {})[reg.id] = Recipient(
             reg.app, reg.id, reg.host, reg.port, reg.weight, True, now
         )
@@ -101,6 +104,7 @@ class Registry:
     async def unregister(self, app: str, rid: str) -> bool:
         self._changed(app)
         removed = await self.store.unregister(app, rid)
+        self._changed(app)
         self._apps.get(app, {}).pop(rid, None)
         self.on_change(app)
         return removed
@@ -109,6 +113,7 @@ class Registry:
         """Record a heartbeat or connection outcome; log only real state changes."""
         self._changed(app)
         previous = await self.store.set_state(app, rid, alive, now_ms())
+        self._changed(app)
         rec = self._apps.get(app, {}).get(rid)
         if rec is not None:
             rec.alive = alive

@@ -138,7 +138,7 @@ local nxt = redis.call('ZRANGE', base .. 'delayed', 0, 0, 'WITHSCORES')
 if nxt[2] then out[#out + 1] = nxt[2] else out[#out + 1] = -1 end
 local wait = 0
 if rate > 0 then
-  tokens = tokens - #out / 5
+  tokens = tokens - (#out - 1) / 5  -- 5 values a delivery claimed; not the nxt entry
   redis.call('HSET', base .. 'rate', 't', tokens, 'ts', now)
   if tokens < 1 then wait = math.ceil((1 - tokens) * 1000 / rate) end
 end
