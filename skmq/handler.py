@@ -95,7 +95,7 @@ class Handler:
         if isinstance(item, CodecError):
             return Outcome(encode_resp("error", f"frame refused, closing: {item}"), close=True)
         if isinstance(item, InvalidFrame):
-            return Outcome(self._error(f"invalid frame: {item.reason}", item.fields.get("msgid")))
+            return Outcome(self._resp(f"invalid frame: {item.reason}", item.fields.get("msgid")))
         kind = item.type
         if kind in ("queue", "topic"):
             return Outcome(self._produce(item, batch))
@@ -109,11 +109,11 @@ class Handler:
             return Outcome(self._spawn(self._unregister(item)))
         msgid = item.fields.get("msgid")
         if not kind:
-            return Outcome(self._error("frame without a type field", msgid))
-        return Outcome(self._error(f"unknown frame type {kind!r}", msgid))
+            return Outcome(self._resp("frame without a type field", msgid))
+        return Outcome(self._resp(f"unknown frame type {kind!r}", msgid))
 
     @staticmethod
-    def _error(reason: str, msgid: str | None = None, status: str = "error") -> bytes:
+    def _resp(reason: str, msgid: str | None = None, status: str = "error") -> bytes:
         if msgid is not None and ("\r" in msgid or "\n" in msgid):
             msgid = None
         return encode_resp(status, reason, msgid)
@@ -133,20 +133,20 @@ class Handler:
         msgid = fields.get("msgid")
         app = fields.get("appid")
         if not app:
-            return self._error("appid required", msgid)
+            return self._resp("appid required", msgid)
         if (why := _bad_id(app)) is not None:
-            return self._error(f"appid {why}", msgid)
+            return self._resp(f"appid {why}", msgid)
         if msgid is None or msgid == "":
             msgid = f"{self._id_prefix}-{next(self._id_counter)}"
         elif (why := _bad_id(msgid)) is not None:
-            return self._error(f"msgid {why}", None)
+            return self._resp(f"msgid {why}", None)
         if frame.content is None:
-            return self._error("content required", msgid)
+            return self._resp("content required", msgid)
         try:
             delay = _int_field(frame, "delay")
             deliver_at = _int_field(frame, "deliver_at")
         except ValueError:
-            return self._error("delay and deliver_at must be non-negative integers (ms)", msgid)
+            return self._resp("delay and deliver_at must be non-negative integers (ms)", msgid)
         due = 0
         if delay or deliver_at:
             due = max(deliver_at or 0, now_ms() + (delay or 0))
@@ -159,7 +159,7 @@ class Handler:
             status, content = await self.engine.answer(frame)
         except (RedisError, OSError):
             status, content = "error", "store unavailable, answer again later"
-        return self._error(content, msgid, status)
+        return self._resp(content, msgid, status)
 
     async def _register(self, frame: Frame, peer: str) -> bytes:
         msgid = frame.fields.get("msgid")
@@ -169,10 +169,10 @@ class Handler:
             await self.engine.registry.register(reg)
             await self.engine.note_apps({reg.app})
         except RegistrationError as exc:
-            return self._error(str(exc), msgid, "reject")
+            return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):
-            return self._error("store unavailable, register again later", msgid)
-        return self._error("registered", msgid, "ack")
+            return self._resp("store unavailable, register again later", msgid)
+        return self._resp("registered", msgid, "ack")
 
     async def _unregister(self, frame: Frame) -> bytes:
         msgid = frame.fields.get("msgid")
@@ -180,7 +180,7 @@ class Handler:
             app, rid = parse_unregistration(frame.content)
             removed = await self.engine.registry.unregister(app, rid)
         except RegistrationError as exc:
-            return self._error(str(exc), msgid, "reject")
+            return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):
-            return self._error("store unavailable, unregister again later", msgid)
-        return self._error("unregistered" if removed else "was not registered", msgid, "ack")
+            return self._resp("store unavailable, unregister again later", msgid)
+        return self._resp("unregistered" if removed else "was not registered", msgid, "ack")
