@@ -113,10 +113,11 @@ class Handler:
         return Outcome(self._resp(f"unknown frame type {kind!r}", msgid))
 
     @staticmethod
-    def _resp(reason: str, msgid: str | None = None, status: str = "error") -> bytes:
+    def _resp(content: str, msgid: str | None = None, status: str = "error") -> bytes:
+        """A `resp` (an error unless said otherwise), echoing msgid where it can."""
         if msgid is not None and ("\r" in msgid or "\n" in msgid):
             msgid = None
-        return encode_resp(status, reason, msgid)
+        return encode_resp(status, content, msgid)
 
     def _spawn(self, coro: Awaitable[bytes]) -> asyncio.Task[bytes]:
         async def run() -> bytes:
