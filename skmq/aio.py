@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
 
 import structlog
 
 log = structlog.get_logger("skmq")
+
+T = TypeVar("T")
+
+
+def spawn(coro: Coroutine[Any, Any, T], tasks: set[asyncio.Task[Any]]) -> asyncio.Task[T]:
+    """Run coro as a task held in `tasks` until it ends (the loop keeps only weak ones)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[None]], timeout: float = 2.0) -> None:

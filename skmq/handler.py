@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.aio import spawn
 from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
@@ -102,11 +103,11 @@ class Handler:
         if kind == "ping":
             return Outcome(PONG)
         if kind in ("ack", "reject", "error", "arrived"):
-            return Outcome(self._spawn(self._answer(item)))
+            return Outcome(spawn(self._answer(item), self._tasks))
         if kind == "register":
-            return Outcome(self._spawn(self._register(item, peer)))
+            return Outcome(spawn(self._register(item, peer), self._tasks))
         if kind == "unregister":
-            return Outcome(self._spawn(self._unregister(item)))
+            return Outcome(spawn(self._unregister(item), self._tasks))
         msgid = item.fields.get("msgid")
         if not kind:
             return Outcome(self._resp("frame without a type field", msgid))
@@ -118,15 +119,6 @@ class Handler:
         if msgid is not None and ("\r" in msgid or "\n" in msgid):
             msgid = None
         return encode_resp(status, content, msgid)
-
-    def _spawn(self, coro: Awaitable[bytes]) -> asyncio.Task[bytes]:
-        async def run() -> bytes:
-            return await coro
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- producers ----------------------------------------------------------
     def _produce(self, frame: Frame, batch: EnqueueBatch) -> Reply:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 from redis.exceptions import RedisError
 
-from skmq.aio import cancel_and_wait
+from skmq.aio import cancel_and_wait, spawn
 from skmq.codec import Frame
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog, now_ms
@@ -115,14 +115,6 @@ class Engine:
             link.close()
         await cancel_and_wait(self._side_tasks)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        async def run() -> None:
-            await coro
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-
     # -- dispatch -----------------------------------------------------------
     def notify(self, app: str) -> None:
         """Wake the app's dispatcher (creating it for an app seen for the first time)."""
@@ -201,7 +193,10 @@ class Engine:
             self._link(app, r).push(d)
             self.dlog.event("pushed", c.msgid, app, c.kind, c.recipient, c.attempt)
         if orphans:
-            self._spawn(self._unreachable(app, "", orphans, "recipient no longer registered"))
+            spawn(
+                self._unreachable(app, "", orphans, "recipient no longer registered"),
+                self._side_tasks,
+            )
 
     # -- LinkOwner ----------------------------------------------------------
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
@@ -218,14 +213,14 @@ class Engine:
             status, content = await self.answer(frame, link.app, link.rid)
             link.send_resp(frame.fields.get("msgid", ""), status, content)
 
-        self._spawn(late())
+        spawn(late(), self._side_tasks)
 
     def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
         for d in deliveries:
             self.answers.submit(link.app, d.delivery_id, "errored", detail, link.rid, d.attempt)
 
     def on_unreachable(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
-        self._spawn(self._unreachable(link.app, link.rid, deliveries, detail))
+        spawn(self._unreachable(link.app, link.rid, deliveries, detail), self._side_tasks)
 
     async def _unreachable(
         self, app: str, rid: str, deliveries: list[Delivery], detail: str

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.aio import spawn
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.store import NewMessage, Store
@@ -78,9 +79,7 @@ class Enqueuer:
         if not batch.messages:
             batch.future.set_result({})
             return
-        task = asyncio.get_running_loop().create_task(self._store(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._store(batch), self._tasks)
 
     async def drain(self) -> None:
         if self._tasks:
