@@ -19,6 +19,7 @@ from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
 from skmq.handler import Handler
+from skmq.metrics import Metrics
 from skmq.server import Server
 from skmq.store import Store, connect_redis
 from skmq.workers.engine import Engine
@@ -82,8 +83,6 @@ class Broker:
         await wait_for_redis(self.redis, self.stopping.is_set)
         self.store = make_store(s, self.redis)
         self.dlog = DeliveryLog(s.delivery_log_dir, self.broker_id, s.log_rotate_bytes)
-        from skmq.metrics import Metrics
-
         self.metrics = Metrics(self.store)
         self.dlog.listener = self.metrics.observe
         self.engine = Engine(s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency)
