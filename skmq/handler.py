@@ -22,6 +22,7 @@ from skmq.aio import spawn
 from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
+from skmq.peer import Peer
 from skmq.registry.registration import (
     RegistrationError,
     check_address,
@@ -80,16 +81,16 @@ class Handler:
         self._tasks: set[asyncio.Task[bytes]] = set()
 
     def handle_batch(
-        self, items: list[tuple[str, Frame | InvalidFrame | CodecError | None]]
+        self, items: list[tuple[Peer, Frame | InvalidFrame | CodecError | None]]
     ) -> list[Outcome]:
-        """items: (peer host, decoded item); None is the end of the peer's stream."""
+        """items: (peer, decoded item); None is the end of the peer's stream."""
         batch = EnqueueBatch()
         out = [self._handle(peer, item, batch) for peer, item in items]
         self.enqueuer.submit(batch)
         return out
 
     def _handle(
-        self, peer: str, item: Frame | InvalidFrame | CodecError | None, batch: EnqueueBatch
+        self, peer: Peer, item: Frame | InvalidFrame | CodecError | None, batch: EnqueueBatch
     ) -> Outcome:
         if item is None:
             return Outcome(b"", close=True)
@@ -154,11 +155,11 @@ class Handler:
             status, content = "error", "store unavailable, answer again later"
         return self._resp(content, msgid, status)
 
-    async def _register(self, frame: Frame, peer: str) -> bytes:
+    async def _register(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            reg = parse_registration(frame.content, peer)
-            check_address(reg.host, peer, self.settings.recipient_networks)
+            reg = parse_registration(frame.content, peer.host)
+            check_address(reg.host, peer.host, self.settings.recipient_networks)
             await self.engine.registry.register(reg)
             await self.engine.note_apps({reg.app})
         except RegistrationError as exc:

@@ -20,6 +20,7 @@ from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
 from skmq.handler import Handler, Outcome
+from skmq.peer import Peer
 from skmq.ratelimit import TokenBucket
 
 log = structlog.get_logger("skmq.server")
@@ -39,7 +40,7 @@ class Connection:
         self.reader = reader
         self.writer = writer
         peer = writer.get_extra_info("peername")
-        self.peer: str = peer[0] if isinstance(peer, tuple) else ""
+        self.peer = Peer(peer[0] if isinstance(peer, tuple) else "")
         self.decoder = Decoder(settings.max_frame_bytes, settings.max_line_bytes)
         self.last_active = time.monotonic()
         self.broken = False
@@ -185,7 +186,7 @@ class Server:
                 writer.write(b"".join(chunks))
                 conn.last_active = now
                 if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
-                    log.warning("peer does not read its answers, closing", peer=conn.peer)
+                    log.warning("peer does not read its answers, closing", peer=conn.peer.host)
                     self._close(conn)
             for conn in closing:
                 self._close(conn)
@@ -201,5 +202,5 @@ class Server:
             await asyncio.sleep(min(5.0, max(0.05, timeout / 4)))
             cutoff = time.monotonic() - timeout
             for conn in [c for c in self.connections if c.last_active < cutoff]:
-                log.info("closing idle connection", peer=conn.peer)
+                log.info("closing idle connection", peer=conn.peer.host)
                 self._close(conn)
