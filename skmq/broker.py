@@ -20,6 +20,7 @@ from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
 from skmq.handler import Handler
 from skmq.metrics import Metrics
+from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import Store, connect_redis
 from skmq.workers.engine import Engine
@@ -85,7 +86,14 @@ class Broker:
         self.dlog = DeliveryLog(s.delivery_log_dir, self.broker_id, s.log_rotate_bytes)
         self.metrics = Metrics(self.store)
         self.dlog.listener = self.metrics.observe
-        self.engine = Engine(s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency)
+        self.own = OwnAddresses()
+        self.own.add_redis_url(url)
+        self.own.add(s.host, s.port)
+        if s.metrics_port:
+            self.own.add(s.metrics_host, s.metrics_port)
+        self.engine = Engine(
+            s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency, self.own
+        )
         while True:
             try:
                 await self.engine.start(orphans=self.embedded is not None)
@@ -103,6 +111,7 @@ class Broker:
         self.enqueuer = Enqueuer(self.store, self.dlog, stored, self.engine.note_apps)
         self.server = Server(s, Handler(s, self.enqueuer, self.engine))
         await self.server.start()
+        self.own.add(s.host, self.server.port)
         if s.metrics_port:
             await self.metrics.serve(s.metrics_host, s.metrics_port, self.engine)
         log.info(

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     idle_timeout: float = Field(300.0, gt=0)
     recipient_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     push_window: int = Field(128, ge=1)
+    legacy_window: int = Field(8, ge=1)
+    legacy_answer_timeout: float = Field(10.0, gt=0)
+    handshake_timeout: float = Field(3.0, gt=0)
     dedupe_window: float = Field(3600.0, gt=0)
     shutdown_timeout: float = Field(5.0, ge=0)
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"

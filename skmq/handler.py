@@ -104,7 +104,7 @@ class Handler:
         if kind == "ping":
             return Outcome(PONG)
         if kind in ("ack", "reject", "error", "arrived"):
-            return Outcome(spawn(self._answer(item), self._tasks))
+            return Outcome(spawn(self._answer(item, peer), self._tasks))
         if kind == "register":
             return Outcome(spawn(self._register(item, peer), self._tasks))
         if kind == "unregister":
@@ -147,10 +147,10 @@ class Handler:
         return batch.add(app, NewMessage(msgid, frame.type, frame.content, due))
 
     # -- recipients' answers and registrations ------------------------------
-    async def _answer(self, frame: Frame) -> bytes:
+    async def _answer(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            status, content = await self.engine.answer(frame)
+            status, content = await self.engine.answer(frame, peer)
         except (RedisError, OSError):
             status, content = "error", "store unavailable, answer again later"
         return self._resp(content, msgid, status)
@@ -160,6 +160,11 @@ class Handler:
         try:
             reg = parse_registration(frame.content, peer.host)
             check_address(reg.host, peer.host, self.settings.recipient_networks)
+            if self.engine.own.used_by_broker(reg.host, reg.port):
+                raise RegistrationError(
+                    f"address {reg.host}:{reg.port} is one the broker uses itself "
+                    "(its store or its own ports): never a recipient's"
+                )
             await self.engine.registry.register(reg)
             await self.engine.note_apps({reg.app})
         except RegistrationError as exc:

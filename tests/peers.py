@@ -78,8 +78,16 @@ Policy = Callable[[Frame], str]
 class FakeRecipient:
     """Listens on a real port; answers each push as `policy` says; answers ping with pong."""
 
-    def __init__(self, app: str, rid: str, policy: Policy | None = None, weight: int = 0) -> None:
+    def __init__(
+        self,
+        app: str,
+        rid: str,
+        policy: Policy | None = None,
+        weight: int = 0,
+        caps: tuple[str, ...] = ("pipeline", "length", "token"),
+    ) -> None:
         self.app = app
+        self.caps = caps
         self.rid = rid
         self.weight = weight
         self.policy: Policy = policy or (lambda f: "ack")
@@ -106,7 +114,7 @@ class FakeRecipient:
 
     def registration(self, **extra: Any) -> bytes:
         reg = {"id": self.rid, "app_id": self.app, "host": "127.0.0.1", "port": self.port,
-               "weight": self.weight}  # fmt: skip
+               "weight": self.weight, "caps": list(self.caps)}  # fmt: skip
         reg.update(extra)
         return json.dumps(reg).encode()
 
@@ -149,6 +157,8 @@ class FakeRecipient:
     def _answer(self, writer: asyncio.StreamWriter, frame: Frame) -> None:
         action = self.policy(frame)
         fields = {"msgid": frame.fields["msgid"], "appid": frame.fields.get("appid", "")}
+        if "token" in frame.fields:
+            fields["token"] = frame.fields["token"]
         if action == "close":
             writer.close()
             return

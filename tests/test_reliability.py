@@ -617,7 +617,7 @@ async def test_a_late_answer_on_the_recipients_own_connection_cannot_end_a_newer
     client = await RawClient.connect(port)
     resp = await client.request("error", b"failed late", msgid="m", appid=APP, recipient="r1")
     await client.close()
-    assert (resp["status"], await redis.zscore(inflight, "m")) == ("error", lease), (
+    assert (resp["status"], await redis.zscore(inflight, "m")) == ("reject", lease), (
         f"r1's late answer ({resp}) ended r2's attempt"
     )
     await r2.stop()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import structlog
 
 from skmq.deliverylog import DeliveryLog, now_ms
-from skmq.registry.registration import Registration
+from skmq.registry.registration import KNOWN_CAPS, Registration
 from skmq.store import Store
 
 log = structlog.get_logger("skmq.registry")
@@ -25,6 +25,7 @@ class Recipient:
     weight: int
     alive: bool
     last_heartbeat: int
+    caps: frozenset[str] = frozenset()
 
 
 class Registry:
@@ -66,6 +67,7 @@ class Registry:
                     int(r.get("weight", 0)),
                     bool(r["alive"]),
                     int(r["last_heartbeat"]),
+                    KNOWN_CAPS.intersection(c for c in r.get("caps") or () if isinstance(c, str)),
                 )
                 for r in recs
             }
@@ -76,6 +78,7 @@ class Registry:
                 or old[rid].port != r.port
                 or old[rid].host != r.host
                 or old[rid].weight != r.weight
+                or old[rid].caps != r.caps
                 for rid, r in new.items()
             ):
                 self.on_change(app)
@@ -89,7 +92,7 @@ class Registry:
         await self.store.register(reg.app, reg.id, reg.as_json(), now)
         self._changed(reg.app)
         self._apps.setdefault(reg.app, {})[reg.id] = Recipient(
-            reg.app, reg.id, reg.host, reg.port, reg.weight, True, now
+            reg.app, reg.id, reg.host, reg.port, reg.weight, True, now, reg.caps
         )
         self.dlog.event(
             "recipient_registered",

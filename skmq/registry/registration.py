@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_ID = 256
+# What a recipient may declare it supports (extensions). One that declares none is an
+# original SKMQ peer and gets the original broker's discipline (docs/PROTOCOL.md).
+KNOWN_CAPS = frozenset(("pipeline", "length", "token"))
+MAX_CAPS = 16
 
 
 class RegistrationError(ValueError):
@@ -22,6 +26,7 @@ class Registration:
     host: str
     port: int
     weight: int
+    caps: frozenset[str] = frozenset()
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -30,7 +35,20 @@ class Registration:
             "host": self.host,
             "port": self.port,
             "weight": self.weight,
+            "caps": sorted(self.caps),
         }
+
+
+def parse_caps(value: Any) -> frozenset[str]:
+    """The capabilities a register JSON declares; unknown names are ignored (a newer
+    recipient may know more than this broker)."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or len(value) > MAX_CAPS:
+        raise RegistrationError(f"caps must be a list of at most {MAX_CAPS} strings")
+    if not all(isinstance(c, str) for c in value):
+        raise RegistrationError("caps must be a list of strings")
+    return frozenset(value) & KNOWN_CAPS
 
 
 def _text(obj: dict[str, Any], key: str) -> str:
@@ -85,7 +103,8 @@ def parse_registration(content: bytes | None, peer_host: str) -> Registration:
         host = peer_host
     if not isinstance(host, str) or len(host) > 255:
         raise RegistrationError("host must be a string")
-    return Registration(_text(obj, "app_id"), _text(obj, "id"), host, port, weight)
+    caps = parse_caps(obj.get("caps"))
+    return Registration(_text(obj, "app_id"), _text(obj, "id"), host, port, weight, caps)
 
 
 def parse_unregistration(content: bytes | None) -> tuple[str, str]:

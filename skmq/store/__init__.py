@@ -2,6 +2,7 @@
 
 from skmq.store.store import (
     SEP,
+    AliveRecipient,
     AppCounts,
     Claimed,
     DeadLetter,
@@ -16,6 +17,7 @@ from skmq.store.store import (
 
 __all__ = [
     "SEP",
+    "AliveRecipient",
     "AppCounts",
     "Claimed",
     "DeadLetter",

@@ -65,12 +65,17 @@ return out
 """
 )
 
-# ARGV: now, lease ms, n, k, rate, alive rid * k, queue assignment rid * n
+# ARGV: now, lease ms, n, k, rate, (alive rid, free slots, length capable 0|1) * k,
+# queue assignment rid * n.
 # Takes up to n messages, due retries and delays first, then the ready list; with a
 # rate (DELIVERY_RATE, pushes/s for the app, whichever brokers push) a token bucket
-# under `rate` holding a tenth of a second's burst caps the pushes. Returns
-# (delivery id, kind, content, attempt, rid)*, then the next due ms (-1: none), then the
-# ms until the bucket has a token again (0: not limited).
+# under `rate` holding a tenth of a second's burst caps the pushes. A topic copy goes in
+# flight only while its recipient has a free window slot (PUSH_WINDOW holds for topics
+# too); the others wait in `delayed`. Content holding CR or LF needs `length=`: it goes
+# only to a recipient that declared the `length` capability, else it is dead-lettered.
+# Returns (delivery id, kind, content, attempt, rid)* (kind `d`: dead-lettered here, the
+# content then being the reason), then the next due ms (-1: none), then the ms until the
+# bucket has a token again (0: not limited).
 CLAIM = (
     COMMON
     + r"""
@@ -79,7 +84,14 @@ local lease = now + tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
 local k = tonumber(ARGV[4])
 local rate = tonumber(ARGV[5])
-local qi = 6 + k
+local alive, budget, can_length = {}, {}, {}
+for j = 1, k do
+  local rid = ARGV[3 + 3 * j]
+  alive[j] = rid
+  budget[rid] = tonumber(ARGV[4 + 3 * j])
+  can_length[rid] = ARGV[5 + 3 * j] == '1'
+end
+local qi = 6 + 3 * k
 local tokens = 0
 if rate > 0 then
   local burst = math.max(1, rate / 10)
@@ -90,6 +102,32 @@ if rate > 0 then
 end
 local inflight = base .. 'inflight'
 local out = {}
+local pushed = 0
+local function emit(id, kind, content, a, rid)
+  out[#out + 1] = id; out[#out + 1] = kind; out[#out + 1] = content
+  out[#out + 1] = a; out[#out + 1] = rid
+end
+local function needs_length(content) return string.find(content, '[\r\n]') ~= nil end
+local function capable()
+  for j = 1, k do if can_length[alive[j]] then return alive[j] end end
+  return nil
+end
+local UNDELIVERABLE = 'undeliverable: content holds CR or LF and no recipient declared '
+  .. 'the length capability'
+local function bury(id, sk, crid, rid)
+  local s = sfx(crid)
+  redis.call('HSET', sk, 'e' .. s, UNDELIVERABLE, 'h' .. s,
+             now .. ' attempt=0 recipient=' .. rid .. ' ' .. UNDELIVERABLE)
+  redis.call('ZADD', base .. 'dead', now, id)
+  emit(id, 'd', UNDELIVERABLE, 0, rid)
+end
+local function lease_copy(sk, cid, crid, content)
+  local a = redis.call('HINCRBY', sk, 'n:' .. crid, 1)
+  redis.call('ZADD', inflight, lease, cid)
+  budget[crid] = budget[crid] - 1
+  pushed = pushed + 1
+  emit(cid, 't', content, a, crid)
+end
 local function take(id)
   local msgid, crid = split(id)
   local m = redis.call('GET', base .. 'm:' .. msgid)
@@ -97,34 +135,55 @@ local function take(id)
   local sk = base .. 's:' .. msgid
   local content = string.sub(m, 15)
   if crid then
-    local a = redis.call('HINCRBY', sk, 'n:' .. crid, 1)
-    redis.call('ZADD', inflight, lease, id)
-    out[#out + 1] = id; out[#out + 1] = 't'; out[#out + 1] = content
-    out[#out + 1] = a; out[#out + 1] = crid
+    if budget[crid] and budget[crid] <= 0 then
+      redis.call('ZADD', base .. 'delayed', now + 200, id)
+    elseif budget[crid] and not can_length[crid] and needs_length(content) then
+      redis.call('HINCRBY', sk, 'o', -1)
+      redis.call('HINCRBY', sk, 'dc', 1)
+      bury(id, sk, crid, crid)
+    else
+      if not budget[crid] then budget[crid] = 1 end
+      lease_copy(sk, id, crid, content)
+    end
   elseif string.sub(m, 1, 1) == 'q' then
     local rid = ARGV[qi]
     qi = qi + 1
+    if not can_length[rid] and needs_length(content) then
+      rid = capable()
+      if not rid then return bury(id, sk, nil, '') end
+    end
     local a = redis.call('HINCRBY', sk, 'n', 1)
     redis.call('HSET', sk, 'r', rid)
     redis.call('ZADD', inflight, lease, id)
-    out[#out + 1] = id; out[#out + 1] = 'q'; out[#out + 1] = content
-    out[#out + 1] = a; out[#out + 1] = rid
+    budget[rid] = (budget[rid] or 1) - 1
+    pushed = pushed + 1
+    emit(id, 'q', content, a, rid)
   else
+    local live, dead = 0, 0
+    local long = needs_length(content)
     for j = 1, k do
-      local rid = ARGV[5 + j]
+      local rid = alive[j]
       local cid = msgid .. '\31' .. rid
-      redis.call('HSET', sk, 'n:' .. rid, 1)
-      redis.call('ZADD', inflight, lease, cid)
-      out[#out + 1] = cid; out[#out + 1] = 't'; out[#out + 1] = content
-      out[#out + 1] = 1; out[#out + 1] = rid
+      if long and not can_length[rid] then
+        dead = dead + 1
+        bury(cid, sk, rid, rid)
+      elseif budget[rid] > 0 then
+        live = live + 1
+        lease_copy(sk, cid, rid, content)
+      else
+        live = live + 1
+        redis.call('HSET', sk, 'n:' .. rid, 0)
+        redis.call('ZADD', base .. 'delayed', now, cid)
+      end
     end
-    redis.call('HSET', sk, 'o', k, 'dc', 0)
+    redis.call('HSET', sk, 'o', live, 'dc', dead)
   end
 end
 local taken = 0
 if k > 0 and n > 0 then
-  local due = redis.call('ZRANGEBYSCORE', base .. 'delayed', '-inf', now, 'LIMIT', 0, n)
+  local due = redis.call('ZRANGEBYSCORE', base .. 'delayed', '-inf', now, 'LIMIT', 0, n + 64)
   for _, id in ipairs(due) do
+    if taken >= n then break end
     redis.call('ZREM', base .. 'delayed', id)
     take(id)
     taken = taken + 1
@@ -138,7 +197,7 @@ local nxt = redis.call('ZRANGE', base .. 'delayed', 0, 0, 'WITHSCORES')
 if nxt[2] then out[#out + 1] = nxt[2] else out[#out + 1] = -1 end
 local wait = 0
 if rate > 0 then
-  tokens = tokens - (#out - 1) / 5  -- 5 values a delivery claimed; not the nxt entry
+  tokens = tokens - pushed
   redis.call('HSET', base .. 'rate', 't', tokens, 'ts', now)
   if tokens < 1 then wait = math.ceil((1 - tokens) * 1000 / rate) end
 end
@@ -235,42 +294,36 @@ return out
 """
 )
 
-# ARGV: now, done bucket, done ttl ms, then delivery ids.
-# An ack completes the delivery wherever it stands (in flight, waiting for a retry,
-# or dead: the recipient did process it). Returns (ok, attempt, stored ts, recipient)*.
+# ARGV: now, done bucket, done ttl ms, then (delivery id, attempt or 0 for the current)*.
+# An ack settles a delivery only while it is in flight, and only the attempt it names
+# (a late ack for attempt 1 must not settle attempt 2, perhaps another broker's): a
+# delayed, pending, retry-waiting or dead message cannot be acked.
+# Returns (ok, attempt, stored ts, recipient)*.
 FINISH = (
     COMMON
     + r"""
 local done = base .. 'done:' .. ARGV[2]
 local added = false
 local out = {}
-for i = 4, #ARGV do
+for i = 4, #ARGV, 2 do
   local id = ARGV[i]
+  local want = tonumber(ARGV[i + 1])
   local msgid, crid = split(id)
   local mk = base .. 'm:' .. msgid
   local sk = base .. 's:' .. msgid
-  local found = redis.call('ZREM', base .. 'inflight', id)
-  local was_dead = 0
-  if found == 0 then
-    found = redis.call('ZREM', base .. 'delayed', id)
-    if found == 0 then
-      was_dead = redis.call('ZREM', base .. 'dead', id)
-      found = was_dead
-    end
-  end
+  local s = sfx(crid)
+  local f = redis.call('HMGET', sk, 'n' .. s, 'r')
+  local n = tonumber(f[1] or '0')
   local ts = false
-  if found == 1 then ts = redis.call('GETRANGE', mk, 1, 13) end
+  if redis.call('ZSCORE', base .. 'inflight', id) and (want == 0 or want == n) then
+    redis.call('ZREM', base .. 'inflight', id)
+    ts = redis.call('GETRANGE', mk, 1, 13)
+  end
   if not ts or ts == '' then
-    out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = ''
+    out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
   else
-    local s = sfx(crid)
-    local f = redis.call('HMGET', sk, 'n' .. s, 'r')
     local complete = true
     if crid then
-      if was_dead == 1 then
-        redis.call('HINCRBY', sk, 'dc', -1)
-        redis.call('HINCRBY', sk, 'o', 1)
-      end
       redis.call('HDEL', sk, 'n' .. s, 'h' .. s, 'e' .. s)
       local o = redis.call('HINCRBY', sk, 'o', -1)
       local dc = tonumber(redis.call('HGET', sk, 'dc') or '0')
@@ -281,7 +334,7 @@ for i = 4, #ARGV do
       redis.call('SADD', done, msgid)
       added = true
     end
-    out[#out + 1] = 1; out[#out + 1] = tonumber(f[1] or '0'); out[#out + 1] = tonumber(ts)
+    out[#out + 1] = 1; out[#out + 1] = n; out[#out + 1] = tonumber(ts)
     out[#out + 1] = crid or f[2] or ''
   end
 end
@@ -318,27 +371,35 @@ return out
 """
 )
 
-# ARGV: msgid, recipient hint. Finds the delivery an answer without push-connection
-# context is for: the msgid itself for a queue message; for a topic message the copy
-# of the hinted recipient, else the first copy still waiting for an answer.
-RESOLVE = (
+# ARGV: msgid. The deliveries of msgid now in flight, for an answer that did not come on
+# its push connection: (delivery id, recipient, attempt)*.
+IN_FLIGHT_OF = (
     COMMON
     + r"""
 local msgid = ARGV[1]
 local kind = redis.call('GETRANGE', base .. 'm:' .. msgid, 0, 0)
-if kind == '' then return false end
-if kind == 'q' then return msgid end
-if ARGV[2] ~= '' then return msgid .. '\31' .. ARGV[2] end
-local fields = redis.call('HKEYS', base .. 's:' .. msgid)
-local fallback = false
-for _, f in ipairs(fields) do
+if kind == '' then return {} end
+local inflight = base .. 'inflight'
+local sk = base .. 's:' .. msgid
+local out = {}
+if kind == 'q' then
+  if redis.call('ZSCORE', inflight, msgid) then
+    local f = redis.call('HMGET', sk, 'r', 'n')
+    out = {msgid, f[1] or '', tonumber(f[2] or '0')}
+  end
+  return out
+end
+local fields = redis.call('HGETALL', sk)
+for i = 1, #fields, 2 do
+  local f = fields[i]
   if string.sub(f, 1, 2) == 'n:' then
     local cid = msgid .. '\31' .. string.sub(f, 3)
-    if redis.call('ZSCORE', base .. 'inflight', cid) then return cid end
-    if not fallback and redis.call('ZSCORE', base .. 'delayed', cid) then fallback = cid end
+    if redis.call('ZSCORE', inflight, cid) then
+      out[#out + 1] = cid; out[#out + 1] = string.sub(f, 3); out[#out + 1] = tonumber(fields[i + 1])
+    end
   end
 end
-return fallback
+return out
 """
 )
 
@@ -437,7 +498,7 @@ ALL = {
     "reap": REAP,
     "finish": FINISH,
     "release": RELEASE,
-    "resolve": RESOLVE,
+    "in_flight_of": IN_FLIGHT_OF,
     "replay": REPLAY,
     "purge": PURGE,
     "set_state": SET_STATE,

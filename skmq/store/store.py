@@ -8,6 +8,7 @@ every transition is one script, so each delivery is in flight from one broker at
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -75,6 +76,18 @@ class NewMessage:
     kind: str  # "queue" | "topic"
     content: bytes
     deliver_at: int = 0  # unix ms; 0: now
+
+
+_KINDS = {b"q": "queue", b"t": "topic", b"d": "dead"}
+
+
+@dataclass(slots=True)
+class AliveRecipient:
+    """What a claim needs to know of an alive recipient."""
+
+    rid: str
+    free: int  # free window slots
+    takes_length: bool  # declared the `length` capability
 
 
 @dataclass(slots=True)
@@ -184,6 +197,13 @@ class Store:
     def global_key(self, name: str) -> str:
         return f"{self.prefix}:{name}"
 
+    async def delivery_secret(self) -> bytes:
+        """The key every broker on this store signs delivery tokens with (made once)."""
+        key = self.global_key("delivery-secret")
+        await self.redis.set(key, secrets.token_hex(32), nx=True)
+        secret: bytes = await self.redis.get(key)
+        return secret
+
     # -- scripts ------------------------------------------------------------
     async def load_scripts(self) -> None:
         for name, source in scripts.ALL.items():
@@ -236,28 +256,37 @@ class Store:
         app: str,
         now: int,
         n: int,
-        alive: Sequence[str],
+        alive: Sequence[AliveRecipient],
         assignment: Sequence[str],
         rate: float = 0.0,
     ) -> tuple[list[Claimed], int | None, float]:
-        """Take up to n deliveries in flight; queue ones go to `assignment` in order.
+        """Take up to n deliveries in flight; queue ones go to `assignment` in order, topic
+        copies only to recipients with free slots (the others wait).
 
-        Returns them, when the next delayed one falls due (unix ms), and how long the
-        app's DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
-        args = [now, self.lease_ms, n, len(alive), rate, *alive, *assignment]
+        Returns them (kind `dead` for one dead-lettered as undeliverable, its content the
+        reason), when the next delayed one falls due (unix ms), and how long the app's
+        DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
+        args: list[Any] = [now, self.lease_ms, n, len(alive), rate]
+        for r in alive:
+            args += (r.rid, r.free, 1 if r.takes_length else 0)
+        args += assignment
         res = await self._call("claim", app, args)
         nxt = int(float(res[-2]))
         out = []
         for i in range(0, len(res) - 2, 5):
             did = _s(res[i])
             msgid, _ = split_delivery(did)
-            kind = "topic" if res[i + 1] == b"t" else "queue"
+            kind = _KINDS[res[i + 1]]
             out.append(Claimed(did, msgid, kind, res[i + 2], int(res[i + 3]), _s(res[i + 4])))
         return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
 
-    async def finish(self, app: str, delivery_ids: Sequence[str], now: int) -> list[Finished]:
+    async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
+        """acks: (delivery id, attempt or 0 for whichever is current)."""
         bucket = self._bucket(now)
-        res = await self._call("finish", app, [now, bucket, 2 * self.dedupe_ms, *delivery_ids])
+        args: list[Any] = [now, bucket, 2 * self.dedupe_ms]
+        for delivery_id, attempt in acks:
+            args += (delivery_id, attempt)
+        res = await self._call("finish", app, args)
         return [
             Finished(bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
             for i in range(0, len(res), 4)
@@ -297,9 +326,10 @@ class Store:
             return []
         return [bool(x) for x in await self._call("release", app, list(delivery_ids))]
 
-    async def resolve(self, app: str, msgid: str, recipient: str = "") -> str | None:
-        res = await self._call("resolve", app, [msgid, recipient])
-        return _s(res) if res else None
+    async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
+        """The deliveries of msgid in flight: (delivery id, recipient, attempt)."""
+        res = await self._call("in_flight_of", app, [msgid])
+        return [(_s(res[i]), _s(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
 
     async def find_app(self, msgid: str) -> str | None:
         """The app holding msgid, for an answer that names no appid (the original's `ack`)."""

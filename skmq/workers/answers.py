@@ -17,10 +17,9 @@ from redis.exceptions import RedisError
 
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.store import Failed, Store, split_delivery
+from skmq.workers.link import Resp
 
 log = structlog.get_logger("skmq.answers")
-
-Resp = tuple[str, str]
 
 
 @dataclass(slots=True)
@@ -99,7 +98,9 @@ class AnswerBatcher:
         now = now_ms()
         if acks:
             try:
-                done = await self.store.finish(app, [a.delivery_id for a in acks], now)
+                done = await self.store.finish(
+                    app, [(a.delivery_id, a.attempt or 0) for a in acks], now
+                )
             except (RedisError, OSError) as exc:
                 self._unavailable(app, acks, exc)
             else:
@@ -132,7 +133,7 @@ class AnswerBatcher:
     ) -> None:
         msgid = split_delivery(a.delivery_id)[0]
         if not ok:
-            a.done(("error", "unknown message, or already finished"))
+            a.done(("reject", "message not in flight (already settled, or a newer attempt)"))
             return
         self.dlog.event(
             "acked",
@@ -155,7 +156,7 @@ class AnswerBatcher:
         kind = _kind(delivery_id)
         rid = recipient or r.recipient
         if r.code == Failed.STALE:
-            return ("error", "message not in flight")
+            return ("reject", "message not in flight (already settled, or a newer attempt)")
         self.dlog.event(outcome, msgid, app, kind, rid, r.attempt, detail or None)
         if r.code == Failed.DEAD:
             self.dlog.event(

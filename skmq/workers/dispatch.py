@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from skmq.deliverylog import now_ms
 from skmq.registry.balance import Balancer
 from skmq.registry.recipients import Recipient
-from skmq.store import Claimed, Store
+from skmq.store import AliveRecipient, Claimed, Store
 
 log = structlog.get_logger("skmq.dispatch")
 
@@ -85,8 +85,9 @@ class Dispatcher:
             self.starved = True
             return POLL
         now = now_ms()
+        alive = [AliveRecipient(r.id, free.get(r.id, 0), "length" in r.caps) for r in recipients]
         claimed, next_due, rate_wait = await self.store.claim(
-            self.app, now, n, [r.id for r in recipients], assignment, self.delivery_rate
+            self.app, now, n, alive, assignment, self.delivery_rate
         )
         self.balancer.commit(sum(1 for c in claimed if c.kind == "queue"))
         if claimed:

@@ -19,12 +19,15 @@ from skmq.aio import cancel_and_wait, spawn
 from skmq.codec import Frame
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.peer import Peer
 from skmq.registry.heartbeat import heartbeat_round
+from skmq.registry.own_addresses import OwnAddresses, same_host
 from skmq.registry.recipients import Recipient, Registry
 from skmq.store import Claimed, Failed, Store, split_delivery
-from skmq.workers.answers import AnswerBatcher, Resp
+from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
-from skmq.workers.link import ANSWERS, DETAILS, Delivery, RecipientLink
+from skmq.workers.link import ANSWERS, DETAILS, Delivery, LinkTimeouts, RecipientLink, Resp
+from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.engine")
 
@@ -37,8 +40,12 @@ class Engine:
         dlog: DeliveryLog,
         broker_id: str,
         on_acked: Callable[[str, int], None] | None = None,
+        own: OwnAddresses | None = None,
     ) -> None:
         self.settings = settings
+        # Addresses this broker uses itself: never a recipient's (docs/SECURITY.md).
+        self.own = own or OwnAddresses()
+        self.tokens = DeliveryTokens(b"")
         self.store = store
         self.dlog = dlog
         self.broker_id = broker_id
@@ -58,6 +65,7 @@ class Engine:
         """`orphans`: every lease in Redis is a dead process's (this broker owns its Redis
         alone, as with the embedded one): hand them back now rather than at expiry."""
         await self.store.load_scripts()
+        self.tokens = DeliveryTokens(await self.store.delivery_secret())
         if orphans:
             await self._release_orphans()
         await self._refresh()
@@ -151,7 +159,7 @@ class Engine:
 
     def _link(self, app: str, r: Recipient) -> RecipientLink:
         link = self.links.get((app, r.id))
-        if link is not None and (link.host, link.port) != (r.host, r.port):
+        if link is not None and (link.host, link.port, link.caps) != (r.host, r.port, r.caps):
             link.close()
             link = None
         if link is None:
@@ -162,8 +170,13 @@ class Engine:
                 r.id,
                 r.host,
                 r.port,
-                window=s.push_window,
-                connect_timeout=min(s.ack_timeout, max(s.heartbeat_timeout, 1.0)),
+                r.caps,
+                window=s.push_window if "pipeline" in r.caps else s.legacy_window,
+                timeouts=LinkTimeouts(
+                    connect=min(s.ack_timeout, max(s.heartbeat_timeout, 1.0)),
+                    handshake=s.handshake_timeout,
+                    legacy_answer=s.legacy_answer_timeout,
+                ),
                 max_frame_bytes=s.max_frame_bytes,
             )
         return link
@@ -184,34 +197,65 @@ class Engine:
 
     def _deliver(self, app: str, claimed: list[Claimed]) -> None:
         orphans: list[Delivery] = []
+        forbidden: list[Delivery] = []
         for c in claimed:
+            if c.kind == "dead":
+                self._undeliverable(app, c)
+                continue
             d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
             r = self.registry.get(app, c.recipient)
             if r is None:
                 orphans.append(d)
                 continue
-            self._link(app, r).push(d)
+            if self.own.used_by_broker(r.host, r.port):
+                forbidden.append(d)
+                continue
+            link = self._link(app, r)
+            if "token" in link.caps:
+                d.token = self.tokens.make(app, c.delivery_id, c.attempt)
+            link.push(d)
             self.dlog.event("pushed", c.msgid, app, c.kind, c.recipient, c.attempt)
         if orphans:
             spawn(
                 self._unreachable(app, "", orphans, "recipient no longer registered"),
                 self._side_tasks,
             )
+        for d in forbidden:
+            spawn(
+                self._unreachable(
+                    app, d.recipient, [d], "recipient address is one the broker uses itself"
+                ),
+                self._side_tasks,
+            )
+
+    def _undeliverable(self, app: str, c: Claimed) -> None:
+        kind = "topic" if split_delivery(c.delivery_id)[1] is not None else "queue"
+        reason = c.content.decode()
+        self.dlog.event("dead_lettered", c.msgid, app, kind, c.recipient or None, 0, reason)
+        log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
 
     # -- LinkOwner ----------------------------------------------------------
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
         self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
 
-    def on_answer(self, link: RecipientLink, d: Delivery, outcome: str, detail: str) -> None:
-        def reply(resp: Resp) -> None:
-            link.send_resp(d.msgid, *resp)
-
+    def on_answer(
+        self,
+        link: RecipientLink,
+        d: Delivery,
+        outcome: str,
+        detail: str,
+        reply: Callable[[Resp], None],
+    ) -> None:
         self.answers.submit(link.app, d.delivery_id, outcome, detail, link.rid, d.attempt, reply)
 
-    def on_unknown_answer(self, link: RecipientLink, frame: Frame) -> None:
+    def on_unknown_answer(
+        self, link: RecipientLink, frame: Frame, reply: Callable[[Resp], None]
+    ) -> None:
         async def late() -> None:
-            status, content = await self.answer(frame, link.app, link.rid)
-            link.send_resp(frame.fields.get("msgid", ""), status, content)
+            try:
+                reply(await self.answer(frame, sender=(link.app, link.rid)))
+            except (RedisError, OSError):
+                reply(("error", "store unavailable, answer again later"))
 
         spawn(late(), self._side_tasks)
 
@@ -246,67 +290,82 @@ class Engine:
             log.warning("could not hand back deliveries; their leases will", error=repr(exc))
         self.notify(app)
 
-    # -- answers on the broker's own port (the recipient's own connection) ---
-    def _find_local(
-        self, app: str | None, msgid: str, rid: str | None
-    ) -> tuple[RecipientLink, Delivery] | None:
-        """The push an answer from the recipient's own connection is for. Such answers
-        follow `arrived` (SPEC 3), so without a recipient named: a push that arrived, else
-        one given up on (its attempt then fences the answer off from a newer attempt),
-        else any push of that msgid."""
-        links = [
-            link
-            for link in self.links.values()
-            if (not app or link.app == app) and (not rid or link.rid == rid)
-        ]
-        pushed = [(link, d) for link in links if (d := link.inflight.get(msgid)) is not None]
-        for link, d in pushed:
-            if d.arrived_at or rid:
-                return link, d
-        for link in links:
-            late = link.expired.get(msgid)
-            if late is not None:
-                return link, late
-        return pushed[0] if pushed else None
-
-    async def answer(self, frame: Frame, app: str | None = None, rid: str | None = None) -> Resp:
-        """An `arrived`, `ack`, `reject` or `error` that did not come on a push connection
-        (SPEC 3: after `arrived` the recipient may answer on its own connection)."""
+    # -- answers that did not come with their push ------------------------------
+    async def answer(
+        self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
+    ) -> Resp:
+        """An `arrived`, `ack`, `reject` or `error` for a push this broker may not know:
+        on the broker's port (SPEC 3: after `arrived` the recipient may answer on its own
+        connection), or on a push connection that did not carry it. `sender`: the (app,
+        recipient) whose push connection it came on; else `peer` must be that recipient
+        (its registered host, or a connection authenticated for the app), or the frame
+        must echo the push's delivery token. Never guessed: an answer that fits no
+        delivery in flight, or several, is refused."""
         msgid = frame.fields.get("msgid")
         if not msgid:
-            return ("error", "msgid required")
-        app = app or frame.fields.get("appid") or None
-        rid = rid or frame.fields.get("recipient") or None
-        found = self._find_local(app, msgid, rid)
-        if frame.type == "arrived":
-            if found is None:
-                return ("ack", "arrived")
-            link, d = found
-            d.arrived_at = time.monotonic()
-            self.on_arrived(link, d)
-            return ("ack", "arrived")
-        outcome = ANSWERS[frame.type]
-        detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
-        if found is not None:
-            link, d = found
-            if link.inflight.get(msgid) is d:
-                link.take(msgid)
-            else:
-                del link.expired[msgid]
-            return await self.answers.submit_and_wait(
-                link.app, d.delivery_id, outcome, detail, link.rid, d.attempt
-            )
+            return ("reject", "msgid required")
+        app = sender[0] if sender else frame.fields.get("appid") or None
         if app is None:
             app = await self.store.find_app(msgid)
             if app is None:
-                return ("error", f"unknown message {msgid!r}")
-        delivery_id = await self.store.resolve(app, msgid, rid or "")
-        if delivery_id is None:
-            return ("error", f"unknown message {msgid!r}")
-        crid = split_delivery(delivery_id)[1]
-        return await self.answers.submit_and_wait(
-            app, delivery_id, outcome, detail, crid or rid or ""
-        )
+                return ("reject", f"message {msgid!r} is not in flight")
+        named = sender[1] if sender else frame.fields.get("recipient") or None
+        found = await self.store.in_flight_of(app, msgid)
+        if named is not None:
+            found = [f for f in found if f[1] == named]
+        if not found:
+            return ("reject", f"message {msgid!r} is not in flight")
+        token = frame.fields.get("token")
+        if token is not None:
+            found = [f for f in found if self.tokens.attempt_of(token, app, f[0]) == f[2]]
+            if not found:
+                return ("reject", "delivery token does not match a delivery in flight")
+        elif sender is None:
+            found = [f for f in found if self._sent_by(peer, app, f[1])]
+            if not found:
+                return ("reject", f"message {msgid!r} is not in flight to a recipient you are")
+        if len(found) > 1:
+            found = [f for f in found if self._arrived_here(app, f[1], msgid)] or found
+        if len(found) > 1:
+            return (
+                "reject",
+                f"ambiguous: {len(found)} copies of {msgid!r} are in flight to recipients at "
+                "your address; name one (recipient=) or echo the push's token",
+            )
+        delivery_id, rid, attempt = found[0]
+        link = self.links.get((app, rid))
+        local = None
+        if link is not None:
+            local = link.inflight.get(msgid) or link.expired.get(msgid)
+        if frame.type == "arrived":
+            if link is not None and local is not None:
+                local.arrived_at = time.monotonic()
+                self.on_arrived(link, local)
+            return ("ack", "arrived")
+        if link is not None and local is not None:
+            if link.take(msgid) is None:
+                link.expired.pop(msgid, None)
+            link.benched_until = 0.0
+        outcome = ANSWERS[frame.type]
+        detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
+        return await self.answers.submit_and_wait(app, delivery_id, outcome, detail, rid, attempt)
+
+    def _sent_by(self, peer: Peer | None, app: str, rid: str) -> bool:
+        """True when peer is the recipient rid of app: authenticated for the app, or
+        connecting from the host it registered."""
+        if peer is None:
+            return False
+        if peer.authenticated_for(app):
+            return True
+        r = self.registry.get(app, rid)
+        return r is not None and same_host(r.host, peer.host)
+
+    def _arrived_here(self, app: str, rid: str, msgid: str) -> bool:
+        link = self.links.get((app, rid))
+        if link is None:
+            return False
+        d = link.inflight.get(msgid) or link.expired.get(msgid)
+        return d is not None and d.arrived_at > 0
 
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:

@@ -1,5 +1,19 @@
-"""The broker's connection to one recipient (SPEC 3): kept open and reused, with up to
-PUSH_WINDOW pushes unanswered at once, reconnected on the next push after it breaks.
+"""The broker's connections to one recipient (SPEC 3; docs/PROTOCOL.md, "Push delivery").
+
+Every connection starts with `ping`, and no push goes out on it before the recipient
+answered `pong`: a service that does not speak SKMQ (a Redis, an admin port) never
+receives a message. Then, by what the recipient declared when it registered:
+
+- `pipeline`: one kept-open connection, up to PUSH_WINDOW pushes unanswered on it;
+- none (an original SKMQ peer): the original broker's discipline, one push a connection
+  (connect, ping, push, read its answers, reply, close), up to LEGACY_WINDOW such
+  connections at once, and a short LEGACY_ANSWER_TIMEOUT for a push nobody answers
+  (an original recipient that wedged never closes its connection).
+
+A connection that breaks, times out or sends garbage is closed and never reused. Pushes
+that were never written on it go back without spending an attempt; written ones that got
+no answer count a failed attempt; ones that `arrived` wait for their final answer on
+another connection.
 """
 
 from __future__ import annotations
@@ -7,17 +21,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import structlog
 
-from skmq.codec import CodecError, Decoder, Frame, encode_frame, encode_resp
+from skmq.codec import PING, CodecError, Decoder, Frame, encode_frame, encode_resp
 
 log = structlog.get_logger("skmq.link")
 
+Resp = tuple[str, str]
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)
 class Delivery:
     app: str
     delivery_id: str
@@ -26,16 +43,25 @@ class Delivery:
     content: bytes
     attempt: int
     recipient: str
+    token: str = ""
     pushed_at: float = field(default_factory=time.monotonic)
     arrived_at: float = 0.0
+    conn: PushConnection | None = None
 
 
 class LinkOwner(Protocol):
     def on_arrived(self, link: RecipientLink, delivery: Delivery) -> None: ...
     def on_answer(
-        self, link: RecipientLink, delivery: Delivery, outcome: str, detail: str
+        self,
+        link: RecipientLink,
+        delivery: Delivery,
+        outcome: str,
+        detail: str,
+        reply: Callable[[Resp], None],
     ) -> None: ...
-    def on_unknown_answer(self, link: RecipientLink, frame: Frame) -> None: ...
+    def on_unknown_answer(
+        self, link: RecipientLink, frame: Frame, reply: Callable[[Resp], None]
+    ) -> None: ...
     def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None: ...
     def on_unreachable(
         self, link: RecipientLink, deliveries: list[Delivery], detail: str
@@ -46,7 +72,175 @@ ANSWERS = {"ack": "acked", "reject": "rejected", "error": "errored"}
 DETAILS = {"ack": "", "reject": "rejected by the recipient", "error": "error at the recipient"}
 
 
-class RecipientLink(asyncio.Protocol):
+@dataclass(frozen=True, slots=True)
+class LinkTimeouts:
+    connect: float
+    handshake: float  # for the `pong` that must come before any push
+    legacy_answer: float  # an original peer's push with no answer at all
+
+
+class PushConnection(asyncio.Protocol):
+    """One TCP connection to the recipient: handshake, then pushes and their answers."""
+
+    def __init__(self, link: RecipientLink, single_use: bool) -> None:
+        self.link = link
+        self.single_use = single_use
+        self.transport: asyncio.Transport | None = None
+        self.ready = False  # the recipient answered the handshake's `ping` with `pong`
+        self.closed = False
+        self.queued: list[Delivery] = []  # waiting for the handshake: never written
+        self.pushed: dict[str, Delivery] = {}  # written, not finally answered
+        self.last_write = 0.0
+        self._failure = "connection to recipient lost"
+        self._decoder = Decoder(max_frame_bytes=link.max_frame_bytes)
+        self._timer: asyncio.TimerHandle | None = None
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self._task = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        link = self.link
+        try:
+            async with asyncio.timeout(link.timeouts.connect):
+                await asyncio.get_running_loop().create_connection(
+                    lambda: self, link.host, link.port
+                )
+        except (OSError, TimeoutError) as exc:
+            self._failure = f"connect to {link.host}:{link.port}: {exc!r}"
+            self._lost()
+
+    def send(self, d: Delivery) -> None:
+        d.conn = self
+        if self.ready:
+            self._push(d)
+        else:
+            self.queued.append(d)
+
+    def _push(self, d: Delivery) -> None:
+        self.pushed[d.msgid] = d
+        d.pushed_at = time.monotonic()
+        self._write(self.link.encode_push(d))
+        if self.single_use:
+            self._arm(self.link.timeouts.legacy_answer, "no answer within legacy_answer_timeout")
+
+    def reply(self, msgid: str, resp: Resp) -> None:
+        """Answer the recipient's frame; an original peer's connection closes once its push
+        has its final answer. (After `arrived` it stays open for ACK_WAIT, for a final
+        answer on it; the original recipient may instead close it and answer on a
+        connection of its own.)"""
+        if self.transport is None or self.closed:
+            return
+        self._write(encode_resp(resp[0], resp[1], msgid or None))
+        if self.single_use and not self.pushed:
+            self._flush()
+            self.close()
+
+    def _write(self, data: bytes) -> None:
+        self._out.append(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self.transport is not None and self._out:
+            self.transport.write(b"".join(self._out))
+            self._out.clear()
+            self.last_write = time.monotonic()
+
+    def _arm(self, delay: float, why: str) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(delay, self.abort, why)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def abort(self, why: str) -> None:
+        """Drop the connection for good (garbage, a timeout): it is never reused."""
+        self._failure = why
+        if self.transport is not None:
+            self.transport.abort()
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._task.cancel()
+        if self.transport is not None:
+            self.transport.close()
+        else:
+            self._lost()
+
+    def write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
+    def waiting_only(self, ack_wait: float, now: float) -> bool:
+        """Every push on it `arrived` ACK_WAIT ago, and nothing was written since."""
+        return (
+            bool(self.pushed)
+            and now - self.last_write >= ack_wait
+            and all(d.arrived_at and now - d.arrived_at >= ack_wait for d in self.pushed.values())
+        )
+
+    # -- asyncio.Protocol -------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport: cast, do not assert.
+        self.transport = cast(asyncio.Transport, transport)
+        if self.closed:
+            self.transport.close()
+            return
+        self.transport.write(PING)
+        self._arm(self.link.timeouts.handshake, "no pong within handshake_timeout")
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except CodecError as exc:
+            self.abort(f"recipient sent an invalid stream: {exc}")
+            return
+        for frame in frames:
+            if not isinstance(frame, Frame):
+                continue
+            if not self.ready:
+                if frame.type != "pong":
+                    self.abort(f"recipient answered the handshake with {frame.type!r}")
+                    return
+                self._ready()
+            elif frame.type not in ("pong", "resp"):
+                self.link.on_frame(self, frame)
+
+    def _ready(self) -> None:
+        self.ready = True
+        self._disarm()
+        queued, self.queued = self.queued, []
+        for d in queued:
+            self._push(d)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost()
+
+    def _lost(self) -> None:
+        self.transport = None
+        self.closed = True
+        self._disarm()
+        self._out.clear()
+        self.link.connection_lost(self, self._failure)
+
+    def answered(self, d: Delivery, arrived: bool) -> None:
+        if arrived:
+            if self.single_use:
+                self._disarm()
+            return
+        self.pushed.pop(d.msgid, None)
+
+
+class RecipientLink:
+    """Everything this broker has pushed to one recipient and not yet heard the end of."""
+
     def __init__(
         self,
         owner: LinkOwner,
@@ -54,9 +248,10 @@ class RecipientLink(asyncio.Protocol):
         rid: str,
         host: str,
         port: int,
+        caps: frozenset[str],
         *,
         window: int,
-        connect_timeout: float,
+        timeouts: LinkTimeouts,
         max_frame_bytes: int,
     ) -> None:
         self.owner = owner
@@ -64,23 +259,19 @@ class RecipientLink(asyncio.Protocol):
         self.rid = rid
         self.host = host
         self.port = port
+        self.caps = caps
         self.window = window
-        self.connect_timeout = connect_timeout
+        self.timeouts = timeouts
         self.max_frame_bytes = max_frame_bytes
         self.inflight: dict[str, Delivery] = {}
-        self.last_write = 0.0
         # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
         # elsewhere). An answer from it lifts the bench.
         self.benched_until = 0.0
         # Pushes given up on, kept (bounded) so that a late answer still names its attempt:
         # that attempt fences it off from a newer one, perhaps another broker's.
         self.expired: OrderedDict[str, Delivery] = OrderedDict()
-        self._transport: asyncio.Transport | None = None
-        self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
-        self._out: list[bytes] = []
-        self._flush_scheduled = False
-        self._connecting: asyncio.Task[None] | None = None
-        self._closed = False
+        self.connections: set[PushConnection] = set()
+        self._shared: PushConnection | None = None
 
     @property
     def free(self) -> int:
@@ -89,117 +280,78 @@ class RecipientLink(asyncio.Protocol):
     # -- pushing ----------------------------------------------------------
     def push(self, d: Delivery) -> None:
         self.inflight[d.msgid] = d
-        fields: tuple[tuple[str, str], ...] = (("appid", self.app), ("msgid", d.msgid))
-        if d.kind == "topic":
-            fields += (("recipient", self.rid),)
-        self._write(encode_frame("push", fields, d.content))
+        conn = self._shared
+        if conn is None or conn.closed:
+            conn = PushConnection(self, single_use="pipeline" not in self.caps)
+            self.connections.add(conn)
+            if not conn.single_use:
+                self._shared = conn
+        conn.send(d)
 
-    def send_resp(self, msgid: str, status: str, content: str) -> None:
-        if self._transport is not None:
-            self._write(encode_resp(status, content, msgid))
+    def encode_push(self, d: Delivery) -> bytes:
+        """Original peers get only the fields the original broker sends."""
+        fields: list[tuple[str, str]] = [("appid", self.app), ("msgid", d.msgid)]
+        if self.caps:
+            if d.kind == "topic":
+                fields.append(("recipient", self.rid))
+            if d.token and "token" in self.caps:
+                fields.append(("token", d.token))
+        return encode_frame("push", fields, d.content)
 
-    def _write(self, data: bytes) -> None:
-        self._out.append(data)
-        if self._transport is None:
-            if self._connecting is None and not self._closed:
-                self._connecting = asyncio.get_running_loop().create_task(self._connect())
-            return
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._transport is not None and self._out:
-            self._transport.write(b"".join(self._out))
-            self._out.clear()
-            self.last_write = time.monotonic()
-
-    async def _connect(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                await loop.create_connection(lambda: self, self.host, self.port)
-        except (OSError, TimeoutError) as exc:
-            self._connecting = None
-            self._out.clear()
-            lost = list(self.inflight.values())
-            self.inflight.clear()
-            self.owner.on_unreachable(self, lost, f"connect to {self.host}:{self.port}: {exc!r}")
-            return
-        self._connecting = None
-
-    # -- asyncio.Protocol -------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not subclass asyncio.Transport: cast, do not assert.
-        self._transport = cast(asyncio.Transport, transport)
-        self._decoder = Decoder(max_frame_bytes=self.max_frame_bytes)
-        if self._closed:
-            self._transport.close()
-            return
-        self._flush()
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            log.warning(
-                "recipient sent an invalid stream", app=self.app, recipient=self.rid, error=str(exc)
-            )
-            if self._transport is not None:
-                self._transport.close()
-            return
-        for frame in frames:
-            if isinstance(frame, Frame):
-                self._on_frame(frame)
-
-    def _on_frame(self, frame: Frame) -> None:
+    # -- answers on this recipient's connections ----------------------------
+    def on_frame(self, conn: PushConnection, frame: Frame) -> None:
         kind = frame.type
-        if kind in ("pong", "resp"):
-            return
         msgid = frame.fields.get("msgid", "")
+
+        def reply(resp: Resp) -> None:
+            conn.reply(msgid, resp)
+
         d = self.inflight.get(msgid)
-        if d is None:
-            late = self.expired.pop(msgid, None) if kind in ANSWERS else None
-            if late is None:
-                self.owner.on_unknown_answer(self, frame)
-            else:
-                self.inflight[msgid] = late  # answered below like any other
-                self._on_frame(frame)
+        if d is None and kind in ANSWERS:
+            d = self.expired.pop(msgid, None)
+        token = frame.fields.get("token")
+        if d is None or (token is not None and d.token and token != d.token):
+            self.owner.on_unknown_answer(self, frame, reply)
             return
         if kind == "arrived":
             d.arrived_at = time.monotonic()
+            if d.conn is not None:
+                d.conn.answered(d, arrived=True)
             self.owner.on_arrived(self, d)
-            self.send_resp(msgid, "ack", "arrived")
+            reply(("ack", "arrived"))
             return
         outcome = ANSWERS.get(kind)
         if outcome is None:
-            self.send_resp(msgid, "error", f"unexpected frame type {kind!r} from a recipient")
+            reply(("error", f"unexpected frame type {kind!r} from a recipient"))
             return
-        del self.inflight[msgid]
+        self.take(msgid)
         self.benched_until = 0.0
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[kind]
-        self.owner.on_answer(self, d, outcome, detail)
+        self.owner.on_answer(self, d, outcome, detail, reply)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None
-        self._out.clear()
-        # A push never answered by the time its connection broke is a failed attempt;
-        # one that `arrived` keeps waiting for a final answer on another connection.
-        broken = [d for d in self.inflight.values() if not d.arrived_at]
-        for d in broken:
+    def connection_lost(self, conn: PushConnection, detail: str) -> None:
+        self.connections.discard(conn)
+        if self._shared is conn:
+            self._shared = None
+        never_written = [d for d in conn.queued if self.inflight.get(d.msgid) is d]
+        broken = [
+            d for d in conn.pushed.values() if not d.arrived_at and self.inflight.get(d.msgid) is d
+        ]
+        conn.queued.clear()
+        for d in (*never_written, *broken):
             del self.inflight[d.msgid]
+        if never_written:
+            self.owner.on_unreachable(self, never_written, detail)
         if broken:
-            self.owner.on_broken(self, broken, "connection to recipient lost")
+            self.owner.on_broken(self, broken, detail)
 
     # -- housekeeping -----------------------------------------------------
     def close_if_waiting_only(self, ack_wait: float, now: float) -> None:
-        """SPEC 3: after `arrived` the broker waits ACK_WAIT for the final answer on this
-        connection, then may close it; the recipient sends the answer on its own connection."""
-        if self._transport is None or not self.inflight or now - self.last_write < ack_wait:
-            return
-        if all(d.arrived_at and now - d.arrived_at >= ack_wait for d in self.inflight.values()):
-            self._transport.close()
+        """SPEC 3: after `arrived` the broker waits ACK_WAIT for the final answer on the
+        push connection, then may close it; the recipient answers on its own connection."""
+        for conn in list(self.connections):
+            if conn.waiting_only(ack_wait, now):
+                conn.close()
 
     def drop_expired(self, now: float, ack_timeout: float) -> int:
         """Forget pushes older than ACK_TIMEOUT: by then each was answered elsewhere (on a
@@ -212,9 +364,9 @@ class RecipientLink(asyncio.Protocol):
 
     def timed_out(self, msgid: str, now: float, bench_for: float) -> None:
         """A push got no final answer in time: bench the recipient; if it also stopped
-        reading (our unsent data piles up), drop the connection with that data, so that a
-        recipient that stopped reading costs no memory."""
-        d = self.inflight.pop(msgid, None)
+        reading (our unsent data piles up), or it is an original peer's connection of its
+        own, drop that connection, which is never reused."""
+        d = self.take(msgid)
         if d is None:
             return
         self.expired[msgid] = d
@@ -223,8 +375,9 @@ class RecipientLink(asyncio.Protocol):
         if d.arrived_at:
             return
         self.benched_until = now + bench_for
-        if self._transport is not None and self._transport.get_write_buffer_size() > 0:
-            self._transport.abort()
+        conn = d.conn
+        if conn is not None and (conn.single_use or conn.write_buffer_size() > 0):
+            conn.abort("push timed out")
 
     def benched(self, now: float) -> bool:
         return now < self.benched_until
@@ -234,11 +387,11 @@ class RecipientLink(asyncio.Protocol):
         return oldest is not None and now - oldest.pushed_at > after
 
     def take(self, msgid: str) -> Delivery | None:
-        return self.inflight.pop(msgid, None)
+        d = self.inflight.pop(msgid, None)
+        if d is not None and d.conn is not None:
+            d.conn.answered(d, arrived=False)
+        return d
 
     def close(self) -> None:
-        self._closed = True
-        if self._transport is not None:
-            self._transport.close()
-        if self._connecting is not None:
-            self._connecting.cancel()
+        for conn in list(self.connections):
+            conn.close()
