@@ -85,9 +85,11 @@ class FakeRecipient:
         policy: Policy | None = None,
         weight: int = 0,
         caps: tuple[str, ...] = ("pipeline", "length", "token"),
+        host: str = "127.0.0.1",
     ) -> None:
         self.app = app
         self.caps = caps
+        self.host = host
         self.rid = rid
         self.weight = weight
         self.policy: Policy = policy or (lambda f: "ack")
@@ -101,7 +103,7 @@ class FakeRecipient:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> FakeRecipient:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -113,7 +115,7 @@ class FakeRecipient:
         self._server = None
 
     def registration(self, **extra: Any) -> bytes:
-        reg = {"id": self.rid, "app_id": self.app, "host": "127.0.0.1", "port": self.port,
+        reg = {"id": self.rid, "app_id": self.app, "host": self.host, "port": self.port,
                "weight": self.weight, "caps": list(self.caps)}  # fmt: skip
         reg.update(extra)
         return json.dumps(reg).encode()

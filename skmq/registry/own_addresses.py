@@ -83,10 +83,15 @@ class OwnAddresses:
         return False
 
 
+def _plain(ip: Address) -> Address:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
 def same_host(registered: str, peer: str) -> bool:
-    """True when a connection from `peer` comes from the host a recipient registered
-    (`localhost` and every loopback address count as one host)."""
-    theirs, ours = resolve(registered), resolve(peer)
-    if any(ip.is_loopback for ip in theirs) and any(ip.is_loopback for ip in ours):
-        return True
-    return bool(set(theirs) & set(ours))
+    """True when a connection from address `peer` comes from the host a recipient
+    registered (`localhost`: its loopback addresses). Another loopback address such as
+    127.0.0.2 is another source, as it is for the kernel."""
+    theirs = {_plain(ip) for ip in resolve(registered)}
+    return any(_plain(ip) in theirs for ip in resolve(peer))

@@ -1,0 +1,308 @@
+"""Attacks on the delivery path over real sockets (issue 11 items 1-2, issue 12 item 1):
+recipient addresses turned against the broker's own Redis or another loopback service,
+forged answers from other source addresses, topic windows, content an original peer
+cannot read."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.broker import Broker
+from skmq.codec import Frame
+from skmq.embedded import EmbeddedRedis
+from tests.conftest import BrokerFactory, eventually
+from tests.peers import WAIT, FakeRecipient, RawClient
+
+ATTACKER = "127.0.0.2"  # another source address on this machine's loopback network
+
+
+async def produce(port: int, app: str, contents: dict[str, bytes], **fields: str) -> None:
+    client = await RawClient.connect(port)
+    try:
+        for msgid, content in contents.items():
+            kind = "topic" if fields.get("topic") else "queue"
+            extra = {k: v for k, v in fields.items() if k != "topic"}
+            client.send(kind, content, appid=app, msgid=msgid, **extra)
+        for _ in contents:
+            assert (await client.resp())["status"] == "ack"
+    finally:
+        await client.close()
+
+
+async def register(port: int, rec: FakeRecipient, **extra: object) -> dict[str, object]:
+    client = await RawClient.connect(port)
+    try:
+        return await client.request("register", rec.registration(**extra))
+    finally:
+        await client.close()
+
+
+async def answer_from(port: int, source: str, kind: str, **fields: str) -> dict[str, object]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    client = RawClient(reader, writer)
+    try:
+        return await client.request(kind, None, **fields)
+    finally:
+        await client.close()
+
+
+def message_keys(prefix: str, app: str) -> str:
+    return f"{prefix}:{{{app}}}:m:*"
+
+
+async def stored(redis: aioredis.Redis, prefix: str, app: str) -> int:
+    return len([k async for k in redis.scan_iter(match=message_keys(prefix, app), count=1000)])
+
+
+class Listener:
+    """A loopback service that is not an SKMQ recipient: records every byte it is sent."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Listener:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while chunk := await reader.read(65536):
+                self.data += chunk
+                writer.write(b"+OK\r\n")  # what a Redis-like service says to anything
+        writer.close()
+
+
+@pytest.fixture
+async def other_redis(tmp_path: Path) -> AsyncIterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path / "victim")
+    server.start()
+    yield server
+    server.stop()
+
+
+# -- 1. recipient addresses -----------------------------------------------------------
+
+
+async def test_the_brokers_own_redis_and_ports_cannot_be_registered(
+    broker: Broker, redis_server: EmbeddedRedis
+) -> None:
+    for port in (redis_server.port, broker.server.port):
+        rec = FakeRecipient("ssrf", "evil")
+        rec.port = port
+        resp = await register(broker.server.port, rec)
+        assert resp["status"] == "reject", resp
+        assert "uses itself" in str(resp["content"])
+        rec.port = port
+        resp = await register(broker.server.port, rec, host="localhost")
+        assert resp["status"] == "reject", resp
+
+
+async def test_a_store_wipe_through_a_push_is_impossible(
+    broker: Broker, redis: aioredis.Redis, prefix: str, other_redis: EmbeddedRedis
+) -> None:
+    """The SSRF of issue 11 against a Redis the broker does not know: registration passes
+    (it is loopback), but the handshake gets `+PONG`, not `pong`, so no push is written;
+    CR/LF content is never written to a peer without the `length` capability either."""
+    victim = aioredis.Redis.from_url(other_redis.url)
+    await victim.set("canary", "alive")
+    rec = FakeRecipient("wipe", "evil", caps=())
+    rec.port = other_redis.port
+    assert (await register(broker.server.port, rec))["status"] == "ack"
+    attack = {f"w{i}": b"x\r\nFLUSHALL\r\n" for i in range(50)}
+    attack |= {f"p{i}": b"FLUSHALL" for i in range(50)}
+    await produce(broker.server.port, "wipe", attack)
+    await eventually(lambda: recipient_lost(broker, "wipe", "evil"))
+    assert await victim.get("canary") == b"alive"
+    stats = await victim.info("commandstats")
+    assert "cmdstat_flushall" not in stats
+    assert await stored(redis, prefix, "wipe") == 100  # every acked message still there
+    await victim.aclose()
+
+
+async def recipient_lost(broker: Broker, app: str, rid: str) -> bool:
+    r = broker.engine.registry.get(app, rid)
+    return r is not None and not r.alive
+
+
+async def test_a_service_that_does_not_answer_pong_never_receives_a_message(
+    broker: Broker, redis: aioredis.Redis, prefix: str
+) -> None:
+    async with Listener() as service:
+        rec = FakeRecipient("probe", "svc", caps=("pipeline", "length"))
+        rec.port = service.port
+        assert (await register(broker.server.port, rec))["status"] == "ack"
+        await produce(broker.server.port, "probe", {"m1": b"SECRET-CONTENT"})
+        await eventually(lambda: recipient_lost(broker, "probe", "svc"))
+        assert b"SECRET-CONTENT" not in service.data
+        assert b"push" not in service.data
+        assert service.data.replace(b"ping\r\n\r\n", b"") == b""
+    assert await stored(redis, prefix, "probe") == 1
+
+
+# -- 2. answers are fenced ------------------------------------------------------------
+
+
+async def test_answers_from_another_address_change_nothing(
+    broker: Broker, redis: aioredis.Redis, prefix: str
+) -> None:
+    """Delayed, pending, in-flight and dead messages: forged acks from another source
+    address are refused and change nothing; the recipient's own ack still works."""
+    app = "forge"
+    holder = FakeRecipient(app, "holder", lambda f: "silent")
+    await holder.start()
+    assert (await register(broker.server.port, holder))["status"] == "ack"
+    await produce(broker.server.port, app, {"late": b"x"}, delay="600000")
+    await produce(broker.server.port, app, {"fly": b"x"})
+    push = await holder.next_push()
+    assert push.fields["msgid"] == "fly"
+    for msgid in ("late", "fly", "nope"):
+        for kind in ("ack", "reject", "error", "arrived"):
+            resp = await answer_from(broker.server.port, ATTACKER, kind, msgid=msgid, appid=app)
+            assert resp["status"] == "reject", (msgid, kind, resp)
+    # a guessed or replayed token is refused too
+    resp = await answer_from(
+        broker.server.port,
+        ATTACKER,
+        "ack",
+        msgid="fly",
+        appid=app,
+        token="1.AAAAAAAAAAAAAAAAAAAAAA",
+    )
+    assert resp["status"] == "reject"
+    base = f"{prefix}:{{{app}}}:"
+    assert await redis.zscore(base + "inflight", "fly") is not None
+    assert await redis.zscore(base + "delayed", "late") is not None
+    # the delayed one cannot be acked even from the recipient's own host
+    resp = await answer_from(broker.server.port, "127.0.0.1", "ack", msgid="late", appid=app)
+    assert resp["status"] == "reject"
+    # the echoed token settles it from anywhere: whoever holds it received the push
+    resp = await answer_from(
+        broker.server.port, ATTACKER, "ack", msgid="fly", appid=app, token=push.fields["token"]
+    )
+    assert resp["status"] == "ack", resp
+    assert await redis.exists(base + "m:fly") == 0
+    await holder.stop()
+
+
+async def test_a_late_ack_from_the_recipients_host_settles_only_its_own_copy(
+    broker: Broker, redis: aioredis.Redis, prefix: str
+) -> None:
+    """Topic copies to recipients on two hosts: an ack with only the msgid, from r1's host,
+    settles r1's copy and never r2's; from a third host it settles nothing."""
+    app = "copies"
+    r1 = FakeRecipient(app, "r1", lambda f: "silent")
+    r2 = FakeRecipient(app, "r2", lambda f: "silent", host="127.0.0.3")
+    await r1.start()
+    await r2.start()
+    assert (await register(broker.server.port, r1))["status"] == "ack"
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", broker.server.port, local_addr=("127.0.0.3", 0)
+    )
+    client = RawClient(reader, writer)
+    assert (await client.request("register", r2.registration()))["status"] == "ack"
+    await client.close()
+    await produce(broker.server.port, app, {"t": b"x"}, topic="1")
+    await r1.next_push()
+    await r2.next_push()
+    base = f"{prefix}:{{{app}}}:"
+    resp = await answer_from(broker.server.port, "127.0.0.4", "ack", msgid="t", appid=app)
+    assert resp["status"] == "reject"
+    resp = await answer_from(broker.server.port, "127.0.0.1", "ack", msgid="t", appid=app)
+    assert resp["status"] == "ack", resp
+    assert await redis.zscore(base + "inflight", "t\x1fr1") is None
+    assert await redis.zscore(base + "inflight", "t\x1fr2") is not None
+    await r1.stop()
+    await r2.stop()
+
+
+# -- PUSH_WINDOW for topics; content an original peer cannot read ----------------------
+
+
+async def test_topic_delivery_honours_push_window(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(push_window=4, ack_timeout=60)
+    app = "tw"
+    slow = FakeRecipient(app, "slow", lambda f: "silent")
+    fast = FakeRecipient(app, "fast")
+    await slow.start()
+    await fast.start()
+    for rec in (slow, fast):
+        assert (await register(broker.server.port, rec))["status"] == "ack"
+    await produce(broker.server.port, app, {f"t{i}": b"x" for i in range(40)}, topic="1")
+    got = {(await fast.next_push()).fields["msgid"] for _ in range(40)}
+    assert len(got) == 40
+    assert len(slow.received) <= 4
+    link = broker.engine.links[(app, "slow")]
+    assert len(link.inflight) <= 4
+    await slow.stop()
+    await fast.stop()
+
+
+async def test_cr_lf_content_goes_to_a_capable_recipient_or_the_dead_letter_queue(
+    broker: Broker, redis: aioredis.Redis, prefix: str
+) -> None:
+    app = "crlf"
+    legacy = FakeRecipient(app, "legacy", caps=())
+    await legacy.start()
+    assert (await register(broker.server.port, legacy))["status"] == "ack"
+    plain = {f"p{i}": f"plain {i}".encode() for i in range(100)}
+    await produce(broker.server.port, app, {f"c{i}": b"two\r\nlines" for i in range(5)} | plain)
+    got = {(await legacy.next_push()).fields["msgid"] for _ in range(100)}
+    assert got == set(plain)
+    base = f"{prefix}:{{{app}}}:"
+    await eventually(lambda: dead_count(redis, base, 5))
+    dead = await broker.store.dead_letters(app)
+    assert {d.msgid for d in dead} == {f"c{i}" for i in range(5)}
+    assert all("length capability" in d.last_error for d in dead)
+    assert all(b"length=" not in f.content for f in legacy.received if f.content)
+    # with a capable recipient there, such content goes to it instead
+    capable = FakeRecipient(app, "capable")
+    await capable.start()
+    assert (await register(broker.server.port, capable))["status"] == "ack"
+    await produce(broker.server.port, app, {"c-late": b"two\r\nlines"})
+    push = await capable.next_push()
+    assert (push.fields["msgid"], push.content) == ("c-late", b"two\r\nlines")
+    await legacy.stop()
+    await capable.stop()
+
+
+async def dead_count(redis: aioredis.Redis, base: str, n: int) -> bool:
+    return int(await redis.zcard(base + "dead")) == n
+
+
+async def test_an_original_peer_that_goes_silent_is_cut_off_and_its_push_retried(
+    make_broker: BrokerFactory,
+) -> None:
+    """No caps: one push a connection; a push with no answer at all within
+    LEGACY_ANSWER_TIMEOUT closes that connection (never reused) and counts an attempt."""
+    broker = await make_broker(legacy_answer_timeout=0.3, ack_timeout=30)
+    app = "mute"
+    answers = iter(["silent", "ack"])
+    rec = FakeRecipient(app, "go", lambda f: next(answers), caps=())
+    await rec.start()
+    assert (await register(broker.server.port, rec))["status"] == "ack"
+    await produce(broker.server.port, app, {"m": b"x"})
+    first: Frame = await rec.next_push()
+    second: Frame = await rec.next_push(WAIT)
+    assert first.fields["msgid"] == second.fields["msgid"] == "m"
+    assert rec.connections >= 2  # the silent connection was not reused
+    await eventually(lambda: settled(broker, app))
+    await rec.stop()
+
+
+async def settled(broker: Broker, app: str) -> bool:
+    counts = await broker.store.counts([app], 0)
+    c = counts[app]
+    return (c.pending, c.delayed, c.in_flight, c.dead) == (0, 0, 0, 0)
