@@ -1,0 +1,1 @@
+"""The enqueue and dequeue workers: storing producers' messages, dispatching, pushing, answers."""
