@@ -351,7 +351,7 @@ local done = redis.call('KEYS', base .. 'done:*')
 local out = {}
 for i, id in ipairs(ARGV) do
   local w = 'gone'
-  if redis.call('EXISTS', base .. 'm:' .. id) == 1 then
+  if redis.call('HEXISTS', base .. 'msgs', id) == 1 then
     w = 'stored'
     if redis.call('LPOS', base .. 'ready', id) then w = 'pending' end
     for _, z in ipairs({'delayed', 'inflight', 'dead'}) do

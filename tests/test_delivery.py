@@ -91,13 +91,9 @@ def base(broker: Broker, app: str) -> str:
 
 
 async def message_keys(redis: aioredis.Redis, broker: Broker, app: str) -> list[bytes]:
-    """Keys of the app's messages (`m:<msgid>`, and `s:<msgid>` delivery state if any)."""
+    """The app's messages and their delivery state (fields of `msgs` and `state`)."""
     b = base(broker, app)
-    return [
-        k
-        for pattern in (f"{b}m:*", f"{b}s:*")
-        async for k in redis.scan_iter(match=pattern, count=1000)
-    ]
+    return [*await redis.hkeys(b + "msgs"), *await redis.hkeys(b + "state")]
 
 
 async def settled(redis: aioredis.Redis, broker: Broker, app: str) -> bool:
@@ -365,7 +361,6 @@ async def test_topic_copies_have_their_own_ack_retry_and_dead_state(
     await good.next_push()
     for _ in range(3):
         await bad.next_push()
-    key = f"{base(broker, app)}m:tc"
     await eventually(lambda: redis.zscore(base(broker, app) + "dead", "tc\x1fbad"))
     await logged(broker, "dead_lettered", "tc")
     await logged(broker, "acked", "tc")
@@ -382,7 +377,7 @@ async def test_topic_copies_have_their_own_ack_retry_and_dead_state(
     assert (dl.msgid, dl.kind, dl.recipient, dl.attempts) == ("tc", "topic", "bad", 3)
     assert dl.content == b"broadcast body"
     assert len(dl.history) == 3 and "rejected" in dl.last_error
-    assert await redis.exists(key)  # kept: a copy is not resolved
+    assert await redis.hexists(base(broker, app) + "msgs", "tc")  # kept: a copy is not resolved
     assert len(good.received) == 1
     # replayed, bad's copy alone goes out again, with its attempts reset
     bad_answer["now"] = "ack"
@@ -409,7 +404,7 @@ async def test_topic_message_hash_stays_until_every_copy_is_resolved(
     assert f_frame.fields.get("recipient") == "fast"  # extension: the copy names its recipient
     f_conn.answer("ack", "th", app)
     assert (await f_conn.resp())["status"] == "ack"
-    assert await redis.exists(f"{base(broker, app)}m:th")
+    assert await redis.hexists(base(broker, app) + "msgs", "th")
     assert await redis.zscore(base(broker, app) + "inflight", "th\x1fslow") is not None
     s_conn.answer("ack", "th", app)
     assert (await s_conn.resp())["status"] == "ack"
@@ -751,7 +746,7 @@ async def test_dead_letters_replay_and_purge(broker: Broker, redis: aioredis.Red
     frame = await rec.next_push()
     assert frame.fields["msgid"] == "p1"
     await logged(broker, "acked", "p1")
-    assert not await redis.exists(f"{base(broker, app)}m:p1")
+    assert not await redis.hexists(base(broker, app) + "msgs", "p1")
     assert attempts(broker, "p1", "pushed") == [1, 2, 3, 1]  # attempts reset by the replay
     assert attempts(broker, "p1", "acked") == [1]
     assert await broker.store.purge(app, [letters["p2"].delivery_id]) == [True]
@@ -1030,7 +1025,7 @@ async def test_producer_ack_means_stored_and_duplicates_are_not_delivered_again(
     client = await RawClient.connect(broker.server.port)
     resp = await client.request("queue", b"first", appid=app, msgid="m1")
     assert resp["status"] == "ack"
-    assert await redis.exists(f"{base(broker, app)}m:m1")  # stored before the ack
+    assert await redis.hexists(base(broker, app) + "msgs", "m1")  # stored before the ack
     again = await client.request("queue", b"second", appid=app, msgid="m1")
     assert again["status"] == "ack" and "duplicate" in again["content"]
     rec = FakeRecipient(app, "r")

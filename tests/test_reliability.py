@@ -266,7 +266,7 @@ local done = redis.call('KEYS', base .. 'done:*')
 local out = {}
 for i, id in ipairs(ARGV) do
   local w = {}
-  if redis.call('EXISTS', base .. 'm:' .. id) == 1 then w[#w + 1] = 'm' end
+  if redis.call('HEXISTS', base .. 'msgs', id) == 1 then w[#w + 1] = 'm' end
   for _ = 1, #redis.call('LPOS', base .. 'ready', id, 'COUNT', 0) do w[#w + 1] = 'ready' end
   for _, z in ipairs({'delayed', 'inflight', 'dead'}) do
     if redis.call('ZSCORE', base .. z, id) then w[#w + 1] = z end

@@ -49,7 +49,7 @@ async def test_broker_stores_through_sentinel(
     assert resp["status"] == "ack"
     direct = aioredis.Redis.from_url(master.url)
     try:
-        assert (await direct.get(f"{broker.store.base('s')}m:s1"))[14:] == b"via sentinel"
+        assert (await direct.hget(f"{broker.store.base('s')}msgs", "s1"))[14:] == b"via sentinel"
     finally:
         await direct.aclose()
     await client.close()

@@ -20,8 +20,8 @@ async def test_queue_and_topic_are_stored_and_acked(broker: Broker, redis: aiore
     assert (t["status"], t["msgid"]) == ("ack", "m2")
     base = broker.store.base("app1")
     # m:<msgid> holds kind, 13-digit stored ms, content (skmq/store/scripts.py)
-    assert (await redis.get(f"{base}m:m1"))[14:] == b"hello"
-    assert (await redis.get(f"{base}m:m2"))[:1] == b"t"
+    assert (await redis.hget(f"{base}msgs", "m1"))[14:] == b"hello"
+    assert (await redis.hget(f"{base}msgs", "m2"))[:1] == b"t"
     await client.close()
 
 
@@ -136,7 +136,7 @@ async def test_binary_content_with_length(broker: Broker, redis: aioredis.Redis)
     body = b"line1\r\n\r\nline2\nend\r"
     resp = await client.request("queue", body, appid="a", msgid="bin")
     assert resp["status"] == "ack"
-    assert (await redis.get(f"{broker.store.base('a')}m:bin"))[14:] == body
+    assert (await redis.hget(f"{broker.store.base('a')}msgs", "bin"))[14:] == body
     await client.close()
 
 

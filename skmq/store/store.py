@@ -1,8 +1,9 @@
-"""Store: typed, batched calls of the Lua scripts in `scripts.py`, one app per call.
+"""Store: the one owner of SKMQ's Redis keys; typed, batched calls of the Lua scripts
+(one `.lua` file a transition, see `scripts.py`), one app per call.
 
-Scripts run by EVALSHA; a NOSCRIPT (Redis restarted, or a fresh server) loads them
-all again and retries the call once. Several broker processes can share one Redis:
-every transition is one script, so each delivery is in flight from one broker at most.
+Scripts are redis-py `Script`s (EVALSHA, loaded again after a NOSCRIPT). Several broker
+processes can share one Redis: every transition is one script, so each delivery is in
+flight from one broker at most.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from skmq.store import scripts
@@ -32,6 +34,11 @@ def split_delivery(delivery_id: str) -> tuple[str, str | None]:
     """`msgid` -> (msgid, None); `msgid \\x1f rid` (a topic copy) -> (msgid, rid)."""
     msgid, sep, rid = delivery_id.partition(SEP)
     return (msgid, rid) if sep else (msgid, None)
+
+
+def state_field(msgid: str, attr: str, rid: str | None = None) -> str:
+    """A field of the `state` hash (lua/lib.lua: `field`)."""
+    return f"{msgid}{SEP}{attr}{SEP}{rid}" if rid is not None else f"{msgid}{SEP}{attr}"
 
 
 def _escape_tag(app: str) -> str:
@@ -180,7 +187,9 @@ class Store:
         self.backoff_ms = [int(b * 1000) for b in backoff]
         self.lease_ms = int(ack_timeout * 1000)
         self.dedupe_ms = max(1, int(dedupe_window * 1000))
-        self._sha: dict[str, str] = {}
+        self._scripts: dict[str, AsyncScript] = {
+            name: redis.register_script(scripts.source(name)) for name in scripts.KEYS
+        }
         self._bases: dict[str, str] = {}
 
     # -- keys ---------------------------------------------------------------
@@ -205,18 +214,20 @@ class Store:
         return secret
 
     # -- scripts ------------------------------------------------------------
-    async def load_scripts(self) -> None:
-        for name, source in scripts.ALL.items():
-            self._sha[name] = _s(await self.redis.script_load(source))
+    def _keys(self, name: str, app: str, *extra: str) -> list[str]:
+        base = self.base(app)
+        return [base + key for key in (*scripts.KEYS[name], *extra)]
 
-    async def _call(self, name: str, app: str, args: Sequence[Any]) -> Any:
-        if not self._sha:
-            await self.load_scripts()
-        try:
-            return await self.redis.evalsha(self._sha[name], 1, self.base(app), *args)
-        except NoScriptError:
-            await self.load_scripts()
-            return await self.redis.evalsha(self._sha[name], 1, self.base(app), *args)
+    async def _call(self, name: str, app: str, args: Sequence[Any], *extra_keys: str) -> Any:
+        return await self._scripts[name](self._keys(name, app, *extra_keys), args)
+
+    async def load_scripts(self) -> None:
+        """Load every script at start-up: a Redis that refuses scripting fails now."""
+        for script in self._scripts.values():
+            await self.redis.script_load(script.script)
+
+    def _done(self, bucket: int) -> str:
+        return f"done:{bucket}"
 
     def _bucket(self, now: int) -> int:
         return now // self.dedupe_ms
@@ -224,24 +235,25 @@ class Store:
     # -- producers ----------------------------------------------------------
     async def store(self, batches: dict[str, list[NewMessage]], now: int) -> dict[str, list[bool]]:
         """Store the messages of several apps in one round trip; True stored, False duplicate."""
-        if not self._sha:
-            await self.load_scripts()
         bucket = self._bucket(now)
+        done = (self._done(bucket), self._done(bucket - 1))
+        script = self._scripts["store"]
         apps = list(batches)
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
             for app in apps:
-                args: list[Any] = [now, bucket, bucket - 1]
+                args: list[Any] = [now]
                 for m in batches[app]:
                     args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
-                pipe.evalsha(self._sha["store"], 1, self.base(app), *args)
+                keys = self._keys("store", app, *done)
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
             try:
                 results = await pipe.execute()
                 break
             except NoScriptError:
                 if attempt == 2:
                     raise
-                await self.load_scripts()
+                await self.redis.script_load(script.script)
         return {app: [bool(x) for x in res] for app, res in zip(apps, results, strict=True)}
 
     async def add_apps(self, apps: Iterable[str]) -> None:
@@ -282,11 +294,10 @@ class Store:
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         """acks: (delivery id, attempt or 0 for whichever is current)."""
-        bucket = self._bucket(now)
-        args: list[Any] = [now, bucket, 2 * self.dedupe_ms]
+        args: list[Any] = [2 * self.dedupe_ms]
         for delivery_id, attempt in acks:
             args += (delivery_id, attempt)
-        res = await self._call("finish", app, args)
+        res = await self._call("finish", app, args, self._done(self._bucket(now)))
         return [
             Finished(bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
             for i in range(0, len(res), 4)
@@ -338,7 +349,7 @@ class Store:
             return None
         pipe = self.redis.pipeline(transaction=False)
         for app in apps:
-            pipe.exists(f"{self.base(app)}m:{msgid}")
+            pipe.hexists(self.base(app) + "msgs", msgid)
         for app, found in zip(apps, await pipe.execute(), strict=True):
             if found:
                 return app
@@ -410,28 +421,27 @@ class Store:
         )
         pipe = self.redis.pipeline(transaction=False)
         for member, _ in entries:
-            msgid = split_delivery(_s(member))[0]
-            pipe.get(f"{base}m:{msgid}")
-            pipe.hgetall(f"{base}s:{msgid}")
+            msgid, rid = split_delivery(_s(member))
+            pipe.hget(base + "msgs", msgid)
+            pipe.hmget(base + "state", *(state_field(msgid, a, rid) for a in "nehr"))
         res = await pipe.execute()
         out = []
         for i, (member, died) in enumerate(entries):
             message: bytes = res[2 * i] or b"q0000000000000"
-            state: dict[bytes, bytes] = res[2 * i + 1]
+            n, last_error, history_b, last_rid = res[2 * i + 1]
             did = _s(member)
             msgid, rid = split_delivery(did)
-            sfx = f":{rid}" if rid is not None else ""
-            history = _s(state.get(f"h{sfx}".encode(), b""))
+            history = _s(history_b or b"")
             out.append(
                 DeadLetter(
                     appid=app,
                     delivery_id=did,
                     msgid=msgid,
                     kind="topic" if message[:1] == b"t" else "queue",
-                    recipient=rid if rid is not None else _s(state.get(b"r", b"")) or None,
+                    recipient=rid if rid is not None else _s(last_rid or b"") or None,
                     content=message[14:],
-                    attempts=int(state.get(f"n{sfx}".encode(), 0)),
-                    last_error=_s(state.get(f"e{sfx}".encode(), b"")),
+                    attempts=int(n or 0),
+                    last_error=_s(last_error or b""),
                     history=history.split("\n") if history else [],
                     died_at=int(died),
                     stored_at=int(message[1:14]),

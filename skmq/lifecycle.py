@@ -1,0 +1,57 @@
+"""The life of a message, in one place: its states, and every transition between them.
+
+Each transition is one Lua script (`skmq/store/lua/<script>.lua`) run atomically by the
+store, safe with any number of brokers on one Redis; docs/ARCHITECTURE.md draws this
+table and tests/test_lifecycle.py has a test for each row, refusals included.
+
+    received --store--> pending | delayed              (a duplicate msgid: refused)
+    pending | delayed | waiting_retry --claim--> in_flight(n + 1)
+                                     --claim--> dead   (content no recipient can take)
+    in_flight(n) --finish--> acked                     (only attempt n, only in flight)
+    in_flight(n) --fail | reap--> waiting_retry | dead (a failed attempt; dead after
+                                                        RETRY_TIMES)
+    in_flight(n) --release--> pending                  (never seen: no attempt spent)
+    dead --replay--> delayed (due now, attempts reset) (anything not dead: refused)
+    dead --purge--> gone                               (anything not dead: refused)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class State(enum.StrEnum):
+    RECEIVED = "received"
+    PENDING = "pending"  # in `ready`
+    DELAYED = "delayed"  # in `delayed`, not yet due (a delay, or a replay due now)
+    IN_FLIGHT = "in_flight"  # in `inflight`, leased to one recipient
+    WAITING_RETRY = "waiting_retry"  # in `delayed` after a failed attempt
+    ACKED = "acked"  # gone, its msgid in `done:<bucket>` for the dedupe window
+    DEAD = "dead"  # in `dead`, the dead-letter queue
+    GONE = "gone"  # purged
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    script: str
+    sources: frozenset[State]
+    targets: frozenset[State]
+    refused: str  # what the script answers instead when its source state does not hold
+
+
+def _t(script: str, sources: set[State], targets: set[State], refused: str) -> Transition:
+    return Transition(script, frozenset(sources), frozenset(targets), refused)
+
+
+S = State
+TRANSITIONS: tuple[Transition, ...] = (
+    _t("store", {S.RECEIVED}, {S.PENDING, S.DELAYED}, "duplicate msgid: not stored again"),
+    _t("claim", {S.PENDING, S.DELAYED, S.WAITING_RETRY}, {S.IN_FLIGHT, S.DEAD}, "nothing due"),
+    _t("finish", {S.IN_FLIGHT}, {S.ACKED}, "not in flight, or another attempt"),
+    _t("fail", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "not in flight, or another attempt"),
+    _t("reap", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "lease not run out"),
+    _t("release", {S.IN_FLIGHT}, {S.PENDING}, "not in flight"),
+    _t("replay", {S.DEAD}, {S.DELAYED}, "not dead"),
+    _t("purge", {S.DEAD}, {S.GONE}, "not dead"),
+)

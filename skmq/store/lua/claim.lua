@@ -1,0 +1,139 @@
+-- pending | delayed | waiting retry -> in flight (attempt n + 1), or -> dead when no
+-- recipient can take the content.
+-- KEYS: msgs, state, ready, delayed, inflight, dead, rate
+-- ARGV: now, lease ms, n, k, rate, (alive rid, free slots, length capable 0|1) * k,
+--       queue assignment rid * n
+-- Takes up to n messages, due ones first, then the ready list. With a rate
+-- (DELIVERY_RATE, pushes/s for the app, whichever brokers push) a token bucket holding
+-- a tenth of a second's burst caps the pushes. A topic copy goes in flight only while
+-- its recipient has a free window slot (PUSH_WINDOW holds for topics too); the others
+-- wait in `delayed`. Content holding CR or LF needs `length=`: it goes only to a
+-- recipient that declared the `length` capability, else it is dead-lettered.
+-- Returns (delivery id, kind q|t|d, content, attempt, rid)* (kind d: dead-lettered here,
+-- the content then being the reason), the next due ms (-1: none), and the ms until the
+-- bucket has a token again (0: not limited).
+local msgs, state, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local inflight, dead, ratek = KEYS[5], KEYS[6], KEYS[7]
+local now = tonumber(ARGV[1])
+local lease = now + tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+local k = tonumber(ARGV[4])
+local rate = tonumber(ARGV[5])
+local alive, budget, can_length = {}, {}, {}
+for j = 1, k do
+  local rid = ARGV[3 + 3 * j]
+  alive[j] = rid
+  budget[rid] = tonumber(ARGV[4 + 3 * j])
+  can_length[rid] = ARGV[5 + 3 * j] == '1'
+end
+local qi = 6 + 3 * k
+local tokens = 0
+if rate > 0 then
+  local burst = math.max(1, rate / 10)
+  local st = redis.call('HMGET', ratek, 't', 'ts')
+  tokens = tonumber(st[1] or burst)
+  tokens = math.min(burst, tokens + (now - tonumber(st[2] or now)) * rate / 1000)
+  if n > math.floor(tokens) then n = math.floor(tokens) end
+end
+local out = {}
+local pushed = 0
+local function emit(id, kind, content, a, rid)
+  out[#out + 1] = id; out[#out + 1] = kind; out[#out + 1] = content
+  out[#out + 1] = a; out[#out + 1] = rid
+end
+local function needs_length(content) return string.find(content, '[\r\n]') ~= nil end
+local function capable()
+  for j = 1, k do if can_length[alive[j]] then return alive[j] end end
+  return nil
+end
+local UNDELIVERABLE = 'undeliverable: content holds CR or LF and no recipient declared '
+  .. 'the length capability'
+local function bury(id, msgid, crid, rid)
+  note(state, msgid, crid, now .. ' attempt=0 recipient=' .. rid .. ' ' .. UNDELIVERABLE,
+       UNDELIVERABLE)
+  redis.call('ZADD', dead, now, id)
+  emit(id, 'd', UNDELIVERABLE, 0, rid)
+end
+local function lease_copy(cid, msgid, crid, content)
+  local a = redis.call('HINCRBY', state, field(msgid, 'n', crid), 1)
+  redis.call('ZADD', inflight, lease, cid)
+  budget[crid] = budget[crid] - 1
+  pushed = pushed + 1
+  emit(cid, 't', content, a, crid)
+end
+local function take(id)
+  local msgid, crid = split(id)
+  local m = redis.call('HGET', msgs, msgid)
+  if not m then return end
+  local content = string.sub(m, 15)
+  if crid then
+    if budget[crid] and budget[crid] <= 0 then
+      redis.call('ZADD', delayed, now + 200, id)
+      return true
+    elseif budget[crid] and not can_length[crid] and needs_length(content) then
+      redis.call('HINCRBY', state, field(msgid, 'o'), -1)
+      redis.call('HINCRBY', state, field(msgid, 'dc'), 1)
+      bury(id, msgid, crid, crid)
+    else
+      if not budget[crid] then budget[crid] = 1 end
+      lease_copy(id, msgid, crid, content)
+    end
+  elseif string.sub(m, 1, 1) == 'q' then
+    local rid = ARGV[qi]
+    qi = qi + 1
+    if not can_length[rid] and needs_length(content) then
+      rid = capable()
+      if not rid then return bury(id, msgid, nil, '') end
+    end
+    local a = redis.call('HINCRBY', state, field(msgid, 'n'), 1)
+    redis.call('HSET', state, field(msgid, 'r'), rid)
+    redis.call('ZADD', inflight, lease, id)
+    budget[rid] = (budget[rid] or 1) - 1
+    pushed = pushed + 1
+    emit(id, 'q', content, a, rid)
+  else
+    local live, buried = 0, 0
+    local long = needs_length(content)
+    for j = 1, k do
+      local rid = alive[j]
+      local cid = msgid .. SEP .. rid
+      if long and not can_length[rid] then
+        buried = buried + 1
+        bury(cid, msgid, rid, rid)
+      elseif budget[rid] > 0 then
+        live = live + 1
+        lease_copy(cid, msgid, rid, content)
+      else
+        live = live + 1
+        redis.call('HSET', state, field(msgid, 'n', rid), 0)
+        redis.call('ZADD', delayed, now, cid)
+      end
+    end
+    redis.call('HSET', state, field(msgid, 'o'), live, field(msgid, 'dc'), buried,
+               field(msgid, 'c'), table.concat(alive, SEP))
+  end
+end
+local taken = 0
+if k > 0 and n > 0 then
+  local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, n + 64)
+  for _, id in ipairs(due) do
+    if taken >= n then break end
+    redis.call('ZREM', delayed, id)
+    -- a copy waiting for its recipient's window does not count
+    if not take(id) then taken = taken + 1 end
+  end
+  if taken < n then
+    local ids = redis.call('LPOP', ready, n - taken)
+    if ids then for _, id in ipairs(ids) do take(id) end end
+  end
+end
+local nxt = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
+if nxt[2] then out[#out + 1] = nxt[2] else out[#out + 1] = -1 end
+local wait = 0
+if rate > 0 then
+  tokens = tokens - pushed
+  redis.call('HSET', ratek, 't', tokens, 'ts', now)
+  if tokens < 1 then wait = math.ceil((1 - tokens) * 1000 / rate) end
+end
+out[#out + 1] = wait
+return out

@@ -1,0 +1,42 @@
+-- in flight (attempt n) -> acked. Only while in flight, and only the attempt named (a
+-- late ack for attempt 1 must not settle attempt 2, perhaps another broker's): a
+-- delayed, pending, retry-waiting or dead message cannot be acked.
+-- KEYS: msgs, state, inflight, done:<current bucket>
+-- ARGV: done ttl ms, then (delivery id, attempt or 0 for the current)*
+-- Returns (ok, attempt, stored ms, recipient)*.
+local msgs, state, inflight, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local added = false
+local out = {}
+for i = 2, #ARGV, 2 do
+  local id = ARGV[i]
+  local want = tonumber(ARGV[i + 1])
+  local msgid, crid = split(id)
+  local f = redis.call('HMGET', state, field(msgid, 'n', crid), field(msgid, 'r'))
+  local n = tonumber(f[1] or '0')
+  local m = false
+  if redis.call('ZSCORE', inflight, id) and (want == 0 or want == n) then
+    redis.call('ZREM', inflight, id)
+    m = redis.call('HGET', msgs, msgid)
+  end
+  if not m then
+    out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
+  else
+    local complete = true
+    if crid then
+      redis.call('HDEL', state, field(msgid, 'n', crid), field(msgid, 'h', crid),
+                 field(msgid, 'e', crid))
+      local o = redis.call('HINCRBY', state, field(msgid, 'o'), -1)
+      local dc = tonumber(redis.call('HGET', state, field(msgid, 'dc')) or '0')
+      complete = o <= 0 and dc <= 0
+    end
+    if complete then
+      forget(msgs, state, msgid)
+      redis.call('SADD', done, msgid)
+      added = true
+    end
+    out[#out + 1] = 1; out[#out + 1] = n; out[#out + 1] = tonumber(string.sub(m, 2, 14))
+    out[#out + 1] = crid or f[2] or ''
+  end
+end
+if added then redis.call('PEXPIRE', done, tonumber(ARGV[1])) end
+return out

@@ -1,0 +1,47 @@
+-- Shared by fail.lua and reap.lua: a failed attempt (reject, error, timeout, broken
+-- connection) is retried after the backoff of its attempt, or dead after retry_times.
+-- KEYS: msgs, state, delayed, inflight, dead
+-- ARGV: now, limit, retry_times, nb, backoff ms * nb, then the script's own arguments
+local msgs, state, delayed, inflight, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local now = tonumber(ARGV[1])
+local retry_times = tonumber(ARGV[3])
+local nb = tonumber(ARGV[4])
+local backoff = {}
+for j = 1, nb do backoff[j] = tonumber(ARGV[4 + j]) end
+local rest = 5 + nb
+-- `attempt` fences the answer: a failure reported for attempt 1 must not end attempt 2,
+-- which another broker may hold by now (0: whichever attempt is current).
+-- Returns {code, attempt, due, rid}: code 0 not in flight (stale), 1 retry, 2 dead.
+local function fail_one(id, outcome, detail, rid_hint, attempt)
+  if not redis.call('ZSCORE', inflight, id) then return {0, 0, 0, rid_hint} end
+  local msgid, crid = split(id)
+  local f = redis.call('HMGET', state, field(msgid, 'n', crid), field(msgid, 'r'))
+  local n = tonumber(f[1] or '0')
+  if attempt > 0 and n ~= attempt then return {0, n, 0, rid_hint} end
+  -- A recipient's failure ends only an attempt pushed to it: a late answer reaching a
+  -- broker that knows nothing of its push names no attempt, but it may name its sender.
+  if not crid and rid_hint ~= '' and f[2] and f[2] ~= rid_hint then
+    return {0, n, 0, rid_hint}
+  end
+  redis.call('ZREM', inflight, id)
+  if redis.call('HEXISTS', msgs, msgid) == 0 then return {0, 0, 0, rid_hint} end
+  local rid = crid or rid_hint
+  if rid == '' then rid = f[2] or '' end
+  note(state, msgid, crid,
+       now .. ' attempt=' .. n .. ' recipient=' .. rid .. ' ' .. outcome .. ': ' .. detail,
+       outcome .. ': ' .. detail)
+  if n >= retry_times then
+    redis.call('ZADD', dead, now, id)
+    if crid then
+      redis.call('HINCRBY', state, field(msgid, 'o'), -1)
+      redis.call('HINCRBY', state, field(msgid, 'dc'), 1)
+    end
+    return {2, n, now, rid}
+  end
+  local i = n
+  if i > #backoff then i = #backoff end
+  if i < 1 then i = 1 end
+  local due = now + backoff[i]
+  redis.call('ZADD', delayed, due, id)
+  return {1, n, due, rid}
+end

@@ -1,0 +1,197 @@
+"""One test per transition of skmq/lifecycle.py, over a real Redis, refusals included,
+and a check that every script touches only the keys it declares (Redis Cluster routes
+a script by its declared keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.lifecycle import TRANSITIONS, State
+from skmq.store import AliveRecipient, NewMessage, Store, scripts
+
+APP = "life"
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture
+async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
+    client = aioredis.Redis(connection_pool=redis.connection_pool)
+    yield Store(client, prefix, retry_times=2, backoff=[1.0], ack_timeout=10.0)
+
+
+def alive(*rids: str, free: int = 10, length: bool = True) -> list[AliveRecipient]:
+    return [AliveRecipient(r, free, length) for r in rids]
+
+
+async def state_of(store: Store, msgid: str) -> State:
+    """Where msgid stands, read straight from the keys."""
+    r, base = store.redis, store.base(APP)
+    if await r.zscore(base + "inflight", msgid) is not None:
+        return State.IN_FLIGHT
+    if await r.zscore(base + "dead", msgid) is not None:
+        return State.DEAD
+    if await r.zscore(base + "delayed", msgid) is not None:
+        attempts = await r.hget(base + "state", f"{msgid}\x1fn")
+        return State.WAITING_RETRY if int(attempts or 0) > 0 else State.DELAYED
+    if msgid.encode() in await r.lrange(base + "ready", 0, -1):
+        return State.PENDING
+    if await r.hexists(base + "msgs", msgid):
+        return State.RECEIVED  # stored but in no list: must never happen
+    return State.GONE
+
+
+async def stored(store: Store, *msgids: str, at: int = 0) -> None:
+    res = await store.store({APP: [NewMessage(m, "queue", b"body", at) for m in msgids]}, NOW)
+    assert res[APP] == [True] * len(msgids)
+
+
+async def claimed(store: Store, n: int = 10, now: int = NOW) -> list[str]:
+    got, _, _ = await store.claim(APP, now, n, alive("r1"), ["r1"] * n)
+    return [c.delivery_id for c in got]
+
+
+def test_the_table_names_a_lua_file_for_every_transition() -> None:
+    for t in TRANSITIONS:
+        assert t.script in scripts.KEYS
+        assert scripts.source(t.script)
+
+
+async def test_store_then_pending_or_delayed_and_duplicates_refused(store: Store) -> None:
+    await stored(store, "now")
+    await stored(store, "later", at=NOW + 60_000)
+    assert await state_of(store, "now") == State.PENDING
+    assert await state_of(store, "later") == State.DELAYED
+    again = await store.store({APP: [NewMessage("now", "queue", b"x")]}, NOW)
+    assert again[APP] == [False]
+
+
+async def test_claim_takes_due_messages_only(store: Store) -> None:
+    await stored(store, "a")
+    await stored(store, "b", at=NOW + 60_000)
+    assert await claimed(store) == ["a"]
+    assert await state_of(store, "a") == State.IN_FLIGHT
+    assert await state_of(store, "b") == State.DELAYED
+    assert await claimed(store, now=NOW + 60_000) == ["b"]
+
+
+async def test_claim_dead_letters_content_no_recipient_can_take(store: Store) -> None:
+    await store.store({APP: [NewMessage("crlf", "queue", b"a\r\nb")]}, NOW)
+    got, _, _ = await store.claim(APP, NOW, 1, alive("r1", length=False), ["r1"])
+    assert [(c.kind, c.delivery_id) for c in got] == [("dead", "crlf")]
+    assert await state_of(store, "crlf") == State.DEAD
+
+
+async def test_finish_settles_only_the_attempt_in_flight(store: Store) -> None:
+    await stored(store, "p", "f")
+    assert await claimed(store, 1) == ["p"]
+    # refused: a pending message, another attempt, an unknown one
+    refused = await store.finish(APP, [("f", 0), ("p", 2), ("nope", 0)], NOW)
+    assert [r.ok for r in refused] == [False, False, False]
+    assert await state_of(store, "f") == State.PENDING
+    assert await state_of(store, "p") == State.IN_FLIGHT
+    done = await store.finish(APP, [("p", 1)], NOW)
+    assert done[0].ok and done[0].attempt == 1
+    assert await state_of(store, "p") == State.GONE
+    assert (await store.store({APP: [NewMessage("p", "queue", b"x")]}, NOW))[APP] == [False]
+
+
+async def test_fail_waits_then_dead_after_retry_times(store: Store) -> None:
+    await stored(store, "m")
+    await claimed(store)
+    stale = await store.fail(APP, [("m", "errored", "x", "r1", 2)], NOW)
+    assert stale[0].code == stale[0].STALE
+    first = await store.fail(APP, [("m", "errored", "x", "r1", 1)], NOW)
+    assert (first[0].code, first[0].due) == (first[0].RETRY, NOW + 1000)
+    assert await state_of(store, "m") == State.WAITING_RETRY
+    assert await claimed(store, now=NOW + 1000) == ["m"]
+    second = await store.fail(APP, [("m", "rejected", "no", "r1", 0)], NOW + 1000)
+    assert second[0].code == second[0].DEAD
+    assert await state_of(store, "m") == State.DEAD
+    (letter,) = await store.dead_letters(APP)
+    assert (letter.attempts, letter.recipient, len(letter.history)) == (2, "r1", 2)
+
+
+async def test_reap_counts_a_lease_run_out(store: Store) -> None:
+    await stored(store, "m")
+    await claimed(store)
+    assert await store.reap(APP, NOW + 5_000) == []  # lease not run out
+    (reaped,) = await store.reap(APP, NOW + 10_001)
+    assert (reaped.delivery_id, reaped.result.code) == ("m", reaped.result.RETRY)
+    assert await state_of(store, "m") == State.WAITING_RETRY
+
+
+async def test_release_spends_no_attempt(store: Store) -> None:
+    await stored(store, "m")
+    await claimed(store)
+    assert await store.release(APP, ["m", "other"]) == [True, False]
+    assert await state_of(store, "m") == State.PENDING
+    got, _, _ = await store.claim(APP, NOW, 1, alive("r1"), ["r1"])
+    assert got[0].attempt == 1
+
+
+async def test_replay_and_purge_take_dead_letters_only(store: Store) -> None:
+    await stored(store, "d", "p", "alive")
+    await claimed(store)
+    for attempt in (1, 2):
+        await store.fail(APP, [("d", "errored", "x", "r1", attempt), ("p", "errored", "x",
+                               "r1", attempt)], NOW + attempt * 1000)  # fmt: skip
+        if attempt == 1:
+            assert await claimed(store, now=NOW + 2000) == ["d", "p"]
+    assert await store.replay(APP, ["alive", "d"], NOW) == [False, True]
+    assert await state_of(store, "d") == State.DELAYED
+    assert await store.purge(APP, ["alive", "p"]) == [False, True]
+    assert await state_of(store, "p") == State.GONE
+    assert await state_of(store, "alive") == State.IN_FLIGHT
+
+
+async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> None:
+    """MONITOR shows each EVALSHA with its KEYS and then every command the script ran."""
+    touched: list[tuple[list[str], str, str]] = []
+    ready = asyncio.Event()
+
+    async def watch() -> None:
+        async with store.redis.monitor() as monitor:
+            ready.set()
+            keys: list[str] = []
+            async for entry in monitor.listen():
+                args = entry["command"].split(" ")
+                if args[0].upper() == "EVALSHA":
+                    keys = args[3 : 3 + int(args[2])]
+                elif entry.get("client_type") == "lua" and len(args) > 1:
+                    touched.append((keys, args[0], args[1]))
+
+    task = asyncio.create_task(watch())
+    await ready.wait()
+    await store.load_scripts()
+    await store.store({APP: [NewMessage("t", "topic", b"x"), NewMessage("q", "queue", b"y")]}, NOW)
+    got, _, _ = await store.claim(APP, NOW, 5, alive("r1", "r2"), ["r1"] * 5)
+    ids = [c.delivery_id for c in got]
+    await store.in_flight_of(APP, "t")
+    await store.finish(APP, [(ids[0], 0)], NOW)
+    await store.fail(APP, [(ids[1], "errored", "x", "", 0)], NOW)
+    await store.reap(APP, NOW + 20_000)
+    await store.release(APP, ids)
+    for _ in range(3):
+        await store.claim(APP, NOW + 90_000_000, 5, alive("r1", "r2"), ["r1"] * 5)
+        await store.reap(APP, NOW + 100_000_000)
+    dead = [d.delivery_id for d in await store.dead_letters(APP)]
+    await store.replay(APP, dead[:1], NOW)
+    await store.purge(APP, dead[1:])
+    await store.register(APP, "r1", {"id": "r1"}, NOW)
+    await store.set_state(APP, "r1", False, NOW)
+    await store.unregister(APP, "r1")
+    await store.redis.ping()
+    async with asyncio.timeout(10):
+        while not any(cmd.strip('"').upper() == "HDEL" for _, cmd, _ in touched[-3:]):
+            await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(touched) > 50
+    wrong = [(cmd, key) for keys, cmd, key in touched if key not in keys]
+    assert wrong == []
