@@ -32,10 +32,7 @@ async def snapshot(store: Store) -> dict[str, Any]:
     apps = await store.apps()
     counts = await store.counts(apps, now)
     recipients = await store.recipients(apps)
-    brokers = {
-        (k.decode() if isinstance(k, bytes) else k): json.loads(v)
-        for k, v in (await store.redis.hgetall(store.global_key("brokers"))).items()
-    }
+    brokers = await store.brokers()
     return {
         "ts": now,
         "apps": [

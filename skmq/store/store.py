@@ -256,6 +256,19 @@ class Store:
                 await self.redis.script_load(script.script)
         return {app: [bool(x) for x in res] for app, res in zip(apps, results, strict=True)}
 
+    async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
+        """Record that a broker is alive (for `skmq status`)."""
+        await self.redis.hset(self.global_key("brokers"), broker_id, json.dumps(info))
+
+    async def brokers(self) -> dict[str, dict[str, Any]]:
+        raw = await self.redis.hgetall(self.global_key("brokers"))
+        return {_s(k): json.loads(v) for k, v in raw.items()}
+
+    async def take_turn(self, task: str, broker_id: str, ttl_ms: int) -> bool:
+        """True for the one broker that does `task` this round (a lock that expires)."""
+        key = self.global_key(f"{task}-lock")
+        return bool(await self.redis.set(key, broker_id, nx=True, px=ttl_ms))
+
     async def add_apps(self, apps: Iterable[str]) -> None:
         await self.redis.sadd(self.apps_key, *apps)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 
@@ -375,12 +374,9 @@ class Engine:
         for app in apps:
             if app not in self.dispatchers:
                 self.notify(app)
-        await self.store.redis.hset(
-            self.store.global_key("brokers"),
+        await self.store.note_broker(
             self.broker_id,
-            json.dumps(
-                {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port}
-            ),
+            {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port},
         )
 
     async def _reap(self) -> None:
@@ -408,9 +404,8 @@ class Engine:
 
     async def _heartbeat(self) -> None:
         s = self.settings
-        lock = self.store.global_key("heartbeat-lock")
         ttl = max(1, int(s.heartbeat_interval * 900))
-        if not await self.store.redis.set(lock, self.broker_id, nx=True, px=ttl):
+        if not await self.store.take_turn("heartbeat", self.broker_id, ttl):
             return
         targets = [
             (app, r.id, r.host, r.port)
