@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.auth import broker_tokens, push_signer
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
@@ -62,6 +63,10 @@ class Broker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.broker_id = settings.broker_id or make_broker_id()
+        # First, before anything starts: a bad AUTH_FILE or SIGNING_SECRET, or a public
+        # address without auth, is one clear error (SecurityConfigError).
+        self.tokens = broker_tokens(settings)
+        self.signer = push_signer(settings)
         self.embedded: EmbeddedRedis | None = None
         self.stopping = asyncio.Event()
 
@@ -85,7 +90,9 @@ class Broker:
         self.dlog = DeliveryLog(s.delivery_log_dir, self.broker_id, s.log_rotate_bytes)
         self.metrics = Metrics(self.store)
         self.dlog.listener = self.metrics.observe
-        self.engine = Engine(s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency)
+        self.engine = Engine(
+            s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency, self.signer
+        )
         while True:
             try:
                 await self.engine.start(orphans=self.embedded is not None)
@@ -101,7 +108,7 @@ class Broker:
                 self.engine.notify(app)
 
         self.enqueuer = Enqueuer(self.store, self.dlog, stored, self.engine.note_apps)
-        self.server = Server(s, Handler(s, self.enqueuer, self.engine))
+        self.server = Server(s, Handler(s, self.enqueuer, self.engine, self.tokens))
         await self.server.start()
         if s.metrics_port:
             await self.metrics.serve(s.metrics_host, s.metrics_port, self.engine)
@@ -109,6 +116,8 @@ class Broker:
             "broker listening",
             host=s.host,
             port=self.server.port,
+            auth="on" if self.tokens is not None else "off",
+            signed_pushes=self.signer is not None,
             broker=self.broker_id,
             redis=url,
             log_dir=str(s.delivery_log_dir),

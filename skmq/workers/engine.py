@@ -21,6 +21,7 @@ from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.recipients import Recipient, Registry
+from skmq.signing import PushSigner
 from skmq.store import Claimed, Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher, Resp
 from skmq.workers.dispatch import Dispatcher
@@ -37,6 +38,7 @@ class Engine:
         dlog: DeliveryLog,
         broker_id: str,
         on_acked: Callable[[str, int], None] | None = None,
+        signer: PushSigner | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -52,6 +54,7 @@ class Engine:
         self._known_apps: set[str] = set()
         self._stopping = False
         self.healthy = True
+        self.signer = signer  # None: pushes are not signed
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, orphans: bool = False) -> None:
@@ -199,6 +202,10 @@ class Engine:
             )
 
     # -- LinkOwner ----------------------------------------------------------
+    def push_fields(self, app: str, msgid: str, content: bytes) -> tuple[tuple[str, str], ...]:
+        """Extension fields of a push: its signature when SIGNING_SECRET is set."""
+        return self.signer.fields(app, msgid, content) if self.signer is not None else ()
+
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
         self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
 

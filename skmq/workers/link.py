@@ -40,6 +40,7 @@ class LinkOwner(Protocol):
     def on_unreachable(
         self, link: RecipientLink, deliveries: list[Delivery], detail: str
     ) -> None: ...
+    def push_fields(self, app: str, msgid: str, content: bytes) -> tuple[tuple[str, str], ...]: ...
 
 
 ANSWERS = {"ack": "acked", "reject": "rejected", "error": "errored"}
@@ -92,6 +93,7 @@ class RecipientLink(asyncio.Protocol):
         fields: tuple[tuple[str, str], ...] = (("appid", self.app), ("msgid", d.msgid))
         if d.kind == "topic":
             fields += (("recipient", self.rid),)
+        fields += self.owner.push_fields(self.app, d.msgid, d.content)
         self._write(encode_frame("push", fields, d.content))
 
     def send_resp(self, msgid: str, status: str, content: str) -> None:
