@@ -82,6 +82,8 @@ async def test_frames_before_auth_are_refused_and_change_nothing(
         assert resp["status"] == "reject"
         assert resp["content"] == "authentication required: send auth first"
     assert [r["msgid"] for r in refused] == ["m1", "m2", "reg", "unreg", "m1", "m1", "n"]
+    client.send_raw(b"not a field line\r\n\r\n")  # an invalid frame is refused the same way
+    assert (await client.resp())["content"] == "authentication required: send auth first"
     client.send_raw(b"ping\r\n\r\n")
     assert (await client.recv()).type == "pong"
     assert await stored_keys(redis, broker, "a") == []
@@ -261,6 +263,23 @@ def test_bad_auth_file_is_one_clear_startup_error(
     assert len(lines) == 1 and lines[0].startswith("skmq serve: "), done.stderr
     assert expected in lines[0]
     assert TOKEN not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"SKMQ_AUTH_TOKEN": "short-secret"}, "AUTH_TOKEN must be at least 16 characters"),
+        ({"SKMQ_SIGNING_SECRET": "whsec_short-secret!"}, "SIGNING_SECRET: a whsec_ signing"),
+    ],
+)
+def test_unusable_secret_is_one_clear_startup_error(
+    broker_env: dict[str, str], tmp_path: Path, env: dict[str, str], expected: str
+) -> None:
+    done = _serve(broker_env, tmp_path, **env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"skmq serve: {expected}"), done.stderr
+    assert "short-secret" not in done.stderr
 
 
 async def test_tokens_never_reach_the_log(
