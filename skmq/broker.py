@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.auth import broker_tokens, push_signer
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
@@ -63,6 +64,10 @@ class Broker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.broker_id = settings.broker_id or make_broker_id()
+        # First, before anything starts: a bad AUTH_FILE or SIGNING_SECRET, or a public
+        # address without auth, is one clear error (SecurityConfigError).
+        self.tokens = broker_tokens(settings)
+        self.signer = push_signer(settings)
         self.embedded: EmbeddedRedis | None = None
         self.stopping = asyncio.Event()
 
@@ -92,7 +97,13 @@ class Broker:
         if s.metrics_port:
             self.own.add(s.metrics_host, s.metrics_port)
         self.engine = Engine(
-            s, self.store, self.dlog, self.broker_id, self.metrics.observe_latency, self.own
+            s,
+            self.store,
+            self.dlog,
+            self.broker_id,
+            self.metrics.observe_latency,
+            own=self.own,
+            signer=self.signer,
         )
         while True:
             try:
@@ -109,7 +120,7 @@ class Broker:
                 self.engine.notify(app)
 
         self.enqueuer = Enqueuer(self.store, self.dlog, stored, self.engine.note_apps)
-        self.server = Server(s, Handler(s, self.enqueuer, self.engine))
+        self.server = Server(s, Handler(s, self.enqueuer, self.engine, self.tokens))
         await self.server.start()
         self.own.add(s.host, self.server.port)
         if s.metrics_port:
@@ -118,6 +129,8 @@ class Broker:
             "broker listening",
             host=s.host,
             port=self.server.port,
+            auth="on" if self.tokens is not None else "off",
+            signed_pushes=self.signer is not None,
             broker=self.broker_id,
             redis=url,
             log_dir=str(s.delivery_log_dir),

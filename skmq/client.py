@@ -19,8 +19,10 @@ from types import TracebackType
 from typing import Any, Self, cast
 
 from skmq.codec import PONG, CodecError, Decoder, Frame, InvalidFrame, encode_frame
+from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
 
 __all__ = [
+    "AuthenticationError",
     "Consumer",
     "Handler",
     "Message",
@@ -82,6 +84,14 @@ class RegistrationError(Exception):
 
     def __init__(self, resp: Resp) -> None:
         super().__init__(f"broker answered {resp.status}: {resp.content}")
+        self.resp = resp
+
+
+class AuthenticationError(Exception):
+    """The broker did not accept our `auth` frame (its token)."""
+
+    def __init__(self, resp: Resp) -> None:
+        super().__init__(f"broker answered {resp.status} to auth: {resp.content}")
         self.resp = resp
 
 
@@ -227,10 +237,12 @@ class Producer:
         port: int = DEFAULT_PORT,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        token: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self._max_frame_bytes = max_frame_bytes
+        self._token = token  # sent in an `auth` frame first when given
         self._proto: _RespProtocol | None = None
 
     @property
@@ -255,6 +267,11 @@ class Producer:
             lambda: _RespProtocol(loop, peer, self._max_frame_bytes), self.host, self.port
         )
         self._proto = proto
+        if self._token is not None:
+            resp = await self.request("auth", (), self._token.encode())
+            if not resp.ok:
+                await self.close()
+                raise AuthenticationError(resp)
 
     async def close(self) -> None:
         """Close the connection; sends still waiting fail with ConnectionError."""
@@ -428,6 +445,12 @@ class _PushProtocol(asyncio.Protocol):
             return
         appid = frame.get("appid") or consumer.app
         msg = Message(appid, msgid, frame.content or b"", frame.fields)
+        verifier = consumer.verifier
+        if verifier is not None and (why := verifier.refusal(frame.fields, msg.content)):
+            log.warning("refusing push %s: %s", msgid, why)
+            consumer.rejected += 1
+            self._answer(msg, "reject", why)
+            return
         consumer.received += 1
         if consumer.send_arrived:
             self._answer(msg, "arrived")
@@ -518,6 +541,9 @@ class Consumer:
         concurrency: int = 64,
         advertise_host: str | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        token: str | None = None,
+        signing_secret: str | None = None,
+        signing_tolerance: float = DEFAULT_TOLERANCE,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -535,6 +561,12 @@ class Consumer:
         #: `host` our address as seen on the connection to the broker.
         self.advertise_host = advertise_host
         self.max_frame_bytes = max_frame_bytes
+        #: Sent in an `auth` frame on our own connection to the broker.
+        self.token = token
+        #: With the broker's SIGNING_SECRET: a push not signed by it, or stale, is rejected.
+        self.verifier = (
+            PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
+        )
         self.received = 0
         self.acked = 0
         self.rejected = 0
@@ -646,7 +678,7 @@ class Consumer:
         """Our own connection to the broker, (re)opened on demand."""
         async with self._link_lock:
             if self._link is None or not self._link.connected:
-                link = Producer(self.broker_host, self.broker_port)
+                link = Producer(self.broker_host, self.broker_port, token=self.token)
                 await asyncio.wait_for(link.connect(), BROKER_TIMEOUT)
                 self._link = link
             return self._link

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535)
     log_level: str = "info"
     log_format: Literal["console", "json"] = "console"
+    # Security (docs/SECURITY.md). SecretStr: a secret never shows in a repr or a log.
+    auth_token: SecretStr | None = None
+    auth_file: Path | None = None
+    allow_unauthenticated: bool = False
+    signing_secret: SecretStr | None = None
 
     @field_validator("retry_backoff", mode="before")
     @classmethod
@@ -73,6 +78,11 @@ class Settings(BaseSettings):
     @classmethod
     def _networks(cls, value: Any) -> Any:
         return _split_csv(value)
+
+    @field_validator("auth_token", "auth_file", "signing_secret", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value
 
     @field_validator("retry_backoff")
     @classmethod

@@ -19,6 +19,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import spawn
+from skmq.auth import Role, Tokens
 from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
@@ -72,8 +73,16 @@ def _int_field(frame: Frame, key: str) -> int | None:
 
 
 class Handler:
-    def __init__(self, settings: Settings, enqueuer: Enqueuer, engine: Engine) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        enqueuer: Enqueuer,
+        engine: Engine,
+        tokens: Tokens | None = None,
+    ) -> None:
         self.settings = settings
+        # None: auth is off, every connection may do everything (SECURITY.md).
+        self.tokens = tokens
         self.enqueuer = enqueuer
         self.engine = engine
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -96,23 +105,57 @@ class Handler:
             return Outcome(b"", close=True)
         if isinstance(item, CodecError):
             return Outcome(encode_resp("error", f"frame refused, closing: {item}"), close=True)
+        if self.tokens is not None and not peer.authenticated:
+            return self._before_auth(self.tokens, peer, item)
         if isinstance(item, InvalidFrame):
             return Outcome(self._resp(f"invalid frame: {item.reason}", item.fields.get("msgid")))
         kind = item.type
         if kind in ("queue", "topic"):
-            return Outcome(self._produce(item, batch))
+            return Outcome(self._produce(item, batch, peer))
         if kind == "ping":
             return Outcome(PONG)
         if kind in ("ack", "reject", "error", "arrived"):
+            app = item.fields.get("appid") or ""
+            if (refused := self._refusal(peer, "consume", app)) is not None:
+                return Outcome(self._resp(refused, item.fields.get("msgid"), "reject"))
             return Outcome(spawn(self._answer(item, peer), self._tasks))
         if kind == "register":
             return Outcome(spawn(self._register(item, peer), self._tasks))
         if kind == "unregister":
-            return Outcome(spawn(self._unregister(item), self._tasks))
+            return Outcome(spawn(self._unregister(item, peer), self._tasks))
         msgid = item.fields.get("msgid")
+        if kind == "auth":
+            if self.tokens is None:
+                return Outcome(self._resp("authentication is not required here", msgid, "ack"))
+            return Outcome(self._resp("already authenticated", msgid, "reject"))
         if not kind:
             return Outcome(self._resp("frame without a type field", msgid))
         return Outcome(self._resp(f"unknown frame type {kind!r}", msgid))
+
+    # -- authentication and authorization (skmq/auth.py) ---------------------
+    def _before_auth(self, tokens: Tokens, peer: Peer, item: Frame | InvalidFrame) -> Outcome:
+        """Until an `auth` frame succeeds, everything but `ping` is refused, changing nothing.
+        A wrong token closes the connection. The token itself is never logged."""
+        msgid = item.fields.get("msgid")
+        if isinstance(item, InvalidFrame) or item.type not in ("auth", "ping"):
+            return Outcome(self._resp("authentication required: send auth first", msgid, "reject"))
+        if item.type == "ping":
+            return Outcome(PONG)
+        grant = tokens.check(item.content or b"")
+        if grant is None:
+            log.warning("authentication failed, closing", peer=peer.host)
+            return Outcome(self._resp("authentication failed", msgid, "reject"), close=True)
+        peer.admit(grant)
+        log.info("authenticated", peer=peer.host, principal=grant.name)
+        return Outcome(self._resp("authenticated", msgid, "ack"))
+
+    def _refusal(self, peer: Peer, role: Role, app: str) -> str | None:
+        """Why `peer` may not act as `role` for `app`, or None (always None with auth off)."""
+        if self.tokens is None or peer.may(role, app):
+            return None
+        if not app:  # an answer without appid; the engine would look in every app
+            return f"appid required: this connection's token has the {role} role for some apps only"
+        return f"not allowed: this connection's token lacks the {role} role for app {app!r}"
 
     @staticmethod
     def _resp(content: str, msgid: str | None = None, status: str = "error") -> bytes:
@@ -122,7 +165,7 @@ class Handler:
         return encode_resp(status, content, msgid)
 
     # -- producers ----------------------------------------------------------
-    def _produce(self, frame: Frame, batch: EnqueueBatch) -> Reply:
+    def _produce(self, frame: Frame, batch: EnqueueBatch, peer: Peer) -> Reply:
         fields = frame.fields
         msgid = fields.get("msgid")
         app = fields.get("appid")
@@ -130,6 +173,8 @@ class Handler:
             return self._resp("appid required", msgid)
         if (why := _bad_id(app)) is not None:
             return self._resp(f"appid {why}", msgid)
+        if (refused := self._refusal(peer, "produce", app)) is not None:
+            return self._resp(refused, msgid, "reject")
         if msgid is None or msgid == "":
             msgid = f"{self._id_prefix}-{next(self._id_counter)}"
         elif (why := _bad_id(msgid)) is not None:
@@ -159,6 +204,8 @@ class Handler:
         msgid = frame.fields.get("msgid")
         try:
             reg = parse_registration(frame.content, peer.host)
+            if (refused := self._refusal(peer, "consume", reg.app)) is not None:
+                raise RegistrationError(refused)
             check_address(reg.host, peer.host, self.settings.recipient_networks)
             if self.engine.own.used_by_broker(reg.host, reg.port):
                 raise RegistrationError(
@@ -173,10 +220,12 @@ class Handler:
             return self._resp("store unavailable, register again later", msgid)
         return self._resp("registered", msgid, "ack")
 
-    async def _unregister(self, frame: Frame) -> bytes:
+    async def _unregister(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
             app, rid = parse_unregistration(frame.content)
+            if (refused := self._refusal(peer, "consume", app)) is not None:
+                raise RegistrationError(refused)
             removed = await self.engine.registry.unregister(app, rid)
         except RegistrationError as exc:
             return self._resp(str(exc), msgid, "reject")

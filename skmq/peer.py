@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from skmq.auth import EVERY_APP, Grant, Role
+
 
 @dataclass(slots=True, eq=False)
 class Peer:
@@ -12,7 +14,32 @@ class Peer:
     # Apps this connection's token lets it consume for (answers, registrations);
     # "*" stands for every app. Empty: not authenticated (or auth is off).
     consume_apps: set[str] = field(default_factory=set)
+    produce_apps: set[str] = field(default_factory=set)
+    admin_apps: set[str] = field(default_factory=set)
+    # The name of the token that authenticated this connection (never the token); "": none.
+    principal: str = ""
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.principal)
+
+    def admit(self, grant: Grant) -> None:
+        """An `auth` frame presented the token of `grant`."""
+        self.principal = grant.name
+        self.consume_apps = set(grant.apps("consume"))
+        self.produce_apps = set(grant.apps("produce"))
+        self.admin_apps = set(grant.apps("admin"))
+
+    def may(self, role: Role, app: str) -> bool:
+        """True only when a token authenticated this connection for `role` on `app`."""
+        if role == "consume":
+            apps = self.consume_apps
+        elif role == "produce":
+            apps = self.produce_apps
+        else:
+            apps = self.admin_apps
+        return EVERY_APP in apps or app in apps
 
     def authenticated_for(self, app: str) -> bool:
         """True only when a token authenticated this connection for `app`."""
-        return "*" in self.consume_apps or app in self.consume_apps
+        return self.may("consume", app)

@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from skmq.auth import broker_tokens
 from skmq.cli import SUBCOMMANDS
 from skmq.config import Settings
 
@@ -396,6 +397,7 @@ def test_compose_brokers_share_one_redis(subnet: str | None, monkeypatch: Any) -
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         settings = Settings.load()  # the broker's own validation of the values
+        broker_tokens(settings)  # would not refuse to start (auth, or an explicit opt-out)
         assert settings.host == "0.0.0.0"
         host = settings.redis_url.split("//", 1)[1].split(":")[0].split("/")[0]
         assert host in services and services[host]["image"].startswith("redis:")

@@ -18,14 +18,17 @@ import sys
 import uvloop
 
 from skmq.cli.send import broker_address
+from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
+    AuthenticationError,
     Consumer,
     Handler,
     Message,
     RegistrationError,
     Reject,
 )
+from skmq.signing import secret_key
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,6 +45,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--arrived", action="store_true", help="answer arrived before processing")
     p.add_argument("--concurrency", type=int, default=64, help="messages handled at once")
     p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
+    add_token_flag(p, "token sent in an auth frame first (brokers with AUTH_TOKEN/AUTH_FILE)")
+    p.add_argument(
+        "--signing-secret",
+        default=os.environ.get("SKMQ_SIGNING_SECRET") or None,
+        help="the broker's SIGNING_SECRET: reject pushes not signed with it, or stale"
+        " (default: $SKMQ_SIGNING_SECRET)",
+    )
     p.add_argument("--broker-host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
     p.add_argument("--broker-port", type=int, help="broker port (default: $SKMQ_PORT or 1734)")
     p.add_argument(
@@ -101,6 +111,8 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         concurrency=args.concurrency,
         advertise_host=args.advertise_host,
         max_frame_bytes=args.max_frame_bytes,
+        token=args.token,
+        signing_secret=args.signing_secret,
     )
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -108,8 +120,8 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         loop.add_signal_handler(sig, stopped.set)
     try:
         await consumer.start()
-    except RegistrationError as exc:
-        print(f"skmq consume: registration refused: {exc.resp.content}", file=sys.stderr)
+    except (RegistrationError, AuthenticationError) as exc:
+        print(f"skmq consume: refused: {exc.resp.content}", file=sys.stderr)
         return 1
     except ConnectionRefusedError:
         print(
@@ -148,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
         broker_host, broker_port = broker_address(args.broker_host, args.broker_port)
     except ValueError:
         print(f"skmq consume: invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", file=sys.stderr)
+        return 2
+    try:
+        if args.signing_secret is not None:
+            secret_key(args.signing_secret)
+    except ValueError as exc:  # says what is wrong, never the secret
+        print(f"skmq consume: signing secret: {exc}", file=sys.stderr)
         return 2
     code: int = uvloop.run(_consume(args, broker_host, broker_port))
     return code

@@ -11,10 +11,12 @@ import asyncio
 import json
 import os
 import socket
+import sys
 
 from rich.progress import Progress
 
 from skmq.cli.common import load_settings, open_store
+from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.store import DeadLetter, Store
@@ -30,6 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
     listing.add_argument("--limit", type=int, default=None, help="at most N an app")
     add_settings_flags(listing, STORE_FLAGS)
+    add_token_flag(listing, "admin token, when the settings configure auth")
     listing.set_defaults(func=run)
     for verb, what in (("replay", "back to pending, attempts reset"), ("purge", "delete")):
         p = verbs.add_parser(verb, help=f"dead letters: {what}")
@@ -39,11 +42,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("--app", help="only this app (with --all, or alone: all of this app)")
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
         add_settings_flags(p, STORE_FLAGS)
+        add_token_flag(p, "admin token, when the settings configure auth")
         p.set_defaults(func=run)
 
 
-async def _selected(store: Store, args: argparse.Namespace) -> list[DeadLetter]:
+async def _selected(
+    store: Store, args: argparse.Namespace, only: frozenset[str] | None
+) -> list[DeadLetter]:
     apps = [args.app] if args.app else await store.apps()
+    apps = [app for app in apps if only is None or app in only]
     letters = [
         d
         for app in apps
@@ -60,8 +67,12 @@ async def _run(args: argparse.Namespace) -> int:
     if args.verb != "list" and not (args.all or args.msgids or args.app):
         print("skmq dlq: say which: --all, --app A, or MSGID ...")
         return 2
+    only = admin_apps(settings, args.token)
+    if args.app and only is not None and args.app not in only:
+        print(f"skmq dlq: this token has no admin role for app {args.app!r}", file=sys.stderr)
+        return 2
     async with open_store(settings) as store:
-        letters = await _selected(store, args)
+        letters = await _selected(store, args, only)
         if args.verb == "list":
             if args.json:
                 print(json.dumps([d.as_json() for d in letters], indent=2))

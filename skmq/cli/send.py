@@ -14,7 +14,8 @@ import sys
 
 import uvloop
 
-from skmq.client import DEFAULT_HOST, DEFAULT_PORT, Producer, Resp
+from skmq.cli.tokens import add_token_flag
+from skmq.client import DEFAULT_HOST, DEFAULT_PORT, AuthenticationError, Producer, Resp
 
 
 def broker_address(host: str | None, port: int | None) -> tuple[str, int]:
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
     p.add_argument("--port", type=int, help="broker port (default: $SKMQ_PORT or 1734)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the resp")
+    add_token_flag(p, "token sent in an auth frame first (brokers with AUTH_TOKEN/AUTH_FILE)")
     p.add_argument(
         "content", nargs="?", default="-", metavar="CONTENT", help="the content; - reads stdin"
     )
@@ -44,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 async def _send(args: argparse.Namespace, host: str, port: int, content: bytes) -> Resp:
-    async with Producer(host, port) as producer:
+    async with Producer(host, port, token=args.token) as producer:
         return await asyncio.wait_for(
             producer.send(
                 args.app,
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     content = sys.stdin.buffer.read() if args.content == "-" else os.fsencode(args.content)
     try:
         resp: Resp = uvloop.run(_send(args, host, port, content))
+    except AuthenticationError as exc:
+        resp = exc.resp
     except TimeoutError:
         print(f"skmq send: no answer from {host}:{port} in {args.timeout:g}s", file=sys.stderr)
         return 2

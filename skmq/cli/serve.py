@@ -7,6 +7,7 @@ import sys
 
 import uvloop
 
+from skmq.auth import SecurityConfigError
 from skmq.broker import serve
 from skmq.cli.common import load_settings
 from skmq.config import add_settings_flags
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         uvloop.run(serve(settings))
-    except DataDirBusy as exc:
+    except (DataDirBusy, SecurityConfigError) as exc:
         sys.stderr.write(f"skmq serve: {exc}\n")
         return 2
     return 0

@@ -13,6 +13,7 @@ from rich.live import Live
 from rich.table import Table
 
 from skmq.cli.common import load_settings, open_store
+from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags
 from skmq.deliverylog import now_ms
 from skmq.store import Store
@@ -21,15 +22,17 @@ from skmq.store import Store
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("status", help="apps, depths and recipients")
     add_settings_flags(parser, STORE_FLAGS)
+    add_token_flag(parser, "admin token, when the settings configure auth")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     parser.add_argument("--watch", action="store_true", help="refresh in place (live view)")
     parser.add_argument("--interval", type=float, default=1.0, help="--watch refresh, seconds")
     parser.set_defaults(func=run)
 
 
-async def snapshot(store: Store) -> dict[str, Any]:
+async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str, Any]:
+    """Every app's depths and recipients; with `only`, just those apps'."""
     now = now_ms()
-    apps = await store.apps()
+    apps = [app for app in await store.apps() if only is None or app in only]
     counts = await store.counts(apps, now)
     recipients = await store.recipients(apps)
     brokers = await store.brokers()
@@ -99,9 +102,10 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
 
 async def _run(args: argparse.Namespace) -> int:
     settings = load_settings(args)
+    only = admin_apps(settings, args.token)
     async with open_store(settings) as store:
         if not args.watch:
-            snap = await snapshot(store)
+            snap = await snapshot(store, only)
             if args.json:
                 print(json.dumps(snap, indent=2))
             else:
@@ -109,10 +113,10 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         previous: dict[str, int] = {}
         stamp = time.monotonic()
-        with Live(render(await snapshot(store)), refresh_per_second=4) as live:
+        with Live(render(await snapshot(store, only)), refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(args.interval)
-                snap = await snapshot(store)
+                snap = await snapshot(store, only)
                 now = time.monotonic()
                 # A drop in pending + in flight + delayed is what left: a throughput estimate.
                 total = {

@@ -22,6 +22,7 @@ from skmq.peer import Peer
 from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.own_addresses import OwnAddresses, same_host
 from skmq.registry.recipients import Recipient, Registry
+from skmq.signing import PushSigner
 from skmq.store import Claimed, Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
@@ -40,6 +41,7 @@ class Engine:
         broker_id: str,
         on_acked: Callable[[str, int], None] | None = None,
         own: OwnAddresses | None = None,
+        signer: PushSigner | None = None,
     ) -> None:
         self.settings = settings
         # Addresses this broker uses itself: never a recipient's (docs/SECURITY.md).
@@ -58,6 +60,7 @@ class Engine:
         self._known_apps: set[str] = set()
         self._stopping = False
         self.healthy = True
+        self.signer = signer  # None: pushes are not signed
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, orphans: bool = False) -> None:
@@ -234,6 +237,10 @@ class Engine:
         log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
 
     # -- LinkOwner ----------------------------------------------------------
+    def push_fields(self, app: str, msgid: str, content: bytes) -> tuple[tuple[str, str], ...]:
+        """Extension fields of a push: its signature when SIGNING_SECRET is set."""
+        return self.signer.fields(app, msgid, content) if self.signer is not None else ()
+
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
         self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
 

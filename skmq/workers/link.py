@@ -66,6 +66,7 @@ class LinkOwner(Protocol):
     def on_unreachable(
         self, link: RecipientLink, deliveries: list[Delivery], detail: str
     ) -> None: ...
+    def push_fields(self, app: str, msgid: str, content: bytes) -> tuple[tuple[str, str], ...]: ...
 
 
 ANSWERS = {"ack": "acked", "reject": "rejected", "error": "errored"}
@@ -296,6 +297,7 @@ class RecipientLink:
                 fields.append(("recipient", self.rid))
             if d.token and "token" in self.caps:
                 fields.append(("token", d.token))
+        fields += self.owner.push_fields(self.app, d.msgid, d.content)
         return encode_frame("push", fields, d.content)
 
     # -- answers on this recipient's connections ----------------------------
