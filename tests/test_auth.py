@@ -136,7 +136,7 @@ async def test_tenant_cannot_produce_register_or_unregister_for_another_app(
     assert evict["status"] == "reject" and "consume role for app 'b'" in evict["content"]
     # Nothing changed: b has its one recipient and no message; a's own app works.
     assert [r["id"] for r in (await broker.store.recipients(["b"]))["b"]] == ["rb"]
-    assert await broker.store.resolve("b", "intruder") is None
+    assert not await broker.store.redis.hexists(broker.store.base("b") + "msgs", "intruder")
     assert (await a.request("queue", b"x", appid="a", msgid="own"))["content"] == "stored"
     await a.close()
     await b.close()
