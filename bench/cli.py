@@ -137,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--broker-env needs NAME=VALUE, got {item!r}")
         extra_env[name] = value
     args.extra_env = extra_env
+    if extra_env.get("SKMQ_AUTH_TOKEN"):
+        # the load processes (they inherit this environment) authenticate with it
+        os.environ["SKMQ_TOKEN"] = extra_env["SKMQ_AUTH_TOKEN"]
     return args
 
 

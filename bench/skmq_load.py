@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import socket
 import time
@@ -25,6 +26,9 @@ import uvloop
 from bench.childio import Control, cpu_seconds, emit, write_result
 
 SEP = b"\r\n\r\n"
+# With the broker's auth on (SKMQ_AUTH_TOKEN), the harness gives the load the token.
+TOKEN = os.environ.get("SKMQ_TOKEN", "")
+AUTH = b"type=auth\r\ncontent=" + TOKEN.encode() + SEP
 ACK_RE = re.compile(rb'"[sS]tatus"\s*:\s*"ack"')
 
 
@@ -128,6 +132,8 @@ async def producer_main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     proto = ProducerProtocol()
     await loop.create_connection(lambda: proto, args.host, args.port)
+    if TOKEN:
+        await authenticate(proto)
     emit("ready")
     await control.wait_for("go")
 
@@ -299,21 +305,38 @@ class RecipientProtocol(asyncio.Protocol):
         self.transport = None
 
 
+async def authenticate(proto: ProducerProtocol) -> None:
+    """Send `auth` first (SKMQ_TOKEN) and wait for its answer; it counts as no message."""
+    assert proto.transport is not None
+    proto.transport.write(AUTH)
+    async with asyncio.timeout(10):
+        while proto.responses < 1:
+            proto.progress.clear()
+            await proto.progress.wait()
+    if proto.acked != 1:
+        raise SystemExit(f"auth refused: {proto.failed_samples}")
+    proto.responses = proto.acked = 0
+
+
 async def register(args: argparse.Namespace, port: int) -> str:
-    """Register this recipient with the broker; return the broker's answer."""
+    """Register this recipient with the broker (declaring the capabilities these
+    recipients have: pipelined pushes, `length=`); return the broker's answer."""
     body = json.dumps(
-        {"id": args.rid, "app_id": args.appid, "host": "127.0.0.1", "port": port, "weight": 0},
+        {"id": args.rid, "app_id": args.appid, "host": "127.0.0.1", "port": port, "weight": 0,
+         "caps": ["pipeline", "length"]},
         separators=(",", ":"),
-    )
+    )  # fmt: skip
     reader, writer = await asyncio.open_connection(args.host, args.port)
     try:
+        if TOKEN:
+            writer.write(AUTH)
         writer.write(b"type=register\r\ncontent=" + body.encode() + SEP)
         await writer.drain()
         async with asyncio.timeout(10):
             while True:
                 raw = await reader.readuntil(SEP)
                 frame = raw[: -len(SEP)].strip(b"\r\n")
-                if frame and frame not in (b"ping", b"pong"):
+                if frame and frame not in (b"ping", b"pong") and b"authenticated" not in frame:
                     return frame.decode(errors="replace")
     finally:
         writer.close()
