@@ -21,15 +21,7 @@ for i = 2, #ARGV, 2 do
   if not m then
     out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
   else
-    local complete = true
-    if crid then
-      redis.call('HDEL', state, field(msgid, 'n', crid), field(msgid, 'h', crid),
-                 field(msgid, 'e', crid))
-      local o = redis.call('HINCRBY', state, field(msgid, 'o'), -1)
-      local dc = tonumber(redis.call('HGET', state, field(msgid, 'dc')) or '0')
-      complete = o <= 0 and dc <= 0
-    end
-    if complete then
+    if not crid or settle_copy(state, msgid, crid, 'o') then
       forget(msgs, state, msgid)
       redis.call('SADD', done, msgid)
       added = true

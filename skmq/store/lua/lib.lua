@@ -45,6 +45,17 @@ local function forget(msgs, state, msgid)
   redis.call('HDEL', msgs, msgid)
 end
 
+-- One copy of a topic message is over: drop its state and count it off `counter` (o:
+-- outstanding, when acked; dc: dead, when purged). True when no copy is left outstanding
+-- or dead, so that the message itself can go.
+local function settle_copy(state, msgid, crid, counter)
+  redis.call('HDEL', state, field(msgid, 'n', crid), field(msgid, 'h', crid),
+             field(msgid, 'e', crid))
+  redis.call('HINCRBY', state, field(msgid, counter), -1)
+  local c = redis.call('HMGET', state, field(msgid, 'o'), field(msgid, 'dc'))
+  return tonumber(c[1] or '0') <= 0 and tonumber(c[2] or '0') <= 0
+end
+
 -- Append one line to a delivery's history (bounded) and set its last error.
 local function note(state, msgid, crid, line, err)
   local hk = field(msgid, 'h', crid)
@@ -56,4 +67,14 @@ local function note(state, msgid, crid, line, err)
     h = line
   end
   redis.call('HSET', state, hk, h, field(msgid, 'e', crid), err)
+end
+
+-- fn(id) for each delivery id in ARGV from index `first` on: 1 where it did (returned
+-- true), 0 where its source state did not hold.
+local function each_id(first, fn)
+  local out = {}
+  for i = first, #ARGV do
+    if fn(ARGV[i]) then out[#out + 1] = 1 else out[#out + 1] = 0 end
+  end
+  return out
 end

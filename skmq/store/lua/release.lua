@@ -4,22 +4,16 @@
 -- KEYS: msgs, state, ready, delayed, inflight
 -- ARGV: delivery ids. Returns 1 (released) or 0 (not in flight) each.
 local msgs, state, ready, delayed, inflight = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local out = {}
-for i = 1, #ARGV do
-  local id = ARGV[i]
-  if redis.call('ZREM', inflight, id) == 1 then
-    local msgid, crid = split(id)
-    if redis.call('HEXISTS', msgs, msgid) == 1 then
-      redis.call('HINCRBY', state, field(msgid, 'n', crid), -1)
-      if crid then
-        redis.call('ZADD', delayed, 0, id)
-      else
-        redis.call('LPUSH', ready, id)
-      end
+return each_id(1, function(id)
+  if redis.call('ZREM', inflight, id) == 0 then return false end
+  local msgid, crid = split(id)
+  if redis.call('HEXISTS', msgs, msgid) == 1 then
+    redis.call('HINCRBY', state, field(msgid, 'n', crid), -1)
+    if crid then
+      redis.call('ZADD', delayed, 0, id)
+    else
+      redis.call('LPUSH', ready, id)
     end
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
   end
-end
-return out
+  return true
+end)
