@@ -22,6 +22,7 @@ from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.recipients import Recipient, Registry
 from skmq.store import Claimed, Failed, Store, split_delivery
+from skmq.supervisor import Supervisor
 from skmq.workers.answers import AnswerBatcher, Resp
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.link import ANSWERS, DETAILS, Delivery, RecipientLink
@@ -36,9 +37,11 @@ class Engine:
         store: Store,
         dlog: DeliveryLog,
         broker_id: str,
+        supervisor: Supervisor,
         on_acked: Callable[[str, int], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.supervisor = supervisor
         self.store = store
         self.dlog = dlog
         self.broker_id = broker_id
@@ -80,6 +83,9 @@ class Engine:
     def _loop(
         self, step: Callable[[], Awaitable[None]], interval: float, name: str
     ) -> asyncio.Task[None]:
+        """A background step every `interval`, under the supervisor: a Redis error marks the
+        broker unhealthy until a step succeeds, anything else restarts the loop."""
+
         async def run() -> None:
             while not self._stopping:
                 await asyncio.sleep(interval)
@@ -90,7 +96,7 @@ class Engine:
                     self.healthy = False
                     log.warning("background step failed", step=name, error=repr(exc))
 
-        return asyncio.get_running_loop().create_task(run(), name=f"skmq-{name}")
+        return self.supervisor.start(name, run)
 
     async def stop(self) -> None:
         """Stop claiming, give in-flight pushes SHUTDOWN_TIMEOUT to be answered, then hand
@@ -130,9 +136,7 @@ class Engine:
                 self._deliver,
                 self.settings.delivery_rate,
             )
-            self._dispatch_tasks[app] = asyncio.get_running_loop().create_task(
-                d.run(), name=f"skmq-dispatch-{app}"
-            )
+            self._dispatch_tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
 
     def _answered(self, app: str, failed: bool) -> None:
