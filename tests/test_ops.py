@@ -106,9 +106,33 @@ async def test_a_recipient_record_of_another_shape_is_skipped_not_fatal(
         assert (await client.request("queue", b"x", appid=app, msgid=f"m{i}"))["status"] == "ack"
     got = {(await rec.next_push()).fields["msgid"] for _ in range(5)}
     assert got == {f"m{i}" for i in range(5)}
-    # The refresh loop kept running past the bad records: it still sees changes.
-    assert [r.id for r in broker.engine.registry.all(app)] == ["good"]
+    # A record of another shape written while the broker runs: the refresh goes on.
+    await redis.hset(base + "recipients", "later", json.dumps({"id": "later", "host": None}))
+    other = await FakeRecipient(app, "other").start()
+    await redis.hset(
+        base + "recipients",
+        "other",
+        json.dumps({"id": "other", "app_id": app, "host": "127.0.0.1", "port": other.port}),
+    )
+
+    async def refreshed() -> bool:
+        return {r.id for r in broker.engine.registry.all(app)} == {"good", "other"}
+
+    await eventually(refreshed)
+    for i in range(5, 10):
+        assert (await client.request("queue", b"x", appid=app, msgid=f"m{i}"))["status"] == "ack"
+
+    def later() -> list[str]:
+        pushed = [f.fields["msgid"] for f in rec.received + other.received]
+        return sorted(m for m in pushed if m >= "m5")
+
+    async def delivered() -> bool:
+        return len(later()) >= 5
+
+    await eventually(delivered)
+    assert later() == [f"m{i}" for i in range(5, 10)]
     assert broker.supervisor.restarts == {}
+    await other.stop()
     await client.close()
     await rec.stop()
 
@@ -375,4 +399,24 @@ async def test_metrics_users_expect(make_broker: BrokerFactory) -> None:
         "skmq_embedded_redis_restarts_total",
     ):
         assert metric(text, name) is not None, name
-    assert "# TYPE skmq_task_restarts_total counter" in text or "skmq_task_restarts" in text
+    assert "# TYPE skmq_task_restarts_total counter" in text
+
+
+async def test_task_restarts_are_counted_per_task_in_metrics(make_broker: BrokerFactory) -> None:
+    mport = free_port()
+    broker = await make_broker(metrics_port=mport)
+    failures = 0
+    recovered = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal failures
+        if failures < 2:
+            failures += 1
+            raise RuntimeError("boom")
+        recovered.set()
+
+    broker.supervisor.start("flaky", flaky)
+    async with asyncio.timeout(10):
+        await recovered.wait()
+    _, text = await http_get(mport, "/metrics")
+    assert metric(text, 'skmq_task_restarts_total{task="flaky"}') == 2.0, text
