@@ -23,6 +23,7 @@ from skmq.aio import cancel_and_wait
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
+from skmq.errors import UsageError
 from skmq.handler import Handler
 from skmq.metrics import Metrics
 from skmq.server import Server
@@ -72,6 +73,10 @@ class Misconfigured(RuntimeError):
     """The environment makes a safe start impossible; the message says what to change."""
 
 
+class BadAddress(UsageError):
+    """HOST or METRICS_HOST is not an address this machine can listen on."""
+
+
 def _without_password(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
@@ -86,8 +91,11 @@ def listening(host: str, port: int, settings: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
+        where = f"cannot listen on {host}:{port} ({settings})"
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise BadAddress(f"{where}: not an address of this machine") from None
         why = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise Misconfigured(f"cannot listen on {host}:{port} ({settings}): {why}") from None
+        raise Misconfigured(f"{where}: {why}") from None
 
 
 async def check_eviction_policy(redis: aioredis.Redis) -> None:

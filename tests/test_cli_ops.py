@@ -104,6 +104,33 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "skmq status: no broker data in {dir}/empty (set --data-dir or REDIS_URL)",
     ),
     (
+        "host not of this machine",
+        lambda f: [
+            "serve",
+            "--host",
+            "192.0.2.1",
+            "--data-dir",
+            str(f["dir"] / "d"),
+            "--log-level",
+            "error",
+        ],
+        {},
+        "skmq serve: cannot listen on 192.0.2.1:1734 (HOST/PORT): not an address of this machine",
+    ),
+    (
+        "send port",
+        lambda f: ["send", "--port", "99999", "--app", "a", "x"],
+        {},
+        "skmq send: argument --port: '99999' is not a port (0-65535) (see skmq send --help)",
+    ),
+    (
+        "unknown command",
+        lambda f: ["sned"],
+        {},
+        "skmq: argument COMMAND: invalid choice: 'sned' (choose from 'serve', 'send', "
+        "'consume', 'status', 'dlq', 'audit') (see skmq --help)",
+    ),
+    (
         "dlq without selection",
         lambda f: ["dlq", "purge", "--data-dir", str(f["dir"])],
         {},

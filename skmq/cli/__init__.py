@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from skmq import __version__
 from skmq.errors import UsageError
@@ -39,8 +40,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (status 2) instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skmq", description="SKMQ: a push-delivery broker.")
+    parser = Parser(prog="skmq", description="SKMQ: a push-delivery broker.")
     parser.add_argument("--version", action="version", version=f"skmq {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")

@@ -18,7 +18,7 @@ import sys
 
 import uvloop
 
-from skmq.cli.send import broker_address
+from skmq.cli.send import broker_address, port_number
 from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
     Consumer,
@@ -34,7 +34,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--app", required=True, help="application id to receive messages of")
     p.add_argument("--id", required=True, help="recipient id (unique within the app)")
-    p.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
+    p.add_argument("--port", type=port_number, required=True, help="port to listen on (0: any)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--advertise-host", help="host to register (default: --host)")
     p.add_argument("--weight", type=int, default=0, help="load-balancing weight (>= 0)")
@@ -51,7 +51,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="messages handled at once")
     p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
     p.add_argument("--broker-host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
-    p.add_argument("--broker-port", type=int, help="broker port (default: $SKMQ_PORT or 1734)")
+    p.add_argument(
+        "--broker-port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)"
+    )
     p.add_argument(
         "--unregister-on-exit",
         action="store_true",

@@ -17,6 +17,17 @@ import uvloop
 from skmq.client import DEFAULT_HOST, DEFAULT_PORT, Producer, Resp
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return value
+
+
 def broker_address(host: str | None, port: int | None) -> tuple[str, int]:
     """Flags win, then SKMQ_HOST / SKMQ_PORT, then 127.0.0.1:1734."""
     if host is None:
@@ -35,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay", type=int, metavar="MS", help="deliver no sooner than MS ms from now")
     p.add_argument("--deliver-at", type=int, metavar="MS", help="deliver at this unix time in ms")
     p.add_argument("--host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
-    p.add_argument("--port", type=int, help="broker port (default: $SKMQ_PORT or 1734)")
+    p.add_argument("--port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the resp")
     p.add_argument(
         "content", nargs="?", default="-", metavar="CONTENT", help="the content; - reads stdin"
