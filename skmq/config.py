@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -149,6 +150,16 @@ def one_line(exc: ValidationError) -> str:
         msg = str(err["msg"]).removeprefix("Value error, ")
         parts.append(f"{name}={err['input']!r}: {msg}")
     return "invalid setting " + "; ".join(parts)
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """`SKMQ_*` variables that name no setting, each with the closest one if any."""
+    names = [f"SKMQ_{name.upper()}" for name in Settings.model_fields]
+    found = []
+    for key in sorted(k for k in environ if k.startswith("SKMQ_") and k not in names):
+        close = difflib.get_close_matches(key, names, n=1)
+        found.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    return found
 
 
 def check_toml(path: Path) -> None:

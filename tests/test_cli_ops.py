@@ -21,7 +21,7 @@ from skmq import __version__
 from skmq.broker import Broker
 from skmq.cli.consume import exec_handler
 from skmq.client import Message, Reject
-from tests.conftest import BrokerFactory, eventually, free_port
+from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 
 SKMQ = [sys.executable, "-m", "skmq.cli"]
@@ -187,6 +187,17 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     code, _, err = skmq("status", "--redis-url", nowhere)
     assert code == 1
     assert one_line(err).startswith("skmq status: Redis: Error 111 connecting to"), err
+
+
+def test_an_unknown_environment_setting_is_reported_with_the_closest_name(
+    broker_process: BrokerProcess, broker_env: dict[str, str]
+) -> None:
+    broker_env["SKMQ_PROT"] = "1800"
+    broker_process.start()
+    assert broker_process.terminate() == 0
+    log = broker_process.log_path.read_text()
+    assert "environment variable names no setting" in log
+    assert "SKMQ_PROT (did you mean SKMQ_PORT?)" in log
 
 
 def test_debug_shows_the_traceback_and_version_answers(tmp_path: Path) -> None:

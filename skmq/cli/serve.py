@@ -16,13 +16,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """0 after SIGTERM/SIGINT; a failure raises (one line by `skmq`, status 1, or 2 for a
     bad setting)."""
+    import os
+
+    import structlog
     import uvloop
 
     from skmq.broker import serve
-    from skmq.config import settings_from_args
+    from skmq.config import settings_from_args, unknown_env
     from skmq.logs import configure_logging
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
+    for name in unknown_env(os.environ):
+        structlog.get_logger("skmq").warning("environment variable names no setting", name=name)
     uvloop.run(serve(settings))
     return 0
