@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from skmq.config import Settings
+from skmq.errors import UsageError
 from skmq.signing import PushSigner
 
 Role = Literal["produce", "consume", "admin"]
@@ -38,7 +39,7 @@ MIN_TOKEN_CHARS = 16
 _ENTRY_KEYS = frozenset({"name", "token", "apps", "roles"})
 
 
-class SecurityConfigError(Exception):
+class SecurityConfigError(UsageError):
     """The auth or signing settings cannot be used. One line, never holding a secret."""
 
 

@@ -4,26 +4,33 @@ engine and the pipeline server, started and stopped in the right order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
 import re
 import signal
 import socket
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
+from skmq.aio import cancel_and_wait
 from skmq.auth import broker_tokens, push_signer
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
+from skmq.errors import UsageError
 from skmq.handler import Handler
 from skmq.metrics import Metrics
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import Store, connect_redis
+from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
 
@@ -60,6 +67,56 @@ async def wait_for_redis(redis: aioredis.Redis, give_up: Callable[[], bool]) -> 
             delay = min(delay * 2, 2.0)
 
 
+EMBEDDED_CHECK_INTERVAL = 0.2
+EVICTING = ("allkeys-", "volatile-")
+
+
+class Misconfigured(RuntimeError):
+    """The environment makes a safe start impossible; the message says what to change."""
+
+
+class BadAddress(UsageError):
+    """HOST or METRICS_HOST is not an address this machine can listen on."""
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
+@contextlib.contextmanager
+def listening(host: str, port: int, settings: str) -> Iterator[None]:
+    """A failure to listen as one line naming the address and its settings."""
+    try:
+        yield
+    except OSError as exc:
+        where = f"cannot listen on {host}:{port} ({settings})"
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise BadAddress(f"{where}: not an address of this machine") from None
+        why = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise Misconfigured(f"{where}: {why}") from None
+
+
+async def check_eviction_policy(redis: aioredis.Redis) -> None:
+    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
+    try:
+        reply = await redis.config_get("maxmemory-policy")
+    except ResponseError as exc:
+        log.warning("cannot read maxmemory-policy (CONFIG not allowed): make sure this Redis "
+                    "never evicts keys", error=str(exc))  # fmt: skip
+        return
+    raw = next(iter(reply.values()), b"")
+    policy = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if policy.startswith(EVICTING):
+        raise Misconfigured(
+            f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
+            "set maxmemory-policy noeviction"
+        )
+
+
 class Broker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -70,6 +127,16 @@ class Broker:
         self.signer = push_signer(settings)
         self.embedded: EmbeddedRedis | None = None
         self.stopping = asyncio.Event()
+        # Why the broker stopped by itself (a task the supervisor could not keep alive).
+        self.failure: str | None = None
+        self.supervisor = Supervisor(self.fail, settings.task_max_restarts)
+
+    def fail(self, reason: str) -> None:
+        """Stop the broker for a failure it cannot recover from (exit non-zero)."""
+        if self.failure is None:
+            self.failure = reason
+            log.error("broker stopping after an unrecoverable failure", reason=reason)
+        self.stopping.set()
 
     def start_embedded_redis(self) -> str:
         """Start the embedded server (in the main thread: its death signal follows this thread)."""
@@ -78,7 +145,9 @@ class Broker:
         self.embedded = EmbeddedRedis(self.settings.data_dir, self.settings.redis_appendfsync)
         self.embedded.start()
         log.info(
-            "embedded redis started", url=self.embedded.url, data_dir=str(self.settings.data_dir)
+            "embedded redis started",
+            url=_without_password(self.embedded.url),
+            data_dir=str(self.settings.data_dir),
         )
         return self.embedded.url
 
@@ -86,10 +155,24 @@ class Broker:
         s = self.settings
         url = self.start_embedded_redis()
         self.redis = connect_redis(url)
-        await wait_for_redis(self.redis, self.stopping.is_set)
+        deadline = time.monotonic() + s.redis_wait
+
+        def give_up() -> bool:
+            return self.stopping.is_set() or time.monotonic() > deadline
+
+        try:
+            await wait_for_redis(self.redis, give_up)
+        except (RedisError, OSError) as exc:
+            raise Misconfigured(
+                f"cannot reach Redis at {_without_password(url)} within {s.redis_wait:g}s "
+                f"(REDIS_WAIT): {exc}"
+            ) from None
+        await check_eviction_policy(self.redis)
         self.store = make_store(s, self.redis)
-        self.dlog = DeliveryLog(s.delivery_log_dir, self.broker_id, s.log_rotate_bytes)
-        self.metrics = Metrics(self.store)
+        self.dlog = DeliveryLog(
+            s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
+        )
+        self.metrics = Metrics(self.store, self.dlog, self.supervisor)
         self.dlog.listener = self.metrics.observe
         self.own = OwnAddresses()
         self.own.add_redis_url(url)
@@ -101,6 +184,7 @@ class Broker:
             self.store,
             self.dlog,
             self.broker_id,
+            self.supervisor,
             self.metrics.observe_latency,
             own=self.own,
             signer=self.signer,
@@ -110,7 +194,7 @@ class Broker:
                 await self.engine.start(orphans=self.embedded is not None)
                 break
             except (RedisError, OSError) as exc:
-                if self.stopping.is_set():
+                if give_up():
                     raise
                 log.warning("redis not ready for the engine, retrying", error=repr(exc))
                 await asyncio.sleep(0.5)
@@ -120,11 +204,18 @@ class Broker:
                 self.engine.notify(app)
 
         self.enqueuer = Enqueuer(self.store, self.dlog, stored, self.engine.note_apps)
-        self.server = Server(s, Handler(s, self.enqueuer, self.engine, self.tokens))
-        await self.server.start()
+        self.server = Server(
+            s, Handler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
+        )
+        with listening(s.host, s.port, "HOST/PORT"):
+            await self.server.start()
         self.own.add(s.host, self.server.port)
+        if self.embedded is not None:
+            self.supervisor.start("embedded-redis", self._keep_embedded_redis)
         if s.metrics_port:
-            await self.metrics.serve(s.metrics_host, s.metrics_port, self.engine)
+            with listening(s.metrics_host, s.metrics_port, "METRICS_HOST/METRICS_PORT"):
+                await self.metrics.serve(s.metrics_host, s.metrics_port, self.engine)
+            self.supervisor.start("redis-probe", self.metrics.probe_loop)
         log.info(
             "broker listening",
             host=s.host,
@@ -132,9 +223,27 @@ class Broker:
             auth="on" if self.tokens is not None else "off",
             signed_pushes=self.signer is not None,
             broker=self.broker_id,
-            redis=url,
+            redis=_without_password(url),
             log_dir=str(s.delivery_log_dir),
         )
+
+    async def _keep_embedded_redis(self) -> None:
+        """Start the embedded server again whenever it exits (OOM killer, crash): same
+        port and AOF, so clients reconnect and nothing acknowledged is lost. A server
+        that cannot start again fails this task, and the supervisor gives up in time."""
+        embedded = self.embedded
+        assert embedded is not None
+        while True:
+            await asyncio.sleep(EMBEDDED_CHECK_INTERVAL)
+            status = embedded.exited()
+            if status is None:
+                continue
+            self.metrics.redis_restarts += 1
+            log.error("embedded redis exited, starting it again", status=status,
+                      restarts=self.metrics.redis_restarts)  # fmt: skip
+            embedded.launch()
+            await embedded.wait_ready()
+            log.info("embedded redis running again", url=_without_password(embedded.url))
 
     async def stop(self) -> None:
         log.info("broker stopping", broker=self.broker_id)
@@ -143,6 +252,7 @@ class Broker:
         await self.enqueuer.drain()
         await self.engine.stop()
         await self.metrics.close()
+        await cancel_and_wait(self.supervisor.tasks)
         self.dlog.close()
         await self.redis.aclose()
         if self.embedded is not None:
@@ -150,7 +260,12 @@ class Broker:
         log.info("broker stopped", broker=self.broker_id)
 
 
+class BrokerFailed(RuntimeError):
+    """The broker stopped by itself: the message says why, in one line."""
+
+
 async def serve(settings: Settings) -> None:
+    """Run a broker until SIGTERM/SIGINT; raises BrokerFailed if it had to stop itself."""
     broker = Broker(settings)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,5 +276,9 @@ async def serve(settings: Settings) -> None:
     finally:
         if hasattr(broker, "server"):
             await broker.stop()
-        elif broker.embedded is not None:
-            broker.embedded.stop()
+        else:
+            await cancel_and_wait(broker.supervisor.tasks)
+            if broker.embedded is not None:
+                broker.embedded.stop()
+    if broker.failure is not None:
+        raise BrokerFailed(broker.failure)

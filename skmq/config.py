@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -14,6 +17,11 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from skmq.errors import UsageError
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 
 # RocketMQ's delay levels, in seconds (the last one repeats).
 ROCKETMQ_BACKOFF = [1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600]
@@ -32,6 +40,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(1734, ge=0, le=65535)
     redis_url: str = ""
+    redis_wait: float = Field(30.0, ge=0)
     data_dir: Path = Path("./skmq-data")
     log_dir: Path | None = None
     key_prefix: str = "skmq"
@@ -59,8 +68,10 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(5.0, ge=0)
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
     log_rotate_bytes: int = Field(64 << 20, ge=4096)
+    log_backlog_bytes: int = Field(16 << 20, ge=0)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535)
+    task_max_restarts: int = Field(10, ge=0)
     log_level: str = "info"
     log_format: Literal["console", "json"] = "console"
     # Security (docs/SECURITY.md). SecretStr: a secret never shows in a repr or a log.
@@ -109,15 +120,76 @@ class Settings(BaseSettings):
     def delivery_log_dir(self) -> Path:
         return self.log_dir if self.log_dir is not None else self.data_dir / "delivery-log"
 
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"not a log level (one of {', '.join(LOG_LEVELS)})")
+        return value.lower()
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        scheme = value.partition("://")[0] if "://" in value else None
+        if value and scheme not in REDIS_SCHEMES:
+            raise ValueError(f"needs a scheme of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
+        return value
+
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
-        """Build settings from flags (`overrides`, None meaning not given), env and TOML."""
+        """Build settings from flags (`overrides`, None meaning not given), env and TOML.
+        Raises SettingsError (one line naming the setting or file) for anything bad."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        if config_file is None:
-            return cls(**given)
-        with_file = type("FileSettings", (cls,), {"_toml_file": config_file})
-        settings: Settings = with_file(**given)
+        try:
+            if config_file is None:
+                return cls(**given)
+            check_toml(config_file)
+            with_file = type("FileSettings", (cls,), {"_toml_file": config_file})
+            settings: Settings = with_file(**given)
+        except ValidationError as exc:
+            raise SettingsError(one_line(exc)) from None
         return settings
+
+
+class SettingsError(UsageError):
+    """A bad setting or settings file."""
+
+
+def one_line(exc: ValidationError) -> str:
+    """`invalid setting PORT='x': Input should be a valid integer; ...`"""
+    parts = []
+    for err in exc.errors():
+        name = str(err["loc"][0]).upper() if err["loc"] else "?"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{name}={err['input']!r}: {msg}")
+    return "invalid setting " + "; ".join(parts)
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """`SKMQ_*` variables that name no setting, each with the closest one if any."""
+    names = [f"SKMQ_{name.upper()}" for name in Settings.model_fields]
+    found = []
+    for key in sorted(k for k in environ if k.startswith("SKMQ_") and k not in names):
+        close = difflib.get_close_matches(key, names, n=1)
+        found.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    return found
+
+
+def check_toml(path: Path) -> None:
+    """The settings file exists, parses, and names only known settings."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path}: no such file") from None
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
+    for key in data:
+        if key not in Settings.model_fields:
+            close = difflib.get_close_matches(key, list(Settings.model_fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SettingsError(f"config file {path}: unknown setting {key!r}{hint}")
 
 
 # Settings that operator commands also take as flags (they only need to find the store).

@@ -1,21 +1,35 @@
 """The delivery log of SPEC section 7: one JSON line an event, rotated by size.
 
 Files are `LOG_DIR/delivery-<broker>-<n>.jsonl`, one set a broker instance, so that
-several brokers can log into one shared directory. Events are buffered and written
+several brokers can log into one shared directory (a broker restarted with the same
+BROKER_ID appends to its last file). Events are buffered and written
 with one `os.write` a batch (at the end of each event-loop turn that produced any):
 no fsync, but nothing waits in user space, so a `kill -9` of the broker loses no
 event already handed to the kernel. Lines are formatted by hand: the log is on the
 hot path, and `json.dumps` of a dict costs several times more.
+
+A write error (a full disk) never blocks or fails delivery: unwritten lines are kept
+in a bounded backlog (LOG_BACKLOG_BYTES) and retried; once the backlog is full the
+oldest lines are dropped and counted (`skmq_delivery_log_dropped_lines_total`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("skmq.deliverylog")
+
+# While writes fail, how often the backlog is tried again (besides every new flush).
+RETRY_INTERVAL = 1.0
 
 
 def _q(value: str | None) -> str:
@@ -32,28 +46,47 @@ def now_ms() -> int:
 
 
 class DeliveryLog:
-    def __init__(self, log_dir: Path, broker_id: str, rotate_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        broker_id: str,
+        rotate_bytes: int = 64 << 20,
+        backlog_bytes: int = 64 << 20,
+    ) -> None:
         self.dir = log_dir
         self.broker = _q(broker_id)
         self.rotate_bytes = rotate_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
+        # A broker with a fixed BROKER_ID goes on with its last file (rotating as usual).
         existing = sorted(self.dir.glob(f"delivery-{broker_id}-*.jsonl"))
-        self._index = len(existing)
+        self._index = max(0, len(existing) - 1)
         self._prefix = f"delivery-{broker_id}-"
         self._fd = -1
         self._size = 0
         self._lines: list[str] = []
         self._scheduled = False
+        # Lines not yet written (a write failed): bounded, oldest dropped first.
+        self._backlog: deque[tuple[bytes, int]] = deque()
+        self._backlog_size = 0
+        self.backlog_bytes = backlog_bytes
+        self._retry: asyncio.TimerHandle | None = None
+        self.error: str | None = None
+        self.errors = 0
+        self.dropped = 0
         self.listener: Callable[[str, str], None] | None = None
         self._open_next()
+        if self._size >= self.rotate_bytes:
+            self._open_next()
 
     def _open_next(self) -> None:
+        """The next file; the current one stays open until the new one is."""
+        path = self.dir / f"{self._prefix}{self._index:06d}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._index += 1
         if self._fd >= 0:
             os.close(self._fd)
-        path = self.dir / f"{self._prefix}{self._index:06d}.jsonl"
-        self._index += 1
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
 
     def event(
         self,
@@ -82,21 +115,77 @@ class DeliveryLog:
                 self.flush()
 
     def flush(self) -> None:
+        """Hand the buffered lines to the kernel. A write error (ENOSPC, EIO) never reaches
+        the caller: the lines wait in a bounded backlog, retried every RETRY_INTERVAL and
+        with every later flush; past `backlog_bytes` the oldest are dropped and counted."""
         self._scheduled = False
-        if not self._lines or self._fd < 0:
-            return
-        data = "".join(self._lines).encode("utf-8", "replace")
-        self._lines.clear()
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        self._size += len(data)
+        if self._lines:
+            data = "".join(self._lines).encode("utf-8", "replace")
+            self._backlog.append((data, len(self._lines)))
+            self._backlog_size += len(data)
+            self._lines.clear()
+        while self._backlog and self._fd >= 0:
+            data, count = self._backlog[0]
+            try:
+                written = os.write(self._fd, data)
+            except OSError as exc:
+                self._write_failed(exc)
+                return
+            self._size += written
+            if written < len(data):
+                self._backlog[0] = (data[written:], count)
+                self._backlog_size -= written
+                continue
+            self._backlog.popleft()
+            self._backlog_size -= len(data)
+        if self.error is not None:
+            log.warning("delivery log writable again", dir=str(self.dir), was=self.error)
+            self.error = None
         if self._size >= self.rotate_bytes:
+            try:
+                self._open_next()
+            except OSError as exc:
+                self._write_failed(exc)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.errors += 1
+        if self.error is None:
+            log.error("delivery log write failed, keeping lines to retry", dir=str(self.dir),
+                      error=exc.strerror or str(exc))  # fmt: skip
+        self.error = exc.strerror or str(exc)
+        while self._backlog_size > self.backlog_bytes and len(self._backlog) > 1:
+            data, count = self._backlog.popleft()
+            self._backlog_size -= len(data)
+            self.dropped += count
+        if self._retry is None:
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
+                self._retry = loop.call_later(RETRY_INTERVAL, self._retry_flush)
+
+    def _retry_flush(self) -> None:
+        """Retry the backlog on a freshly opened file (the old descriptor may be what
+        fails: a file removed or replaced by an operator making room)."""
+        self._retry = None
+        self._index -= 1
+        try:
             self._open_next()
+        except OSError as exc:
+            self._index += 1
+            self._write_failed(exc)
+            return
+        self.flush()
+
+    @property
+    def backlog_lines(self) -> int:
+        return sum(count for _, count in self._backlog)
 
     def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         self.flush()
+        if self._backlog:
+            log.error("delivery log closed with unwritten lines", lines=self.backlog_lines)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

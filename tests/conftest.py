@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 import uvloop
 
 from skmq.broker import Broker
+from skmq.codec import PONG, encode_frame
 from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis
 
@@ -121,16 +122,31 @@ def free_port() -> int:
         return port
 
 
+def answers_ping(port: int) -> bool:
+    """A broker listens on the port (not some other process of this busy machine that
+    took it meanwhile): it answers `ping` with `pong`."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+            sock.sendall(encode_frame("ping", {}, None))
+            return sock.recv(64).startswith(PONG)
+    except OSError:
+        return False
+
+
+def port_was_taken(log_path: Path) -> bool:
+    """The broker exited because another process took its port (a free port picked by a
+    test is only free until someone else binds it)."""
+    return log_path.exists() and "address already in use" in log_path.read_text()[-500:]
+
+
 def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"broker exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
+        if answers_ping(port):
+            return
+        time.sleep(0.02)
     raise TimeoutError(f"nothing listens on {port}")
 
 
@@ -144,13 +160,22 @@ class BrokerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> BrokerProcess:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skmq.cli", "serve"],
-            env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_listening(self.port, self.proc)
-        return self
+        for _ in range(3):
+            log = self.log_path.open("ab")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "skmq.cli", "serve"],
+                env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+            log.close()
+            try:
+                wait_listening(self.port, self.proc)
+                return self
+            except RuntimeError:
+                if not port_was_taken(self.log_path):
+                    raise
+            self.port = free_port()
+            self.env["SKMQ_PORT"] = str(self.port)
+        raise RuntimeError("no free port for the broker")
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -426,7 +426,7 @@ def test_cli_without_pyspark(
 def test_cli_register_and_missing_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cli = _cli_module()
     parser = argparse.ArgumentParser(prog="skmq")
-    cli.register(parser.add_subparsers(dest="command", required=True))
+    cli.configure(parser.add_subparsers(dest="command", required=True).add_parser("audit"))
     args = parser.parse_args(
         ["audit", "--logs", str(tmp_path / "none"), "--out", str(tmp_path / "o")]
     )

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from skmq.auth import broker_tokens
-from skmq.cli import SUBCOMMANDS
+from skmq.cli import build_parser
 from skmq.config import Settings
 
 pytestmark = pytest.mark.timeout(30)
@@ -267,13 +267,9 @@ def volume_mounts(service: dict[str, Any]) -> dict[str, str]:
     return mounts
 
 
-def subcommand_parser() -> argparse.ArgumentParser:
+def parse_command(argv: list[str]) -> argparse.Namespace:
     """`skmq`'s own argument parser, to check the commands the compose file runs."""
-    parser = argparse.ArgumentParser(prog="skmq")
-    sub = parser.add_subparsers(dest="subcommand", required=True)
-    for module in SUBCOMMANDS:
-        module.register(sub)
-    return parser
+    return build_parser(argv).parse_args(argv)
 
 
 def brokers(project: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -381,12 +377,18 @@ def test_compose_brokers_share_one_redis(subnet: str | None, monkeypatch: Any) -
     services = project["services"]
     found = brokers(project)
     assert len(found) >= 2, "several brokers on one Redis"
-    subnets = [
-        ipaddress.ip_network(c["subnet"])
-        for net in project["networks"].values()
-        for c in net.get("ipam", {}).get("config", [])
-    ]
+
+    def subnets_of(network: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        config = project["networks"][network].get("ipam", {}).get("config", [])
+        return [ipaddress.ip_network(c["subnet"]) for c in config]
+
+    subnets = subnets_of("skmq")
     assert subnets and (subnet is None or subnets == [ipaddress.ip_network(subnet)])
+    # Redis sits only on a network of its own that recipients cannot be registered on.
+    redis_nets = services["redis"]["networks"]
+    assert "skmq" not in redis_nets and redis_nets
+    store_subnets = [n for net in redis_nets for n in subnets_of(net)]
+    assert store_subnets
     logs = set()
     for name, svc in found.items():
         env = environment(svc)
@@ -406,6 +408,9 @@ def test_compose_brokers_share_one_redis(subnet: str | None, monkeypatch: Any) -
         networks = [ipaddress.ip_network(n) for n in settings.recipient_networks]
         for net in subnets:
             assert any(net.subnet_of(allowed) for allowed in networks), (name, net)
+        for net in store_subnets:
+            assert not any(net.overlaps(allowed) for allowed in networks), (name, net)
+        assert set(redis_nets) <= set(svc["networks"]), f"{name} cannot reach Redis"
         assert settings.log_format == "json"
         mounts = volume_mounts(svc)
         assert str(settings.delivery_log_dir) in mounts
@@ -429,9 +434,7 @@ def test_compose_consumer_registers_its_own_address() -> None:
     inner = shlex.split(substituted[0][2:-1])
     assert inner[:2] == ["python", "-c"]
     compile(inner[2], "<advertise-host>", "exec")
-    args = subcommand_parser().parse_args(
-        ["10.173.0.9" if w.startswith("$(") else w for w in words[2:]]
-    )
+    args = parse_command(["10.173.0.9" if w.startswith("$(") else w for w in words[2:]])
     assert args.subcommand == "consume"
     assert args.advertise_host == "10.173.0.9"
     assert args.host == "0.0.0.0"
@@ -448,7 +451,7 @@ def test_compose_audit_runs_on_the_spark_cluster() -> None:
     project = load_compose({"SPARK_VERSION": "4.0.9"})
     services = project["services"]
     audit = services["audit"]
-    args = subcommand_parser().parse_args(audit["command"])
+    args = parse_command(audit["command"])
     assert args.subcommand == "audit"
     master_url = re.fullmatch(r"spark://([\w-]+):(\d+)", args.master)
     assert master_url, args.master
@@ -658,10 +661,21 @@ def test_image_commands_run_from_a_clean_venv(
             # with the audit.
             logs = list((data_dir / "delivery-log").glob("*.jsonl"))
             assert logs and any('"stored"' in p.read_text() for p in logs)
-            # Redis gone: /healthz answers 503 and the HEALTHCHECK fails.
+            # Redis stalled: /healthz answers 503 and the HEALTHCHECK fails.
             info = json.loads((data_dir / "redis.json").read_text())
+            os.kill(int(info["pid"]), signal.SIGSTOP)
+            try:
+                wait_until(lambda: not healthy(), "the HEALTHCHECK fails without Redis", proc)
+            finally:
+                os.kill(int(info["pid"]), signal.SIGCONT)
+            # Redis killed: the broker starts it again and the HEALTHCHECK passes again.
             os.kill(int(info["pid"]), signal.SIGKILL)
-            wait_until(lambda: not healthy(), "the HEALTHCHECK fails without Redis", proc)
+
+            def restarted() -> bool:
+                now = json.loads((data_dir / "redis.json").read_text())
+                return now["pid"] != info["pid"] and healthy()
+
+            wait_until(restarted, "the HEALTHCHECK passes after the broker restarts Redis", proc)
         except BaseException:
             sys.stderr.write((tmp_path / "broker.log").read_text(errors="replace")[-4000:])
             raise

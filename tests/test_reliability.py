@@ -31,7 +31,14 @@ import redis.asyncio as aioredis
 from skmq.codec import Frame, encode_frame
 from skmq.embedded import EmbeddedRedis, read_info
 from skmq.store import Store
-from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
+from tests.conftest import (
+    BrokerFactory,
+    BrokerProcess,
+    answers_ping,
+    eventually,
+    free_port,
+    port_was_taken,
+)
 from tests.peers import FakeRecipient, Policy, RawClient
 
 ACK_TIMEOUT = 1.5  # as in broker_env
@@ -65,17 +72,21 @@ class Serve(BrokerProcess):
     async def up(self, timeout: float = 20.0) -> Serve:
         if not self.alive:
             self.spawn()
+        retries = 3
         async with asyncio.timeout(timeout):
             while True:
                 if not self.alive:
+                    if retries and port_was_taken(self.log_path):
+                        # Another process of this busy machine took the port: another one.
+                        retries -= 1
+                        self.port = free_port()
+                        self.env["SKMQ_PORT"] = str(self.port)
+                        self.spawn()
+                        continue
                     raise RuntimeError(f"broker exited: {self.log_path.read_text()[-2000:]}")
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                except OSError:
-                    await asyncio.sleep(0.02)
-                    continue
-                writer.close()
-                return self
+                if await asyncio.to_thread(answers_ping, self.port):
+                    return self
+                await asyncio.sleep(0.02)
 
     async def exited(self, timeout: float = 10.0) -> int:
         assert self.proc is not None

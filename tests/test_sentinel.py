@@ -17,7 +17,7 @@ from tests.peers import RawClient
 
 @pytest.fixture
 def sentinel(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
-    master = EmbeddedRedis(tmp_path / "master")
+    master = EmbeddedRedis(tmp_path / "master", auth=False)  # Sentinel would need its password
     master.start()
     port = free_port()
     conf = tmp_path / "sentinel.conf"

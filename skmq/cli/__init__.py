@@ -1,20 +1,75 @@
-"""The `skmq` command: one subcommand a module, each exposing `register(subparsers)`."""
+"""The `skmq` command: one subcommand a module, each exposing `configure(parser)`.
+
+Only the module of the command being run is imported (with its parser's flags), so that
+a client command never pays for the broker, pydantic-settings or Spark. Every failure
+reaches the user as one line on stderr: status 2 for a bad setting, file or address,
+1 for an operational failure; `--debug` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from skmq.cli import audit, consume, dlq, send, serve, status
+from skmq import __version__
+from skmq.errors import UsageError
 
-SUBCOMMANDS = (serve, send, consume, status, dlq, audit)
+# name -> (one-line help, module)
+COMMANDS = {
+    "serve": ("run the broker", "skmq.cli.serve"),
+    "send": ("send one message to the broker", "skmq.cli.send"),
+    "consume": ("receive pushed messages", "skmq.cli.consume"),
+    "status": ("apps, depths and recipients", "skmq.cli.status"),
+    "dlq": ("list, replay or purge dead letters", "skmq.cli.dlq"),
+    "audit": ("audit delivery logs with Spark (report.json, report.html, CSV)", "skmq.cli.audit"),
+}
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a failure, without the traceback."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else ""
+        return f"{exc.strerror}: {where}" if where else exc.strerror
+    if type(exc).__module__.startswith("redis"):
+        return f"Redis: {exc}"
+    if (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("skmq.")) and str(exc):
+        return str(exc)  # our own errors say what is wrong in their message
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (status 2) instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = Parser(prog="skmq", description="SKMQ: a push-delivery broker.")
+    parser.add_argument("--version", action="version", version=f"skmq {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (text, module) in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text)
+        if name == wanted:
+            importlib.import_module(module).configure(command)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="skmq", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS:
-        module.register(sub)
-    args = parser.parse_args(argv)
-    result: int = args.func(args)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(args_list).parse_args(args_list)
+    try:
+        result: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"skmq {args.subcommand}: {describe(exc)}\n")
+        return 2 if isinstance(exc, UsageError) else 1
     return result

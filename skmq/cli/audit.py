@@ -27,14 +27,10 @@ JAVA_HELP = (
 PYSPARK_HELP = "skmq audit needs PySpark: pip install 'skmq[audit]'"
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``audit`` subcommand."""
-    parser = sub.add_parser(
-        "audit",
-        help="audit delivery logs with Spark (report.json, report.html, CSV)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The ``audit`` subcommand's flags."""
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--logs",
         required=True,

@@ -1,26 +1,15 @@
-"""What operator commands share: settings from flags, and a store found from them."""
+"""What operator commands share: the store found from their settings."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import sys
 from collections.abc import AsyncIterator
 
-from pydantic import ValidationError
-
 from skmq.broker import make_store
-from skmq.config import Settings, settings_from_args
+from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis, redis_url_for
+from skmq.errors import UsageError
 from skmq.store import Store, connect_redis
-
-
-def load_settings(args: argparse.Namespace) -> Settings:
-    try:
-        return settings_from_args(args)
-    except ValidationError as exc:
-        sys.stderr.write(f"skmq: invalid settings:\n{exc}\n")
-        raise SystemExit(2) from None
 
 
 @contextlib.asynccontextmanager
@@ -31,10 +20,7 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
     url = settings.redis_url or redis_url_for(settings.data_dir)
     if url is None:
         if not (settings.data_dir / "redis").is_dir():
-            sys.stderr.write(
-                f"skmq: no broker data in {settings.data_dir} (set --data-dir or REDIS_URL)\n"
-            )
-            raise SystemExit(2)
+            raise UsageError(f"no broker data in {settings.data_dir} (set --data-dir or REDIS_URL)")
         embedded = EmbeddedRedis(settings.data_dir, settings.redis_appendfsync)
         embedded.start()
         url = embedded.url

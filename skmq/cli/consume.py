@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import sys
 
 import uvloop
 
-from skmq.cli.send import broker_address
+from skmq.cli.send import broker_address, port_number
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -31,17 +32,24 @@ from skmq.client import (
 from skmq.signing import secret_key
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("consume", help="receive pushed messages", description=__doc__)
+def configure(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--app", required=True, help="application id to receive messages of")
     p.add_argument("--id", required=True, help="recipient id (unique within the app)")
-    p.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
+    p.add_argument("--port", type=port_number, required=True, help="port to listen on (0: any)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--advertise-host", help="host to register (default: --host)")
     p.add_argument("--weight", type=int, default=0, help="load-balancing weight (>= 0)")
     p.add_argument("--exec", dest="command", metavar="CMD", help="shell command per message")
     p.add_argument("--reject-exit-code", type=int, metavar="N", help="CMD exit status to reject")
+    p.add_argument(
+        "--exec-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="kill CMD (answer error) after this long (default 60)",
+    )
     p.add_argument("--arrived", action="store_true", help="answer arrived before processing")
     p.add_argument("--concurrency", type=int, default=64, help="messages handled at once")
     p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
@@ -53,7 +61,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " (default: $SKMQ_SIGNING_SECRET)",
     )
     p.add_argument("--broker-host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
-    p.add_argument("--broker-port", type=int, help="broker port (default: $SKMQ_PORT or 1734)")
+    p.add_argument(
+        "--broker-port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)"
+    )
     p.add_argument(
         "--unregister-on-exit",
         action="store_true",
@@ -68,22 +78,45 @@ async def print_message(msg: Message) -> None:
     sys.stdout.flush()
 
 
-def exec_handler(command: str, reject_exit_code: int | None) -> Handler:
-    """A handler running `command` through the shell for each message."""
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    """Write the content and close stdin. A handler may exit without reading it: the
+    broken pipe that follows (under uvloop a RuntimeError on the closed transport) is
+    not a failure, the exit status says how the handler did."""
+    try:
+        stdin.write(data)
+        await stdin.drain()
+    except (BrokenPipeError, ConnectionResetError, RuntimeError):
+        pass
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            stdin.close()
+
+
+def exec_handler(command: str, reject_exit_code: int | None, timeout: float) -> Handler:
+    """A handler running `command` through the shell for each message, killed (an `error`
+    answer) if it runs longer than `timeout` seconds."""
 
     async def handle(msg: Message) -> None:
         env = {**os.environ, "SKMQ_APPID": msg.appid, "SKMQ_MSGID": msg.msgid}
+        # A session of its own: a hung handler is killed with everything it started.
         proc = await asyncio.create_subprocess_shell(
-            command, stdin=asyncio.subprocess.PIPE, env=env
+            command, stdin=asyncio.subprocess.PIPE, env=env, start_new_session=True
         )
+        assert proc.stdin is not None
+        feed = asyncio.ensure_future(_feed(proc.stdin, msg.content))
         try:
-            await proc.communicate(msg.content)
-        except asyncio.CancelledError:
+            async with asyncio.timeout(timeout):
+                code = await proc.wait()
+        except TimeoutError:
+            raise RuntimeError(f"handler timed out after {timeout:g}s") from None
+        finally:
+            feed.cancel()
+            await asyncio.gather(feed, return_exceptions=True)
             if proc.returncode is None:
-                proc.kill()
-            raise
-        code = proc.returncode
-        assert code is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.stdin.transport.abort()  # unsent content must not hold the pipe open
+                await proc.wait()
         if code == 0:
             return
         reason = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
@@ -96,7 +129,9 @@ def exec_handler(command: str, reject_exit_code: int | None) -> Handler:
 
 async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int) -> int:
     handler = (
-        print_message if args.command is None else exec_handler(args.command, args.reject_exit_code)
+        print_message
+        if args.command is None
+        else exec_handler(args.command, args.reject_exit_code, args.exec_timeout)
     )
     consumer = Consumer(
         args.app,

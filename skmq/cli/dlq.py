@@ -1,31 +1,35 @@
 """`skmq dlq list|replay|purge`: the dead-letter queue, for operators.
 
 Replays are written to the delivery log (event `replayed`) under this command's own
-instance id, so the audit sees them.
+instance id, so the audit sees them; every replay and purge is also logged (a structlog
+line on stderr: who, what, how many). A MSGID that is not a dead letter fails the
+command (status 1) before anything is done.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import os
 import socket
-import sys
 
+import structlog
 from rich.progress import Progress
 
-from skmq.cli.common import load_settings, open_store
+from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
-from skmq.config import STORE_FLAGS, add_settings_flags
+from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.errors import UsageError
+from skmq.logs import configure_logging
 from skmq.store import DeadLetter, Store
 
 CHUNK = 500
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("dlq", help="list, replay or purge dead letters")
+def configure(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="verb", required=True)
     listing = verbs.add_parser("list", help="list dead letters")
     listing.add_argument("--app", help="only this app")
@@ -62,15 +66,20 @@ async def _selected(
     return letters
 
 
+def printable(text: str, limit: int = 60) -> str:
+    """Text for one terminal line: CR, LF and other controls escaped, cut at `limit`."""
+    cut = text[:limit]
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return shown + ("..." if len(text) > limit else "")
+
+
 async def _run(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
+    settings = settings_from_args(args)
     if args.verb != "list" and not (args.all or args.msgids or args.app):
-        print("skmq dlq: say which: --all, --app A, or MSGID ...")
-        return 2
+        raise UsageError("say which: --all, --app A, or MSGID ...")
     only = admin_apps(settings, args.token)
     if args.app and only is not None and args.app not in only:
-        print(f"skmq dlq: this token has no admin role for app {args.app!r}", file=sys.stderr)
-        return 2
+        raise UsageError(f"this token has no admin role for app {args.app!r}")
     async with open_store(settings) as store:
         letters = await _selected(store, args, only)
         if args.verb == "list":
@@ -79,18 +88,45 @@ async def _run(args: argparse.Namespace) -> int:
             else:
                 for d in letters:
                     who = f" recipient={d.recipient}" if d.recipient else ""
+                    content = printable(d.content.decode("utf-8", "replace"))
                     print(
-                        f"{d.appid} {d.msgid}{who} attempts={d.attempts} error={d.last_error!r}"
-                        f" content={d.content[:60]!r}"
+                        f"{d.appid} {d.msgid}{who} attempts={d.attempts}"
+                        f" error={printable(d.last_error, 200)} content={content}"
                     )
                 print(f"{len(letters)} dead letter(s)")
             return 0
+        unknown = sorted(set(args.msgids) - {d.msgid for d in letters})
+        if unknown:
+            raise UnknownDeadLetter(
+                f"no dead letter with msgid {', '.join(map(repr, unknown))}"
+                f"{' in app ' + repr(args.app) if args.app else ''}: nothing done"
+            )
         done = await _apply(store, settings.delivery_log_dir, args.verb, letters)
+        configure_logging(settings.log_level, settings.log_format)
+        structlog.get_logger("skmq.dlq").info(
+            "operator action",
+            action=f"dlq {args.verb}",
+            user=_user(),
+            done=done,
+            selected=len(letters),
+            msgids=[d.msgid for d in letters][:100],
+        )
         if args.json:
             print(json.dumps({args.verb: done, "selected": len(letters)}))
         else:
             print(f"{args.verb}: {done} of {len(letters)} dead letter(s)")
-        return 0
+        return 0 if done == len(letters) else 1
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return str(os.getuid())
+
+
+class UnknownDeadLetter(LookupError):
+    """A MSGID given that is not a dead letter (nothing is done)."""
 
 
 async def _apply(

@@ -12,15 +12,14 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from skmq.cli.common import load_settings, open_store
+from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
-from skmq.config import STORE_FLAGS, add_settings_flags
+from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import now_ms
 from skmq.store import Store
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("status", help="apps, depths and recipients")
+def configure(parser: argparse.ArgumentParser) -> None:
     add_settings_flags(parser, STORE_FLAGS)
     add_token_flag(parser, "admin token, when the settings configure auth")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -47,9 +46,11 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
                 "dead": counts[app].dead,
                 "recipients": [
                     {
-                        "id": r["id"],
-                        "host": r["host"],
-                        "port": r["port"],
+                        # A record of another shape (by hand, an older release) shows
+                        # as what it has: the broker skips it.
+                        "id": r.get("id"),
+                        "host": r.get("host"),
+                        "port": r.get("port"),
                         "weight": r.get("weight", 0),
                         "state": "alive" if r["alive"] else "lost",
                         "last_heartbeat": r["last_heartbeat"],
@@ -101,7 +102,7 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
 
 
 async def _run(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
+    settings = settings_from_args(args)
     only = admin_apps(settings, args.token)
     async with open_store(settings) as store:
         if not args.watch:

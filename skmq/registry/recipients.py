@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -28,6 +29,13 @@ class Recipient:
     caps: frozenset[str] = frozenset()
 
 
+def _caps(value: Any) -> frozenset[str]:
+    """The capabilities a stored record declares (none, as an original peer, if odd)."""
+    if not isinstance(value, list):
+        return frozenset()
+    return KNOWN_CAPS.intersection(c for c in value if isinstance(c, str))
+
+
 class Registry:
     def __init__(self, store: Store, dlog: DeliveryLog, on_change: Callable[[str], None]) -> None:
         self.store = store
@@ -38,6 +46,7 @@ class Registry:
         # whose read raced one (even one whose write was already on the way when the read
         # began) keeps the newer view.
         self._changes: dict[str, int] = {}
+        self._reported: set[tuple[str, str]] = set()
 
     def alive(self, app: str) -> list[Recipient]:
         return [r for r in self._apps.get(app, {}).values() if r.alive]
@@ -58,19 +67,11 @@ class Registry:
             if self._changes.get(app, 0) != before[app]:
                 continue
             old = self._apps.get(app, {})
-            new = {
-                str(r["id"]): Recipient(
-                    app,
-                    str(r["id"]),
-                    str(r["host"]),
-                    int(r["port"]),
-                    int(r.get("weight", 0)),
-                    bool(r["alive"]),
-                    int(r["last_heartbeat"]),
-                    KNOWN_CAPS.intersection(c for c in r.get("caps") or () if isinstance(c, str)),
-                )
-                for r in recs
-            }
+            new = {}
+            for r in recs:
+                rec = self._parse(app, r)
+                if rec is not None:
+                    new[rec.id] = rec
             self._apps[app] = new
             if any(
                 rid not in old
@@ -82,6 +83,32 @@ class Registry:
                 for rid, r in new.items()
             ):
                 self.on_change(app)
+
+    def _parse(self, app: str, record: dict[str, Any]) -> Recipient | None:
+        """A record as this release writes it, else None (reported once: one record of
+        another shape, by hand or an older release, must not take delivery down)."""
+        try:
+            return Recipient(
+                app,
+                str(record["id"]),
+                str(record["host"]),
+                int(record["port"]),
+                int(record.get("weight", 0)),
+                bool(record["alive"]),
+                int(record["last_heartbeat"]),
+                _caps(record.get("caps")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            key = (app, repr(sorted(record.items())))
+            if key not in self._reported:
+                self._reported.add(key)
+                log.error(
+                    "recipient record skipped: not in the expected shape",
+                    app=app,
+                    record=record,
+                    problem=f"no field {exc}" if isinstance(exc, KeyError) else str(exc),
+                )
+            return None
 
     def _changed(self, app: str) -> None:
         self._changes[app] = self._changes.get(app, 0) + 1

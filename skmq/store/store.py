@@ -397,11 +397,13 @@ class Store:
                 try:
                     rec = json.loads(raw)
                 except ValueError:
-                    continue
+                    rec = None
+                if not isinstance(rec, dict):
+                    rec = {"id": _s(rid_b), "unreadable": raw[:200].decode("utf-8", "replace")}
                 rec["alive"] = states.get(rid_b, b"1") == b"1"
                 rec["last_heartbeat"] = int(beats.get(rid_b, 0))
                 found.append(rec)
-            out[app] = sorted(found, key=lambda r: str(r["id"]))
+            out[app] = sorted(found, key=lambda r: str(r.get("id", "")))
         return out
 
     # -- operators ----------------------------------------------------------

@@ -24,6 +24,7 @@ from skmq.registry.own_addresses import OwnAddresses, same_host
 from skmq.registry.recipients import Recipient, Registry
 from skmq.signing import PushSigner
 from skmq.store import Claimed, Failed, Store, split_delivery
+from skmq.supervisor import Supervisor
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.link import ANSWERS, DETAILS, Delivery, LinkTimeouts, RecipientLink, Resp
@@ -39,6 +40,7 @@ class Engine:
         store: Store,
         dlog: DeliveryLog,
         broker_id: str,
+        supervisor: Supervisor,
         on_acked: Callable[[str, int], None] | None = None,
         own: OwnAddresses | None = None,
         signer: PushSigner | None = None,
@@ -47,6 +49,7 @@ class Engine:
         # Addresses this broker uses itself: never a recipient's (docs/SECURITY.md).
         self.own = own or OwnAddresses()
         self.tokens = DeliveryTokens(b"")
+        self.supervisor = supervisor
         self.store = store
         self.dlog = dlog
         self.broker_id = broker_id
@@ -90,6 +93,9 @@ class Engine:
     def _loop(
         self, step: Callable[[], Awaitable[None]], interval: float, name: str
     ) -> asyncio.Task[None]:
+        """A background step every `interval`, under the supervisor: a Redis error marks the
+        broker unhealthy until a step succeeds, anything else restarts the loop."""
+
         async def run() -> None:
             while not self._stopping:
                 await asyncio.sleep(interval)
@@ -100,7 +106,7 @@ class Engine:
                     self.healthy = False
                     log.warning("background step failed", step=name, error=repr(exc))
 
-        return asyncio.get_running_loop().create_task(run(), name=f"skmq-{name}")
+        return self.supervisor.start(name, run)
 
     async def stop(self) -> None:
         """Stop claiming, give in-flight pushes SHUTDOWN_TIMEOUT to be answered, then hand
@@ -140,9 +146,7 @@ class Engine:
                 self._deliver,
                 self.settings.delivery_rate,
             )
-            self._dispatch_tasks[app] = asyncio.get_running_loop().create_task(
-                d.run(), name=f"skmq-dispatch-{app}"
-            )
+            self._dispatch_tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
 
     def _answered(self, app: str, failed: bool) -> None:

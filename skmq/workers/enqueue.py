@@ -86,6 +86,14 @@ class Enqueuer:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _store(self, batch: EnqueueBatch) -> None:
+        """Store and log a batch; its producers get an answer whatever fails."""
+        try:
+            await self._store_and_log(batch)
+        finally:
+            if not batch.future.done():
+                batch.future.set_result(None)
+
+    async def _store_and_log(self, batch: EnqueueBatch) -> None:
         received = now_ms()
         try:
             await self.note_apps(set(batch.messages))

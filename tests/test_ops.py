@@ -1,0 +1,422 @@
+"""Failure containment (issue 13): supervised tasks, a delivery log that cannot block
+delivery, the embedded Redis kept alive and closed, health that never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError
+
+from skmq.embedded import EmbeddedRedis
+from skmq.supervisor import Supervisor
+from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
+from tests.peers import FakeRecipient, RawClient
+from tests.test_metrics import http_get
+
+
+def metric(text: str, line_start: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[-1])
+    return None
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A Redis of the test's own (never the session one): it gets stopped and stalled."""
+    server = EmbeddedRedis(tmp_path / "own-redis")
+    server.start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGCONT)
+    server.stop()
+
+
+# -- 1. supervision ----------------------------------------------------------------
+
+
+async def test_supervisor_restarts_a_failing_task_with_backoff_and_counts_it() -> None:
+    fatal: list[str] = []
+    runs: list[float] = []
+    healthy = asyncio.Event()
+
+    async def flaky() -> None:
+        runs.append(time.monotonic())
+        if len(runs) <= 3:
+            raise KeyError("host")
+        healthy.set()
+        await asyncio.Event().wait()
+
+    sup = Supervisor(fatal.append, max_restarts=5)
+    task = sup.start("refresh", flaky)
+    async with asyncio.timeout(10):
+        await healthy.wait()
+    assert sup.restarts["refresh"] == 3 and not fatal
+    gaps = [b - a for a, b in itertools.pairwise(runs)]
+    # The backoff doubles from 0.1 s (a sleep is never early, a loaded machine only later).
+    assert all(gap >= 0.1 * 2**i - 0.005 for i, gap in enumerate(gaps)), gaps
+    task.cancel()
+    async with asyncio.timeout(5):
+        while sup.tasks:
+            await asyncio.sleep(0.01)
+
+
+async def test_supervisor_gives_up_on_a_task_that_keeps_failing() -> None:
+    fatal: list[str] = []
+
+    async def broken() -> None:
+        raise ValueError("bad state")
+
+    sup = Supervisor(fatal.append, max_restarts=2)
+    task = sup.start("dispatch", broken, app="shop")
+    async with asyncio.timeout(10):
+        await task
+    assert len(fatal) == 1 and "dispatch" in fatal[0] and "bad state" in fatal[0], fatal
+    assert sup.restarts["dispatch"] == 3
+
+
+async def test_a_recipient_record_of_another_shape_is_skipped_not_fatal(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+) -> None:
+    app = "odd"
+    base = f"{prefix}:{{{app}}}:"
+    await redis.sadd(f"{prefix}:apps", app)
+    # Written by hand or an older release: no host, and one that is not even JSON.
+    await redis.hset(base + "recipients", "old", json.dumps({"id": "old", "port": 9}))
+    await redis.hset(base + "recipients", "junk", b"\xff not json")
+    broker = await make_broker()  # starts beside the bad records
+    assert broker.engine.registry.all(app) == []
+    rec = await FakeRecipient(app, "good").start()
+    assert (await rec.register(broker.server.port))["status"] == "ack"
+    client = await RawClient.connect(broker.server.port)
+    for i in range(5):
+        assert (await client.request("queue", b"x", appid=app, msgid=f"m{i}"))["status"] == "ack"
+    got = {(await rec.next_push()).fields["msgid"] for _ in range(5)}
+    assert got == {f"m{i}" for i in range(5)}
+    # A record of another shape written while the broker runs: the refresh goes on.
+    await redis.hset(base + "recipients", "later", json.dumps({"id": "later", "host": None}))
+    other = await FakeRecipient(app, "other").start()
+    await redis.hset(
+        base + "recipients",
+        "other",
+        json.dumps({"id": "other", "app_id": app, "host": "127.0.0.1", "port": other.port}),
+    )
+
+    async def refreshed() -> bool:
+        return {r.id for r in broker.engine.registry.all(app)} == {"good", "other"}
+
+    await eventually(refreshed)
+    for i in range(5, 10):
+        assert (await client.request("queue", b"x", appid=app, msgid=f"m{i}"))["status"] == "ack"
+
+    def later() -> list[str]:
+        pushed = [f.fields["msgid"] for f in rec.received + other.received]
+        return sorted(m for m in pushed if m >= "m5")
+
+    async def delivered() -> bool:
+        return len(later()) >= 5
+
+    await eventually(delivered)
+    assert later() == [f"m{i}" for i in range(5, 10)]
+    assert broker.supervisor.restarts == {}
+    await other.stop()
+    await client.close()
+    await rec.stop()
+
+
+def test_a_broker_process_starts_beside_a_bad_recipient_record(
+    broker_process: BrokerProcess, broker_env: dict[str, str], own_redis: EmbeddedRedis
+) -> None:
+    import redis as syncredis
+
+    client = syncredis.Redis.from_url(own_redis.url)
+    client.sadd("skmq:apps", "odd")
+    client.hset("skmq:{odd}:recipients", "old", json.dumps({"id": "old", "port": 9}))
+    client.close()
+    broker_env["SKMQ_REDIS_URL"] = own_redis.url
+    broker_process.start()
+    assert broker_process.proc is not None and broker_process.proc.poll() is None
+    log = broker_process.log_path.read_text()
+    assert "Traceback" not in log, log
+    assert "recipient record skipped" in log and "problem=\"no field 'host'\"" in log, log
+
+
+def test_an_unrecoverable_failure_stops_the_broker_with_one_line(
+    broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The embedded Redis dies and its port is taken: restarting cannot help, so the
+    broker stops with a clear line and a non-zero status, never half alive."""
+    broker_env["SKMQ_TASK_MAX_RESTARTS"] = "2"
+    proc = broker_process.start().proc
+    assert proc is not None
+    info = json.loads((tmp_path / "data" / "redis.json").read_text())
+    proc.send_signal(signal.SIGSTOP)  # so that it cannot restart Redis before we block it
+    try:
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                squatter.bind(("127.0.0.1", int(info["port"])))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the killed server's port stays busy"
+                time.sleep(0.02)
+        squatter.listen()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    try:
+        status = proc.wait(60)
+    finally:
+        squatter.close()
+    log = broker_process.log_path.read_text()
+    assert status == 1, log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("skmq serve: task embedded-redis failed"), log
+
+
+# -- 2. the delivery log never blocks delivery -------------------------------------------
+
+
+async def test_a_full_log_disk_never_blocks_delivery_and_recovers(
+    make_broker: BrokerFactory, tmp_path: Path
+) -> None:
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    log_file = log_dir / "delivery-b1-000000.jsonl"
+    log_file.symlink_to("/dev/full")  # every write: ENOSPC
+    mport = free_port()
+    broker = await make_broker(broker_id="b1", log_dir=log_dir, metrics_port=mport)
+    rec = await FakeRecipient("full", "r").start()
+    assert (await rec.register(broker.server.port))["status"] == "ack"
+    client = await RawClient.connect(broker.server.port)
+    for i in range(500):
+        client.send("queue", b"x", appid="full", msgid=f"m{i}")
+    async with asyncio.timeout(5):
+        answers = [await client.resp() for _ in range(500)]
+    assert {a["status"] for a in answers} == {"ack"}
+    async with asyncio.timeout(10):
+        pushed = {(await rec.next_push()).fields["msgid"] for _ in range(500)}
+    assert len(pushed) == 500
+    status, body = await http_get(mport, "/healthz")
+    assert status == 200 and body.startswith("degraded: delivery log"), body
+    _, text = await http_get(mport, "/metrics")
+    assert (metric(text, "skmq_delivery_log_errors_total") or 0) > 0
+    assert (metric(text, "skmq_delivery_log_backlog_lines") or 0) > 0
+
+    log_file.unlink()  # room again: the kept lines reach the log
+
+    async def written() -> bool:
+        return log_file.exists() and log_file.read_text().count('"event":"stored"') == 500
+
+    await eventually(written, 10)
+    assert (await http_get(mport, "/healthz")) == (200, "ok\n")
+    await client.close()
+    await rec.stop()
+
+
+async def test_log_lines_past_the_backlog_bound_are_dropped_and_counted(
+    make_broker: BrokerFactory, tmp_path: Path
+) -> None:
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / "delivery-b2-000000.jsonl").symlink_to("/dev/full")
+    mport = free_port()
+    broker = await make_broker(
+        broker_id="b2", log_dir=log_dir, metrics_port=mport, log_backlog_bytes=0
+    )
+    client = await RawClient.connect(broker.server.port)
+    for i in range(20):
+        assert (await client.request("queue", b"x", appid="drop", msgid=f"m{i}"))["status"] == (
+            "ack"
+        )
+    _, text = await http_get(mport, "/metrics")
+    dropped = metric(text, "skmq_delivery_log_dropped_lines_total") or 0
+    backlog = metric(text, "skmq_delivery_log_backlog_lines") or 0
+    assert dropped > 0 and dropped + backlog == 40, text  # received + stored per message
+    await client.close()
+
+
+# -- 3. the embedded Redis: supervised and closed ----------------------------------------
+
+
+def test_the_embedded_redis_is_restarted_after_kill9_and_keeps_every_message(
+    broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
+) -> None:
+    mport = free_port()
+    broker_env["SKMQ_METRICS_PORT"] = str(mport)
+    broker_process.start()
+    sent = subprocess.run(
+        [sys.executable, "-m", "skmq.cli", "send", "--port", broker_env["SKMQ_PORT"],
+         "--app", "keep", "kept"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    msgid = json.loads(sent.stdout)["msgid"]
+    info = json.loads((tmp_path / "data" / "redis.json").read_text())
+    os.kill(int(info["pid"]), signal.SIGKILL)
+    killed = time.monotonic()
+
+    def healthz() -> tuple[int, str]:
+        return asyncio.run(http_get(mport, "/healthz"))
+
+    while (
+        healthz()[0] != 200
+        or json.loads((tmp_path / "data" / "redis.json").read_text())["pid"] == info["pid"]
+    ):
+        assert time.monotonic() - killed < 15, "not healthy again within 15 s"
+        time.sleep(0.1)
+    _, text = asyncio.run(http_get(mport, "/metrics"))
+    assert metric(text, "skmq_embedded_redis_restarts_total") == 1.0
+    assert "embedded redis exited, starting it again" in broker_process.log_path.read_text()
+    listed = subprocess.run(
+        [sys.executable, "-m", "skmq.cli", "status", "--json"],
+        env=broker_env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    apps = {a["appid"]: a for a in json.loads(listed.stdout)["apps"]}
+    assert apps["keep"]["pending"] == 1, (msgid, apps)
+
+
+async def test_the_embedded_redis_is_loopback_only_with_a_private_password(
+    tmp_path: Path,
+) -> None:
+    server = EmbeddedRedis(tmp_path / "d")
+    server.start()
+    try:
+        for name in ("redis.json", "redis.secret"):
+            mode = stat.S_IMODE((tmp_path / "d" / name).stat().st_mode)
+            assert mode == 0o600, (name, oct(mode))
+        info = json.loads((tmp_path / "d" / "redis.json").read_text())
+        secret = (tmp_path / "d" / "redis.secret").read_text().strip()
+        assert secret and f":{secret}@" in info["url"]
+        anonymous = aioredis.Redis(host="127.0.0.1", port=server.port)
+        with pytest.raises(AuthenticationError):
+            await anonymous.set("k", "v")
+        await anonymous.aclose()
+        client = aioredis.Redis.from_url(server.url)
+        bind = await client.config_get("bind")
+        assert list(bind.values()) in ([b"127.0.0.1"], ["127.0.0.1"]), bind
+        await client.aclose()
+        assert secret not in " ".join(
+            Path(f"/proc/{server.proc.pid}/cmdline").read_text().split("\0")  # type: ignore[union-attr]
+        )
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="loopback only"):
+        EmbeddedRedis(tmp_path / "e", host="0.0.0.0").start()
+    # The same password after a restart: operator commands keep working.
+    again = EmbeddedRedis(tmp_path / "d")
+    again.start()
+    try:
+        assert f":{secret}@" in again.url
+    finally:
+        again.stop()
+
+
+async def test_a_redis_that_evicts_keys_is_refused(
+    own_redis: EmbeddedRedis, broker_env: dict[str, str]
+) -> None:
+    client = aioredis.Redis.from_url(own_redis.url)
+    await client.config_set("maxmemory-policy", "allkeys-lru")
+    await client.aclose()
+    env = {**broker_env, "SKMQ_REDIS_URL": own_redis.url}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "skmq.cli", "serve",
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        _, err = await proc.communicate()
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in err.decode(), err
+    assert lines[-1] == (
+        "skmq serve: Redis maxmemory-policy is allkeys-lru: it would evict stored messages; "
+        "set maxmemory-policy noeviction"
+    )
+
+
+# -- 4. health and metrics never hang ----------------------------------------------------
+
+
+async def test_healthz_and_metrics_answer_within_a_second_while_redis_is_stalled(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    mport = free_port()
+    await make_broker(metrics_port=mport, redis_url=own_redis.url)
+    assert (await http_get(mport, "/healthz"))[0] == 200
+    _, text = await http_get(mport, "/metrics")
+    assert (metric(text, "skmq_redis_roundtrip_seconds") or 1) < 0.5
+    assert own_redis.proc is not None
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        for path in ("/healthz", "/metrics", "/healthz"):
+            started = time.monotonic()
+            status, body = await http_get(mport, path)
+            took = time.monotonic() - started
+            assert took < 1.0, (path, took)
+            if path == "/healthz":
+                assert status == 503 and body.startswith("unhealthy"), body
+            else:
+                assert status == 200 and "skmq_build_info" in body
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+
+    async def healthy() -> bool:
+        return (await http_get(mport, "/healthz"))[0] == 200
+
+    await eventually(healthy, 15)
+
+
+async def test_metrics_users_expect(make_broker: BrokerFactory) -> None:
+    mport = free_port()
+    await make_broker(metrics_port=mport)
+    _, text = await http_get(mport, "/metrics")
+    from skmq import __version__
+
+    assert f'skmq_build_info{{python="{sys.version.split()[0]}",version="{__version__}"}} 1.0' in (
+        text
+    )
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "skmq_redis_roundtrip_seconds",
+        "skmq_delivery_log_errors_total",
+        "skmq_embedded_redis_restarts_total",
+    ):
+        assert metric(text, name) is not None, name
+    assert "# TYPE skmq_task_restarts_total counter" in text
+
+
+async def test_task_restarts_are_counted_per_task_in_metrics(make_broker: BrokerFactory) -> None:
+    mport = free_port()
+    broker = await make_broker(metrics_port=mport)
+    failures = 0
+    recovered = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal failures
+        if failures < 2:
+            failures += 1
+            raise RuntimeError("boom")
+        recovered.set()
+
+    broker.supervisor.start("flaky", flaky)
+    async with asyncio.timeout(10):
+        await recovered.wait()
+    _, text = await http_get(mport, "/metrics")
+    assert metric(text, 'skmq_task_restarts_total{task="flaky"}') == 2.0, text
