@@ -332,7 +332,7 @@ async def test_operator_commands_need_an_admin_token_and_see_only_its_apps(
            "SKMQ_AUTH_FILE": str(auth_file)}  # fmt: skip
     code, _, err = await _status(env, "status", "--json")
     assert code == 2 and err.strip().splitlines() == [
-        "skmq: auth is configured (AUTH_TOKEN/AUTH_FILE): give an admin token, --token or "
+        "skmq status: auth is configured (AUTH_TOKEN/AUTH_FILE): give an admin token, --token or "
         "SKMQ_TOKEN"
     ]
     code, _, err = await _status({**env, "SKMQ_TOKEN": TENANT_A}, "status", "--json")
