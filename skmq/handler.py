@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 import uuid
 from collections.abc import Awaitable
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
+from skmq import __version__
 from skmq.aio import spawn
 from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
@@ -36,6 +38,11 @@ from skmq.workers.enqueue import EnqueueBatch, Enqueuer
 log = structlog.get_logger("skmq.handler")
 
 MAX_ID_BYTES = 256
+#: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
+BROKER_CAPS = ("delay", "hello", "length", "pipeline", "recipient", "token", "unregister")
+HELLO_BODY = json.dumps(
+    {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
+)
 Reply = bytes | Awaitable[bytes]
 
 
@@ -103,6 +110,8 @@ class Handler:
             return Outcome(self._produce(item, batch))
         if kind == "ping":
             return Outcome(PONG)
+        if kind == "hello":
+            return Outcome(self._resp(HELLO_BODY, item.fields.get("msgid"), "ack"))
         if kind in ("ack", "reject", "error", "arrived"):
             return Outcome(spawn(self._answer(item), self._tasks))
         if kind == "register":
