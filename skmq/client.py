@@ -284,6 +284,12 @@ class Producer:
     Any number of `send` calls may be in flight at once: each frame is written
     right away and the broker's resps, which come back in order, are matched to
     the senders first-in first-out.
+
+    `max_in_flight` bounds the frames written and not yet answered (None: no
+    bound). The original Go broker needs 1: its reader reuses one 1 KiB buffer
+    while its decoder may still be reading it, so frames arriving back to back are
+    mangled and the connection goes silent. A `hello` answered by an original
+    broker sets 1 by itself.
     """
 
     def __init__(
@@ -292,10 +298,14 @@ class Producer:
         port: int = DEFAULT_PORT,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_in_flight: int | None = None,
     ) -> None:
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.host = host
         self.port = port
         self._max_frame_bytes = max_frame_bytes
+        self._window = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self._proto: _RespProtocol | None = None
         self._info: BrokerInfo | None = None  # from `hello`, per connection
 
@@ -365,6 +375,12 @@ class Producer:
     ) -> Resp:
         """Send any frame and wait for the broker's resp to it."""
         data = encode_frame(frame_type, fields, content)  # may raise: before queueing
+        if self._window is None:
+            return await self._exchange(data)
+        async with self._window:
+            return await self._exchange(data)
+
+    async def _exchange(self, data: bytes) -> Resp:
         proto = await self._writable_proto()
         fut: asyncio.Future[Resp] = proto.loop.create_future()
         proto.pending.append(fut)
@@ -377,6 +393,8 @@ class Producer:
         if self._info is None:
             resp = await self.request("hello", (("msgid", HELLO_MSGID),))
             self._info = BrokerInfo.from_resp(resp)
+            if not self._info.supports("pipeline") and self._window is None:
+                self._window = asyncio.Semaphore(1)
         return self._info
 
     async def require(self, cap: str) -> None:
@@ -416,7 +434,12 @@ class Producer:
     async def send_many(
         self, app: str, contents: Iterable[bytes], topic: bool = False
     ) -> list[Resp]:
-        """Send many messages (each with a new msgid) in one write; their resps in order."""
+        """Send many messages (each with a new msgid) in one write; their resps in order.
+
+        With `max_in_flight` set, they go as separate `send` calls within that bound.
+        """
+        if self._window is not None:
+            return list(await asyncio.gather(*(self.send(app, c, topic=topic) for c in contents)))
         frame_type = "topic" if topic else "queue"
         msgids: list[str] = []
         frames: list[bytes] = []
