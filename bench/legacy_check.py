@@ -5,8 +5,8 @@
 
 DIR holds already-built original programs; this script builds nothing. It runs them
 through command templates (placeholders {bin} {id} {port} {app} {broker} {n} {prefix}),
-by default a `sikong-demo` binary that wraps the original demos with flags (see
-docs/PROTOCOL.md section 9 and the report of issue 12 for how to build one):
+by default a `sikong-demo` binary: a `main` (built outside this repository) around the
+original demo/recipient_demo.go and the original client code, with these flags:
 
     {bin}/sikong-demo -mode recipient -id {id} -app {app} -port {port} -broker {broker}
     {bin}/sikong-demo -mode send -n {n} -prefix {prefix} -app {app} -broker {broker}

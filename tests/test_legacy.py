@@ -53,14 +53,19 @@ class Received:
         self.messages.append(msg)
 
 
+def run_cli_quietly(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
 def run_cli_sends(port: int, app: str, n: int) -> list[tuple[int, str]]:
     """`skmq send` n times without --msgid (in this process: 50 interpreters cost seconds)."""
     results = []
     for i in range(n):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = cli_main(["send", "--app", app, "--port", str(port), f"message {i}"])
-        results.append((code, out.getvalue()))
+        code, out, _ = run_cli_quietly(["send", "--app", app, "--port", str(port), f"message {i}"])
+        results.append((code, out))
     return results
 
 
@@ -123,6 +128,17 @@ async def test_cli_send_without_msgid_50_of_50_against_the_original(
     assert set(legacy_broker.messages) == msgids
 
 
+async def test_cli_send_delay_to_the_original_is_refused_in_one_line(
+    legacy_broker: LegacyBroker,
+) -> None:
+    argv = ["send", "--app", "a", "--port", str(legacy_broker.port), "--delay", "100", "x"]
+    code, out, err = await asyncio.to_thread(run_cli_quietly, argv)
+    assert (code, out) == (1, "")
+    assert err.startswith("skmq send: not sent:") and "'delay'" in err
+    assert len(err.strip().splitlines()) == 1
+    assert [f.type for f in legacy_broker.frames] == ["hello"]  # the message was not sent
+
+
 async def test_what_the_original_does_without_msgids(legacy_broker: LegacyBroker) -> None:
     """The double's dedup of empty msgids, and resps without msgid (issue 12)."""
     client = await RawClient.connect(legacy_broker.port)
@@ -150,6 +166,7 @@ async def test_producer_and_consumer_50_of_50_against_the_original(
     finally:
         await consumer.stop()
     assert sorted(acked) == sorted(r.msgid for r in resps)
+    assert legacy_broker.dropped == 0  # one frame in flight: nothing lost to its reader
     assert sorted(m.content for m in received.messages) == sorted(
         f"body {i}".encode() for i in range(N)
     )
