@@ -1,9 +1,14 @@
 """Client library: a pipelined `Producer` and a push-receiving `Consumer`.
 
-Both speak the SKMQ wire protocol (see SPEC.md) over plain asyncio protocols
-rather than streams: one `data_received` call decodes every frame a read
-holds, and writes are coalesced so that everything produced in one loop
+Both speak the SKMQ wire protocol (docs/PROTOCOL.md) over plain asyncio
+protocols rather than streams: one `data_received` call decodes every frame a
+read holds, and writes are coalesced so that everything produced in one loop
 iteration leaves in a single `transport.write`.
+
+They work with the original Go broker too: every message carries a msgid
+(generated here when the caller gives none), the registration's port is a
+string, and an extension frame is sent only after a `hello` exchange showed
+that the broker supports it.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import collections
 import json
 import logging
 import socket
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -23,7 +29,9 @@ from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
 
 __all__ = [
     "AuthenticationError",
+    "BrokerInfo",
     "Consumer",
+    "ExtensionUnsupported",
     "Handler",
     "Message",
     "Producer",
@@ -40,6 +48,16 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 20
 #: How long the consumer waits for the broker to answer register/unregister.
 BROKER_TIMEOUT = 10.0
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+#: What our Consumer handles on a push connection (declared in its registration).
+CONSUMER_CAPS = ("pipeline", "length", "token")
+#: The msgid of the `hello` frame. An original broker stores an unknown frame type as a
+#: message; one fixed msgid makes its duplicate check drop every hello after the first.
+HELLO_MSGID = "skmq-hello"
+
+
+def new_msgid() -> str:
+    """A fresh msgid (uuid4 hex), as the original client makes one for every message."""
+    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +111,47 @@ class AuthenticationError(Exception):
     def __init__(self, resp: Resp) -> None:
         super().__init__(f"broker answered {resp.status} to auth: {resp.content}")
         self.resp = resp
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerInfo:
+    """What a broker said in answer to `hello`: an SKMQ broker names its extensions;
+    any other answer (an original broker stores the frame and answers "Message
+    enqueue successful") means a broker without extensions."""
+
+    server: str
+    version: str
+    caps: frozenset[str]
+
+    def supports(self, cap: str) -> bool:
+        return cap in self.caps
+
+    @classmethod
+    def from_resp(cls, resp: Resp) -> BrokerInfo:
+        body: Any = None
+        if resp.ok:
+            try:
+                body = json.loads(resp.content)
+            except ValueError:
+                body = None
+        if not isinstance(body, dict) or body.get("server") != "skmq":
+            return ORIGINAL_BROKER
+        caps = body.get("caps")
+        names = [c for c in caps if isinstance(c, str)] if isinstance(caps, list) else []
+        return cls("skmq", str(body.get("version", "")), frozenset(names))
+
+
+ORIGINAL_BROKER = BrokerInfo("original", "", frozenset())
+
+
+class ExtensionUnsupported(Exception):
+    """The broker has no such extension (it is an original SKMQ broker, or older)."""
+
+    def __init__(self, address: str, cap: str, info: BrokerInfo) -> None:
+        who = "an original SKMQ broker" if info.server != "skmq" else "an SKMQ broker"
+        super().__init__(f"the broker at {address} is {who} without the {cap!r} extension")
+        self.cap = cap
+        self.info = info
 
 
 class Reject(Exception):
@@ -223,12 +282,24 @@ class _RespProtocol(asyncio.Protocol):
             self.transport.abort()
 
 
+def _named(resp: Resp, msgid: str) -> Resp:
+    """`resp` naming the msgid it answers; the original broker's resps carry none, but
+    they come in the order of the frames, so the sender knows which it is."""
+    return resp if resp.msgid is not None else replace(resp, msgid=msgid)
+
+
 class Producer:
     """A connection to the broker for sending frames, pipelined.
 
     Any number of `send` calls may be in flight at once: each frame is written
     right away and the broker's resps, which come back in order, are matched to
     the senders first-in first-out.
+
+    `max_in_flight` bounds the frames written and not yet answered (None: no
+    bound). The original Go broker needs 1: its reader reuses one 1 KiB buffer
+    while its decoder may still be reading it, so frames arriving back to back are
+    mangled and the connection goes silent. A `hello` answered by an original
+    broker sets 1 by itself.
     """
 
     def __init__(
@@ -238,12 +309,17 @@ class Producer:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         token: str | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.host = host
         self.port = port
         self._max_frame_bytes = max_frame_bytes
         self._token = token  # sent in an `auth` frame first when given
+        self._window = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self._proto: _RespProtocol | None = None
+        self._info: BrokerInfo | None = None  # from `hello`, per connection
 
     @property
     def connected(self) -> bool:
@@ -267,6 +343,7 @@ class Producer:
             lambda: _RespProtocol(loop, peer, self._max_frame_bytes), self.host, self.port
         )
         self._proto = proto
+        self._info = None
         if self._token is not None:
             resp = await self.request("auth", (), self._token.encode())
             if not resp.ok:
@@ -315,12 +392,33 @@ class Producer:
     ) -> Resp:
         """Send any frame and wait for the broker's resp to it."""
         data = encode_frame(frame_type, fields, content)  # may raise: before queueing
+        if self._window is None:
+            return await self._exchange(data)
+        async with self._window:
+            return await self._exchange(data)
+
+    async def _exchange(self, data: bytes) -> Resp:
         proto = await self._writable_proto()
         fut: asyncio.Future[Resp] = proto.loop.create_future()
         proto.pending.append(fut)
         assert proto.writer is not None
         proto.writer.write(data)
         return await fut
+
+    async def hello(self) -> BrokerInfo:
+        """Ask the broker what it supports (once per connection; cached)."""
+        if self._info is None:
+            resp = await self.request("hello", (("msgid", HELLO_MSGID),))
+            self._info = BrokerInfo.from_resp(resp)
+            if not self._info.supports("pipeline") and self._window is None:
+                self._window = asyncio.Semaphore(1)
+        return self._info
+
+    async def require(self, cap: str) -> None:
+        """Raise ExtensionUnsupported unless the broker said (in `hello`) it has `cap`."""
+        info = await self.hello()
+        if not info.supports(cap):
+            raise ExtensionUnsupported(f"{self.host}:{self.port}", cap, info)
 
     async def send(
         self,
@@ -334,25 +432,38 @@ class Producer:
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
-        Without `msgid` the broker generates one and returns it in `resp.msgid`.
+        Without `msgid` one is generated here (the original broker would take every
+        message without one for a duplicate of the first); `resp.msgid` names it even
+        when the broker's answer carries none (the original's do not). A delay needs
+        the broker's `delay` extension (ExtensionUnsupported otherwise).
         """
-        fields = [("appid", app)]
-        if msgid is not None:
-            fields.append(("msgid", msgid))
+        msgid = msgid or new_msgid()
+        fields = [("appid", app), ("msgid", msgid)]
+        if delay_ms is not None or deliver_at_ms is not None:
+            await self.require("delay")
         if delay_ms is not None:
             fields.append(("delay", str(int(delay_ms))))
         if deliver_at_ms is not None:
             fields.append(("deliver_at", str(int(deliver_at_ms))))
         data = content.encode() if isinstance(content, str) else content
-        return await self.request("topic" if topic else "queue", fields, data)
+        return _named(await self.request("topic" if topic else "queue", fields, data), msgid)
 
     async def send_many(
         self, app: str, contents: Iterable[bytes], topic: bool = False
     ) -> list[Resp]:
-        """Send many messages in one write; returns their resps in order."""
+        """Send many messages (each with a new msgid) in one write; their resps in order.
+
+        With `max_in_flight` set, they go as separate `send` calls within that bound.
+        """
+        if self._window is not None:
+            return list(await asyncio.gather(*(self.send(app, c, topic=topic) for c in contents)))
         frame_type = "topic" if topic else "queue"
-        fields = (("appid", app),)
-        frames = [encode_frame(frame_type, fields, c) for c in contents]
+        msgids: list[str] = []
+        frames: list[bytes] = []
+        for content in contents:
+            msgid = new_msgid()
+            msgids.append(msgid)
+            frames.append(encode_frame(frame_type, (("appid", app), ("msgid", msgid)), content))
         if not frames:
             return []
         proto = await self._writable_proto()
@@ -361,7 +472,8 @@ class Producer:
         proto.pending.extend(futs)
         assert proto.writer is not None
         proto.writer.write(b"".join(frames))
-        return list(await asyncio.gather(*futs))
+        resps = await asyncio.gather(*futs)
+        return [_named(resp, msgid) for resp, msgid in zip(resps, msgids, strict=True)]
 
 
 # --------------------------------------------------------------------------- consumer
@@ -389,6 +501,9 @@ class _PushProtocol(asyncio.Protocol):
         self._backlog: collections.deque[Message] = collections.deque()
         self._reading_paused = False
         self._lost = False
+        # Answers written here that the broker has not answered with a resp yet (resps
+        # come in the order of the answers); kept in send_arrived mode only.
+        self._unanswered: collections.deque[_Answer] = collections.deque()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -397,6 +512,14 @@ class _PushProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        # An original broker closes the push connection right after its resp to
+        # `arrived`: a final answer written meanwhile may be lost with the connection,
+        # so each one it did not answer goes again over our own connection.
+        if not self._consumer._stopping:
+            for answer in self._unanswered:
+                if answer.kind != "arrived":
+                    self._consumer._answer_late(answer.kind, answer.fields, answer.content)
+        self._unanswered.clear()
         # Never started: the broker counts a broken connection as a failed
         # delivery and retries them, so running them now would only duplicate.
         self._backlog.clear()
@@ -417,6 +540,8 @@ class _PushProtocol(asyncio.Protocol):
             elif frame.type == "ping":
                 self._write(PONG)
             elif frame.type == "resp":
+                if self._unanswered:
+                    self._unanswered.popleft()
                 log.debug("broker resp %s: %r", frame.get("msgid"), frame.content)
             else:
                 log.debug("ignoring %r frame", frame.type)
@@ -439,10 +564,9 @@ class _PushProtocol(asyncio.Protocol):
 
     def _on_push(self, frame: Frame) -> None:
         consumer = self._consumer
-        msgid = frame.get("msgid")
-        if not msgid:
-            log.warning("ignoring push without msgid")
-            return
+        # An original broker pushes a message stored without msgid (under the empty
+        # id) without one: handled, and answered without msgid on this connection.
+        msgid = frame.get("msgid") or ""
         appid = frame.get("appid") or consumer.app
         msg = Message(appid, msgid, frame.content or b"", frame.fields)
         verifier = consumer.verifier
@@ -503,20 +627,40 @@ class _PushProtocol(asyncio.Protocol):
             self._reading_paused = False
 
     def _answer(self, msg: Message, kind: str, reason: str | None = None) -> None:
-        # `recipient` (an extension original brokers ignore) names us, so that a late
-        # answer reaching any broker can only end a push that was made to us.
-        recipient = msg.fields.get("recipient") or self._consumer.id
-        fields = [("msgid", msg.msgid), ("appid", msg.appid), ("recipient", recipient)]
+        fields = _answer_fields(msg, self._consumer.id)
         content = reason.encode() if reason is not None else None
         assert self._transport is not None
         if not self._lost and not self._transport.is_closing():
             self._write(encode_frame(kind, fields, content))
+            if self._consumer.send_arrived and msg.msgid:
+                self._unanswered.append(_Answer(kind, fields, content))
+        elif not msg.msgid:
+            log.warning("connection gone, %s for a push without msgid not sent", kind)
         elif kind != "arrived" and self._consumer.send_arrived:
             # After `arrived` the broker may close the push connection; the
             # final answer then goes over our own connection to the broker.
             self._consumer._answer_late(kind, fields, content)
         else:
             log.debug("connection gone, %s for %s not sent", kind, msg.msgid)
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    kind: str
+    fields: list[tuple[str, str]]
+    content: bytes | None
+
+
+def _answer_fields(msg: Message, consumer_id: str) -> list[tuple[str, str]]:
+    """msgid (if the push had one), appid, and two extensions an original broker ignores:
+    `recipient` names us, so that a late answer reaching any broker can only end a push
+    made to us; `token` echoes the push's delivery token, which names that delivery."""
+    fields = [("msgid", msg.msgid)] if msg.msgid else []
+    fields.append(("appid", msg.appid))
+    fields.append(("recipient", msg.fields.get("recipient") or consumer_id))
+    if token := msg.fields.get("token"):
+        fields.append(("token", token))
+    return fields
 
 
 class Consumer:
@@ -606,12 +750,16 @@ class Consumer:
         if host in _WILDCARD_HOSTS:
             local = link.local_address
             host = local[0] if local else socket.gethostname()
+        # The port as a string: the original broker refuses a number ("Invalid
+        # parameters"). `caps` (an extension it ignores) says we take pipelined pushes,
+        # `length=` content and delivery tokens.
         body: dict[str, Any] = {
             "id": self.id,
             "app_id": self.app,
             "host": host,
-            "port": self.port,
+            "port": str(self.port),
             "weight": self.weight,
+            "caps": list(CONSUMER_CAPS),
         }
         resp = await self._request(link, "register", body)
         if not resp.ok:
@@ -619,8 +767,13 @@ class Consumer:
         return resp
 
     async def unregister(self) -> Resp:
-        """Send `unregister`; returns the broker's resp (not raising on refusal)."""
+        """Send `unregister`; returns the broker's resp (not raising on refusal).
+
+        `unregister` is an extension: ExtensionUnsupported (and nothing sent but
+        `hello`) when the broker does not have it.
+        """
         link = await self._broker()
+        await asyncio.wait_for(link.require("unregister"), BROKER_TIMEOUT)
         return await self._request(link, "unregister", {"id": self.id, "app_id": self.app})
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -678,7 +831,11 @@ class Consumer:
         """Our own connection to the broker, (re)opened on demand."""
         async with self._link_lock:
             if self._link is None or not self._link.connected:
-                link = Producer(self.broker_host, self.broker_port, token=self.token)
+                # One frame in flight: late answers can come in bursts, and an original
+                # broker mangles frames that reach it back to back.
+                link = Producer(
+                    self.broker_host, self.broker_port, max_in_flight=1, token=self.token
+                )
                 await asyncio.wait_for(link.connect(), BROKER_TIMEOUT)
                 self._link = link
             return self._link

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 import uuid
 from collections.abc import Awaitable
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
+from skmq import __version__
 from skmq.aio import spawn
 from skmq.auth import Role, Tokens
 from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
@@ -37,6 +39,11 @@ from skmq.workers.enqueue import EnqueueBatch, Enqueuer
 log = structlog.get_logger("skmq.handler")
 
 MAX_ID_BYTES = 256
+#: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
+BROKER_CAPS = ("delay", "hello", "length", "pipeline", "recipient", "token", "unregister")
+HELLO_BODY = json.dumps(
+    {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
+)
 Reply = bytes | Awaitable[bytes]
 
 
@@ -105,6 +112,10 @@ class Handler:
             return Outcome(b"", close=True)
         if isinstance(item, CodecError):
             return Outcome(encode_resp("error", f"frame refused, closing: {item}"), close=True)
+        if isinstance(item, Frame) and item.type == "ping":
+            return Outcome(PONG)
+        if isinstance(item, Frame) and item.type == "hello":  # says nothing of any app
+            return Outcome(self._resp(HELLO_BODY, item.fields.get("msgid"), "ack"))
         if self.tokens is not None and not peer.authenticated:
             return self._before_auth(self.tokens, peer, item)
         if isinstance(item, InvalidFrame):
@@ -112,8 +123,6 @@ class Handler:
         kind = item.type
         if kind in ("queue", "topic"):
             return Outcome(self._produce(item, batch, peer))
-        if kind == "ping":
-            return Outcome(PONG)
         if kind in ("ack", "reject", "error", "arrived"):
             app = item.fields.get("appid") or ""
             if (refused := self._refusal(peer, "consume", app)) is not None:
@@ -134,13 +143,12 @@ class Handler:
 
     # -- authentication and authorization (skmq/auth.py) ---------------------
     def _before_auth(self, tokens: Tokens, peer: Peer, item: Frame | InvalidFrame) -> Outcome:
-        """Until an `auth` frame succeeds, everything but `ping` is refused, changing nothing.
-        A wrong token closes the connection. The token itself is never logged."""
+        """Until an `auth` frame succeeds, everything (but `ping` and `hello`, answered
+        before) is refused, changing nothing. A wrong token closes the
+        connection. The token itself is never logged."""
         msgid = item.fields.get("msgid")
-        if isinstance(item, InvalidFrame) or item.type not in ("auth", "ping"):
+        if isinstance(item, InvalidFrame) or item.type != "auth":
             return Outcome(self._resp("authentication required: send auth first", msgid, "reject"))
-        if item.type == "ping":
-            return Outcome(PONG)
         grant = tokens.check(item.content or b"")
         if grant is None:
             log.warning("authentication failed, closing", peer=peer.host)

@@ -24,6 +24,7 @@ import uvloop
 from skmq import client
 from skmq.client import Consumer, Message, Producer, RegistrationError, Reject, Resp
 from skmq.codec import PING, PONG, Decoder, Frame, InvalidFrame, encode_frame, encode_resp
+from skmq.handler import HELLO_BODY
 
 T = 5.0  # upper bound for any single wait
 
@@ -61,8 +62,11 @@ class FakeBroker:
 
     @staticmethod
     def echo(frame: Frame) -> bytes:
-        """ack with the frame's own content, and its msgid (or a generated one)."""
+        """ack with the frame's own content, and its msgid (or a generated one); `hello`
+        answered as our broker does."""
         msgid = frame.get("msgid") or "generated-1"
+        if frame.type == "hello":
+            return encode_resp("ack", HELLO_BODY, msgid)
         return encode_resp("ack", (frame.content or b"").decode(), msgid)
 
     async def start(self) -> None:
@@ -192,8 +196,9 @@ async def test_send_writes_the_fields(fake_broker: FakeBroker) -> None:
             producer.send("a", "hello", msgid="m1", delay_ms=1500, deliver_at_ms=1700000000000)
         )
         assert resp == Resp("ack", "hello", "m1") and resp.ok
-        await within(producer.send("a", b"x", topic=True))
-    queue, topic = fake_broker.frames
+        await within(producer.send("a", b"x", topic=True, msgid="m2"))
+    hello, queue, topic = fake_broker.frames  # hello: a delay needs the broker's extension
+    assert hello.type == "hello"
     assert queue.type == "queue"
     assert queue.fields == {
         "appid": "a",
@@ -202,14 +207,14 @@ async def test_send_writes_the_fields(fake_broker: FakeBroker) -> None:
         "deliver_at": "1700000000000",
     }
     assert queue.content == b"hello"
-    assert topic.type == "topic" and topic.fields == {"appid": "a"}
+    assert topic.type == "topic" and topic.fields == {"appid": "a", "msgid": "m2"}
 
 
-async def test_msgid_generated_by_the_broker_is_returned(fake_broker: FakeBroker) -> None:
+async def test_msgid_generated_by_the_client_is_returned(fake_broker: FakeBroker) -> None:
     async with Producer("127.0.0.1", fake_broker.port) as producer:
         resp = await within(producer.send("a", b"x"))
-    assert resp.msgid == "generated-1"
-    assert "msgid" not in fake_broker.frames[0].fields
+    assert resp.msgid is not None and re.fullmatch(r"[0-9a-f]{32}", resp.msgid)
+    assert fake_broker.frames[0].fields["msgid"] == resp.msgid
 
 
 async def test_binary_content_round_trips(fake_broker: FakeBroker) -> None:
@@ -282,14 +287,15 @@ async def test_register_sends_where_we_listen(fake_broker: FakeBroker) -> None:
         "id": "c1",
         "app_id": "app",
         "host": "127.0.0.1",
-        "port": consumer.port,
+        "port": str(consumer.port),
         "weight": 3,
+        "caps": ["pipeline", "length", "token"],
     }
     assert consumer.port != 0
     resp = await within(consumer.unregister())
     assert resp.ok
-    assert fake_broker.frames[1].type == "unregister"
-    assert json.loads(fake_broker.frames[1].content or b"") == {"id": "c1", "app_id": "app"}
+    assert [f.type for f in fake_broker.frames[1:]] == ["hello", "unregister"]
+    assert json.loads(fake_broker.frames[2].content or b"") == {"id": "c1", "app_id": "app"}
     await within(consumer.stop())
     with pytest.raises(OSError):
         await within(asyncio.open_connection("127.0.0.1", consumer.port))
@@ -596,7 +602,7 @@ async def test_cli_consume_exec(fake_broker: FakeBroker, tmp_path: Path) -> None
     assert (tmp_path / "m2").read_bytes() == b"body2"
     pusher.close()
     assert await _stop(proc) == 0
-    assert [f.type for f in fake_broker.frames] == ["register", "unregister"]
+    assert [f.type for f in fake_broker.frames] == ["register", "hello", "unregister"]
 
 
 # ------------------------------------------------------------------- uvloop

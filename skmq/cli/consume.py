@@ -24,6 +24,7 @@ from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
     AuthenticationError,
     Consumer,
+    ExtensionUnsupported,
     Handler,
     Message,
     RegistrationError,
@@ -174,16 +175,26 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         flush=True,
     )
     await stopped.wait()
-    if args.unregister_on_exit:
-        try:
-            resp = await consumer.unregister()
-            if not resp.ok:
-                print(f"skmq consume: unregister refused: {resp.content}", file=sys.stderr)
-        except (OSError, TimeoutError) as exc:
-            print(f"skmq consume: unregister failed: {exc}", file=sys.stderr)
+    code = await _unregister(consumer) if args.unregister_on_exit else 0
     await consumer.stop()
     stats = " ".join(f"{k}={v}" for k, v in consumer.stats.items())
     print(f"skmq consume: stopped ({stats})", file=sys.stderr, flush=True)
+    return code
+
+
+async def _unregister(consumer: Consumer) -> int:
+    """0 if the broker removed (or never had) the registration, else 1, said in one line."""
+    try:
+        resp = await consumer.unregister()
+    except ExtensionUnsupported as exc:
+        print(f"skmq consume: not unregistered: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, TimeoutError) as exc:
+        print(f"skmq consume: unregister failed: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    if not resp.ok:
+        print(f"skmq consume: unregister refused: {resp.content}", file=sys.stderr)
+        return 1
     return 0
 
 
