@@ -484,6 +484,9 @@ class _PushProtocol(asyncio.Protocol):
         self._backlog: collections.deque[Message] = collections.deque()
         self._reading_paused = False
         self._lost = False
+        # Final answers written here that the broker has not yet answered with a resp
+        # (resps come in the order of the answers), kept in send_arrived mode only.
+        self._unanswered: collections.deque[_Answer] = collections.deque()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -492,6 +495,14 @@ class _PushProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        # An original broker closes the push connection right after its resp to
+        # `arrived`: a final answer written meanwhile may be lost with the connection,
+        # so each one it did not answer goes again over our own connection.
+        if not self._consumer._stopping:
+            for answer in self._unanswered:
+                if answer.kind != "arrived":
+                    self._consumer._answer_late(answer.kind, answer.fields, answer.content)
+        self._unanswered.clear()
         # Never started: the broker counts a broken connection as a failed
         # delivery and retries them, so running them now would only duplicate.
         self._backlog.clear()
@@ -512,6 +523,8 @@ class _PushProtocol(asyncio.Protocol):
             elif frame.type == "ping":
                 self._write(PONG)
             elif frame.type == "resp":
+                if self._unanswered:
+                    self._unanswered.popleft()
                 log.debug("broker resp %s: %r", frame.get("msgid"), frame.content)
             else:
                 log.debug("ignoring %r frame", frame.type)
@@ -596,6 +609,8 @@ class _PushProtocol(asyncio.Protocol):
         assert self._transport is not None
         if not self._lost and not self._transport.is_closing():
             self._write(encode_frame(kind, fields, content))
+            if self._consumer.send_arrived and msg.msgid:
+                self._unanswered.append(_Answer(kind, fields, content))
         elif not msg.msgid:
             log.warning("connection gone, %s for a push without msgid not sent", kind)
         elif kind != "arrived" and self._consumer.send_arrived:
@@ -604,6 +619,13 @@ class _PushProtocol(asyncio.Protocol):
             self._consumer._answer_late(kind, fields, content)
         else:
             log.debug("connection gone, %s for %s not sent", kind, msg.msgid)
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    kind: str
+    fields: list[tuple[str, str]]
+    content: bytes | None
 
 
 def _answer_fields(msg: Message, consumer_id: str) -> list[tuple[str, str]]:
@@ -777,7 +799,9 @@ class Consumer:
         """Our own connection to the broker, (re)opened on demand."""
         async with self._link_lock:
             if self._link is None or not self._link.connected:
-                link = Producer(self.broker_host, self.broker_port)
+                # One frame in flight: late answers can come in bursts, and an original
+                # broker mangles frames that reach it back to back.
+                link = Producer(self.broker_host, self.broker_port, max_in_flight=1)
                 await asyncio.wait_for(link.connect(), BROKER_TIMEOUT)
                 self._link = link
             return self._link

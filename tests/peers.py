@@ -515,17 +515,21 @@ class LegacyBroker(LegacyPeer):
             self._spawn(self._push(msg, targets[self._turn % len(targets)]))
 
     async def _push(self, msg: LegacyMessage, rec: dict[str, Any]) -> None:
+        """postman.queue: push, then the read that completes the first answer: every
+        answer in it is handled, only the first is answered; then close."""
         reader, writer = await asyncio.open_connection(rec.get("host"), int(rec["port"]))
         try:
             writer.write(
                 legacy_encode("push", appid=msg.appid, msgid=msg.msgid, content=msg.content)
             )
+            decoder = LegacyDecoder()
             async with asyncio.timeout(WAIT):
-                async for answer in LegacyReader(reader, self).messages():
-                    writer.write(await self._handle(answer))
-                    break
+                while not (done := decoder.feed(await reader.read(LEGACY_READ))):
+                    pass
+            replies = [await self._handle(answer) for answer, _ in done]
+            writer.write(replies[0])
             await writer.drain()
-        except (ConnectionError, OSError, TimeoutError):
+        except (ConnectionError, OSError, TimeoutError, LegacyPanic):
             pass
         finally:
             writer.close()

@@ -172,6 +172,22 @@ async def test_producer_and_consumer_50_of_50_against_the_original(
     )
 
 
+async def test_consumer_with_arrived_against_the_original(legacy_broker: LegacyBroker) -> None:
+    """The original closes the push connection after `arrived`: every final answer goes
+    over the consumer's own connection, one at a time (nothing lost to its reader)."""
+    consumer = Consumer("app", "c1", Received(), broker_port=legacy_broker.port, send_arrived=True)
+    await asyncio.wait_for(consumer.start(), WAIT)
+    try:
+        async with Producer("127.0.0.1", legacy_broker.port, max_in_flight=1) as producer:
+            sends = (producer.send("app", f"body {i}") for i in range(N))
+            resps = await asyncio.wait_for(asyncio.gather(*sends), WAIT)
+        assert sorted(await legacy_broker.wait_acked(N)) == sorted(r.msgid for r in resps)
+    finally:
+        await consumer.stop()
+    assert legacy_broker.dropped == 0
+    assert [f.type for f in legacy_broker.frames].count("arrived") == N
+
+
 async def test_cli_consume_50_of_50_against_the_original(legacy_broker: LegacyBroker) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "skmq.cli", "consume", "--app", "app", "--id", "c1",
