@@ -127,7 +127,7 @@ class BrokerInfo:
         if not isinstance(body, dict) or body.get("server") != "skmq":
             return ORIGINAL_BROKER
         caps = body.get("caps")
-        names = frozenset(c for c in caps if isinstance(c, str)) if isinstance(caps, list) else ()
+        names = [c for c in caps if isinstance(c, str)] if isinstance(caps, list) else []
         return cls("skmq", str(body.get("version", "")), frozenset(names))
 
 
@@ -484,8 +484,8 @@ class _PushProtocol(asyncio.Protocol):
         self._backlog: collections.deque[Message] = collections.deque()
         self._reading_paused = False
         self._lost = False
-        # Final answers written here that the broker has not yet answered with a resp
-        # (resps come in the order of the answers), kept in send_arrived mode only.
+        # Answers written here that the broker has not answered with a resp yet (resps
+        # come in the order of the answers); kept in send_arrived mode only.
         self._unanswered: collections.deque[_Answer] = collections.deque()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

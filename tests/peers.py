@@ -523,11 +523,13 @@ class LegacyBroker(LegacyPeer):
                 legacy_encode("push", appid=msg.appid, msgid=msg.msgid, content=msg.content)
             )
             decoder = LegacyDecoder()
+            done: list[tuple[LegacyMessage, int]] = []
             async with asyncio.timeout(WAIT):
-                while not (done := decoder.feed(await reader.read(LEGACY_READ))):
-                    pass
+                while not done and (data := await reader.read(LEGACY_READ)):
+                    done = decoder.feed(data)
             replies = [await self._handle(answer) for answer, _ in done]
-            writer.write(replies[0])
+            if replies:
+                writer.write(replies[0])
             await writer.drain()
         except (ConnectionError, OSError, TimeoutError, LegacyPanic):
             pass
