@@ -21,6 +21,7 @@ from skmq.broker import Broker
 from skmq.cli import main as cli_main
 from skmq.client import Consumer, ExtensionUnsupported, Message, Producer
 from skmq.codec import encode_frame
+from skmq.embedded import EmbeddedRedis
 from skmq.handler import BROKER_CAPS
 from tests.conftest import free_port, wait_listening
 from tests.peers import (
@@ -362,11 +363,13 @@ ORIGINAL_BIN_DIR = os.environ.get("SKMQ_ORIGINAL_BIN_DIR", "")
     not (ORIGINAL_BIN_DIR and (Path(ORIGINAL_BIN_DIR) / "sikong").is_file()),
     reason="set SKMQ_ORIGINAL_BIN_DIR to a directory holding the original broker `sikong`",
 )
-async def test_against_the_original_go_broker(redis_url: str, tmp_path: Path) -> None:
+async def test_against_the_original_go_broker(tmp_path: Path) -> None:
     """Our `skmq send` (no msgid) and Consumer against the original Go broker: 50 of 50.
-    It uses Redis db 15 of the session's Redis (its pprof port 7185 is fixed: if taken,
-    it goes without)."""
-    address = redis_url.split("//", 1)[1].split("/", 1)[0]
+    It gets a Redis of its own without a password, which the original cannot send (its
+    pprof port 7185 is fixed: if taken, it goes without)."""
+    store = EmbeddedRedis(tmp_path / "original-redis", auth=False)
+    store.start()
+    address = f"{store.host}:{store.port}"
     port = free_port()
     conf = {"retry_times": 5, "ack_timeout": 60000, "rate": 1000,
             "listener_host": "127.0.0.1", "listener_port": str(port), "log_level": 0}  # fmt: skip
@@ -394,3 +397,4 @@ async def test_against_the_original_go_broker(redis_url: str, tmp_path: Path) ->
         await consumer.stop()
         proc.kill()
         proc.wait(10)
+        store.stop()
