@@ -79,7 +79,7 @@ class Broker:
     async def start(self) -> None:
         s = self.settings
         url = self.start_embedded_redis()
-        self.redis = connect_redis(url)
+        self.redis = connect_redis(url, s.redis_pool_size, s.store_timeout)
         await wait_for_redis(self.redis, self.stopping.is_set)
         self.store = make_store(s, self.redis)
         self.dlog = DeliveryLog(s.delivery_log_dir, self.broker_id, s.log_rotate_bytes)
@@ -100,7 +100,14 @@ class Broker:
             for app in apps:
                 self.engine.notify(app)
 
-        self.enqueuer = Enqueuer(self.store, self.dlog, stored, self.engine.note_apps)
+        self.enqueuer = Enqueuer(
+            self.store,
+            self.dlog,
+            stored,
+            self.engine.note_apps,
+            max_pending_bytes=s.max_store_pending_bytes,
+            timeout=s.store_timeout,
+        )
         self.server = Server(s, Handler(s, self.enqueuer, self.engine))
         await self.server.start()
         if s.metrics_port:

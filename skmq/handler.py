@@ -3,7 +3,8 @@ which becomes a reply and a close).
 
 Producer frames of one batch are stored together by the enqueue worker; answers and
 registrations run as tasks; everything else is answered on the spot. A reply is bytes,
-or an awaitable of bytes that the reply stage awaits in order.
+or a pending reply (an awaitable of bytes) that the connection's reply writer awaits in
+order.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import asyncio
 import itertools
 import re
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 from redis.exceptions import RedisError
@@ -36,7 +38,17 @@ from skmq.workers.enqueue import EnqueueBatch, Enqueuer
 log = structlog.get_logger("skmq.handler")
 
 MAX_ID_BYTES = 256
-Reply = bytes | Awaitable[bytes]
+
+
+class PendingReply(Protocol):
+    """A reply still being worked out (a task, or a producer frame's StoreReply)."""
+
+    def done(self) -> bool: ...
+
+    def __await__(self) -> Generator[Any, None, bytes]: ...
+
+
+Reply = bytes | PendingReply
 
 
 @dataclass(slots=True)
@@ -80,6 +92,10 @@ class Handler:
         self._id_counter = itertools.count(1)
         self._tasks: set[asyncio.Task[bytes]] = set()
 
+    async def store_room(self) -> None:
+        """Backpressure: wait while too much producer content waits for the store."""
+        await self.enqueuer.room()
+
     def handle_batch(
         self, items: list[tuple[Peer, Frame | InvalidFrame | CodecError | None]]
     ) -> list[Outcome]:
@@ -104,11 +120,11 @@ class Handler:
         if kind == "ping":
             return Outcome(PONG)
         if kind in ("ack", "reject", "error", "arrived"):
-            return Outcome(spawn(self._answer(item), self._tasks))
+            return Outcome(spawn(self._answer(item, peer), self._tasks))
         if kind == "register":
             return Outcome(spawn(self._register(item, peer), self._tasks))
         if kind == "unregister":
-            return Outcome(spawn(self._unregister(item), self._tasks))
+            return Outcome(spawn(self._unregister(item, peer), self._tasks))
         msgid = item.fields.get("msgid")
         if not kind:
             return Outcome(self._resp("frame without a type field", msgid))
@@ -147,10 +163,11 @@ class Handler:
         return batch.add(app, NewMessage(msgid, frame.type, frame.content, due))
 
     # -- recipients' answers and registrations ------------------------------
-    async def _answer(self, frame: Frame) -> bytes:
+    async def _answer(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            status, content = await self.engine.answer(frame)
+            async with peer.store_calls:
+                status, content = await self.engine.answer(frame)
         except (RedisError, OSError):
             status, content = "error", "store unavailable, answer again later"
         return self._resp(content, msgid, status)
@@ -158,21 +175,23 @@ class Handler:
     async def _register(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            reg = parse_registration(frame.content, peer.host)
+            reg = parse_registration(frame.content, peer.host, self.settings.max_registration_bytes)
             check_address(reg.host, peer.host, self.settings.recipient_networks)
-            await self.engine.registry.register(reg)
-            await self.engine.note_apps({reg.app})
+            async with peer.store_calls:
+                await self.engine.registry.register(reg)
+                await self.engine.note_apps({reg.app})
         except RegistrationError as exc:
             return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):
             return self._resp("store unavailable, register again later", msgid)
         return self._resp("registered", msgid, "ack")
 
-    async def _unregister(self, frame: Frame) -> bytes:
+    async def _unregister(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            app, rid = parse_unregistration(frame.content)
-            removed = await self.engine.registry.unregister(app, rid)
+            app, rid = parse_unregistration(frame.content, self.settings.max_registration_bytes)
+            async with peer.store_calls:
+                removed = await self.engine.registry.unregister(app, rid)
         except RegistrationError as exc:
             return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):

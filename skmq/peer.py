@@ -3,6 +3,7 @@ frame succeeded) what its token grants. The handler decides every frame with it.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,9 @@ class Peer:
     # Apps this connection's token lets it consume for (answers, registrations);
     # "*" stands for every app. Empty: not authenticated (or auth is off).
     consume_apps: set[str] = field(default_factory=set)
+    # Store calls (answers, registrations) of this connection running at once; more wait
+    # here, so that one connection's flood cannot queue up ahead of everyone in the pool.
+    store_calls: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
 
     def authenticated_for(self, app: str) -> bool:
         """True only when a token authenticated this connection for `app`."""

@@ -14,7 +14,8 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.exceptions import NoScriptError
 
 from skmq.store import scripts
@@ -38,19 +39,27 @@ def _escape_tag(app: str) -> str:
     return app.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
 
 
-def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
+class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):  # type: ignore[misc]
+    """The Sentinel-managed pool (master discovery) that waits for a free connection."""
+
+
+def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> aioredis.Redis:
     """A client for REDIS_URL: `redis://`, `rediss://`, `unix://`, or
     `redis+sentinel://[:password@]host1:26379,host2:26379/<service>[/<db>]`, which asks
-    the Sentinels for the current master (and again after a failover)."""
+    the Sentinels for the current master (and again after a failover).
+
+    At most `pool_size` connections; a call finding them all busy waits up to `wait`
+    seconds for one (a burst queues up instead of failing with "Too many connections")."""
     options: dict[str, Any] = {
         "encoding_errors": ENC,
         "decode_responses": False,
-        "max_connections": max_connections,
+        "max_connections": pool_size,
+        "timeout": wait,
         "socket_connect_timeout": 2.0,
         "socket_timeout": 10.0,
     }
     if not url.startswith("redis+sentinel://"):
-        return aioredis.Redis.from_url(url, **options)
+        return aioredis.Redis.from_pool(BlockingConnectionPool.from_url(url, **options))
     parsed = urlsplit(url)
     hosts = []
     for part in parsed.netloc.rpartition("@")[2].split(","):
@@ -62,6 +71,7 @@ def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
     sentinel = Sentinel(hosts, socket_connect_timeout=2.0)
     master: aioredis.Redis = sentinel.master_for(
         path[0],
+        connection_pool_class=_SentinelBlockingPool,
         db=int(path[1]) if len(path) > 1 else 0,
         password=unquote(parsed.password) if parsed.password else None,
         **options,
