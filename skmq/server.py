@@ -55,6 +55,7 @@ class Connection:
         "peer",
         "readable",
         "reader",
+        "reading",
         "replies",
         "replying",
         "unanswered",
@@ -81,6 +82,9 @@ class Connection:
         self.unanswered = 0
         self.readable = asyncio.Event()
         self.readable.set()
+        # True while the broker waits for the peer's bytes: only that time counts
+        # against FRAME_TIMEOUT (not the time the broker itself is behind).
+        self.reading = False
         self.replies: deque[Outcome] = deque()
         self.replying = False
 
@@ -182,7 +186,9 @@ class Server:
         try:
             while not conn.broken:
                 await conn.readable.wait()
+                conn.reading = True
                 data = await reader.read(READ_SIZE)
+                conn.reading = False
                 if not data:
                     break
                 conn.last_active = time.monotonic()
@@ -298,8 +304,10 @@ class Server:
                 if reply:
                     ready.append(reply)
                 conn.unanswered -= 1
-                if conn.unanswered < cap:
+                if conn.unanswered < cap and not conn.readable.is_set():
                     conn.readable.set()
+                    if conn.frame_started is not None:  # the pause was the broker's
+                        conn.frame_started = time.monotonic()
                 closing = outcome.close
             self._write(conn, ready)
             if closing:
@@ -346,7 +354,11 @@ class Server:
                 if conn.last_active < now - s.idle_timeout:
                     log.info("closing idle connection", peer=conn.peer.host)
                     self._close(conn)
-                elif conn.frame_started is not None and conn.frame_started < now - s.frame_timeout:
+                elif (
+                    conn.reading
+                    and conn.frame_started is not None
+                    and (conn.frame_started < now - s.frame_timeout)
+                ):
                     log.info("frame not complete within FRAME_TIMEOUT", peer=conn.peer.host)
                     conn.frame_started = None
                     reason = f"frame not complete within FRAME_TIMEOUT ({s.frame_timeout:g} s)"

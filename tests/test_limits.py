@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skmq.broker import Broker
 from skmq.codec import Decoder, Frame, encode_frame
 from skmq.embedded import EmbeddedRedis
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
-from tests.peers import RawClient
+from tests.peers import FakeRecipient, RawClient
 
 
 def queue_frame(msgid: str, content: bytes = b"x", appid: str = "a") -> bytes:
@@ -341,3 +343,38 @@ async def test_redis_stall_gives_backpressure_then_errors(
     resp = await client.request("queue", b"after", appid="s", msgid="after")
     assert resp["status"] == "ack" and resp["content"] == "stored"
     await client.close()
+
+
+# -- apps are forgotten -------------------------------------------------------------
+async def test_apps_with_no_recipients_and_no_messages_are_forgotten(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    """An app whose message was delivered and whose recipient left is forgotten (apps set
+    and dispatcher); one still holding a message is kept; a forgotten app comes back
+    with its next message."""
+    rec = await FakeRecipient("gone", "r1").start()
+    assert (await rec.register(broker.server.port))["status"] == "ack"
+    client = await RawClient.connect(broker.server.port)
+    assert (await client.request("queue", b"x", appid="gone", msgid="g1"))["status"] == "ack"
+    assert (await client.request("queue", b"y", appid="kept", msgid="k1"))["status"] == "ack"
+    await rec.next_push()
+    unreg = json.dumps({"app_id": "gone", "id": "r1"}).encode()
+    assert (await client.request("unregister", unreg))["content"] == "unregistered"
+    apps_key = broker.store.apps_key
+
+    async def forgotten() -> bool:
+        return (
+            not await redis.sismember(apps_key, "gone") and "gone" not in broker.engine.dispatchers
+        )
+
+    await eventually(forgotten)
+    assert await redis.sismember(apps_key, "kept")  # a message waits for a recipient
+    assert "kept" in broker.engine.dispatchers
+    assert (await client.request("queue", b"z", appid="gone", msgid="g2"))["status"] == "ack"
+    assert await redis.sismember(apps_key, "gone")
+    rec2 = await FakeRecipient("gone", "r2").start()
+    await rec2.register(broker.server.port)
+    assert (await rec2.next_push()).fields["msgid"] == "g2"
+    await client.close()
+    await rec.stop()
+    await rec2.stop()

@@ -37,16 +37,19 @@ end
 local function sfx(crid) if crid then return ':' .. crid end return '' end
 """
 
-# ARGV: now (13 digits), done bucket (current), done bucket (previous),
-# then (msgid, kind q|t, content, deliver_at)*. Returns 1 (stored) or 0 (duplicate) each.
+# KEYS[2]: the apps set. ARGV: now (13 digits), done bucket (current), done bucket
+# (previous), app, then (msgid, kind q|t, content, deliver_at)*. Returns 1 (stored) or
+# 0 (duplicate) each. The app joins the apps set in the same step, so that FORGET can
+# never drop an app between a store and its discovery.
 STORE = (
     COMMON
     + r"""
 local now = ARGV[1]
 local cur = base .. 'done:' .. ARGV[2]
 local prev = base .. 'done:' .. ARGV[3]
+redis.call('SADD', KEYS[2], ARGV[4])
 local out = {}
-for i = 4, #ARGV, 4 do
+for i = 5, #ARGV, 4 do
   local id = ARGV[i]
   if redis.call('SISMEMBER', cur, id) == 1 or redis.call('SISMEMBER', prev, id) == 1
       or not redis.call('SET', base .. 'm:' .. id, ARGV[i + 1] .. now .. ARGV[i + 2], 'NX') then
@@ -430,7 +433,22 @@ return redis.call('HDEL', base .. 'recipients', ARGV[1])
 """
 )
 
+# Forget an app that holds nothing: no recipients and no message ready, delayed, in
+# flight or dead. KEYS: ready, delayed, inflight, dead, recipients, rstate, rbeat, rate
+# (under the app's base), then the apps set. ARGV: app. Returns 1 if forgotten.
+FORGET_KEYS = ("ready", "delayed", "inflight", "dead", "recipients", "rstate", "rbeat", "rate")
+FORGET = r"""
+if redis.call('LLEN', KEYS[1]) > 0 or redis.call('ZCARD', KEYS[2]) > 0
+    or redis.call('ZCARD', KEYS[3]) > 0 or redis.call('ZCARD', KEYS[4]) > 0
+    or redis.call('HLEN', KEYS[5]) > 0 then
+  return 0
+end
+redis.call('DEL', KEYS[6], KEYS[7], KEYS[8])
+return redis.call('SREM', KEYS[9], ARGV[1])
+"""
+
 ALL = {
+    "forget": FORGET,
     "store": STORE,
     "claim": CLAIM,
     "fail": FAIL,

@@ -199,6 +199,22 @@ class Store:
         for name, source in scripts.ALL.items():
             self._sha[name] = _s(await self.redis.script_load(source))
 
+    async def _call_each(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> Any:
+        """Script `name` once per (keys, args), pipelined in one round trip."""
+        if not self._sha:
+            await self.load_scripts()
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+            try:
+                return await pipe.execute()
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self.load_scripts()
+        raise AssertionError("unreachable")
+
     async def _call(self, name: str, app: str, args: Sequence[Any]) -> Any:
         if not self._sha:
             await self.load_scripts()
@@ -214,24 +230,15 @@ class Store:
     # -- producers ----------------------------------------------------------
     async def store(self, batches: dict[str, list[NewMessage]], now: int) -> dict[str, list[bool]]:
         """Store the messages of several apps in one round trip; True stored, False duplicate."""
-        if not self._sha:
-            await self.load_scripts()
         bucket = self._bucket(now)
         apps = list(batches)
-        for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=False)
-            for app in apps:
-                args: list[Any] = [now, bucket, bucket - 1]
-                for m in batches[app]:
-                    args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
-                pipe.evalsha(self._sha["store"], 1, self.base(app), *args)
-            try:
-                results = await pipe.execute()
-                break
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                await self.load_scripts()
+        calls = []
+        for app in apps:
+            args: list[Any] = [now, bucket, bucket - 1, app]
+            for m in batches[app]:
+                args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
+            calls.append(([self.base(app), self.apps_key], args))
+        results = await self._call_each("store", calls)
         return {app: [bool(x) for x in res] for app, res in zip(apps, results, strict=True)}
 
     async def add_apps(self, apps: Iterable[str]) -> None:
@@ -239,6 +246,21 @@ class Store:
 
     async def apps(self) -> list[str]:
         return sorted(_s(a) for a in await self.redis.smembers(self.apps_key))
+
+    async def forget_apps(self, apps: Sequence[str]) -> list[str]:
+        """Drop from the apps set each app that holds no recipient and no message (checked
+        and removed in one script an app); returns the apps forgotten."""
+        if not apps:
+            return []
+        calls = [
+            ([*(self.base(app) + k for k in scripts.FORGET_KEYS), self.apps_key], [app])
+            for app in apps
+        ]
+        results = await self._call_each("forget", calls)
+        gone = [app for app, res in zip(apps, results, strict=True) if res]
+        for app in gone:
+            self._bases.pop(app, None)
+        return gone
 
     # -- dispatch -----------------------------------------------------------
     async def claim(
@@ -289,15 +311,24 @@ class Store:
             for i in range(0, len(res), 4)
         ]
 
-    async def reap(self, app: str, now: int, limit: int = 500) -> list[Reaped]:
-        res = await self._call("reap", app, [now, limit, *self._retry_args()])
-        return [
-            Reaped(
-                _s(res[i]),
-                Failed(int(res[i + 1]), int(res[i + 2]), int(res[i + 3]), _s(res[i + 4])),
-            )
-            for i in range(0, len(res), 5)
-        ]
+    async def reap(
+        self, apps: Sequence[str], now: int, limit: int = 500
+    ) -> dict[str, list[Reaped]]:
+        """Expired leases of several apps, in one round trip (one script call an app)."""
+        if not apps:
+            return {}
+        args = [now, limit, *self._retry_args()]
+        results = await self._call_each("reap", [([self.base(app)], args) for app in apps])
+        return {
+            app: [
+                Reaped(
+                    _s(res[i]),
+                    Failed(int(res[i + 1]), int(res[i + 2]), int(res[i + 3]), _s(res[i + 4])),
+                )
+                for i in range(0, len(res), 5)
+            ]
+            for app, res in zip(apps, results, strict=True)
+        }
 
     async def in_flight(self, app: str) -> list[str]:
         return [_s(x) for x in await self.redis.zrange(self.base(app) + "inflight", 0, -1)]
