@@ -154,7 +154,7 @@ class Broker:
     async def start(self) -> None:
         s = self.settings
         url = self.start_embedded_redis()
-        self.redis = connect_redis(url)
+        self.redis = connect_redis(url, s.redis_pool_size, s.store_timeout)
         deadline = time.monotonic() + s.redis_wait
 
         def give_up() -> bool:
@@ -203,7 +203,14 @@ class Broker:
             for app in apps:
                 self.engine.notify(app)
 
-        self.enqueuer = Enqueuer(self.store, self.dlog, stored, self.engine.note_apps)
+        self.enqueuer = Enqueuer(
+            self.store,
+            self.dlog,
+            stored,
+            self.engine.note_apps,
+            max_pending_bytes=s.max_store_pending_bytes,
+            timeout=s.store_timeout,
+        )
         self.server = Server(
             s, Handler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
         )

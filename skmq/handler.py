@@ -3,7 +3,8 @@ which becomes a reply and a close).
 
 Producer frames of one batch are stored together by the enqueue worker; answers and
 registrations run as tasks; everything else is answered on the spot. A reply is bytes,
-or an awaitable of bytes that the reply stage awaits in order.
+or a pending reply (an awaitable of bytes) that the connection's reply writer awaits in
+order.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 from redis.exceptions import RedisError
@@ -44,7 +46,17 @@ BROKER_CAPS = ("delay", "hello", "length", "pipeline", "recipient", "token", "un
 HELLO_BODY = json.dumps(
     {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
 )
-Reply = bytes | Awaitable[bytes]
+
+
+class PendingReply(Protocol):
+    """A reply still being worked out (a task, or a producer frame's StoreReply)."""
+
+    def done(self) -> bool: ...
+
+    def __await__(self) -> Generator[Any, None, bytes]: ...
+
+
+Reply = bytes | PendingReply
 
 
 @dataclass(slots=True)
@@ -95,6 +107,10 @@ class Handler:
         self._id_prefix = uuid.uuid4().hex[:16]
         self._id_counter = itertools.count(1)
         self._tasks: set[asyncio.Task[bytes]] = set()
+
+    async def store_room(self) -> None:
+        """Backpressure: wait while too much producer content waits for the store."""
+        await self.enqueuer.room()
 
     def handle_batch(
         self, items: list[tuple[Peer, Frame | InvalidFrame | CodecError | None]]
@@ -203,7 +219,8 @@ class Handler:
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            status, content = await self.engine.answer(frame, peer)
+            async with peer.store_calls:
+                status, content = await self.engine.answer(frame, peer)
         except (RedisError, OSError):
             status, content = "error", "store unavailable, answer again later"
         return self._resp(content, msgid, status)
@@ -211,7 +228,7 @@ class Handler:
     async def _register(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            reg = parse_registration(frame.content, peer.host)
+            reg = parse_registration(frame.content, peer.host, self.settings.max_registration_bytes)
             if (refused := self._refusal(peer, "consume", reg.app)) is not None:
                 raise RegistrationError(refused)
             check_address(reg.host, peer.host, self.settings.recipient_networks)
@@ -220,8 +237,9 @@ class Handler:
                     f"address {reg.host}:{reg.port} is one the broker uses itself "
                     "(its store or its own ports): never a recipient's"
                 )
-            await self.engine.registry.register(reg)
-            await self.engine.note_apps({reg.app})
+            async with peer.store_calls:
+                await self.engine.registry.register(reg)
+                await self.engine.note_apps({reg.app})
         except RegistrationError as exc:
             return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):
@@ -231,10 +249,11 @@ class Handler:
     async def _unregister(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            app, rid = parse_unregistration(frame.content)
+            app, rid = parse_unregistration(frame.content, self.settings.max_registration_bytes)
             if (refused := self._refusal(peer, "consume", app)) is not None:
                 raise RegistrationError(refused)
-            removed = await self.engine.registry.unregister(app, rid)
+            async with peer.store_calls:
+                removed = await self.engine.registry.unregister(app, rid)
         except RegistrationError as exc:
             return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):

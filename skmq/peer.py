@@ -3,6 +3,7 @@ frame succeeded) what its token grants. The handler decides every frame with it.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from skmq.auth import EVERY_APP, Grant, Role
@@ -39,6 +40,10 @@ class Peer:
         else:
             apps = self.admin_apps
         return EVERY_APP in apps or app in apps
+
+    # Store calls (answers, registrations) of this connection running at once; more wait
+    # here, so that one connection's flood cannot queue up ahead of everyone in the pool.
+    store_calls: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
 
     def authenticated_for(self, app: str) -> bool:
         """True only when a token authenticated this connection for `app`."""

@@ -1,11 +1,19 @@
 """The channel pipeline of the original SKMQ design, on asyncio:
 
-    connection stage --decode_q--> decode stage --handle_q--> handle stage --reply_q--> reply stage
+    connection stage --decode_q--> decode stage --handle_q--> handle stage --> reply writers
 
 Each stage is one task and each queue is bounded, so a slow stage slows its readers all
 the way back to TCP (backpressure), never drops a frame. Stages pass batches: whatever
-is queued is taken at once. Answers leave in frame order per connection: the handle
-stage emits one reply a frame, in order, and the reply stage awaits them in order.
+is queued is taken at once. The handle stage emits one reply a frame, in frame order,
+into its connection's reply queue; a connection with replies pending has one reply
+writer (a task) that awaits them in order and writes them. Answers thus leave in frame
+order per connection, and no connection waits behind another connection's replies.
+
+Limits, each a setting: a connection is not read while it has MAX_UNANSWERED_FRAMES
+unanswered; a frame that has started must end within FRAME_TIMEOUT; incomplete frames
+of all connections hold at most MAX_PARTIAL_BYTES; MAX_CONNECTIONS and
+MAX_CONNECTIONS_PER_HOST bound connections. A connection over a limit is answered
+`error` (after the answers to its earlier frames) and closed.
 """
 
 from __future__ import annotations
@@ -13,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter, deque
+from collections.abc import Iterator
 
 import structlog
 
-from skmq.aio import cancel_and_wait
+from skmq.aio import cancel_and_wait, spawn
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
-from skmq.handler import Handler, Outcome
+from skmq.handler import Handler, Outcome, PendingReply
 from skmq.peer import Peer
 from skmq.ratelimit import TokenBucket
 from skmq.supervisor import Supervisor
@@ -32,22 +42,78 @@ MAX_BATCH = 4096
 MAX_WRITE_BUFFER = 16 << 20
 
 
+class LimitExceeded(CodecError):
+    """A connection broke a server limit (not a codec rule): answered `error`, closed."""
+
+
 class Connection:
-    __slots__ = ("broken", "decoder", "last_active", "peer", "reader", "writer")
+    __slots__ = (
+        "broken",
+        "decoder",
+        "frame_started",
+        "last_active",
+        "partial",
+        "peer",
+        "readable",
+        "reader",
+        "reading",
+        "replies",
+        "replying",
+        "unanswered",
+        "writer",
+    )
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, settings: Settings
     ) -> None:
         self.reader = reader
         self.writer = writer
-        peer = writer.get_extra_info("peername")
-        self.peer = Peer(peer[0] if isinstance(peer, tuple) else "")
+        self.peer = Peer(
+            peer_host(writer),
+            store_calls=asyncio.Semaphore(settings.max_store_calls_per_connection),
+        )
         self.decoder = Decoder(settings.max_frame_bytes, settings.max_line_bytes)
         self.last_active = time.monotonic()
         self.broken = False
+        # When the incomplete frame at the head of the decoder began (None: no partial
+        # frame), and its size as counted in Server.partial_bytes.
+        self.frame_started: float | None = None
+        self.partial = 0
+        # Frames decoded and not answered yet; reading pauses while there are too many.
+        self.unanswered = 0
+        self.readable = asyncio.Event()
+        self.readable.set()
+        # True while the broker waits for the peer's bytes: only that time counts
+        # against FRAME_TIMEOUT (not the time the broker itself is behind).
+        self.reading = False
+        self.replies: deque[Outcome] = deque()
+        self.replying = False
 
 
+def peer_host(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) else ""
+
+
+# What the connection stage passes on: bytes read, None at end of stream, or a limit
+# broken (from the sweep).
+Chunk = bytes | LimitExceeded | None
 Item = Frame | InvalidFrame | CodecError | None
+
+
+def _by_content_size(
+    items: list[tuple[Connection, Item]], budget: int
+) -> Iterator[list[tuple[Connection, Item]]]:
+    """The items in runs of at most `budget` content bytes (at least one item a run), so
+    that content waiting for the store stays within MAX_STORE_PENDING_BYTES and one run."""
+    start, size = 0, 0
+    for i, (_, item) in enumerate(items):
+        if isinstance(item, Frame) and item.content:
+            if size and size + len(item.content) > budget:
+                yield items[start:i]
+                start, size = i, 0
+            size += len(item.content)
+    yield items[start:]
 
 
 class Server:
@@ -55,13 +121,15 @@ class Server:
         self.settings = settings
         self.supervisor = supervisor
         self.handler = handler
-        self.decode_q: asyncio.Queue[tuple[Connection, bytes | None]] = asyncio.Queue(1024)
+        self.decode_q: asyncio.Queue[tuple[Connection, Chunk]] = asyncio.Queue(256)
         self.handle_q: asyncio.Queue[list[tuple[Connection, Item]]] = asyncio.Queue(64)
-        self.reply_q: asyncio.Queue[list[tuple[Connection, Outcome]]] = asyncio.Queue(64)
         self.connections: set[Connection] = set()
+        self.per_host: Counter[str] = Counter()
+        self.partial_bytes = 0
         self.rate = TokenBucket(settings.rate) if settings.rate > 0 else None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._writers: set[asyncio.Task[None]] = set()
         self.port = settings.port
 
     async def start(self) -> None:
@@ -78,8 +146,7 @@ class Server:
         self._tasks = [
             start("decode", self._decode_stage),
             start("handle", self._handle_stage),
-            start("reply", self._reply_stage),
-            start("idle", self._idle_sweep),
+            start("sweep", self._sweep),
         ]
 
     async def stop_accepting(self) -> None:
@@ -91,27 +158,39 @@ class Server:
         await self.stop_accepting()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                while not (
-                    self.decode_q.empty() and self.handle_q.empty() and self.reply_q.empty()
-                ):
+                while not (self.decode_q.empty() and self.handle_q.empty() and not self._writers):
                     await asyncio.sleep(0.01)
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks, *self._writers])
         for conn in list(self.connections):
             conn.writer.close()
 
     # -- connection stage ---------------------------------------------------
+    def _refusal(self, host: str) -> str | None:
+        """Why a new connection from `host` is refused, or None."""
+        if len(self.connections) >= self.settings.max_connections:
+            return "too many connections"
+        if self.per_host[host] >= self.settings.max_connections_per_host:
+            return f"too many connections from {host} (MAX_CONNECTIONS_PER_HOST)"
+        return None
+
     async def _connection_stage(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if len(self.connections) >= self.settings.max_connections:
-            writer.write(encode_resp("error", "too many connections"))
+        host = peer_host(writer)
+        refusal = self._refusal(host)
+        if refusal is not None:
+            writer.write(encode_resp("error", refusal))
             writer.close()
             return
         conn = Connection(reader, writer, self.settings)
         self.connections.add(conn)
+        self.per_host[host] += 1
         try:
             while not conn.broken:
+                await conn.readable.wait()
+                conn.reading = True
                 data = await reader.read(READ_SIZE)
+                conn.reading = False
                 if not data:
                     break
                 conn.last_active = time.monotonic()
@@ -119,6 +198,9 @@ class Server:
         except (ConnectionError, OSError):
             pass
         finally:
+            self.per_host[host] -= 1
+            if not self.per_host[host]:
+                del self.per_host[host]
             if not conn.broken:
                 # End of stream: answer what was read, then close (a `printf | nc` peer
                 # half-closes and still waits for its answers).
@@ -135,22 +217,60 @@ class Server:
             for conn, data in chunks:
                 if conn.broken:
                     continue
-                if data is None:
-                    out.append((conn, None))
+                if not isinstance(data, bytes):
+                    self._last_item(conn, data, out)
                     continue
                 try:
                     frames = conn.decoder.feed(data)
                 except CodecError as exc:
-                    conn.broken = True
                     out.extend((conn, f) for f in exc.frames)
-                    out.append((conn, exc))
+                    self._last_item(conn, exc, out)
                     continue
                 out.extend((conn, f) for f in frames)
+                self._track_partial(conn, completed=bool(frames))
+            if self.partial_bytes > self.settings.max_partial_bytes:
+                self._shed_partial(out)
             if not out:
                 continue
+            cap = self.settings.max_unanswered_frames
+            for conn, _ in out:
+                conn.unanswered += 1
+                if conn.unanswered >= cap:
+                    conn.readable.clear()
             if self.rate is not None:
                 await self.rate.acquire(len(out))
             await self.handle_q.put(out)
+
+    def _last_item(
+        self, conn: Connection, item: CodecError | None, out: list[tuple[Connection, Item]]
+    ) -> None:
+        """The end of a connection's stream, or a fatal error: nothing after it is decoded."""
+        conn.broken = item is not None
+        self._release_partial(conn)
+        out.append((conn, item))
+
+    def _track_partial(self, conn: Connection, completed: bool) -> None:
+        buffered = conn.decoder.buffered
+        self.partial_bytes += buffered - conn.partial
+        conn.partial = buffered
+        if not buffered:
+            conn.frame_started = None
+        elif completed or conn.frame_started is None:
+            conn.frame_started = time.monotonic()  # the partial frame began in this chunk
+
+    def _release_partial(self, conn: Connection) -> None:
+        self.partial_bytes -= conn.partial
+        conn.partial = 0
+        conn.frame_started = None
+
+    def _shed_partial(self, out: list[tuple[Connection, Item]]) -> None:
+        """Over MAX_PARTIAL_BYTES: refuse the connections holding the most until under."""
+        cap = self.settings.max_partial_bytes
+        while self.partial_bytes > cap:
+            conn = max(self.connections, key=lambda c: c.partial)
+            log.warning("partial frames over MAX_PARTIAL_BYTES, closing the largest",
+                        peer=conn.peer.host, held=conn.partial)  # fmt: skip
+            self._last_item(conn, LimitExceeded("incomplete frames over MAX_PARTIAL_BYTES"), out)
 
     # -- handle stage -------------------------------------------------------
     async def _handle_stage(self) -> None:
@@ -159,50 +279,89 @@ class Server:
             items = await q.get()
             while not q.empty() and len(items) < MAX_BATCH:
                 items.extend(q.get_nowait())
-            outcomes = self.handler.handle_batch([(c.peer, item) for c, item in items])
-            await self.reply_q.put([(c, o) for (c, _), o in zip(items, outcomes, strict=True)])
+            for part in _by_content_size(items, self.settings.max_store_pending_bytes):
+                await self.handler.store_room()
+                outcomes = self.handler.handle_batch([(c.peer, item) for c, item in part])
+                for (conn, _), outcome in zip(part, outcomes, strict=True):
+                    conn.replies.append(outcome)
+                    if not conn.replying:
+                        conn.replying = True
+                        spawn(self._write_replies(conn), self._writers)
 
-    # -- reply stage --------------------------------------------------------
-    async def _reply_stage(self) -> None:
-        while True:
-            replies = await self.reply_q.get()
-            out: dict[Connection, list[bytes]] = {}
-            closing: list[Connection] = []
-            for conn, outcome in replies:
+    # -- reply writers (one a connection with replies pending) ----------------
+    async def _write_replies(self, conn: Connection) -> None:
+        """Await the connection's replies in order; write whatever is ready before each wait."""
+        ready: list[bytes] = []
+        cap = self.settings.max_unanswered_frames
+        closing = False
+        try:
+            while conn.replies and not closing:
+                outcome = conn.replies.popleft()
                 reply = outcome.reply
                 if not isinstance(reply, bytes):
-                    try:
-                        reply = await reply
-                    except Exception:
-                        log.exception("handler failed")
-                        reply = encode_resp("error", "internal error")
+                    if ready and not reply.done():
+                        self._write(conn, ready)
+                        ready = []
+                    reply = await self._resolve(reply)
                 if reply:
-                    out.setdefault(conn, []).append(reply)
-                if outcome.close:
-                    closing.append(conn)
-            now = time.monotonic()
-            for conn, chunks in out.items():
-                writer = conn.writer
-                if writer.is_closing():
-                    continue
-                writer.write(b"".join(chunks))
-                conn.last_active = now
-                if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
-                    log.warning("peer does not read its answers, closing", peer=conn.peer.host)
-                    self._close(conn)
-            for conn in closing:
+                    ready.append(reply)
+                conn.unanswered -= 1
+                if conn.unanswered < cap and not conn.readable.is_set():
+                    conn.readable.set()
+                    if conn.frame_started is not None:  # the pause was the broker's
+                        conn.frame_started = time.monotonic()
+                closing = outcome.close
+            self._write(conn, ready)
+            if closing:
+                conn.replies.clear()
                 self._close(conn)
+        finally:
+            conn.replying = False
+
+    @staticmethod
+    async def _resolve(reply: PendingReply) -> bytes:
+        try:
+            return await reply
+        except Exception:
+            log.exception("handler failed")
+            return encode_resp("error", "internal error")
+
+    def _write(self, conn: Connection, replies: list[bytes]) -> None:
+        writer = conn.writer
+        if not replies or writer.is_closing():
+            return
+        writer.write(b"".join(replies))
+        conn.last_active = time.monotonic()
+        if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+            log.warning("peer does not read its answers, closing", peer=conn.peer.host)
+            self._close(conn)
 
     def _close(self, conn: Connection) -> None:
         conn.broken = True
+        conn.readable.set()  # let its connection stage see the end
         conn.writer.close()
         self.connections.discard(conn)
 
-    async def _idle_sweep(self) -> None:
-        timeout = self.settings.idle_timeout
+    # -- timeouts -------------------------------------------------------------
+    async def _sweep(self) -> None:
+        """Close connections silent for IDLE_TIMEOUT; refuse frames older than FRAME_TIMEOUT."""
+        s = self.settings
+        period = min(5.0, max(0.05, min(s.idle_timeout, s.frame_timeout) / 4))
         while True:
-            await asyncio.sleep(min(5.0, max(0.05, timeout / 4)))
-            cutoff = time.monotonic() - timeout
-            for conn in [c for c in self.connections if c.last_active < cutoff]:
-                log.info("closing idle connection", peer=conn.peer.host)
-                self._close(conn)
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                if conn.broken:
+                    continue
+                if conn.last_active < now - s.idle_timeout:
+                    log.info("closing idle connection", peer=conn.peer.host)
+                    self._close(conn)
+                elif (
+                    conn.reading
+                    and conn.frame_started is not None
+                    and (conn.frame_started < now - s.frame_timeout)
+                ):
+                    log.info("frame not complete within FRAME_TIMEOUT", peer=conn.peer.host)
+                    conn.frame_started = None
+                    reason = f"frame not complete within FRAME_TIMEOUT ({s.frame_timeout:g} s)"
+                    await self.decode_q.put((conn, LimitExceeded(reason)))

@@ -119,8 +119,8 @@ async def test_fail_waits_then_dead_after_retry_times(store: Store) -> None:
 async def test_reap_counts_a_lease_run_out(store: Store) -> None:
     await stored(store, "m")
     await claimed(store)
-    assert await store.reap(APP, NOW + 5_000) == []  # lease not run out
-    (reaped,) = await store.reap(APP, NOW + 10_001)
+    assert (await store.reap([APP], NOW + 5_000))[APP] == []  # lease not run out
+    (reaped,) = (await store.reap([APP], NOW + 10_001))[APP]
     assert (reaped.delivery_id, reaped.result.code) == ("m", reaped.result.RETRY)
     assert await state_of(store, "m") == State.WAITING_RETRY
 
@@ -174,11 +174,11 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     await store.in_flight_of(APP, "t")
     await store.finish(APP, [(ids[0], 0)], NOW)
     await store.fail(APP, [(ids[1], "errored", "x", "", 0)], NOW)
-    await store.reap(APP, NOW + 20_000)
+    await store.reap([APP], NOW + 20_000)
     await store.release(APP, ids)
     for _ in range(3):
         await store.claim(APP, NOW + 90_000_000, 5, alive("r1", "r2"), ["r1"] * 5)
-        await store.reap(APP, NOW + 100_000_000)
+        await store.reap([APP], NOW + 100_000_000)
     dead = [d.delivery_id for d in await store.dead_letters(APP)]
     await store.replay(APP, dead[:1], NOW)
     await store.purge(APP, dead[1:])

@@ -139,6 +139,11 @@ class Registry:
         self.on_change(app)
         return removed
 
+    def forget(self, app: str) -> None:
+        """The app was forgotten (no recipient, no message): hold nothing more for it."""
+        self._apps.pop(app, None)
+        self._changes.pop(app, None)
+
     async def mark(self, app: str, rid: str, alive: bool, detail: str = "") -> None:
         """Record a heartbeat or connection outcome; log only real state changes."""
         self._changed(app)

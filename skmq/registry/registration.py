@@ -13,6 +13,7 @@ MAX_ID = 256
 # original SKMQ peer and gets the original broker's discipline (docs/PROTOCOL.md).
 KNOWN_CAPS = frozenset(("pipeline", "length", "token"))
 MAX_CAPS = 16
+MAX_WEIGHT = 1_000_000
 
 
 class RegistrationError(ValueError):
@@ -57,7 +58,17 @@ def _text(obj: dict[str, Any], key: str) -> str:
         raise RegistrationError(f"{key} must be a non-empty string")
     if len(value) > MAX_ID or any(ord(c) < 32 or c == "\x7f" for c in value):
         raise RegistrationError(f"{key} must be at most {MAX_ID} printable characters")
+    if not _is_unicode(value):
+        raise RegistrationError(f"{key} holds a lone surrogate (not Unicode text)")
     return value
+
+
+def _is_unicode(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _int(value: Any, key: str, default: int | None = None) -> int:
@@ -77,27 +88,37 @@ def _int(value: Any, key: str, default: int | None = None) -> int:
     raise RegistrationError(f"{key} must be an integer")
 
 
-def _object(content: bytes | None) -> dict[str, Any]:
+def _object(content: bytes | None, max_bytes: int) -> dict[str, Any]:
+    """The content as a flat JSON object: at most `max_bytes`, no value an object or array
+    (nesting past the parser's recursion limit is refused, not raised)."""
     if not content:
         raise RegistrationError("content must be a JSON object")
+    if len(content) > max_bytes:
+        raise RegistrationError(f"content over {max_bytes} bytes (MAX_REGISTRATION_BYTES)")
     try:
         obj = json.loads(content)
     except (ValueError, UnicodeDecodeError):
         raise RegistrationError("content is not valid JSON") from None
+    except RecursionError:
+        raise RegistrationError("content is nested too deeply") from None
     if not isinstance(obj, dict):
         raise RegistrationError("content must be a JSON object")
+    if any(isinstance(v, dict | list) for v in obj.values()):
+        raise RegistrationError("content must be a flat JSON object (no nested values)")
     return obj
 
 
-def parse_registration(content: bytes | None, peer_host: str) -> Registration:
+def parse_registration(
+    content: bytes | None, peer_host: str, max_bytes: int = 4096
+) -> Registration:
     """The original sends `port` as a JSON string and may leave `host` empty (then: the peer)."""
-    obj = _object(content)
+    obj = _object(content, max_bytes)
     port = _int(obj.get("port"), "port")
     if not 0 < port < 65536:
         raise RegistrationError("port must be 1-65535")
     weight = _int(obj.get("weight"), "weight", default=0)
-    if weight < 0:
-        raise RegistrationError("weight must be >= 0")
+    if not 0 <= weight <= MAX_WEIGHT:
+        raise RegistrationError(f"weight must be 0-{MAX_WEIGHT}")
     host = obj.get("host")
     if host is None or host == "":
         host = peer_host
@@ -107,8 +128,8 @@ def parse_registration(content: bytes | None, peer_host: str) -> Registration:
     return Registration(_text(obj, "app_id"), _text(obj, "id"), host, port, weight, caps)
 
 
-def parse_unregistration(content: bytes | None) -> tuple[str, str]:
-    obj = _object(content)
+def parse_unregistration(content: bytes | None, max_bytes: int = 4096) -> tuple[str, str]:
+    obj = _object(content, max_bytes)
     return _text(obj, "app_id"), _text(obj, "id")
 
 

@@ -2,8 +2,9 @@
 `skmq/store/lua/` (the transitions are listed in `skmq/lifecycle.py`).
 
 Each script gets every key it touches in KEYS, in the order `KEYS` below names them
-(after the app's key base; `done:<b>` buckets are appended by the caller), so Redis
-Cluster and proxies can route it: all of one app's keys share the app's hash tag. The
+(a name is under the app's key base, `@name` is a key of the whole store; `done:<b>`
+buckets are appended by the caller), so Redis Cluster and proxies can route it: all of
+one app's keys share the app's hash tag. The
 helpers of `lib.lua` (and, for fail and reap, the retry policy of `retry.lua`) are
 prepended to a script when it is loaded.
 """
@@ -14,7 +15,7 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": ("msgs", "ready", "delayed"),  # + done:<current>, done:<previous>
+    "store": ("msgs", "ready", "delayed", "@apps"),  # + done:<current>, done:<previous>
     "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
     "fail": ("msgs", "state", "delayed", "inflight", "dead"),
     "reap": ("msgs", "state", "delayed", "inflight", "dead"),
@@ -26,6 +27,10 @@ KEYS: dict[str, tuple[str, ...]] = {
     "set_state": ("recipients", "rstate", "rbeat"),
     "register": ("recipients", "rstate", "rbeat"),
     "unregister": ("recipients", "rstate", "rbeat"),
+    "forget": (
+        *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
+        *("msgs", "state", "rstate", "rbeat", "rate", "@apps"),  # dropped
+    ),
 }
 
 _PRELUDES: dict[str, tuple[str, ...]] = {"fail": ("retry",), "reap": ("retry",)}

@@ -16,7 +16,8 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -46,19 +47,27 @@ def _escape_tag(app: str) -> str:
     return app.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
 
 
-def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
+class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):  # type: ignore[misc]
+    """The Sentinel-managed pool (master discovery) that waits for a free connection."""
+
+
+def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> aioredis.Redis:
     """A client for REDIS_URL: `redis://`, `rediss://`, `unix://`, or
     `redis+sentinel://[:password@]host1:26379,host2:26379/<service>[/<db>]`, which asks
-    the Sentinels for the current master (and again after a failover)."""
+    the Sentinels for the current master (and again after a failover).
+
+    At most `pool_size` connections; a call finding them all busy waits up to `wait`
+    seconds for one (a burst queues up instead of failing with "Too many connections")."""
     options: dict[str, Any] = {
         "encoding_errors": ENC,
         "decode_responses": False,
-        "max_connections": max_connections,
+        "max_connections": pool_size,
+        "timeout": wait,
         "socket_connect_timeout": 2.0,
         "socket_timeout": 10.0,
     }
     if not url.startswith("redis+sentinel://"):
-        return aioredis.Redis.from_url(url, **options)
+        return aioredis.Redis.from_pool(BlockingConnectionPool.from_url(url, **options))
     parsed = urlsplit(url)
     hosts = []
     for part in parsed.netloc.rpartition("@")[2].split(","):
@@ -70,6 +79,7 @@ def connect_redis(url: str, max_connections: int = 64) -> aioredis.Redis:
     sentinel = Sentinel(hosts, socket_connect_timeout=2.0)
     master: aioredis.Redis = sentinel.master_for(
         path[0],
+        connection_pool_class=_SentinelBlockingPool,
         db=int(path[1]) if len(path) > 1 else 0,
         password=unquote(parsed.password) if parsed.password else None,
         **options,
@@ -215,11 +225,34 @@ class Store:
 
     # -- scripts ------------------------------------------------------------
     def _keys(self, name: str, app: str, *extra: str) -> list[str]:
+        """The keys script `name` declares for `app` (then `extra` keys of the app)."""
         base = self.base(app)
-        return [base + key for key in (*scripts.KEYS[name], *extra)]
+        return [
+            self.global_key(key[1:]) if key.startswith("@") else base + key
+            for key in (*scripts.KEYS[name], *extra)
+        ]
 
     async def _call(self, name: str, app: str, args: Sequence[Any], *extra_keys: str) -> Any:
         return await self._scripts[name](self._keys(name, app, *extra_keys), args)
+
+    async def _call_each(
+        self, name: str, calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]]
+    ) -> list[Any]:
+        """Script `name` once per (app, args, extra keys), pipelined in one round trip."""
+        script = self._scripts[name]
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            for app, args, extra in calls:
+                keys = self._keys(name, app, *extra)
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                results: list[Any] = await pipe.execute()
+                return results
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self.redis.script_load(script.script)
+        raise AssertionError("unreachable")
 
     async def load_scripts(self) -> None:
         """Load every script at start-up: a Redis that refuses scripting fails now."""
@@ -237,24 +270,14 @@ class Store:
         """Store the messages of several apps in one round trip; True stored, False duplicate."""
         bucket = self._bucket(now)
         done = (self._done(bucket), self._done(bucket - 1))
-        script = self._scripts["store"]
-        apps = list(batches)
-        for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=False)
-            for app in apps:
-                args: list[Any] = [now]
-                for m in batches[app]:
-                    args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
-                keys = self._keys("store", app, *done)
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            try:
-                results = await pipe.execute()
-                break
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                await self.redis.script_load(script.script)
-        return {app: [bool(x) for x in res] for app, res in zip(apps, results, strict=True)}
+        calls = []
+        for app, messages in batches.items():
+            args: list[Any] = [now, app]
+            for m in messages:
+                args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
+            calls.append((app, args, done))
+        results = await self._call_each("store", calls)
+        return {app: [bool(x) for x in res] for app, res in zip(batches, results, strict=True)}
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
         """Record that a broker is alive (for `skmq status`)."""
@@ -274,6 +297,17 @@ class Store:
 
     async def apps(self) -> list[str]:
         return sorted(_s(a) for a in await self.redis.smembers(self.apps_key))
+
+    async def forget_apps(self, apps: Sequence[str]) -> list[str]:
+        """Drop from the apps set each app that holds no recipient and no message (checked
+        and removed in one script an app); returns the apps forgotten."""
+        if not apps:
+            return []
+        results = await self._call_each("forget", [(app, [app], ()) for app in apps])
+        gone = [app for app, res in zip(apps, results, strict=True) if res]
+        for app in gone:
+            self._bases.pop(app, None)
+        return gone
 
     # -- dispatch -----------------------------------------------------------
     async def claim(
@@ -332,15 +366,24 @@ class Store:
             for i in range(0, len(res), 4)
         ]
 
-    async def reap(self, app: str, now: int, limit: int = 500) -> list[Reaped]:
-        res = await self._call("reap", app, [now, limit, *self._retry_args()])
-        return [
-            Reaped(
-                _s(res[i]),
-                Failed(int(res[i + 1]), int(res[i + 2]), int(res[i + 3]), _s(res[i + 4])),
-            )
-            for i in range(0, len(res), 5)
-        ]
+    async def reap(
+        self, apps: Sequence[str], now: int, limit: int = 500
+    ) -> dict[str, list[Reaped]]:
+        """Expired leases of several apps, in one round trip (one script call an app)."""
+        if not apps:
+            return {}
+        args = [now, limit, *self._retry_args()]
+        results = await self._call_each("reap", [(app, args, ()) for app in apps])
+        return {
+            app: [
+                Reaped(
+                    _s(res[i]),
+                    Failed(int(res[i + 1]), int(res[i + 2]), int(res[i + 3]), _s(res[i + 4])),
+                )
+                for i in range(0, len(res), 5)
+            ]
+            for app, res in zip(apps, results, strict=True)
+        }
 
     async def in_flight(self, app: str) -> list[str]:
         return [_s(x) for x in await self.redis.zrange(self.base(app) + "inflight", 0, -1)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import structlog
@@ -26,6 +27,9 @@ log = structlog.get_logger("skmq.dispatch")
 CLAIM_BATCH = 512
 FIRST_CLAIM = 4
 POLL = 0.25
+# An app with nothing to do polls less and less often, down to once in IDLE_POLL: its
+# own work wakes it at once; only work stored by another broker waits for a poll.
+IDLE_POLL = 5.0
 
 
 class Dispatcher:
@@ -37,6 +41,7 @@ class Dispatcher:
         free_slots: Callable[[str, list[Recipient]], dict[str, int]],
         deliver: Callable[[str, list[Claimed]], None],
         delivery_rate: float = 0.0,
+        claims: asyncio.Semaphore | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -46,12 +51,17 @@ class Dispatcher:
         self.wake = asyncio.Event()
         self.balancer = Balancer()
         self.delivery_rate = delivery_rate
+        self.claims = claims if claims is not None else asyncio.Semaphore(1)
         self.paused = False
         # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
         self.starved = False
         # Claims start small and double while they come back full: a lone message does
         # not pay for a batch of 512 picks and arguments.
         self.batch = FIRST_CLAIM
+        # When the last claim took something (monotonic): the engine reaps this app's
+        # leases often only while it has been claiming.
+        self.last_claim = float("-inf")
+        self.idle_wait = POLL
 
     async def run(self) -> None:
         backoff = 0.05
@@ -66,13 +76,19 @@ class Dispatcher:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timeout):
                         await self.wake.wait()
+                        self.idle_wait = POLL
+
+    def _idle(self) -> float:
+        """Nothing to do: sleep twice as long as last time, up to IDLE_POLL."""
+        wait, self.idle_wait = self.idle_wait, min(IDLE_POLL, self.idle_wait * 2)
+        return wait
 
     async def step(self) -> float:
         """Claim and push once; returns how long to sleep unless woken (0: go on now)."""
         self.wake.clear()
         recipients = [] if self.paused else self.alive(self.app)
         if not recipients:
-            return POLL
+            return self._idle()
         free = self.free_slots(self.app, recipients)
         n = min(sum(free.values()), self.batch)
         self.starved = n <= 0
@@ -84,13 +100,16 @@ class Dispatcher:
         if n == 0:
             self.starved = True
             return POLL
-        now = now_ms()
         alive = [AliveRecipient(r.id, free.get(r.id, 0), "length" in r.caps) for r in recipients]
-        claimed, next_due, rate_wait = await self.store.claim(
-            self.app, now, n, alive, assignment, self.delivery_rate
-        )
+        async with self.claims:
+            now = now_ms()
+            claimed, next_due, rate_wait = await self.store.claim(
+                self.app, now, n, alive, assignment, self.delivery_rate
+            )
         self.balancer.commit(sum(1 for c in claimed if c.kind == "queue"))
         if claimed:
+            self.last_claim = time.monotonic()
+            self.idle_wait = POLL
             self.deliver(self.app, claimed)
         if rate_wait > 0:
             return rate_wait
@@ -100,4 +119,4 @@ class Dispatcher:
         self.batch = FIRST_CLAIM
         if next_due is not None:
             return min(POLL, max(0.0, (next_due - now_ms()) / 1000))
-        return POLL
+        return POLL if claimed else self._idle()

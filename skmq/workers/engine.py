@@ -32,6 +32,9 @@ from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.engine")
 
+# Apps a reap round checks in turn, besides those this broker claimed for lately.
+REAP_SWEEP = 500
+
 
 class Engine:
     def __init__(
@@ -61,6 +64,10 @@ class Engine:
         self._dispatch_tasks: dict[str, asyncio.Task[None]] = {}
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._known_apps: set[str] = set()
+        self._reap_cursor = 0
+        # Claims of all dispatchers at once: half the Redis pool at most, so that a wave
+        # of dispatchers (thousands of apps found at once) leaves producers room.
+        self._claims = asyncio.Semaphore(max(1, settings.redis_pool_size // 2))
         self._stopping = False
         self.healthy = True
         self.signer = signer  # None: pushes are not signed
@@ -145,6 +152,7 @@ class Engine:
                 self._free_slots,
                 self._deliver,
                 self.settings.delivery_rate,
+                self._claims,
             )
             self._dispatch_tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
@@ -385,15 +393,47 @@ class Engine:
         for app in apps:
             if app not in self.dispatchers:
                 self.notify(app)
+        await self._forget_empty([app for app in apps if not self.registry.all(app)])
         await self.store.note_broker(
             self.broker_id,
             {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port},
         )
 
+    async def _forget_empty(self, apps: list[str]) -> None:
+        """Forget apps without recipients that hold no message (the store decides, one
+        script an app): out of the apps set, no dispatcher, nothing held here."""
+        gone = set()
+        for app in await self.store.forget_apps(apps):
+            if self.registry.all(app):  # registered here meanwhile: the next refresh has it
+                continue
+            gone.add(app)
+            d = self.dispatchers.pop(app, None)
+            if d is not None:
+                d.paused = True
+                d.wake.set()
+            task = self._dispatch_tasks.pop(app, None)
+            if task is not None:  # ends on its own now; held until then
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
+            self._known_apps.discard(app)
+            self.registry.forget(app)
+            log.info("app forgotten: no recipients, no messages", app=app)
+        for key in [key for key in self.links if key[0] in gone]:
+            self.links.pop(key).close()  # nothing in flight: the app holds no message
+
     async def _reap(self) -> None:
-        """Leases that ran out: pushes never answered, here or on a broker that died."""
-        for app in list(self.dispatchers):
-            reaped = await self.store.reap(app, now_ms())
+        """Leases that ran out: pushes never answered, here or on a broker that died.
+
+        One round trip a round: the apps this broker claimed for lately, and the next
+        REAP_SWEEP apps in turn (leases of other brokers), so that a round's work does not
+        grow with the number of apps."""
+        recent = time.monotonic() - 2 * self.settings.ack_timeout
+        apps = list(self.dispatchers)
+        start = self._reap_cursor % len(apps) if apps else 0
+        self._reap_cursor = start + REAP_SWEEP
+        turn = set(apps[start : start + REAP_SWEEP])
+        turn.update(app for app, d in self.dispatchers.items() if d.last_claim > recent)
+        for app, reaped in (await self.store.reap(sorted(turn), now_ms())).items():
             for r in reaped:
                 if r.result.code == Failed.STALE:
                     continue

@@ -1,9 +1,14 @@
 """The enqueue worker: producer messages of one handle batch stored in one Redis round
 trip (one script call an app, pipelined), logged, and then answered.
 
-A batch's replies are awaitables resolving to `resp` bytes; the reply stage awaits them
-in frame order, so several batches can wait on Redis at once while every connection
-still gets its answers in order.
+A batch's replies are awaitables resolving to `resp` bytes; each connection's reply
+writer awaits them in frame order, so several batches can wait on Redis at once while
+every connection still gets its answers in order.
+
+Memory while the store is slow or stalled is bounded: a store call (the wait for a
+Redis connection included) gives up after STORE_TIMEOUT, its producers then hear
+`error` "store unavailable"; and while MAX_STORE_PENDING_BYTES of content wait for the
+store, `room()` holds the handle stage back (backpressure down to TCP).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class StoreReply:
         self.index = index
         self.msgid = msgid
 
+    def done(self) -> bool:
+        return self.batch.future.done()
+
     def __await__(self) -> Generator[Any, None, bytes]:
         results = yield from self.batch.future.__await__()
         if results is None:
@@ -51,6 +59,7 @@ class EnqueueBatch:
     def __init__(self) -> None:
         self.messages: dict[str, list[NewMessage]] = {}
         self.received: list[int] = []
+        self.size = 0  # content bytes
         self.future: asyncio.Future[dict[str, list[bool]] | None] = (
             asyncio.get_running_loop().create_future()
         )
@@ -58,6 +67,7 @@ class EnqueueBatch:
     def add(self, app: str, message: NewMessage) -> StoreReply:
         msgs = self.messages.setdefault(app, [])
         msgs.append(message)
+        self.size += len(message.content)
         return StoreReply(self, app, len(msgs) - 1, message.msgid)
 
 
@@ -68,17 +78,33 @@ class Enqueuer:
         dlog: DeliveryLog,
         on_stored: Callable[[set[str]], None],
         note_apps: Callable[[set[str]], Any],
+        *,
+        max_pending_bytes: int = 64 << 20,
+        timeout: float = 5.0,
     ) -> None:
         self.store = store
         self.dlog = dlog
         self.on_stored = on_stored
         self.note_apps = note_apps
+        self.max_pending_bytes = max_pending_bytes
+        self.timeout = timeout
+        self.pending_bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def room(self) -> None:
+        """Return once less than MAX_STORE_PENDING_BYTES of content waits for the store
+        (at most STORE_TIMEOUT: every waiting batch is stored or failed by then)."""
+        await self._room.wait()
 
     def submit(self, batch: EnqueueBatch) -> None:
         if not batch.messages:
             batch.future.set_result({})
             return
+        self.pending_bytes += batch.size
+        if self.pending_bytes >= self.max_pending_bytes:
+            self._room.clear()
         spawn(self._store(batch), self._tasks)
 
     async def drain(self) -> None:
@@ -92,13 +118,17 @@ class Enqueuer:
         finally:
             if not batch.future.done():
                 batch.future.set_result(None)
+            self.pending_bytes -= batch.size
+            if self.pending_bytes < self.max_pending_bytes:
+                self._room.set()
 
     async def _store_and_log(self, batch: EnqueueBatch) -> None:
         received = now_ms()
         try:
-            await self.note_apps(set(batch.messages))
-            results = await self.store.store(batch.messages, received)
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(self.timeout):
+                await self.note_apps(set(batch.messages))
+                results = await self.store.store(batch.messages, received)
+        except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store unavailable", error=repr(exc))
             batch.future.set_result(None)
             return
