@@ -90,7 +90,8 @@ def _int(value: Any, key: str, default: int | None = None) -> int:
 
 def _object(content: bytes | None, max_bytes: int) -> dict[str, Any]:
     """The content as a flat JSON object: at most `max_bytes`, no value an object or array
-    (nesting past the parser's recursion limit is refused, not raised)."""
+    but `caps`, a list of strings (nesting past the parser's recursion limit is refused,
+    not raised)."""
     if not content:
         raise RegistrationError("content must be a JSON object")
     if len(content) > max_bytes:
@@ -103,7 +104,7 @@ def _object(content: bytes | None, max_bytes: int) -> dict[str, Any]:
         raise RegistrationError("content is nested too deeply") from None
     if not isinstance(obj, dict):
         raise RegistrationError("content must be a JSON object")
-    if any(isinstance(v, dict | list) for v in obj.values()):
+    if any(isinstance(v, dict | list) for k, v in obj.items() if k != "caps"):
         raise RegistrationError("content must be a flat JSON object (no nested values)")
     return obj
 
