@@ -1,0 +1,105 @@
+"""Answers that did not come with their push: on the broker's port (SPEC 3: after
+`arrived` a recipient may answer on a connection of its own, perhaps to another broker),
+or on a push connection that did not carry that push. They are fenced (docs/SECURITY.md):
+an answer changes a delivery only while it is in flight, and only from the recipient it
+was pushed to, or with its delivery token. Never guessed: an answer that fits no delivery
+in flight, or several, is refused. Whatever it settles goes the one way every answer
+goes, through the answer batcher."""
+
+from __future__ import annotations
+
+import time
+
+from skmq.codec import Frame
+from skmq.peer import Peer
+from skmq.registry.own_addresses import same_host
+from skmq.registry.recipients import Registry
+from skmq.store import Store
+from skmq.workers.answers import AnswerBatcher
+from skmq.workers.link import ANSWERS, DETAILS, Resp
+from skmq.workers.pusher import Pusher
+
+InFlight = tuple[str, str, int]  # delivery id, recipient, attempt
+
+
+class AnswerRouter:
+    def __init__(
+        self, store: Store, registry: Registry, pusher: Pusher, answers: AnswerBatcher
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.pusher = pusher
+        self.answers = answers
+
+    async def answer(
+        self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
+    ) -> Resp:
+        """`sender`: the (app, recipient) whose push connection it came on; else `peer`
+        must be that recipient (its registered host, or a connection authenticated for
+        the app), or the frame must echo the push's delivery token."""
+        msgid = frame.fields.get("msgid")
+        if not msgid:
+            return ("reject", "msgid required")
+        app = sender[0] if sender else frame.fields.get("appid") or None
+        if app is None:
+            app = await self.store.find_app(msgid)
+            if app is None:
+                return ("reject", f"message {msgid!r} is not in flight")
+        found = await self._delivery(frame, msgid, app, peer, sender)
+        if isinstance(found, str):
+            return ("reject", found)
+        delivery_id, rid, attempt = found
+        pushed = self.pusher.pushed(app, rid, msgid)
+        if frame.type == "arrived":
+            if pushed is not None:
+                pushed.arrived_at = time.monotonic()
+                self.pusher.dlog.event("arrived", msgid, app, pushed.kind, rid, attempt)
+            return ("ack", "arrived")
+        if pushed is not None:
+            self.pusher.settled(app, rid, msgid)
+        outcome = ANSWERS[frame.type]
+        detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
+        return await self.answers.submit_and_wait(app, delivery_id, outcome, detail, rid, attempt)
+
+    async def _delivery(
+        self, frame: Frame, msgid: str, app: str, peer: Peer | None, sender: tuple[str, str] | None
+    ) -> InFlight | str:
+        """The one delivery in flight the answer is for, or why there is none."""
+        named = sender[1] if sender else frame.fields.get("recipient") or None
+        found = await self.store.in_flight_of(app, msgid)
+        if named is not None:
+            found = [f for f in found if f[1] == named]
+        if not found:
+            return f"message {msgid!r} is not in flight"
+        token = frame.fields.get("token")
+        if token is not None:
+            tokens = self.pusher.tokens
+            found = [f for f in found if tokens.attempt_of(token, app, f[0]) == f[2]]
+            if not found:
+                return "delivery token does not match a delivery in flight"
+        elif sender is None:
+            found = [f for f in found if self._sent_by(peer, app, f[1])]
+            if not found:
+                return f"message {msgid!r} is not in flight to a recipient you are"
+        if len(found) > 1:
+            found = [f for f in found if self._arrived(app, f[1], msgid)] or found
+        if len(found) > 1:
+            return (
+                f"ambiguous: {len(found)} copies of {msgid!r} are in flight to recipients at "
+                "your address; name one (recipient=) or echo the push's token"
+            )
+        return found[0]
+
+    def _sent_by(self, peer: Peer | None, app: str, rid: str) -> bool:
+        """True when peer is the recipient rid of app: authenticated for the app, or
+        connecting from the host it registered."""
+        if peer is None:
+            return False
+        if peer.authenticated_for(app):
+            return True
+        r = self.registry.get(app, rid)
+        return r is not None and same_host(r.host, peer.host)
+
+    def _arrived(self, app: str, rid: str, msgid: str) -> bool:
+        d = self.pusher.pushed(app, rid, msgid)
+        return d is not None and d.arrived_at > 0

@@ -1,0 +1,239 @@
+"""Pushing: one link a recipient (skmq/workers/link.py), the deliveries a dispatcher
+claimed handed to them, and what the links report back (answers, broken connections,
+unreachable recipients). Every outcome goes to the answer batcher or the store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.aio import spawn
+from skmq.codec import Frame
+from skmq.config import Settings
+from skmq.deliverylog import DeliveryLog
+from skmq.registry.own_addresses import OwnAddresses
+from skmq.registry.recipients import Recipient, Registry
+from skmq.signing import PushSigner
+from skmq.store import Claimed, Store, split_delivery
+from skmq.workers.answers import AnswerBatcher
+from skmq.workers.link import Delivery, LinkTimeouts, RecipientLink, Resp
+from skmq.workers.tokens import DeliveryTokens
+
+log = structlog.get_logger("skmq.pusher")
+
+# An answer that came on a push connection without its push: (frame, (app, rid)) -> resp.
+LateAnswer = Callable[[Frame, tuple[str, str]], Awaitable[Resp]]
+
+
+class Pusher:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        dlog: DeliveryLog,
+        registry: Registry,
+        answers: AnswerBatcher,
+        notify: Callable[[str], None],
+        own: OwnAddresses,
+        signer: PushSigner | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.dlog = dlog
+        self.registry = registry
+        self.answers = answers
+        self.notify = notify
+        # Addresses this broker uses itself: never a recipient's (docs/SECURITY.md).
+        self.own = own
+        self.signer = signer  # None: pushes are not signed
+        self.tokens = DeliveryTokens(b"")  # keyed once the store's secret is read
+        self.late_answer: LateAnswer | None = None
+        self.links: dict[tuple[str, str], RecipientLink] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # -- links --------------------------------------------------------------
+    def link(self, app: str, r: Recipient) -> RecipientLink:
+        link = self.links.get((app, r.id))
+        if link is not None and (link.host, link.port, link.caps) != (r.host, r.port, r.caps):
+            link.close()
+            link = None
+        if link is None:
+            s = self.settings
+            link = self.links[(app, r.id)] = RecipientLink(
+                self,
+                app,
+                r.id,
+                r.host,
+                r.port,
+                r.caps,
+                window=s.push_window if "pipeline" in r.caps else s.legacy_window,
+                timeouts=LinkTimeouts(
+                    connect=min(s.ack_timeout, max(s.heartbeat_timeout, 1.0)),
+                    handshake=s.handshake_timeout,
+                    legacy_answer=s.legacy_answer_timeout,
+                ),
+                max_frame_bytes=s.max_frame_bytes,
+            )
+        return link
+
+    def pushed(self, app: str, rid: str, msgid: str) -> Delivery | None:
+        """This broker's push of msgid to rid, still waiting or given up on, if any."""
+        link = self.links.get((app, rid))
+        if link is None:
+            return None
+        return link.inflight.get(msgid) or link.expired.get(msgid)
+
+    def settled(self, app: str, rid: str, msgid: str) -> None:
+        """A final answer for that push came another way: free its window slot."""
+        link = self.links.get((app, rid))
+        if link is not None and link.take(msgid) is None:
+            link.expired.pop(msgid, None)
+        if link is not None:
+            link.benched_until = 0.0
+
+    def in_flight(self) -> Iterator[Delivery]:
+        for link in self.links.values():
+            yield from link.inflight.values()
+
+    def free_slots(self, app: str, recipients: list[Recipient]) -> dict[str, int]:
+        """Free window slots of each recipient that is not stalled (a full window whose
+        oldest push has waited longer than a healthy recipient would take)."""
+        stall_after = min(1.0, self.settings.ack_timeout / 2)
+        now = time.monotonic()
+        free = {}
+        for r in recipients:
+            link = self.link(app, r)
+            if link.benched(now):
+                continue
+            if link.free > 0 or not link.stalled(now, stall_after):
+                free[r.id] = link.free
+        return free
+
+    def sweep(self) -> set[str]:
+        """SPEC 3's ACK_WAIT and ACK_TIMEOUT on this broker's pushes; returns the apps
+        whose windows this freed."""
+        now = time.monotonic()
+        freed = set()
+        for link in self.links.values():
+            link.close_if_waiting_only(self.settings.ack_wait, now)
+            if link.drop_expired(now, self.settings.ack_timeout):
+                freed.add(link.app)
+        return freed
+
+    def timed_out(self, app: str, rid: str, msgid: str) -> None:
+        link = self.links.get((app, rid))
+        if link is not None:
+            link.timed_out(msgid, time.monotonic(), self.settings.ack_timeout)
+
+    def forget(self, apps: set[str]) -> None:
+        for key in [key for key in self.links if key[0] in apps]:
+            self.links.pop(key).close()  # nothing in flight: the app holds no message
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.inflight.clear()
+            link.close()
+
+    # -- pushing ------------------------------------------------------------
+    def deliver(self, app: str, claimed: list[Claimed]) -> None:
+        orphans: list[Delivery] = []
+        forbidden: list[Delivery] = []
+        for c in claimed:
+            if c.kind == "dead":
+                self._undeliverable(app, c)
+                continue
+            d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
+            r = self.registry.get(app, c.recipient)
+            if r is None:
+                orphans.append(d)
+                continue
+            if self.own.used_by_broker(r.host, r.port):
+                forbidden.append(d)
+                continue
+            link = self.link(app, r)
+            if "token" in link.caps:
+                d.token = self.tokens.make(app, c.delivery_id, c.attempt)
+            link.push(d)
+            self.dlog.event("pushed", c.msgid, app, c.kind, c.recipient, c.attempt)
+        if orphans:
+            self._hand_back(app, "", orphans, "recipient no longer registered")
+        for d in forbidden:
+            self._hand_back(
+                app, d.recipient, [d], "recipient address is one the broker uses itself"
+            )
+
+    def _undeliverable(self, app: str, c: Claimed) -> None:
+        kind = "topic" if split_delivery(c.delivery_id)[1] is not None else "queue"
+        reason = c.content.decode()
+        self.dlog.event("dead_lettered", c.msgid, app, kind, c.recipient or None, 0, reason)
+        log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
+
+    def _hand_back(self, app: str, rid: str, deliveries: list[Delivery], detail: str) -> None:
+        spawn(self._unreachable(app, rid, deliveries, detail), self.tasks)
+
+    async def _unreachable(
+        self, app: str, rid: str, deliveries: list[Delivery], detail: str
+    ) -> None:
+        """An unreachable recipient is lost; its queue messages go to another recipient
+        without spending an attempt, its topic copies count a failed attempt."""
+        try:
+            if rid:
+                await self.registry.mark(app, rid, False, detail)
+            queue = [d for d in deliveries if d.kind == "queue"]
+            released = await self.store.release(app, [d.delivery_id for d in queue])
+            for d, ok in zip(queue, released, strict=True):
+                if ok:
+                    self.dlog.event(
+                        "unreachable", d.msgid, app, d.kind, d.recipient, d.attempt, detail
+                    )
+            for d in deliveries:
+                if d.kind == "topic":
+                    self.answers.submit(
+                        app, d.delivery_id, "unreachable", detail, d.recipient, d.attempt
+                    )
+        except (RedisError, OSError) as exc:
+            log.warning("could not hand back deliveries; their leases will", error=repr(exc))
+        self.notify(app)
+
+    # -- LinkOwner: what the links report -----------------------------------
+    def push_fields(self, app: str, msgid: str, content: bytes) -> tuple[tuple[str, str], ...]:
+        """Extension fields of a push: its signature when SIGNING_SECRET is set."""
+        return self.signer.fields(app, msgid, content) if self.signer is not None else ()
+
+    def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
+        self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
+
+    def on_answer(
+        self,
+        link: RecipientLink,
+        d: Delivery,
+        outcome: str,
+        detail: str,
+        reply: Callable[[Resp], None],
+    ) -> None:
+        self.answers.submit(link.app, d.delivery_id, outcome, detail, link.rid, d.attempt, reply)
+
+    def on_unknown_answer(
+        self, link: RecipientLink, frame: Frame, reply: Callable[[Resp], None]
+    ) -> None:
+        late = self.late_answer
+        assert late is not None, "the engine sets late_answer"
+
+        async def answer() -> None:
+            try:
+                reply(await late(frame, (link.app, link.rid)))
+            except (RedisError, OSError):
+                reply(("error", "store unavailable, answer again later"))
+
+        spawn(answer(), self.tasks)
+
+    def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
+        for d in deliveries:
+            self.answers.submit(link.app, d.delivery_id, "errored", detail, link.rid, d.attempt)
+
+    def on_unreachable(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
+        self._hand_back(link.app, link.rid, deliveries, detail)
