@@ -2,9 +2,9 @@
 
 A task that raises is logged with its name and traceback, counted, and started again
 after a backoff (0.1 s doubling to 5 s, back to 0.1 s once it ran a while). A task that
-fails more than `max_restarts` times within `window` seconds, or raises `Unrecoverable`,
-cannot be helped by restarting: the supervisor calls `on_fatal` with a one-line reason,
-and the broker stops (non-zero exit) rather than run half alive.
+fails more than `max_restarts` times within `window` seconds cannot be helped by
+restarting: the supervisor calls `on_fatal` with a one-line reason, and the broker
+stops (non-zero exit) rather than run half alive.
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ FIRST_BACKOFF = 0.1
 MAX_BACKOFF = 5.0
 # A task that ran this long before failing starts again from the first backoff.
 STABLE_AFTER = 30.0
-
-
-class Unrecoverable(Exception):
-    """A failure that restarting cannot fix: the broker must stop."""
 
 
 class Supervisor:
@@ -67,10 +63,6 @@ class Supervisor:
                 return
             except asyncio.CancelledError:
                 raise
-            except Unrecoverable as exc:
-                log.error("task failed for good", task=name, error=str(exc), **context)
-                self.on_fatal(f"{name}: {exc}")
-                return
             except Exception as exc:
                 now = time.monotonic()
                 if now - started >= STABLE_AFTER:
