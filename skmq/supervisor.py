@@ -38,6 +38,13 @@ class Supervisor:
         self._recent: defaultdict[str, deque[float]] = defaultdict(deque)
         self.tasks: set[asyncio.Task[None]] = set()
 
+    def recent_failures(self) -> dict[str, int]:
+        """Failures within the window, by task (and its context, e.g. `dispatch/shop`)."""
+        cutoff = time.monotonic() - self.window
+        return {
+            key: n for key, times in self._recent.items() if (n := sum(t >= cutoff for t in times))
+        }
+
     def start(
         self, name: str, run: Callable[[], Awaitable[None]], **context: str
     ) -> asyncio.Task[None]:

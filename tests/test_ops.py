@@ -427,3 +427,7 @@ async def test_task_restarts_are_counted_per_task_in_metrics(make_broker: Broker
         await recovered.wait()
     _, text = await http_get(mport, "/metrics")
     assert metric(text, 'skmq_task_restarts_total{task="flaky"}') == 2.0, text
+    assert await http_get(mport, "/healthz") == (
+        200,
+        "degraded: tasks restarted in the last 60s: flaky (2x)\n",
+    )
