@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import re
 import signal
@@ -13,23 +14,22 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from skmq.aio import cancel_and_wait
 from skmq.auth import broker_tokens, push_signer
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
-from skmq.errors import UsageError
+from skmq.errors import Misconfigured, UsageError
 from skmq.handler import Handler
 from skmq.metrics import Metrics
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
-from skmq.store import Store, connect_redis
+from skmq.store import Store, check_eviction_policy, connect_redis, redacted
 from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
@@ -67,24 +67,8 @@ async def wait_for_redis(redis: aioredis.Redis, give_up: Callable[[], bool]) -> 
             delay = min(delay * 2, 2.0)
 
 
-EMBEDDED_CHECK_INTERVAL = 0.2
-EVICTING = ("allkeys-", "volatile-")
-
-
-class Misconfigured(RuntimeError):
-    """The environment makes a safe start impossible; the message says what to change."""
-
-
 class BadAddress(UsageError):
     """HOST or METRICS_HOST is not an address this machine can listen on."""
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"***@{host}").geturl()
 
 
 @contextlib.contextmanager
@@ -98,23 +82,6 @@ def listening(host: str, port: int, settings: str) -> Iterator[None]:
             raise BadAddress(f"{where}: not an address of this machine") from None
         why = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise Misconfigured(f"{where}: {why}") from None
-
-
-async def check_eviction_policy(redis: aioredis.Redis) -> None:
-    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
-    try:
-        reply = await redis.config_get("maxmemory-policy")
-    except ResponseError as exc:
-        log.warning("cannot read maxmemory-policy (CONFIG not allowed): make sure this Redis "
-                    "never evicts keys", error=str(exc))  # fmt: skip
-        return
-    raw = next(iter(reply.values()), b"")
-    policy = raw.decode() if isinstance(raw, bytes) else str(raw)
-    if policy.startswith(EVICTING):
-        raise Misconfigured(
-            f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
-            "set maxmemory-policy noeviction"
-        )
 
 
 class Broker:
@@ -146,7 +113,7 @@ class Broker:
         self.embedded.start()
         log.info(
             "embedded redis started",
-            url=_without_password(self.embedded.url),
+            url=redacted(self.embedded.url),
             data_dir=str(self.settings.data_dir),
         )
         return self.embedded.url
@@ -164,7 +131,7 @@ class Broker:
             await wait_for_redis(self.redis, give_up)
         except (RedisError, OSError) as exc:
             raise Misconfigured(
-                f"cannot reach Redis at {_without_password(url)} within {s.redis_wait:g}s "
+                f"cannot reach Redis at {redacted(url)} within {s.redis_wait:g}s "
                 f"(REDIS_WAIT): {exc}"
             ) from None
         await check_eviction_policy(self.redis)
@@ -218,7 +185,8 @@ class Broker:
             await self.server.start()
         self.own.add(s.host, self.server.port)
         if self.embedded is not None:
-            self.supervisor.start("embedded-redis", self._keep_embedded_redis)
+            keep = functools.partial(self.embedded.keep_running, self._embedded_restarted)
+            self.supervisor.start("embedded-redis", keep)
         if s.metrics_port:
             with listening(s.metrics_host, s.metrics_port, "METRICS_HOST/METRICS_PORT"):
                 await self.metrics.serve(s.metrics_host, s.metrics_port, self.engine)
@@ -230,27 +198,14 @@ class Broker:
             auth="on" if self.tokens is not None else "off",
             signed_pushes=self.signer is not None,
             broker=self.broker_id,
-            redis=_without_password(url),
+            redis=redacted(url),
             log_dir=str(s.delivery_log_dir),
         )
 
-    async def _keep_embedded_redis(self) -> None:
-        """Start the embedded server again whenever it exits (OOM killer, crash): same
-        port and AOF, so clients reconnect and nothing acknowledged is lost. A server
-        that cannot start again fails this task, and the supervisor gives up in time."""
-        embedded = self.embedded
-        assert embedded is not None
-        while True:
-            await asyncio.sleep(EMBEDDED_CHECK_INTERVAL)
-            status = embedded.exited()
-            if status is None:
-                continue
-            self.metrics.redis_restarts += 1
-            log.error("embedded redis exited, starting it again", status=status,
-                      restarts=self.metrics.redis_restarts)  # fmt: skip
-            embedded.launch()
-            await embedded.wait_ready()
-            log.info("embedded redis running again", url=_without_password(embedded.url))
+    def _embedded_restarted(self, status: int) -> None:
+        self.metrics.redis_restarts += 1
+        log.error("embedded redis exited, starting it again", status=status,
+                  restarts=self.metrics.redis_restarts)  # fmt: skip
 
     async def stop(self) -> None:
         log.info("broker stopping", broker=self.broker_id)

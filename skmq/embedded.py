@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -30,6 +31,7 @@ from urllib.parse import quote
 from skmq.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
+CHECK_INTERVAL = 0.2  # how often a running broker looks whether its server still runs
 INFO_FILE = "redis.json"
 SECRET_FILE = "redis.secret"
 
@@ -82,29 +84,43 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"embedded redis exited with status {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
-            return
+            raise ServerExited(f"embedded redis exited with status {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2) as s:
+            s.settimeout(0.2)
+            s.sendall(PING)
+            if _is_reply(s.recv(64)):
+                return
         time.sleep(0.01)
     raise RuntimeError(f"embedded redis did not listen on {host}:{port} within {timeout}s")
 
 
+PING = b"PING\r\n"
+
+
+def _is_reply(data: bytes) -> bool:
+    """Our server answers PING (+PONG, or -NOAUTH / -LOADING); a listener that is not
+    our server (something else took the port) does not."""
+    return data[:1] in (b"+", b"-")
+
+
+class ServerExited(RuntimeError):
+    """The server process ended while starting (its port taken, a bad AOF, ...)."""
+
+
 async def _answers_ping(host: str, port: int) -> bool:
-    """A server speaking RESP answers PING (+PONG, or -NOAUTH / -LOADING): a listener
-    that is not our server (something else took the port) does not."""
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError:
         return False
     try:
-        writer.write(b"PING\r\n")
+        writer.write(PING)
         async with asyncio.timeout(0.2):
             reply = await reader.read(64)
     except (OSError, TimeoutError):
         reply = b""
     finally:
         writer.close()
-    return reply[:1] in (b"+", b"-")
+    return _is_reply(reply)
 
 
 class DataDirBusy(UsageError):
@@ -136,12 +152,21 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         self._stop_leftover()
-        self.port = self.port or free_port(self.host)
         if self.auth:
             self._password = _secret(self.data_dir / SECRET_FILE)
-        self.launch()
-        assert self.proc is not None
-        _wait_port(self.host, self.port, self.proc, timeout)
+        chosen_here = not self.port
+        for attempt in range(3):
+            self.port = self.port or free_port(self.host)
+            self.launch()
+            assert self.proc is not None
+            try:
+                _wait_port(self.host, self.port, self.proc, timeout)
+                break
+            except ServerExited:
+                # A free port is free only until another process binds it: take another.
+                if not chosen_here or attempt == 2:
+                    raise
+                self.port = 0
         _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
 
     def info(self) -> dict[str, str | int]:
@@ -186,9 +211,19 @@ class EmbeddedRedis:
             preexec_fn=_die_with_parent,
         )
 
-    def exited(self) -> int | None:
-        """The exit status if the server process ended, else None."""
-        return None if self.proc is None else self.proc.poll()
+    async def keep_running(self, restarting: Callable[[int], None]) -> None:
+        """Start the server again whenever it exits (OOM killer, crash): same port and AOF,
+        so clients reconnect and nothing acknowledged is lost; `restarting(status)` is told
+        first. A server that cannot start again raises (its supervisor decides when to
+        give up). Run it in the main thread's loop (see `launch`)."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL)
+            status = None if self.proc is None else self.proc.poll()
+            if status is None:
+                continue
+            restarting(status)
+            self.launch()
+            await self.wait_ready()
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Wait (without blocking the loop) until a relaunched server listens."""

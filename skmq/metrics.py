@@ -218,6 +218,13 @@ class Metrics(Collector):
                 f"degraded: delivery log not writable ({self.dlog.error}); "
                 f"{self.dlog.backlog_lines} line(s) waiting, {self.dlog.dropped} dropped"
             )
+        failing = self.supervisor.recent_failures()
+        if failing:
+            tasks = ", ".join(f"{task} ({n}x)" for task, n in sorted(failing.items()))
+            return (
+                True,
+                f"degraded: tasks restarted in the last {self.supervisor.window:g}s: {tasks}",
+            )
         return True, "ok"
 
     # -- HTTP -----------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 A task that raises is logged with its name and traceback, counted, and started again
 after a backoff (0.1 s doubling to 5 s, back to 0.1 s once it ran a while). A task that
-fails more than `max_restarts` times within `window` seconds, or raises `Unrecoverable`,
-cannot be helped by restarting: the supervisor calls `on_fatal` with a one-line reason,
-and the broker stops (non-zero exit) rather than run half alive.
+fails more than `max_restarts` times within `window` seconds cannot be helped by
+restarting: the supervisor calls `on_fatal` with a one-line reason, and the broker
+stops (non-zero exit) rather than run half alive.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ MAX_BACKOFF = 5.0
 STABLE_AFTER = 30.0
 
 
-class Unrecoverable(Exception):
-    """A failure that restarting cannot fix: the broker must stop."""
-
-
 class Supervisor:
     def __init__(
         self,
@@ -41,6 +37,13 @@ class Supervisor:
         self.restarts: defaultdict[str, int] = defaultdict(int)
         self._recent: defaultdict[str, deque[float]] = defaultdict(deque)
         self.tasks: set[asyncio.Task[None]] = set()
+
+    def recent_failures(self) -> dict[str, int]:
+        """Failures within the window, by task (and its context, e.g. `dispatch/shop`)."""
+        cutoff = time.monotonic() - self.window
+        return {
+            key: n for key, times in self._recent.items() if (n := sum(t >= cutoff for t in times))
+        }
 
     def start(
         self, name: str, run: Callable[[], Awaitable[None]], **context: str
@@ -67,10 +70,6 @@ class Supervisor:
                 return
             except asyncio.CancelledError:
                 raise
-            except Unrecoverable as exc:
-                log.error("task failed for good", task=name, error=str(exc), **context)
-                self.on_fatal(f"{name}: {exc}")
-                return
             except Exception as exc:
                 now = time.monotonic()
                 if now - started >= STABLE_AFTER:

@@ -4,6 +4,7 @@ machine's own servers), and brokers on it, each test under its own KEY_PREFIX.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -139,13 +140,23 @@ def port_was_taken(log_path: Path) -> bool:
     return log_path.exists() and "address already in use" in log_path.read_text()[-500:]
 
 
-def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+def wait_listening(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 20.0,
+    ready: Callable[[int], bool] | None = None,
+) -> None:
+    """Until the process listens on the port (or, with `ready`, until ready(port))."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}")
-        if answers_ping(port):
-            return
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        if ready is not None:
+            if ready(port):
+                return
+        else:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                return
         time.sleep(0.02)
     raise TimeoutError(f"nothing listens on {port}")
 
@@ -168,7 +179,7 @@ class BrokerProcess:
             )  # fmt: skip
             log.close()
             try:
-                wait_listening(self.port, self.proc)
+                wait_listening(self.port, self.proc, ready=answers_ping)
                 return self
             except RuntimeError:
                 if not port_was_taken(self.log_path):

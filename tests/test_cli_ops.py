@@ -166,12 +166,21 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
         code, _, err = skmq(
             "serve", "--port", str(port), "--data-dir", str(tmp_path / "d"), "--log-level", "error"
         )
+        assert code == 1
+        assert one_line(err) == (
+            f"skmq serve: cannot listen on 127.0.0.1:{port} (HOST/PORT): address already in use"
+        )
+        code, _, err = skmq(
+            "serve", "--port", "0", "--metrics-port", str(port), "--data-dir",
+            str(tmp_path / "d"), "--log-level", "error",
+        )  # fmt: skip
+        assert code == 1
+        assert one_line(err) == (
+            f"skmq serve: cannot listen on 127.0.0.1:{port} (METRICS_HOST/METRICS_PORT): "
+            "address already in use"
+        )
     finally:
         taken.close()
-    assert code == 1
-    assert one_line(err) == (
-        f"skmq serve: cannot listen on 127.0.0.1:{port} (HOST/PORT): address already in use"
-    )
 
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
     code, _, err = skmq(

@@ -152,6 +152,13 @@ def test_a_broker_process_starts_beside_a_bad_recipient_record(
     log = broker_process.log_path.read_text()
     assert "Traceback" not in log, log
     assert "recipient record skipped" in log and "problem=\"no field 'host'\"" in log, log
+    status = subprocess.run(
+        [sys.executable, "-m", "skmq.cli", "status", "--json"],
+        env=broker_env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    (odd,) = [a for a in json.loads(status.stdout)["apps"] if a["appid"] == "odd"]
+    assert [(r["id"], r["host"]) for r in odd["recipients"]] == [("old", None)]
 
 
 def test_an_unrecoverable_failure_stops_the_broker_with_one_line(
@@ -420,3 +427,7 @@ async def test_task_restarts_are_counted_per_task_in_metrics(make_broker: Broker
         await recovered.wait()
     _, text = await http_get(mport, "/metrics")
     assert metric(text, 'skmq_task_restarts_total{task="flaky"}') == 2.0, text
+    assert await http_get(mport, "/healthz") == (
+        200,
+        "degraded: tasks restarted in the last 60s: flaky (2x)\n",
+    )

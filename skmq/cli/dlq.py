@@ -75,6 +75,7 @@ def printable(text: str, limit: int = 60) -> str:
 
 async def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_format)
     if args.verb != "list" and not (args.all or args.msgids or args.app):
         raise UsageError("say which: --all, --app A, or MSGID ...")
     only = admin_apps(settings, args.token)
@@ -102,7 +103,6 @@ async def _run(args: argparse.Namespace) -> int:
                 f"{' in app ' + repr(args.app) if args.app else ''}: nothing done"
             )
         done = await _apply(store, settings.delivery_log_dir, args.verb, letters)
-        configure_logging(settings.log_level, settings.log_format)
         structlog.get_logger("skmq.dlq").info(
             "operator action",
             action=f"dlq {args.verb}",

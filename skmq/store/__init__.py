@@ -1,5 +1,6 @@
 """The one module that owns every Redis key and every state change of SKMQ."""
 
+from skmq.store.checks import check_eviction_policy, redacted
 from skmq.store.store import (
     SEP,
     AliveRecipient,
@@ -26,6 +27,8 @@ __all__ = [
     "NewMessage",
     "Reaped",
     "Store",
+    "check_eviction_policy",
     "connect_redis",
+    "redacted",
     "split_delivery",
 ]

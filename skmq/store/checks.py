@@ -1,0 +1,41 @@
+"""What the broker checks of a Redis before trusting it with messages."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ResponseError
+
+from skmq.errors import Misconfigured
+
+log = structlog.get_logger("skmq.store")
+
+EVICTING = ("allkeys-", "volatile-")
+
+
+def redacted(url: str) -> str:
+    """A Redis URL fit for logs and messages: its password replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
+async def check_eviction_policy(redis: aioredis.Redis) -> None:
+    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
+    try:
+        reply = await redis.config_get("maxmemory-policy")
+    except ResponseError as exc:
+        log.warning("cannot read maxmemory-policy (CONFIG not allowed): make sure this Redis "
+                    "never evicts keys", error=str(exc))  # fmt: skip
+        return
+    raw = next(iter(reply.values()), b"")
+    policy = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if policy.startswith(EVICTING):
+        raise Misconfigured(
+            f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
+            "set maxmemory-policy noeviction"
+        )
