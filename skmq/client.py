@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Self, cast
 
+from skmq.coalesce import Coalescer, transport_sink
 from skmq.codec import PONG, CodecError, Decoder, Frame, InvalidFrame, encode_frame
 from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
 
@@ -171,37 +172,6 @@ class Message:
 Handler = Callable[[Message], Awaitable[None]]
 
 
-class _CoalescingWriter:
-    """Buffers writes and flushes them once per loop iteration.
-
-    Many concurrent `send` calls (or handler answers) each produce one small
-    frame; writing them one by one costs a syscall each.
-    """
-
-    __slots__ = ("_buf", "_loop", "_scheduled", "_transport")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport) -> None:
-        self._loop = loop
-        self._transport = transport
-        self._buf: list[bytes] = []
-        self._scheduled = False
-
-    def write(self, data: bytes) -> None:
-        self._buf.append(data)
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self._scheduled = False
-        if not self._buf:
-            return
-        data = b"".join(self._buf) if len(self._buf) > 1 else self._buf[0]
-        self._buf.clear()
-        if not self._transport.is_closing():
-            self._transport.write(data)
-
-
 # --------------------------------------------------------------------------- producer
 
 
@@ -214,7 +184,7 @@ class _RespProtocol(asyncio.Protocol):
         self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
         self.pending: collections.deque[asyncio.Future[Resp]] = collections.deque()
         self.transport: asyncio.Transport | None = None
-        self.writer: _CoalescingWriter | None = None
+        self.writer: Coalescer[bytes] | None = None
         self.closed: asyncio.Future[None] = loop.create_future()
         self._writable = asyncio.Event()
         self._writable.set()
@@ -226,7 +196,7 @@ class _RespProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
-        self.writer = _CoalescingWriter(self.loop, self.transport)
+        self.writer = Coalescer(transport_sink(self.transport))
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
@@ -264,7 +234,7 @@ class _RespProtocol(asyncio.Protocol):
                 self._on_resp(frame)
             elif frame.type == "ping":
                 assert self.writer is not None
-                self.writer.write(PONG)
+                self.writer.add(PONG)
             else:
                 log.debug("ignoring %r frame from broker %s", frame.type, self._peer)
 
@@ -402,7 +372,7 @@ class Producer:
         fut: asyncio.Future[Resp] = proto.loop.create_future()
         proto.pending.append(fut)
         assert proto.writer is not None
-        proto.writer.write(data)
+        proto.writer.add(data)
         return await fut
 
     async def hello(self) -> BrokerInfo:
@@ -471,7 +441,7 @@ class Producer:
         futs: list[asyncio.Future[Resp]] = [loop.create_future() for _ in frames]
         proto.pending.extend(futs)
         assert proto.writer is not None
-        proto.writer.write(b"".join(frames))
+        proto.writer.add(b"".join(frames))
         resps = await asyncio.gather(*futs)
         return [_named(resp, msgid) for resp, msgid in zip(resps, msgids, strict=True)]
 
@@ -496,7 +466,7 @@ class _PushProtocol(asyncio.Protocol):
         self._consumer = consumer
         self._decoder = Decoder(max_frame_bytes=consumer.max_frame_bytes)
         self._transport: asyncio.Transport | None = None
-        self._writer: _CoalescingWriter | None = None
+        self._writer: Coalescer[bytes] | None = None
         self._active = 0
         self._backlog: collections.deque[Message] = collections.deque()
         self._reading_paused = False
@@ -507,7 +477,7 @@ class _PushProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
-        self._writer = _CoalescingWriter(asyncio.get_running_loop(), self._transport)
+        self._writer = Coalescer(transport_sink(self._transport))
         self._consumer._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -560,7 +530,7 @@ class _PushProtocol(asyncio.Protocol):
 
     def _write(self, data: bytes) -> None:
         assert self._writer is not None
-        self._writer.write(data)
+        self._writer.add(data)
 
     def _on_push(self, frame: Frame) -> None:
         consumer = self._consumer

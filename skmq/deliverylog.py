@@ -26,6 +26,8 @@ from pathlib import Path
 
 import structlog
 
+from skmq.coalesce import Coalescer
+
 log = structlog.get_logger("skmq.deliverylog")
 
 # While writes fail, how often the backlog is tried again (besides every new flush).
@@ -63,8 +65,7 @@ class DeliveryLog:
         self._prefix = f"delivery-{broker_id}-"
         self._fd = -1
         self._size = 0
-        self._lines: list[str] = []
-        self._scheduled = False
+        self._lines: Coalescer[str] = Coalescer(self._take)
         # Lines not yet written (a write failed): bounded, oldest dropped first.
         self._backlog: deque[tuple[bytes, int]] = deque()
         self._backlog_size = 0
@@ -99,7 +100,7 @@ class DeliveryLog:
         detail: str | None = None,
         ts: int | None = None,
     ) -> None:
-        self._lines.append(
+        self._lines.add(
             f'{{"ts":{ts if ts is not None else now_ms()},"event":"{event}","msgid":{_q(msgid)},'
             f'"appid":{_q(appid)},"kind":{_q(kind)},"recipient":{_q(recipient)},'
             f'"attempt":{"null" if attempt is None else attempt},"broker":{self.broker},'
@@ -107,23 +108,21 @@ class DeliveryLog:
         )
         if self.listener is not None:
             self.listener(event, appid)
-        if not self._scheduled:
-            self._scheduled = True
-            try:
-                asyncio.get_running_loop().call_soon(self.flush)
-            except RuntimeError:
-                self.flush()
 
     def flush(self) -> None:
         """Hand the buffered lines to the kernel. A write error (ENOSPC, EIO) never reaches
         the caller: the lines wait in a bounded backlog, retried every RETRY_INTERVAL and
         with every later flush; past `backlog_bytes` the oldest are dropped and counted."""
-        self._scheduled = False
-        if self._lines:
-            data = "".join(self._lines).encode("utf-8", "replace")
-            self._backlog.append((data, len(self._lines)))
-            self._backlog_size += len(data)
-            self._lines.clear()
+        self._lines.flush()
+        self._write_backlog()
+
+    def _take(self, lines: list[str]) -> None:
+        data = "".join(lines).encode("utf-8", "replace")
+        self._backlog.append((data, len(lines)))
+        self._backlog_size += len(data)
+        self._write_backlog()
+
+    def _write_backlog(self) -> None:
         while self._backlog and self._fd >= 0:
             data, count = self._backlog[0]
             try:

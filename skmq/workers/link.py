@@ -27,6 +27,7 @@ from typing import Protocol, cast
 
 import structlog
 
+from skmq.coalesce import Coalescer
 from skmq.codec import PING, CodecError, Decoder, Frame, encode_frame, encode_resp
 
 log = structlog.get_logger("skmq.link")
@@ -95,8 +96,7 @@ class PushConnection(asyncio.Protocol):
         self._failure = "connection to recipient lost"
         self._decoder = Decoder(max_frame_bytes=link.max_frame_bytes)
         self._timer: asyncio.TimerHandle | None = None
-        self._out: list[bytes] = []
-        self._flush_scheduled = False
+        self._out: Coalescer[bytes] = Coalescer(self._write_out)
         self._task = asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
@@ -120,7 +120,7 @@ class PushConnection(asyncio.Protocol):
     def _push(self, d: Delivery) -> None:
         self.pushed[d.msgid] = d
         d.pushed_at = time.monotonic()
-        self._write(self.link.encode_push(d))
+        self._out.add(self.link.encode_push(d))
         if self.single_use:
             self._arm(self.link.timeouts.legacy_answer, "no answer within legacy_answer_timeout")
 
@@ -131,22 +131,14 @@ class PushConnection(asyncio.Protocol):
         connection of its own.)"""
         if self.transport is None or self.closed:
             return
-        self._write(encode_resp(resp[0], resp[1], msgid or None))
+        self._out.add(encode_resp(resp[0], resp[1], msgid or None))
         if self.single_use and not self.pushed:
-            self._flush()
+            self._out.flush()
             self.close()
 
-    def _write(self, data: bytes) -> None:
-        self._out.append(data)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self.transport is not None and self._out:
-            self.transport.write(b"".join(self._out))
-            self._out.clear()
+    def _write_out(self, chunks: list[bytes]) -> None:
+        if self.transport is not None:
+            self.transport.write(b"".join(chunks))
             self.last_write = time.monotonic()
 
     def _arm(self, delay: float, why: str) -> None:
