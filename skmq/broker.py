@@ -25,7 +25,7 @@ from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured, UsageError
-from skmq.handler import Handler
+from skmq.handler import FrameHandler
 from skmq.metrics import Metrics
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
@@ -179,7 +179,7 @@ class Broker:
             timeout=s.store_timeout,
         )
         self.server = Server(
-            s, Handler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
+            s, FrameHandler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
         )
         with listening(s.host, s.port, "HOST/PORT"):
             await self.server.start()

@@ -688,8 +688,8 @@ class Consumer:
         self._server: asyncio.Server | None = None
         self._connections: set[_PushProtocol] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._link: Producer | None = None
-        self._link_lock = asyncio.Lock()
+        self._broker_conn: Producer | None = None
+        self._broker_conn_lock = asyncio.Lock()
         self._stopping = False
 
     @property
@@ -715,10 +715,10 @@ class Consumer:
 
     async def register(self) -> Resp:
         """Send `register`; raises RegistrationError unless the broker acks."""
-        link = await self._broker()
+        broker = await self._broker()
         host = self.advertise_host or self.host
         if host in _WILDCARD_HOSTS:
-            local = link.local_address
+            local = broker.local_address
             host = local[0] if local else socket.gethostname()
         # The port as a string: the original broker refuses a number ("Invalid
         # parameters"). `caps` (an extension it ignores) says we take pipelined pushes,
@@ -731,7 +731,7 @@ class Consumer:
             "weight": self.weight,
             "caps": list(CONSUMER_CAPS),
         }
-        resp = await self._request(link, "register", body)
+        resp = await self._request(broker, "register", body)
         if not resp.ok:
             raise RegistrationError(resp)
         return resp
@@ -742,9 +742,9 @@ class Consumer:
         `unregister` is an extension: ExtensionUnsupported (and nothing sent but
         `hello`) when the broker does not have it.
         """
-        link = await self._broker()
-        await asyncio.wait_for(link.require("unregister"), BROKER_TIMEOUT)
-        return await self._request(link, "unregister", {"id": self.id, "app_id": self.app})
+        broker = await self._broker()
+        await asyncio.wait_for(broker.require("unregister"), BROKER_TIMEOUT)
+        return await self._request(broker, "unregister", {"id": self.id, "app_id": self.app})
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop listening, give running handlers `grace` seconds, then cancel them.
@@ -765,9 +765,9 @@ class Consumer:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
             except TimeoutError:
                 log.debug("server did not close in time")
-        if self._link is not None:
-            link, self._link = self._link, None
-            await link.close()
+        if self._broker_conn is not None:
+            broker, self._broker_conn = self._broker_conn, None
+            await broker.close()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -799,21 +799,21 @@ class Consumer:
 
     async def _broker(self) -> Producer:
         """Our own connection to the broker, (re)opened on demand."""
-        async with self._link_lock:
-            if self._link is None or not self._link.connected:
+        async with self._broker_conn_lock:
+            if self._broker_conn is None or not self._broker_conn.connected:
                 # One frame in flight: late answers can come in bursts, and an original
                 # broker mangles frames that reach it back to back.
-                link = Producer(
+                broker = Producer(
                     self.broker_host, self.broker_port, max_in_flight=1, token=self.token
                 )
-                await asyncio.wait_for(link.connect(), BROKER_TIMEOUT)
-                self._link = link
-            return self._link
+                await asyncio.wait_for(broker.connect(), BROKER_TIMEOUT)
+                self._broker_conn = broker
+            return self._broker_conn
 
     @staticmethod
-    async def _request(link: Producer, frame_type: str, body: dict[str, Any]) -> Resp:
+    async def _request(broker: Producer, frame_type: str, body: dict[str, Any]) -> Resp:
         content = json.dumps(body, separators=(",", ":")).encode()
-        return await asyncio.wait_for(link.request(frame_type, (), content), BROKER_TIMEOUT)
+        return await asyncio.wait_for(broker.request(frame_type, (), content), BROKER_TIMEOUT)
 
     def _answer_late(self, kind: str, fields: list[tuple[str, str]], content: bytes | None) -> None:
         self._track(asyncio.get_running_loop().create_task(self._send_late(kind, fields, content)))
@@ -822,8 +822,8 @@ class Consumer:
         self, kind: str, fields: list[tuple[str, str]], content: bytes | None
     ) -> None:
         try:
-            link = await self._broker()
-            resp = await asyncio.wait_for(link.request(kind, fields, content), BROKER_TIMEOUT)
+            broker = await self._broker()
+            resp = await asyncio.wait_for(broker.request(kind, fields, content), BROKER_TIMEOUT)
         except (OSError, TimeoutError) as exc:
             log.warning("could not send %s for %s to the broker: %s", kind, fields[0][1], exc)
             return

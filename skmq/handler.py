@@ -29,7 +29,7 @@ from skmq.config import Settings
 from skmq.deliverylog import now_ms
 from skmq.peer import Peer
 from skmq.registry.registration import (
-    RegistrationError,
+    RegistrationRefused,
     check_address,
     parse_registration,
     parse_unregistration,
@@ -91,7 +91,7 @@ def _int_field(frame: Frame, key: str) -> int | None:
     return value
 
 
-class Handler:
+class FrameHandler:
     def __init__(
         self,
         settings: Settings,
@@ -230,17 +230,17 @@ class Handler:
         try:
             reg = parse_registration(frame.content, peer.host, self.settings.max_registration_bytes)
             if (refused := self._refusal(peer, "consume", reg.app)) is not None:
-                raise RegistrationError(refused)
+                raise RegistrationRefused(refused)
             check_address(reg.host, peer.host, self.settings.recipient_networks)
             if self.engine.own.used_by_broker(reg.host, reg.port):
-                raise RegistrationError(
+                raise RegistrationRefused(
                     f"address {reg.host}:{reg.port} is one the broker uses itself "
                     "(its store or its own ports): never a recipient's"
                 )
             async with peer.store_calls:
                 await self.engine.registry.register(reg)
                 await self.engine.note_apps({reg.app})
-        except RegistrationError as exc:
+        except RegistrationRefused as exc:
             return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):
             return self._resp("store unavailable, register again later", msgid)
@@ -251,10 +251,10 @@ class Handler:
         try:
             app, rid = parse_unregistration(frame.content, self.settings.max_registration_bytes)
             if (refused := self._refusal(peer, "consume", app)) is not None:
-                raise RegistrationError(refused)
+                raise RegistrationRefused(refused)
             async with peer.store_calls:
                 removed = await self.engine.registry.unregister(app, rid)
-        except RegistrationError as exc:
+        except RegistrationRefused as exc:
             return self._resp(str(exc), msgid, "reject")
         except (RedisError, OSError):
             return self._resp("store unavailable, unregister again later", msgid)

@@ -29,7 +29,7 @@ import structlog
 from skmq.aio import cancel_and_wait, spawn
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
-from skmq.handler import Handler, Outcome, PendingReply
+from skmq.handler import FrameHandler, Outcome, PendingReply
 from skmq.peer import Peer
 from skmq.ratelimit import TokenBucket
 from skmq.supervisor import Supervisor
@@ -117,7 +117,7 @@ def _by_content_size(
 
 
 class Server:
-    def __init__(self, settings: Settings, handler: Handler, supervisor: Supervisor) -> None:
+    def __init__(self, settings: Settings, handler: FrameHandler, supervisor: Supervisor) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.handler = handler

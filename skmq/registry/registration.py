@@ -16,7 +16,7 @@ MAX_CAPS = 16
 MAX_WEIGHT = 1_000_000
 
 
-class RegistrationError(ValueError):
+class RegistrationRefused(ValueError):
     """Answered `reject` with this reason."""
 
 
@@ -46,20 +46,20 @@ def parse_caps(value: Any) -> frozenset[str]:
     if value is None:
         return frozenset()
     if not isinstance(value, list) or len(value) > MAX_CAPS:
-        raise RegistrationError(f"caps must be a list of at most {MAX_CAPS} strings")
+        raise RegistrationRefused(f"caps must be a list of at most {MAX_CAPS} strings")
     if not all(isinstance(c, str) for c in value):
-        raise RegistrationError("caps must be a list of strings")
+        raise RegistrationRefused("caps must be a list of strings")
     return frozenset(value) & KNOWN_CAPS
 
 
 def _text(obj: dict[str, Any], key: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not value:
-        raise RegistrationError(f"{key} must be a non-empty string")
+        raise RegistrationRefused(f"{key} must be a non-empty string")
     if len(value) > MAX_ID or any(ord(c) < 32 or c == "\x7f" for c in value):
-        raise RegistrationError(f"{key} must be at most {MAX_ID} printable characters")
+        raise RegistrationRefused(f"{key} must be at most {MAX_ID} printable characters")
     if not _is_unicode(value):
-        raise RegistrationError(f"{key} holds a lone surrogate (not Unicode text)")
+        raise RegistrationRefused(f"{key} holds a lone surrogate (not Unicode text)")
     return value
 
 
@@ -74,18 +74,18 @@ def _is_unicode(value: str) -> bool:
 def _int(value: Any, key: str, default: int | None = None) -> int:
     if value is None or value == "":
         if default is None:
-            raise RegistrationError(f"{key} is required")
+            raise RegistrationRefused(f"{key} is required")
         return default
     if isinstance(value, bool):
-        raise RegistrationError(f"{key} must be an integer")
+        raise RegistrationRefused(f"{key} must be an integer")
     if isinstance(value, str):
         try:
             return int(value.strip())
         except ValueError:
-            raise RegistrationError(f"{key} must be an integer, got {value!r}") from None
+            raise RegistrationRefused(f"{key} must be an integer, got {value!r}") from None
     if isinstance(value, int):
         return value
-    raise RegistrationError(f"{key} must be an integer")
+    raise RegistrationRefused(f"{key} must be an integer")
 
 
 def _object(content: bytes | None, max_bytes: int) -> dict[str, Any]:
@@ -93,19 +93,19 @@ def _object(content: bytes | None, max_bytes: int) -> dict[str, Any]:
     but `caps`, a list of strings (nesting past the parser's recursion limit is refused,
     not raised)."""
     if not content:
-        raise RegistrationError("content must be a JSON object")
+        raise RegistrationRefused("content must be a JSON object")
     if len(content) > max_bytes:
-        raise RegistrationError(f"content over {max_bytes} bytes (MAX_REGISTRATION_BYTES)")
+        raise RegistrationRefused(f"content over {max_bytes} bytes (MAX_REGISTRATION_BYTES)")
     try:
         obj = json.loads(content)
     except (ValueError, UnicodeDecodeError):
-        raise RegistrationError("content is not valid JSON") from None
+        raise RegistrationRefused("content is not valid JSON") from None
     except RecursionError:
-        raise RegistrationError("content is nested too deeply") from None
+        raise RegistrationRefused("content is nested too deeply") from None
     if not isinstance(obj, dict):
-        raise RegistrationError("content must be a JSON object")
+        raise RegistrationRefused("content must be a JSON object")
     if any(isinstance(v, dict | list) for k, v in obj.items() if k != "caps"):
-        raise RegistrationError("content must be a flat JSON object (no nested values)")
+        raise RegistrationRefused("content must be a flat JSON object (no nested values)")
     return obj
 
 
@@ -116,15 +116,15 @@ def parse_registration(
     obj = _object(content, max_bytes)
     port = _int(obj.get("port"), "port")
     if not 0 < port < 65536:
-        raise RegistrationError("port must be 1-65535")
+        raise RegistrationRefused("port must be 1-65535")
     weight = _int(obj.get("weight"), "weight", default=0)
     if not 0 <= weight <= MAX_WEIGHT:
-        raise RegistrationError(f"weight must be 0-{MAX_WEIGHT}")
+        raise RegistrationRefused(f"weight must be 0-{MAX_WEIGHT}")
     host = obj.get("host")
     if host is None or host == "":
         host = peer_host
     if not isinstance(host, str) or len(host) > 255:
-        raise RegistrationError("host must be a string")
+        raise RegistrationRefused("host must be a string")
     caps = parse_caps(obj.get("caps"))
     return Registration(_text(obj, "app_id"), _text(obj, "id"), host, port, weight, caps)
 
@@ -145,7 +145,7 @@ def check_address(host: str, peer_host: str, networks: Sequence[str]) -> None:
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
-        raise RegistrationError(
+        raise RegistrationRefused(
             f"host {host!r} is not an IP address (only IP literals and localhost are accepted)"
         ) from None
     if addr.is_loopback:
@@ -158,7 +158,7 @@ def check_address(host: str, peer_host: str, networks: Sequence[str]) -> None:
     for net in networks:
         if addr in ipaddress.ip_network(net, strict=False):
             return
-    raise RegistrationError(
+    raise RegistrationRefused(
         f"address {host} not allowed: only loopback, the registering peer's own address, "
         "or RECIPIENT_NETWORKS"
     )

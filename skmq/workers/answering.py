@@ -16,7 +16,7 @@ from skmq.registry.own_addresses import same_host
 from skmq.registry.recipients import Registry
 from skmq.store import Store
 from skmq.workers.answers import AnswerBatcher
-from skmq.workers.link import ANSWERS, DETAILS, Resp
+from skmq.workers.link import ANSWERS, DETAILS, Verdict
 from skmq.workers.pusher import Pusher
 
 InFlight = tuple[str, str, int]  # delivery id, recipient, attempt
@@ -33,7 +33,7 @@ class AnswerRouter:
 
     async def answer(
         self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
-    ) -> Resp:
+    ) -> Verdict:
         """`sender`: the (app, recipient) whose push connection it came on; else `peer`
         must be that recipient (its registered host, or a connection authenticated for
         the app), or the frame must echo the push's delivery token."""

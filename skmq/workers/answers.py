@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.store import Failed, Store, split_delivery
-from skmq.workers.link import Resp
+from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.answers")
 
@@ -29,7 +29,7 @@ class Answer:
     detail: str
     recipient: str
     attempt: int | None
-    done: Callable[[Resp], None]
+    done: Callable[[Verdict], None]
 
 
 def _kind(delivery_id: str) -> str:
@@ -59,7 +59,7 @@ class AnswerBatcher:
         detail: str = "",
         recipient: str = "",
         attempt: int | None = None,
-        done: Callable[[Resp], None] = lambda resp: None,
+        done: Callable[[Verdict], None] = lambda resp: None,
     ) -> None:
         self._pending.setdefault(app, []).append(
             Answer(delivery_id, outcome, detail, recipient, attempt, done)
@@ -75,8 +75,8 @@ class AnswerBatcher:
         detail: str = "",
         recipient: str = "",
         attempt: int | None = None,
-    ) -> asyncio.Future[Resp]:
-        fut: asyncio.Future[Resp] = asyncio.get_running_loop().create_future()
+    ) -> asyncio.Future[Verdict]:
+        fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self.submit(app, delivery_id, outcome, detail, recipient, attempt, fut.set_result)
         return fut
 
@@ -150,7 +150,7 @@ class AnswerBatcher:
 
     def record_failure(
         self, app: str, delivery_id: str, outcome: str, detail: str, recipient: str, r: Failed
-    ) -> Resp:
+    ) -> Verdict:
         """Log a failed attempt and what became of it; returns the resp for whoever answered."""
         msgid = split_delivery(delivery_id)[0]
         kind = _kind(delivery_id)

@@ -37,7 +37,7 @@ from skmq.workers.answering import AnswerRouter
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.dispatchers import Dispatchers
-from skmq.workers.link import RecipientLink, Resp
+from skmq.workers.link import RecipientLink, Verdict
 from skmq.workers.pusher import Pusher
 from skmq.workers.reaper import Reaper
 from skmq.workers.tokens import DeliveryTokens
@@ -99,7 +99,7 @@ class Engine:
     async def note_apps(self, apps: set[str]) -> None:
         await self.apps.note_apps(apps)
 
-    async def answer(self, frame: Frame, peer: Peer | None = None) -> Resp:
+    async def answer(self, frame: Frame, peer: Peer | None = None) -> Verdict:
         """An answer on the broker's port (skmq/workers/answering.py)."""
         return await self.router.answer(frame, peer)
 

@@ -32,7 +32,7 @@ from skmq.codec import PING, CodecError, Decoder, Frame, encode_frame, encode_re
 
 log = structlog.get_logger("skmq.link")
 
-Resp = tuple[str, str]
+Verdict = tuple[str, str]
 
 
 @dataclass(slots=True, eq=False)
@@ -58,10 +58,10 @@ class LinkOwner(Protocol):
         delivery: Delivery,
         outcome: str,
         detail: str,
-        reply: Callable[[Resp], None],
+        reply: Callable[[Verdict], None],
     ) -> None: ...
     def on_unknown_answer(
-        self, link: RecipientLink, frame: Frame, reply: Callable[[Resp], None]
+        self, link: RecipientLink, frame: Frame, reply: Callable[[Verdict], None]
     ) -> None: ...
     def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None: ...
     def on_unreachable(
@@ -124,7 +124,7 @@ class PushConnection(asyncio.Protocol):
         if self.single_use:
             self._arm(self.link.timeouts.legacy_answer, "no answer within legacy_answer_timeout")
 
-    def reply(self, msgid: str, resp: Resp) -> None:
+    def reply(self, msgid: str, resp: Verdict) -> None:
         """Answer the recipient's frame; an original peer's connection closes once its push
         has its final answer. (After `arrived` it stays open for ACK_WAIT, for a final
         answer on it; the original recipient may instead close it and answer on a
@@ -297,7 +297,7 @@ class RecipientLink:
         kind = frame.type
         msgid = frame.fields.get("msgid", "")
 
-        def reply(resp: Resp) -> None:
+        def reply(resp: Verdict) -> None:
             conn.reply(msgid, resp)
 
         d = self.inflight.get(msgid)

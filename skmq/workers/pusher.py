@@ -20,13 +20,13 @@ from skmq.registry.recipients import Recipient, Registry
 from skmq.signing import PushSigner
 from skmq.store import Claimed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher
-from skmq.workers.link import Delivery, LinkTimeouts, RecipientLink, Resp
+from skmq.workers.link import Delivery, LinkTimeouts, RecipientLink, Verdict
 from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.pusher")
 
 # An answer that came on a push connection without its push: (frame, (app, rid)) -> resp.
-LateAnswer = Callable[[Frame, tuple[str, str]], Awaitable[Resp]]
+LateAnswer = Callable[[Frame, tuple[str, str]], Awaitable[Verdict]]
 
 
 class Pusher:
@@ -140,7 +140,7 @@ class Pusher:
 
     # -- pushing ------------------------------------------------------------
     def deliver(self, app: str, claimed: list[Claimed]) -> None:
-        orphans: list[Delivery] = []
+        unregistered: list[Delivery] = []
         forbidden: list[Delivery] = []
         for c in claimed:
             if c.kind == "dead":
@@ -149,7 +149,7 @@ class Pusher:
             d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
             r = self.registry.get(app, c.recipient)
             if r is None:
-                orphans.append(d)
+                unregistered.append(d)
                 continue
             if self.own.used_by_broker(r.host, r.port):
                 forbidden.append(d)
@@ -159,8 +159,8 @@ class Pusher:
                 d.token = self.tokens.make(app, c.delivery_id, c.attempt)
             link.push(d)
             self.dlog.event("pushed", c.msgid, app, c.kind, c.recipient, c.attempt)
-        if orphans:
-            self._hand_back(app, "", orphans, "recipient no longer registered")
+        if unregistered:
+            self._hand_back(app, "", unregistered, "recipient no longer registered")
         for d in forbidden:
             self._hand_back(
                 app, d.recipient, [d], "recipient address is one the broker uses itself"
@@ -213,12 +213,12 @@ class Pusher:
         d: Delivery,
         outcome: str,
         detail: str,
-        reply: Callable[[Resp], None],
+        reply: Callable[[Verdict], None],
     ) -> None:
         self.answers.submit(link.app, d.delivery_id, outcome, detail, link.rid, d.attempt, reply)
 
     def on_unknown_answer(
-        self, link: RecipientLink, frame: Frame, reply: Callable[[Resp], None]
+        self, link: RecipientLink, frame: Frame, reply: Callable[[Verdict], None]
     ) -> None:
         late = self.late_answer
         assert late is not None, "the engine sets late_answer"
