@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from spark.audit import build_spark, run_audit
+from skmq.audit_job.audit import build_spark, run_audit
 
 BASE_TS = 1_760_000_000_000
 APPS = {

@@ -40,8 +40,7 @@ def _have_java() -> bool:
 needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or 21")
 
 from pyspark.sql import SparkSession  # noqa: E402
-
-from spark.audit import (  # noqa: E402
+from skmq.audit_job.audit import (  # noqa: E402
     REPORT_KEYS,
     AuditInputError,
     resolve_log_paths,

@@ -6,7 +6,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from spark.audit import run_audit
+from skmq.audit_job.audit import run_audit
+
 from tests.conftest import BrokerFactory
 from tests.peers import FakeRecipient, RawClient
 
