@@ -65,6 +65,7 @@ __all__ = [
     "write_outputs",
 ]
 
+_JAVA_CLASS = re.compile(r"^(?:[a-z][a-z0-9_]*\.)+(?=[A-Z]\w*(?:Exception|Error)\b)")
 _URI = re.compile(r"\b(?:file|hdfs|s3a?|gs|abfss?|wasbs?|viewfs):/+[^\s,;'\"]+")
 
 
@@ -129,6 +130,12 @@ def run_audit(
     if session is None:
         prog.note(f"starting Spark ({master or 'local[*]'}) ...")
         session = build_spark(master, conf=conf, driver_memory=driver_memory)
+        asked = [*(conf or {}), *(["spark.driver.memory"] if driver_memory else [])]
+        if asked:
+            spark_conf = session.sparkContext.getConf()
+            prog.note(
+                "Spark settings: " + ", ".join(f"{k}={spark_conf.get(k)}" for k in sorted(asked))
+            )
     for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
         session.conf.set(f"spark.sql.files.{key}", str(skip_bad_files).lower())
     try:
@@ -153,10 +160,17 @@ def run_audit(
 
 
 def error_line(exc: BaseException) -> str:
-    """One line for a failure of Spark or its storage: the first line, the file named."""
+    """One line for a failure of Spark or its storage: the Java cause, the file named."""
     text = str(exc).strip()
-    first = next((line.strip() for line in text.splitlines() if line.strip()), repr(exc))
-    first = re.sub(r"^(py4j\.protocol\.)?Py4JJavaError: ", "", first)
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.strip().startswith(("at ", "..."))
+    ]
+    first = lines[0] if lines else repr(exc)
+    if first.startswith("An error occurred while calling") and len(lines) > 1:
+        first = lines[1].lstrip(": ")  # py4j: the Java exception is on the next line
+    first = _JAVA_CLASS.sub("", first, count=1)
     if len(first) > 300:
         first = first[:300] + "..."
     named = _URI.search(text)

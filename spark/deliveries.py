@@ -182,7 +182,7 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
     # dead letter began; a dead letter never replayed lasts until the ack.
     in_dlq = F.when(
         acked & (c("n_dl") > 0) & (c("n_rp") <= c("n_dl")),
-        c("sum_rp") - c("sum_dl") + (c("n_dl") - c("n_rp")) * first_ack_ts,
+        F.coalesce(c("sum_rp"), F.lit(0)) - c("sum_dl") + (c("n_dl") - c("n_rp")) * first_ack_ts,
     ).otherwise(F.lit(0))
     # Attempts before the ack's own: those of each dead letter that a replay ended (a
     # dead letter not replayed, the last, belongs to the same run of attempts).

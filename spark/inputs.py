@@ -289,6 +289,6 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     return raw.select(
         *fields,
         reason.alias("reason"),
-        F.when(reason.isNotNull(), F.col("_metadata.file_path")).alias("bad_file"),
+        F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
         F.when(reason.isNotNull(), F.substring(line, 1, SAMPLE_CHARS)).alias("bad_text"),
     )

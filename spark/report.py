@@ -53,7 +53,7 @@ REPORT_KEYS = (
     "anomalies",
 )
 PERCENTILES = (0.5, 0.95, 0.99)
-STAGES = 6
+STAGES = 7
 BAD_LINE_SAMPLES = 5
 DLQ_TABLE = 20
 HISTORY_EVENTS = 50
@@ -465,17 +465,18 @@ class _Job:
     def dead_letters(self) -> dict[str, Any]:
         with self.prog.stage("dead-letter queue") as notes:
             dead = self.deliveries.where(F.col("stored") & (F.col("status") == "dead"))
-            reason_rows = (
-                dead.groupBy("appid", "failure").count().orderBy("appid", "failure").collect()
+            reason_rows = dead.groupBy("appid", "failure").count().collect()
+            by_reason = sorted(
+                (
+                    {
+                        "appid": r["appid"],
+                        "reason": _failure_name(r["failure"]),
+                        "entries": int(r["count"]),
+                    }
+                    for r in reason_rows
+                ),
+                key=lambda e: (e["appid"], e["reason"]),
             )
-            by_reason = [
-                {
-                    "appid": r["appid"],
-                    "reason": _failure_name(r["failure"]),
-                    "entries": int(r["count"]),
-                }
-                for r in reason_rows
-            ]
             columns = ["appid", "msgid", "recipient", "failure", "tries", "dead_since"]
             oldest = dead.select(*columns).orderBy("dead_since", *_ref_order()).limit(DLQ_TABLE)
             most = dead.select(*columns).orderBy(F.desc("tries"), *_ref_order()).limit(DLQ_TABLE)
