@@ -73,6 +73,7 @@ LATENCY_EDGES: tuple[int, ...] = (
 )
 # Ordering of events with equal ts in the acked-after-dead-letter scan.
 _PRIO_ACKED, _PRIO_DEAD, _PRIO_REPLAYED = 0, 1, 2
+_COUNTED_FLAGS = ("acked_more_than_once", "pushed_after_ack")
 _CHART_EVENTS = (Event.STORED, Event.PUSHED, Event.ACKED, Event.DEAD_LETTERED)
 
 
@@ -200,33 +201,41 @@ def _ref_order() -> list[Column]:
     return [F.col("appid").asc(), F.col("msgid").asc(), F.col("recipient").asc_nulls_first()]
 
 
-def _acked_after_dead_letter(events: DataFrame, deliveries: DataFrame) -> DataFrame:
+_KEYS = "k_appid string, k_msgid string, k_recipient string"
+
+
+def _delivery_events(events: DataFrame, keys: DataFrame) -> DataFrame:
+    """The events of the deliveries in ``keys`` (k_appid, k_msgid, k_recipient): a
+    topic copy's own events and its message's events without recipient; a queue
+    message's events."""
+    topic_copy = (F.col("kind") == Kind.TOPIC.value) & F.col("recipient").isNotNull()
+    return events.join(
+        F.broadcast(keys),
+        (events["appid"] == keys["k_appid"])
+        & (events["msgid"] == keys["k_msgid"])
+        & (~topic_copy | (events["recipient"] == keys["k_recipient"])),
+    )
+
+
+def _acked_after_dead_letter(picked: DataFrame) -> DataFrame:
     """Deliveries acked after a dead letter with no replay between (appid, msgid, recipient).
 
-    Only deliveries with both an ack and a dead letter can be: their ack, dead-letter
-    and replay events are sorted by (ts, acked < dead_lettered < replayed) and scanned.
+    ``picked``: the events of the deliveries with both an ack and a dead letter (only
+    they can be); their ack, dead-letter and replay events are sorted by
+    (ts, acked < dead_lettered < replayed) and scanned.
     """
-    candidates = deliveries.where(F.col("stored") & F.col("acked_and_dead")).select(
-        F.col("appid").alias("c_appid"), F.col("msgid").alias("c_msgid"), "recipient"
-    )
     prio = (
         F.when(is_event(Event.ACKED), F.lit(_PRIO_ACKED))
         .when(is_event(Event.DEAD_LETTERED), F.lit(_PRIO_DEAD))
         .otherwise(F.lit(_PRIO_REPLAYED))
     )
-    steps = events.where(
+    steps = picked.where(
         F.col("event").isin(Event.ACKED.value, Event.DEAD_LETTERED.value, Event.REPLAYED.value)
     ).select(
-        "appid",
-        "msgid",
-        F.when(F.col("kind") == Kind.TOPIC.value, F.col("recipient")).alias("rkey"),
+        F.col("k_appid").alias("appid"),
+        F.col("k_msgid").alias("msgid"),
+        F.col("k_recipient").alias("recipient"),
         F.struct(F.col("ts").alias("ts"), prio.alias("prio")).alias("step"),
-    )
-    joined = steps.join(
-        F.broadcast(candidates),
-        (steps["appid"] == candidates["c_appid"])
-        & (steps["msgid"] == candidates["c_msgid"])
-        & steps["rkey"].eqNullSafe(candidates["recipient"]),
     )
     scan = F.aggregate(
         F.array_sort(F.collect_list("step")),
@@ -240,7 +249,7 @@ def _acked_after_dead_letter(events: DataFrame, deliveries: DataFrame) -> DataFr
         ),
     )
     return (
-        joined.groupBy("appid", "msgid", "recipient")
+        steps.groupBy("appid", "msgid", "recipient")
         .agg(scan["flag"].alias("flag"))
         .where(F.col("flag"))
         .select("appid", "msgid", "recipient")
@@ -350,16 +359,28 @@ class _Job:
         status = F.col("status")
         acked = status == "acked"
         with self.prog.stage("totals, latencies and attempts") as notes:
-            app_rows = (
-                stored.groupBy("appid")
+            # per app and (the rollup's total row) for all apps, in one job
+            latency = F.when(acked, F.col("latency"))
+            rolled = (
+                stored.rollup("appid")
                 .agg(
+                    F.grouping("appid").alias("all"),
                     count_if(status == "dead").alias("dead_letter_entries"),
-                    F.percentile(F.when(acked, F.col("latency")), 0.99).alias("p99_ms"),
+                    F.percentile(latency, list(PERCENTILES)).alias("p"),
+                    F.max(latency).alias("max"),
+                    count_if(latency < 0).alias("negative"),
+                    F.percentile("push_latency", list(PERCENTILES)).alias("push_p"),
+                    F.max("push_latency").alias("push_max"),
                     *(count_if(status == s).alias(s) for s in UNRESOLVED_STATES),
                     count_if(F.col("topic")).alias("topic_deliveries"),
+                    *(count_if(F.col(f)).alias(f) for f in _COUNTED_FLAGS),
                 )
                 .collect()
             )
+            app_rows = [r for r in rolled if not r["all"]]
+            empty: dict[str, Any] = dict.fromkeys(("p", "max", "push_p", "push_max"))
+            empty["negative"] = 0
+            lat = push = next((r.asDict() for r in rolled if r["all"]), empty)
             per_app = {r["appid"]: r for r in app_rows}
             message_rows = (
                 self.messages.groupBy("appid")
@@ -382,25 +403,11 @@ class _Job:
                     "dead_lettered": int(r["dead_lettered"]),
                     "unresolved": int(r["unresolved"]),
                     "dead_letter_entries": int(per_app[r["appid"]]["dead_letter_entries"]),
-                    "p99_ms": _round(per_app[r["appid"]]["p99_ms"]),
+                    "p99_ms": _round((per_app[r["appid"]]["p"] or [None] * 3)[2]),
                 }
                 for r in message_rows
                 if r["messages"]
             ]
-            lat = (
-                stored.where(acked)
-                .agg(
-                    F.percentile("latency", list(PERCENTILES)).alias("p"),
-                    F.max("latency").alias("max"),
-                    count_if(F.col("latency") < 0).alias("negative"),
-                )
-                .first()
-            )
-            push = stored.agg(
-                F.percentile("push_latency", list(PERCENTILES)).alias("p"),
-                F.max("push_latency").alias("max"),
-            ).first()
-            assert lat is not None and push is not None
             attempt_rows = (
                 stored.where(acked)
                 .groupBy("attempt", _latency_bucket(F.col("latency")).alias("bucket"))
@@ -441,7 +448,7 @@ class _Job:
         return {
             "totals": totals,
             "latency_ms": _percentiles(lat["p"], lat["max"]),
-            "first_push_ms": _percentiles(push["p"], push["max"]),
+            "first_push_ms": _percentiles(push["push_p"], push["push_max"]),
             "attempts": {
                 ("unknown" if k is None else str(int(k))): v
                 for k, v in sorted(attempts.items(), key=lambda kv: _attempt_key(kv[0]))
@@ -452,6 +459,7 @@ class _Job:
             "unstored": sum(int(r["unstored"]) for r in message_rows),
             "histogram": _histogram(hist),
             "topic_deliveries": {r["appid"]: int(r["topic_deliveries"]) for r in app_rows},
+            "flags": {f: sum(int(r[f]) for r in app_rows) for f in _COUNTED_FLAGS},
         }
 
     def sample(self, frame: DataFrame) -> list[dict[str, Any]]:
@@ -462,7 +470,8 @@ class _Job:
         return _ref_rows(rows.collect())
 
     # ---- 4. the dead-letter queue
-    def dead_letters(self) -> dict[str, Any]:
+    def dead_letters(self, messages: int) -> dict[str, Any]:
+        """The DLQ; ``messages`` is the number of dead-lettered messages (from totals)."""
         with self.prog.stage("dead-letter queue") as notes:
             dead = self.deliveries.where(F.col("stored") & (F.col("status") == "dead"))
             reason_rows = dead.groupBy("appid", "failure").count().collect()
@@ -478,12 +487,25 @@ class _Job:
                 key=lambda e: (e["appid"], e["reason"]),
             )
             columns = ["appid", "msgid", "recipient", "failure", "tries", "dead_since"]
-            oldest = dead.select(*columns).orderBy("dead_since", *_ref_order()).limit(DLQ_TABLE)
-            most = dead.select(*columns).orderBy(F.desc("tries"), *_ref_order()).limit(DLQ_TABLE)
-            oldest_rows, most_rows = oldest.collect(), most.collect()
+            by_age = Window.orderBy("dead_since", *_ref_order())
+            by_tries = Window.orderBy(F.desc("tries"), *_ref_order())
+            top = (
+                dead.select(
+                    *columns,
+                    F.row_number().over(by_age).alias("age_rank"),
+                    F.row_number().over(by_tries).alias("tries_rank"),
+                )
+                .where((F.col("age_rank") <= DLQ_TABLE) | (F.col("tries_rank") <= DLQ_TABLE))
+                .collect()
+            )
+            oldest_rows = sorted(
+                (r for r in top if r["age_rank"] <= DLQ_TABLE), key=lambda r: r["age_rank"]
+            )
+            most_rows = sorted(
+                (r for r in top if r["tries_rank"] <= DLQ_TABLE), key=lambda r: r["tries_rank"]
+            )
             histories = self._histories([*oldest_rows, *most_rows])
             entries = sum(r["entries"] for r in by_reason)
-            messages = dead.select("appid", "msgid").distinct().count() if entries else 0
             notes.append(f"{entries:,} entries of {messages:,} messages")
 
         def entry(r: Any) -> dict[str, Any]:
@@ -507,21 +529,32 @@ class _Job:
         }
 
     def _histories(self, rows: Sequence[Any]) -> dict[tuple[str, str, str | None], list[Any]]:
-        """The log events of a few deliveries, in order (at most HISTORY_EVENTS each)."""
+        """The log events of a few deliveries, in order (at most HISTORY_EVENTS each).
+
+        The same pass over the events keeps those of the deliveries with both an ack
+        and a dead letter, for the acked-after-dead-letter scan (``self.picked``).
+        """
+        wanted = self.spark.createDataFrame(
+            sorted({(r["appid"], r["msgid"], r["recipient"]) for r in rows}, key=str), _KEYS
+        )
+        candidates = self.deliveries.where(F.col("stored") & F.col("acked_and_dead")).select(
+            F.col("appid").alias("k_appid"),
+            F.col("msgid").alias("k_msgid"),
+            F.col("recipient").alias("k_recipient"),
+        )
+        self.picked = self.keep(
+            _delivery_events(self.events, wanted.unionByName(candidates).distinct())
+        )
+        want = wanted.toDF("w_appid", "w_msgid", "w_recipient")
+        joined = self.picked.join(
+            F.broadcast(want),
+            (F.col("k_appid") == F.col("w_appid"))
+            & (F.col("k_msgid") == F.col("w_msgid"))
+            & F.col("k_recipient").eqNullSafe(F.col("w_recipient")),
+            "left_semi",
+        )
         if not rows:
             return {}
-        keys = self.spark.createDataFrame(
-            sorted({(r["appid"], r["msgid"], r["recipient"]) for r in rows}, key=str),
-            "k_appid string, k_msgid string, k_recipient string",
-        )
-        events = self.events
-        topic_copy = (F.col("kind") == Kind.TOPIC.value) & F.col("recipient").isNotNull()
-        joined = events.join(
-            F.broadcast(keys),
-            (events["appid"] == keys["k_appid"])
-            & (events["msgid"] == keys["k_msgid"])
-            & (~topic_copy | (events["recipient"] == keys["k_recipient"])),
-        )
         found: dict[tuple[str, str, str | None], list[Any]] = {}
         for r in joined.orderBy("ts").collect():
             history = found.setdefault((r["k_appid"], r["k_msgid"], r["k_recipient"]), [])
@@ -537,51 +570,78 @@ class _Job:
                 )
         return found
 
-    # ---- 5. per recipient and anomalies
-    def recipients_and_anomalies(self, outcomes: dict[str, Any]) -> tuple[Any, Any, Any]:
-        with self.prog.stage("per-recipient counts and anomalies") as notes:
-            columns = {
-                "pushes": Event.PUSHED,
-                "acked": Event.ACKED,
-                "rejected": Event.REJECTED,
-                "errored": Event.ERRORED,
-                "timeouts": Event.TIMEOUT,
-                "unreachable": Event.UNREACHABLE,
-                "lost": Event.RECIPIENT_LOST,
-                "dead_lettered": Event.DEAD_LETTERED,
-            }
+    # ---- 5. per recipient and over time
+    def event_counts(self, stats: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+        """Per recipient and per time bucket, in one pass over the events."""
+        recipient_columns = {
+            "pushes": Event.PUSHED,
+            "acked": Event.ACKED,
+            "rejected": Event.REJECTED,
+            "errored": Event.ERRORED,
+            "timeouts": Event.TIMEOUT,
+            "unreachable": Event.UNREACHABLE,
+            "lost": Event.RECIPIENT_LOST,
+            "dead_lettered": Event.DEAD_LETTERED,
+        }
+        chart = {"c_" + e.value: e for e in _CHART_EVENTS}
+        width = time_width(stats["first_ts"], stats["last_ts"])
+        with self.prog.stage("counts per recipient and over time") as notes:
             rows = (
-                self.events.where(F.col("recipient").isNotNull())
-                .groupBy("appid", "recipient")
-                .agg(*(count_if(is_event(e)).alias(name) for name, e in columns.items()))
-                .orderBy("appid", "recipient")
+                self.events.groupBy(
+                    "appid",
+                    "recipient",
+                    (F.floor(F.col("ts") / F.lit(width)) * F.lit(width)).alias("t"),
+                )
+                .agg(
+                    *(
+                        count_if(is_event(e)).alias(name)
+                        for name, e in (recipient_columns | chart).items()
+                    )
+                )
                 .collect()
             )
+            per_recipient: dict[tuple[str, str], dict[str, int]] = {}
+            per_time: dict[int, dict[str, int]] = {}
+            for r in rows:
+                if r["recipient"] is not None:
+                    counts = per_recipient.setdefault((r["appid"], r["recipient"]), {})
+                    for name in recipient_columns:
+                        counts[name] = counts.get(name, 0) + int(r[name])
+                if any(r[name] for name in chart):
+                    bucket = per_time.setdefault(int(r["t"]), dict.fromkeys(chart, 0))
+                    for name in chart:
+                        bucket[name] += int(r[name])
+            keys = ("pushes", "acked", "rejected", "errored", "timeouts")
             by_recipient = [
-                {
-                    k: r[k]
-                    for k in (
-                        "appid",
-                        "recipient",
-                        "pushes",
-                        "acked",
-                        "rejected",
-                        "errored",
-                        "timeouts",
-                    )
-                }
-                for r in rows
+                {"appid": a, "recipient": rid, **{k: c[k] for k in keys}}
+                for (a, rid), c in sorted(per_recipient.items())
             ]
             extra = [
-                {k: r[k] for k in ("appid", "recipient", "unreachable", "lost", "dead_lettered")}
-                for r in rows
+                {
+                    "appid": a,
+                    "recipient": rid,
+                    **{k: c[k] for k in ("unreachable", "lost", "dead_lettered")},
+                }
+                for (a, rid), c in sorted(per_recipient.items())
             ]
+            names = [e.value for e in _CHART_EVENTS]
+            series = fill_buckets(
+                [
+                    {"t": t, **{e.value: c["c_" + e.value] for e in _CHART_EVENTS}}
+                    for t, c in per_time.items()
+                ],
+                width,
+                names,
+            )
+            notes.append(f"{len(by_recipient)} recipients, {len(series)} buckets of {width}ms")
+        return by_recipient, extra, {"bucket_ms": width, "rows": series}
+
+    # ---- 6. anomalies
+    def anomalies(self, outcomes: dict[str, Any]) -> dict[str, Any]:
+        with self.prog.stage("anomalies") as notes:
             stored = self.deliveries.where(F.col("stored"))
-            late = self.keep(_acked_after_dead_letter(self.events, self.deliveries))
-            flags = ("acked_more_than_once", "pushed_after_ack")
-            counted = stored.agg(*(count_if(F.col(f)).alias(f) for f in flags)).first()
-            assert counted is not None
-            found = {f: int(counted[f]) for f in flags}
+            late = self.keep(_acked_after_dead_letter(self.picked))
+            found = dict(outcomes["flags"])
             found["acked_after_dead_letter"] = late.count()
             anomalies: dict[str, Any] = dict(found)
             anomalies["samples"] = {
@@ -597,28 +657,8 @@ class _Job:
             }
             anomalies["acked_before_stored"] = outcomes["negative"]
             anomalies["unstored_messages"] = outcomes["unstored"]
-            notes.append(
-                f"{len(by_recipient)} recipients, "
-                + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in found.items())
-            )
-        return by_recipient, extra, anomalies
-
-    # ---- 6. throughput over time
-    def throughput(self, stats: dict[str, Any]) -> dict[str, Any]:
-        names = [e.value for e in _CHART_EVENTS]
-        with self.prog.stage("throughput over time") as notes:
-            width = time_width(stats["first_ts"], stats["last_ts"])
-            rows = (
-                self.events.where(F.col("event").isin(*names))
-                .groupBy((F.floor(F.col("ts") / F.lit(width)) * F.lit(width)).alias("t"))
-                .agg(*(count_if(is_event(e)).alias(e.value) for e in _CHART_EVENTS))
-                .collect()
-            )
-            series = fill_buckets(
-                [{"t": int(r["t"]), **{n: int(r[n]) for n in names}} for r in rows], width, names
-            )
-            notes.append(f"{len(series)} buckets of {width // 1000}s")
-        return {"bucket_ms": width, "rows": series}
+            notes.append(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in found.items()))
+        return anomalies
 
 
 def compute_report(
@@ -635,9 +675,9 @@ def compute_report(
         stats = job.read()
         job.group(stats["last_ts"])
         outcomes = job.outcomes(stats)
-        dead_letters = job.dead_letters()
-        by_recipient, recipient_extra, anomalies = job.recipients_and_anomalies(outcomes)
-        throughput = job.throughput(stats)
+        dead_letters = job.dead_letters(outcomes["totals"]["dead_lettered"])
+        by_recipient, recipient_extra, throughput = job.event_counts(stats)
+        anomalies = job.anomalies(outcomes)
     finally:
         job.release()
     report: dict[str, Any] = {

@@ -1,9 +1,10 @@
 """The audit's SparkSession: any master, extra settings, a reachable driver address.
 
 ``build_spark(master, conf=..., driver_memory=...)`` starts (or, under spark-submit,
-joins) a session.  In local mode the driver binds 127.0.0.1 (``SPARK_LOCAL_IP``) and
-the shuffles use twice the cores as partitions.  For a cluster master
-(``spark://host:port``, ``k8s://https://host:port``, ``mesos://...``) executors must
+joins) a session.  In local mode the driver binds 127.0.0.1 (``SPARK_LOCAL_IP``), the
+shuffles use twice the cores as partitions and the driver gets 2g (it is also the
+executor and caches the parsed events) unless ``driver_memory`` says otherwise.  For a
+cluster master (``spark://host:port``, ``k8s://https://host:port``) executors must
 reach the driver, so unless ``SPARK_LOCAL_IP`` or ``spark.driver.host`` is given, the
 driver advertises the address of this machine's interface that routes to the master
 (never 127.0.0.1); on YARN Spark's own choice is kept.
@@ -22,7 +23,9 @@ from urllib.parse import urlsplit
 
 from pyspark.sql import SparkSession
 
-__all__ = ["build_spark", "driver_address", "local_cores", "parse_conf"]
+LOCAL_DRIVER_MEMORY = "2g"
+
+__all__ = ["LOCAL_DRIVER_MEMORY", "build_spark", "driver_address", "local_cores", "parse_conf"]
 
 # WARN at the root (the level Spark's shell default expects, so it says nothing about
 # it); ERROR for the usual start-up noise; build_spark then sets ERROR everywhere.
@@ -126,6 +129,8 @@ def build_spark(
     if cores is not None:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         settings["spark.sql.shuffle.partitions"] = str(max(2, 2 * cores))
+        # The driver is the executor: room to cache the parsed events (Spark's 1g spills).
+        settings["spark.driver.memory"] = LOCAL_DRIVER_MEMORY
     elif master is not None and "SPARK_LOCAL_IP" not in os.environ:
         address = None if "spark.driver.host" in (conf or {}) else driver_address(master)
         if address is not None:
