@@ -46,6 +46,8 @@ LOG_SCHEMA = StructType(
         for name in LOG_FIELDS
     ]
 )
+# The fields the audit reads (``broker`` is only parsed, for a bad line's text).
+KEPT_FIELDS = tuple(name for name in LOG_FIELDS if name != "broker")
 _CORRUPT = "_corrupt_record"
 _NOT_JSON = "_not_json"
 # The same fields all as text: tells a line that is not JSON from one with a bad type.
@@ -266,7 +268,7 @@ def _reason(text: Column, corrupt: Column) -> Column:
 
 
 def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
-    """Every non-blank line of ``paths``: the schema's fields plus ``reason``
+    """Every non-blank line of ``paths``: the fields the audit uses plus ``reason``
     (a :class:`BadLine` value, null for a valid event) and, for bad lines only,
     ``bad_file`` and ``bad_text`` (the line, or its fields as JSON, cut to 300 chars).
     """
@@ -287,7 +289,7 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     fields = [F.col(name) for name in LOG_FIELDS]
     line = F.coalesce(corrupt, F.to_json(F.struct(*fields)))
     return raw.select(
-        *fields,
+        *(f for name, f in zip(LOG_FIELDS, fields, strict=True) if name in KEPT_FIELDS),
         reason.alias("reason"),
         F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
         F.when(reason.isNotNull(), F.substring(line, 1, SAMPLE_CHARS)).alias("bad_text"),

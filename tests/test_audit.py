@@ -595,6 +595,10 @@ def _skmq_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "skmq.cli"]
 
 
+def _job_args(logs: Path, out: Path) -> list[str]:
+    return ["--logs", str(logs), "--out", str(out), "--stuck-after", str(STUCK_AFTER_MS / 1000)]
+
+
 def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Any:
     return subprocess.run(
         args, capture_output=True, text=True, timeout=600, cwd=cwd, env=env, check=False
@@ -609,12 +613,7 @@ def test_cli_end_to_end(audited: Audited, tmp_path: Path) -> None:
         [
             *_skmq_command(),
             "audit",
-            "--logs",
-            str(logs),
-            "--out",
-            str(out),
-            "--stuck-after",
-            str(STUCK_AFTER_MS / 1000),
+            *_job_args(logs, out),
             "--driver-memory",
             "700m",
             "--conf",
@@ -666,12 +665,7 @@ def test_the_same_job_through_spark_submit(audited: Audited, tmp_path: Path) -> 
             "--driver-memory",
             "700m",
             str(REPO / "spark" / "audit.py"),
-            "--logs",
-            str(logs),
-            "--out",
-            str(out),
-            "--stuck-after",
-            str(STUCK_AFTER_MS / 1000),
+            *_job_args(logs, out),
             "--quiet",
         ],
         tmp_path,
