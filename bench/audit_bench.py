@@ -196,6 +196,19 @@ def _load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cpus"
 
 
+def _own_cpu() -> dict[int, float]:
+    """CPU seconds of this process and its children (the JVM), by pid."""
+    found: dict[int, float] = {}
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        found[proc.pid] = times.user + times.system
+    return found
+
+
 def _run_size(spark: SparkSession, events: int, seed: int, keep: str | None) -> float:
     """Generate ``events`` events, audit them; returns the audit's seconds."""
     base = Path(keep) / str(events) if keep else Path(tempfile.mkdtemp(prefix="skmq-audit-"))
@@ -212,14 +225,14 @@ def _run_size(spark: SparkSession, events: int, seed: int, keep: str | None) -> 
             flush=True,
         )
         cpu = psutil.cpu_times()
-        own = [psutil.Process(), *psutil.Process().children(recursive=True)]
-        own_cpu = sum(sum(p.cpu_times()[:2]) for p in own)
+        own = _own_cpu()
         start = time.perf_counter()
         report = run_audit(str(logs_dir), str(out_dir), spark=spark, progress=False)
         audited = time.perf_counter() - start
         busy = psutil.cpu_times()
+        after = _own_cpu()
         used = (busy.user + busy.system) - (cpu.user + cpu.system)
-        ours = sum(sum(p.cpu_times()[:2]) for p in own) - own_cpu
+        ours = sum(after[pid] - own[pid] for pid in after.keys() & own.keys())
         others = max(0.0, used - ours) / audited / (os.cpu_count() or 1) * 100
         totals = report["totals"]
         print(
