@@ -1,15 +1,18 @@
-"""Benchmark of the Spark delivery-log audit on a generated log of about 1,000,000 events.
+"""Benchmark of the Spark delivery-log audit on generated logs of 1M, 5M and 10M events.
 
-    python bench/audit_bench.py [--events 1000000] [--master 'local[*]'] [--keep DIR]
+    python bench/audit_bench.py [--events 1000000,5000000,10000000] [--master 'local[2]']
+                                [--keep DIR]
 
 Generates a realistic log into a temporary directory: about 190k messages over four
 apps, ~8% of them topic messages to 2 or 3 recipients, ~7% of deliveries retried after
 rejected/errored/timeout, ~2% dead-lettered (a fifth of those replayed and acked),
 ~6% left in flight, 2% duplicates, a few recipients unreachable and back, a few
 redeliveries acked twice; four brokers, each rotating its file every 100k lines
-(12 files, ~160 MB).  Then it runs the audit in
-local mode and prints the generation time, the Spark start-up time and the audit time
-separately.
+(12 files, ~160 MB a million events), the delivery-log format the broker writes
+(details of delayed messages, retries and dead letters included).  Then it runs the
+audit in local mode and prints, per size, the audit time, the machine's load average
+before and after, and the share of CPU other processes used meanwhile (the machine may
+be shared); the generation and Spark start-up times are printed apart.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from spark.audit import build_spark, run_audit
+import psutil
+from pyspark.sql import SparkSession
+from skmq.audit_job.audit import build_spark, run_audit
 
 BASE_TS = 1_760_000_000_000
 APPS = {
@@ -39,7 +44,7 @@ ROTATE_LINES = 100_000
 RETRY_WAITS = (1000, 5000, 10000, 30000, 60000)
 LINE = (
     '{{"ts":{ts},"event":"{event}","msgid":"{msgid}","appid":"{appid}","kind":"{kind}",'
-    '"recipient":{recipient},"attempt":{attempt},"broker":"{broker}","detail":null}}\n'
+    '"recipient":{recipient},"attempt":{attempt},"broker":"{broker}","detail":{detail}}}\n'
 )
 
 
@@ -89,6 +94,7 @@ def generate(directory: Path, target_events: int, seed: int) -> tuple[int, int, 
         recipient: str | None = None,
         attempt: int | None = None,
         broker: str | None = None,
+        detail: str | None = None,
     ) -> None:
         writer = broker or rng.choice(BROKERS)
         logs.write(
@@ -102,6 +108,7 @@ def generate(directory: Path, target_events: int, seed: int) -> tuple[int, int, 
                 recipient="null" if recipient is None else f'"{recipient}"',
                 attempt="null" if attempt is None else attempt,
                 broker=writer,
+                detail="null" if detail is None else f'"{detail}"',
             ),
         )
 
@@ -118,6 +125,7 @@ def generate(directory: Path, target_events: int, seed: int) -> tuple[int, int, 
             outcome, last = "dead", 5
         else:
             outcome, last = "open", rng.randint(1, 3)
+        failure = "unknown"
         for attempt in range(1, last + 1):
             target = copy or rng.choice(recipients)
             broker = rng.choice(BROKERS)
@@ -139,20 +147,15 @@ def generate(directory: Path, target_events: int, seed: int) -> tuple[int, int, 
                 return
             if attempt == last and outcome == "open":
                 return
-            emit(
-                t,
-                rng.choice(("rejected", "errored", "timeout")),
-                msgid,
-                appid,
-                kind,
-                target,
-                attempt,
-                broker,
-            )
+            failure = rng.choice(("rejected", "errored", "timeout"))
+            emit(t, failure, msgid, appid, kind, target, attempt, broker)
             if attempt < 5:
-                emit(t + 1, "retry_scheduled", msgid, appid, kind, target, attempt, broker)
-                t += RETRY_WAITS[attempt - 1]
-        emit(t + 1, "dead_lettered", msgid, appid, kind, copy)
+                due = t + RETRY_WAITS[attempt - 1]
+                detail = f"next attempt at {due}"
+                emit(t + 1, "retry_scheduled", msgid, appid, kind, target, attempt, broker, detail)
+                t = due
+        detail = f"after 5 attempts; last: {failure}"
+        emit(t + 1, "dead_lettered", msgid, appid, kind, copy, 5, None, detail)
         if rng.random() < 0.2:  # replayed by an operator, then acked
             t += rng.randint(60_000, 600_000)
             emit(t, "replayed", msgid, appid, kind, copy)
@@ -168,7 +171,11 @@ def generate(directory: Path, target_events: int, seed: int) -> tuple[int, int, 
         broker = rng.choice(BROKERS)
         emit(t, "received", msgid, appid, kind, None, None, broker)
         t += rng.randint(1, 3)
-        emit(t, "stored", msgid, appid, kind, None, None, broker)
+        detail, due = None, t
+        if rng.random() < 0.05:  # delayed delivery
+            due = t + rng.randint(1000, 60_000)
+            detail = f"deliver_at={due}"
+        emit(t, "stored", msgid, appid, kind, None, None, broker, detail)
         if rng.random() < 0.02:
             emit(t + 500, "received", msgid, appid, kind, None, None, broker)
             emit(t + 501, "duplicate", msgid, appid, kind, None, None, broker)
@@ -184,51 +191,99 @@ def generate(directory: Path, target_events: int, seed: int) -> tuple[int, int, 
     return logs.total, index, logs.files
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=1_000_000)
-    parser.add_argument("--master", default="local[*]")
-    parser.add_argument("--seed", type=int, default=1734)
-    parser.add_argument("--keep", default=None, help="write the logs and reports here, keep them")
-    args = parser.parse_args(argv)
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cpus"
 
-    base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="skmq-audit-bench-"))
+
+def _own_cpu() -> dict[int, float]:
+    """CPU seconds of this process and its children (the JVM), by pid."""
+    found: dict[int, float] = {}
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        found[proc.pid] = times.user + times.system
+    return found
+
+
+def _run_size(spark: SparkSession, events: int, seed: int, keep: str | None) -> float:
+    """Generate ``events`` events, audit them; returns the audit's seconds."""
+    base = Path(keep) / str(events) if keep else Path(tempfile.mkdtemp(prefix="skmq-audit-"))
     logs_dir, out_dir = base / "logs", base / "out"
     logs_dir.mkdir(parents=True, exist_ok=True)
     try:
         start = time.perf_counter()
-        events, messages, files = generate(logs_dir, args.events, args.seed)
+        written, messages, files = generate(logs_dir, events, seed)
         generated = time.perf_counter() - start
         size = sum(f.stat().st_size for f in files) / 1e6
         print(
-            f"generated {events:,} events ({messages:,} messages, {len(files)} files, "
-            f"{size:.0f} MB) in {generated:.1f}s"
+            f"{written:,} events ({messages:,} messages, {len(files)} files, {size:.0f} MB) "
+            f"generated in {generated:.1f}s; before the audit: {_load()}",
+            flush=True,
         )
-
+        cpu = psutil.cpu_times()
+        own = _own_cpu()
         start = time.perf_counter()
-        spark = build_spark(args.master)
-        started = time.perf_counter() - start
-        parallelism = spark.sparkContext.defaultParallelism
-        print(
-            f"Spark {spark.version} started ({args.master}, {parallelism} cores) in {started:.1f}s"
-        )
-        try:
-            start = time.perf_counter()
-            report = run_audit(str(logs_dir), str(out_dir), spark=spark)
-            audited = time.perf_counter() - start
-        finally:
-            spark.stop()
+        report = run_audit(str(logs_dir), str(out_dir), spark=spark, progress=False)
+        audited = time.perf_counter() - start
+        busy = psutil.cpu_times()
+        after = _own_cpu()
+        used = (busy.user + busy.system) - (cpu.user + cpu.system)
+        ours = sum(after[pid] - own[pid] for pid in after.keys() & own.keys())
+        others = max(0.0, used - ours) / audited / (os.cpu_count() or 1) * 100
         totals = report["totals"]
         print(
-            f"audit of {events:,} events in {audited:.1f}s "
-            f"({events / audited:,.0f} events/s; {started + audited:.1f}s with Spark start-up)"
+            f"  audit of {written:,} events: {audited:.1f}s ({written / audited:,.0f} events/s); "
+            f"other processes used {others:.0f}% of the machine's CPU meanwhile; after: {_load()}"
         )
-        print(f"totals: {totals}")
-        print(f"latency_ms: {report['latency_ms']}")
-        print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; reports in {out_dir}")
+        print(
+            f"  {totals['messages']:,} messages, {totals['acked']:,} acked, "
+            f"{totals['dead_letter_entries']:,} dead-letter entries; "
+            f"latency p99 {report['latency_ms']['p99']} ms",
+            flush=True,
+        )
+        return audited
     finally:
-        if not args.keep:
+        if not keep:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--events",
+        default="1000000,5000000,10000000",
+        help="comma-separated log sizes, each audited in turn (default 1M, 5M, 10M)",
+    )
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--seed", type=int, default=1734)
+    parser.add_argument("--keep", default=None, help="write the logs and reports here, keep them")
+    args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.events.split(",")]
+    print(
+        f"method: each size generated into a fresh directory (4 brokers, files rotated every "
+        f"{ROTATE_LINES:,} lines), then audited by run_audit() in one Spark session "
+        f"({args.master}) started once; the time is run_audit's wall clock: reading and "
+        "parsing, every report section, writing the four files. JVM start-up is separate."
+    )
+    print(f"machine: python {sys.version.split()[0]}, {_load()}", flush=True)
+    start = time.perf_counter()
+    spark = build_spark(args.master)
+    print(
+        f"Spark {spark.version} started ({args.master}, "
+        f"{spark.sparkContext.defaultParallelism} cores) in {time.perf_counter() - start:.1f}s",
+        flush=True,
+    )
+    results: list[tuple[int, float]] = []
+    try:
+        for events in sizes:
+            results.append((events, _run_size(spark, events, args.seed, args.keep)))
+    finally:
+        spark.stop()
+    print("summary: " + ", ".join(f"{n / 1e6:g}M events {s:.1f}s" for n, s in results))
     return 0
 
 

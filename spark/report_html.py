@@ -405,9 +405,10 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
         end = datetime.fromtimestamp(last_ts / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
         span = f"events from {start} to {end} UTC ({_ms(last_ts - first_ts)}); "
     logs = ", ".join(str(p) for p in meta.get("logs", []))
+    events = report["input"]["events"]
     sections.append(
         "<h1>SKMQ delivery audit</h1>"
-        f'<div class="meta">{_esc(span)}{_num(extras.get("events"))} events in '
+        f'<div class="meta">{_esc(span)}{_num(events)} events in '
         f"{_num(meta.get('files'))} file(s) from <code>{_esc(logs)}</code>; "
         f"generated {_esc(meta.get('generated', ''))} on Spark <code>"
         f"{_esc(meta.get('master', ''))}</code> in {_esc(meta.get('elapsed_s', '?'))} s.</div>"
@@ -423,6 +424,8 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
             f"{_num(totals['unresolved'])} ({_pct(totals['unresolved'], messages)})",
             "unresolved",
         ),
+        _card(_num(totals["dead_letter_entries"]), "dead-letter entries"),
+        _card(_num(report["input"]["bad_lines"]["total"]), "bad lines skipped"),
         _card(_num(totals["duplicates"]), "duplicates"),
         _card(_num(totals["pushes"]), "pushes"),
         _card(_ms(latency["p50"]), "latency p50"),
@@ -455,19 +458,25 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
     latency_chart = bar_chart(
         [_hist_label(r) for r in hist],
         [r["count"] for r in hist],
-        "Latency from stored to first ack (acked messages per bucket)",
+        "Latency from due to first ack, time in the DLQ excluded (acked deliveries per bucket)",
         COLORS["acked"],
         markers=markers,
     )
     latency_table = _table(
         ["", "p50", "p95", "p99", "max"],
-        [["stored → first ack", *(_ms(latency[k]) for k in ("p50", "p95", "p99", "max"))]],
+        [
+            ["due → first ack", *(_ms(latency[k]) for k in ("p50", "p95", "p99", "max"))],
+            [
+                "due → first push",
+                *(_ms(report["first_push_ms"][k]) for k in ("p50", "p95", "p99", "max")),
+            ],
+        ],
     )
     attempts = report["attempts"]
     attempts_chart = bar_chart(
         [f"#{k}" if k != "unknown" else "?" for k in attempts],
         [int(v) for v in attempts.values()],
-        "Acked messages by attempt of the first ack",
+        "Acked deliveries by attempt of the first ack (replays count as new attempts)",
     )
     sections.append(
         '<div class="grid">'
@@ -476,12 +485,12 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
         f"dashed lines mark the percentiles.</p>{latency_chart}</div></div>"
         f'<div><h2>Attempts</h2><div class="panel">{attempts_chart}'
         f'<p class="note">Attempt number of the first <code>acked</code> event of each acked '
-        f"message.</p></div></div></div>"
+        f"delivery, after the attempts of every replayed dead letter.</p></div></div></div>"
     )
 
     # per app
     by_app = report["by_app"]
-    topics = extras.get("topic_messages", {})
+    topics = extras.get("topic_deliveries", {})
     app_chart = stacked_bars(
         [
             (
@@ -497,7 +506,17 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
         "Messages per app: acked, dead-lettered, unresolved",
     )
     app_table = _table(
-        ["app", "messages", "topic", "acked", "dead-lettered", "unresolved", "acked %", "p99"],
+        [
+            "app",
+            "messages",
+            "topic copies",
+            "acked",
+            "dead-lettered",
+            "DLQ entries",
+            "unresolved",
+            "acked %",
+            "p99",
+        ],
         [
             [
                 a["appid"],
@@ -505,6 +524,7 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
                 _num(topics.get(a["appid"], 0)),
                 _num(a["acked"]),
                 _num(a["dead_lettered"]),
+                _num(a["dead_letter_entries"]),
                 _num(a["unresolved"]),
                 _pct(a["acked"], a["messages"]),
                 _ms(a["p99_ms"]),
@@ -558,33 +578,10 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
         + "</div>"
     )
 
-    # anomalies
-    described = [
-        ("acked_more_than_once", "deliveries acked more than once"),
-        ("pushed_after_ack", "deliveries pushed again after their first ack"),
-        ("acked_after_dead_letter", "deliveries acked after a dead letter, without a replay"),
-        ("unresolved", "deliveries neither acked nor dead-lettered"),
-        ("acked_before_stored", "messages whose first ack precedes their stored event"),
-        ("unstored_messages", "message ids with events but no stored event"),
-        ("invalid_lines", "log lines that are not valid events"),
-    ]
-    anomaly_rows = [[text, _num(anomalies.get(key, 0))] for key, text in described]
-    samples: dict[str, list[dict[str, Any]]] = dict(anomalies.get("samples", {}))
-    samples["unresolved"] = anomalies.get("unresolved_sample", [])
-    sample_rows = [
-        [key, s["appid"], s["msgid"], s["recipient"] if s["recipient"] is not None else DASH]
-        for key, _ in described
-        for s in samples.get(key, [])
-    ]
-    sections.append(
-        '<h2>Anomalies</h2><div class="grid"><div class="panel">'
-        + _table(["", "count"], anomaly_rows, warn=lambda row: row[1] not in ("0", DASH))
-        + '<p class="note">A queue message is one delivery; a topic message one delivery per '
-        "recipient.</p></div>"
-        + '<div class="panel">'
-        + _table(["sample of", "app", "msgid", "recipient"], sample_rows, left=4)
-        + "</div></div>"
-    )
+    sections.append(_dead_letter_section(report["dead_letters"]))
+    sections.append(_unresolved_section(report["unresolved"]))
+    sections.append(_anomaly_section(anomalies))
+    sections.append(_bad_line_section(report["input"]))
 
     body = "".join(sections)
     return (
@@ -592,4 +589,131 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>SKMQ delivery audit</title><style>{CSS}</style></head>"
         f"<body><main>{body}</main></body></html>\n"
+    )
+
+
+def _refs_table(title: str, refs: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    return [
+        [title, r["appid"], r["msgid"], r["recipient"] if r["recipient"] is not None else DASH]
+        for r in refs
+    ]
+
+
+def _when(ts: Any) -> str:
+    if ts is None:
+        return DASH
+    return datetime.fromtimestamp(int(ts) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _history(entry: dict[str, Any]) -> str:
+    return " → ".join(
+        f"{h['event']}" + (f"#{h['attempt']}" if h["attempt"] is not None else "")
+        for h in entry["history"]
+    )
+
+
+def _dead_letter_section(dead: dict[str, Any]) -> str:
+    reasons = _table(
+        ["app", "last failure", "entries"],
+        [[r["appid"], r["reason"], _num(r["entries"])] for r in dead["by_app_reason"]],
+        left=2,
+    )
+    headers = ["app", "msgid", "recipient", "reason", "attempts", "dead since", "history"]
+
+    def rows(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
+        return [
+            [
+                e["appid"],
+                e["msgid"],
+                e["recipient"] if e["recipient"] is not None else DASH,
+                e["reason"],
+                _num(e["attempts"]),
+                _when(e["dead_since"]),
+                _history(e),
+            ]
+            for e in entries
+        ]
+
+    return (
+        f"<h2>Dead-letter queue: {_num(dead['entries'])} entries of "
+        f"{_num(dead['messages'])} messages</h2>"
+        '<p class="note">An entry is one dead delivery: a topic message dead for two '
+        "recipients is two entries. The history is the delivery's events in the log.</p>"
+        f'<div class="panel">{reasons}</div>'
+        f'<h3>Oldest</h3><div class="panel">{_table(headers, rows(dead["oldest"]), left=4)}</div>'
+        f'<h3>Most tried</h3><div class="panel">'
+        f"{_table(headers, rows(dead['most_tried']), left=4)}</div>"
+    )
+
+
+def _unresolved_section(unresolved: dict[str, Any]) -> str:
+    described = [
+        ("not_yet_due", "not yet due (delayed, or waiting for a retry) at the end of the log"),
+        ("in_flight", "due, with an event in the last stuck-after period"),
+        ("stuck", f"no event for {_ms(unresolved['stuck_after_ms'])} or more"),
+    ]
+    counts = _table(
+        ["unresolved deliveries", "count"],
+        [[text, _num(unresolved[key])] for key, text in described],
+        warn=lambda row: row[0].startswith("no event") and row[1] != "0",
+    )
+    sample = _table(
+        ["sample of", "app", "msgid", "recipient"],
+        _refs_table("stuck", unresolved["stuck_sample"]),
+        left=4,
+    )
+    return (
+        f"<h2>Unresolved at {_esc(_when(unresolved['as_of']))} UTC</h2>"
+        f'<div class="grid"><div class="panel">{counts}</div>'
+        f'<div class="panel">{sample}</div></div>'
+    )
+
+
+def _anomaly_section(anomalies: dict[str, Any]) -> str:
+    described = [
+        ("acked_more_than_once", "deliveries acked more than once"),
+        ("pushed_after_ack", "deliveries pushed again after their first ack"),
+        ("acked_after_dead_letter", "deliveries acked after a dead letter, without a replay"),
+        ("acked_before_stored", "deliveries whose first ack precedes their due time"),
+        ("unstored_messages", "message ids with events but no stored event"),
+    ]
+    rows = [[text, _num(anomalies.get(key, 0))] for key, text in described]
+    samples = [
+        row
+        for key, _ in described
+        for row in _refs_table(key, anomalies.get("samples", {}).get(key, []))
+    ]
+    return (
+        '<h2>Anomalies</h2><div class="grid"><div class="panel">'
+        + _table(["", "count"], rows, warn=lambda row: row[1] not in ("0", DASH))
+        + '<p class="note">A queue message is one delivery; a topic message one delivery per '
+        "recipient.</p></div>"
+        + '<div class="panel">'
+        + _table(["sample of", "app", "msgid", "recipient"], samples, left=4)
+        + "</div></div>"
+    )
+
+
+def _bad_line_section(source: dict[str, Any]) -> str:
+    bad = source["bad_lines"]
+    counts = _table(
+        ["reason", "lines"],
+        [[reason, _num(n)] for reason, n in bad["by_reason"].items()],
+        warn=lambda row: True,
+    )
+    samples = _table(
+        ["reason", "file", "line"],
+        [[s["reason"], s["file"], s["line"]] for s in bad["samples"]],
+        left=3,
+    )
+    skipped = _table(
+        ["skipped file", "problem"],
+        [[f["path"], f["problem"]] for f in source.get("skipped_files", [])],
+        left=2,
+    )
+    return (
+        f"<h2>Bad lines: {_num(bad['total'])} (not counted anywhere above)</h2>"
+        f'<div class="grid"><div class="panel">{counts}</div>'
+        f'<div class="panel">{skipped}</div></div>'
+        f'<div class="panel">{samples}</div>'
     )

@@ -1,13 +1,15 @@
 """A delivery-log generator with known truth, for the Spark audit's tests.
 
-The generator plays a broker's life for each message (received, stored, duplicates,
-pushes, retries, acks, dead letters, replays, topic copies per recipient, lost
-recipients) and records, *while it builds the events*, what each message and each
-delivery became.  The truth is computed from those records in plain Python, not by
-re-reading the events, so it checks the audit independently.  The events are then
-scattered over several files, shuffled, with a torn line and other invalid lines.
+The generator plays a broker's life for each message (received, stored, delayed
+delivery, duplicates, pushes, retries, acks, dead letters, operator replays that reset
+the attempts, topic copies per recipient, lost recipients) and records, *while it
+builds the events*, what each delivery became: its due time, first push, acks, time
+spent in the dead-letter queue, attempts, and how it ended.  The truth is computed from
+those records in plain Python, not by re-reading the events, so it checks the audit
+independently.  The events are then scattered over files in nested folders, shuffled,
+with bad lines of every kind docs/AUDIT.md names (``BAD_LINES``).
 
-Definitions follow spark/audit.py's docstring; percentiles are linear interpolation.
+Definitions: docs/AUDIT.md.  Percentiles are linear interpolation.
 """
 
 from __future__ import annotations
@@ -29,8 +31,64 @@ MIXED_APPS = {"mixed": ["x1", "x2"]}
 IDLE_RECIPIENTS = [("orders", "o9-idle")]
 EVENT_COLUMNS = {"pushed": "pushes", "acked": "acked", "rejected": "rejected"}
 EVENT_COLUMNS |= {"errored": "errored", "timeout": "timeouts"}
+STUCK_AFTER_MS = 120_000
+FAR_FUTURE_MS = 86_400_000
 
 Ref = tuple[str, str, str | None]
+
+
+def _good(**fields: Any) -> dict[str, Any]:
+    line = {"ts": BASE_TS + 7, "event": "pushed", "msgid": "bad", "appid": "orders"}
+    line |= {"kind": "queue", "recipient": "o1", "attempt": 1, "broker": "b1", "detail": None}
+    return line | fields
+
+
+# The bad lines mixed into the logs (37), by the reason the audit must give.
+BAD_LINES: dict[str, list[str]] = {
+    "not_json": [
+        '{"ts": 1760000000123, "event": "pus',  # the torn last line of a killed broker
+        "not json at all",
+        "[1, 2, 3]",
+        "\x00\x01binary\x02",
+        '{"ts": 1760000000000, "event": "acked",,}',
+        '{"ts": 1760000000000',
+        '"just a string"',
+        "1760000000000",
+    ],
+    "ts_not_an_integer": [
+        json.dumps(_good(ts="1760000000000")),
+        json.dumps(_good(ts=1760000000000.5)),
+        json.dumps(_good(ts=True)),
+    ],
+    "attempt_not_an_integer": [
+        json.dumps(_good(attempt="2")),
+        json.dumps(_good(attempt=2.5)),
+        json.dumps(_good(attempt="one")),
+        json.dumps(_good(attempt=[1])),
+    ],
+    "missing_ts": [json.dumps({k: v for k, v in _good().items() if k != "ts"}) for _ in range(2)],
+    "missing_event": [json.dumps(_good(event=None)), json.dumps(_good(event=None, ts=BASE_TS))],
+    "missing_appid": [json.dumps(_good(appid=None)), json.dumps(_good(appid=None, msgid="z"))],
+    "missing_msgid": [json.dumps(_good(msgid="")), json.dumps(_good(msgid=None))],
+    "ts_in_seconds": [json.dumps(_good(ts=1_760_000_000)), json.dumps(_good(ts=1_760_000_001))],
+    "ts_out_of_range": [
+        json.dumps(_good(ts=-5)),
+        json.dumps(_good(ts=12)),
+        json.dumps(_good(ts=1 << 43)),
+    ],
+    "unknown_event": [
+        json.dumps(_good(event="ACKED")),
+        json.dumps(_good(event="Pushed")),
+        json.dumps(_good(event="delivered")),
+        json.dumps(_good(event="")),
+    ],
+    "bad_kind": [
+        json.dumps(_good(kind="QUEUE")),
+        json.dumps(_good(kind=None)),
+        json.dumps(_good(kind="fanout")),
+    ],
+    "attempt_below_1": [json.dumps(_good(attempt=0)), json.dumps(_good(attempt=-1))],
+}
 
 
 def percentile_linear(values: list[int], fraction: float) -> float | None:
@@ -44,14 +102,31 @@ def percentile_linear(values: list[int], fraction: float) -> float | None:
     return ordered[low] + (rank - low) * (ordered[high] - ordered[low])
 
 
+def _pcts(values: list[int]) -> dict[str, float | int | None]:
+    out: dict[str, float | int | None] = {
+        key: percentile_linear(values, p) for key, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+    }
+    out["max"] = max(values) if values else None
+    return out
+
+
 @dataclass
 class Delivery:
     """What happened to one delivery (a queue message, or one topic copy)."""
 
     recipient: str | None
-    acks: list[tuple[int, int]] = field(default_factory=list)  # (ts, attempt)
-    dead: bool = False
+    acks: list[tuple[int, int]] = field(default_factory=list)  # (ts, attempt as the audit counts)
+    first_push: int | None = None
+    dead: bool = False  # in the dead-letter queue at the end
+    dead_since: int | None = None
+    dead_reason: str = "unknown"
+    tries: int = 0  # attempts recorded by its dead letters
+    attempts_before: int = 0  # attempts of dead letters replayed so far
+    in_dlq: int = 0  # ms spent in the dead-letter queue before the first ack
     flags: set[str] = field(default_factory=set)
+
+    def first_ack(self) -> tuple[int, int]:
+        return min(self.acks)
 
 
 @dataclass
@@ -60,17 +135,15 @@ class Message:
     msgid: str
     kind: str
     stored_ts: int | None
+    due_ts: int
     deliveries: list[Delivery] = field(default_factory=list)
 
     def status(self) -> str:
-        if any(d.acks for d in self.deliveries):
-            return "acked"
         if any(d.dead for d in self.deliveries):
             return "dead_lettered"
+        if self.deliveries and all(d.acks for d in self.deliveries):
+            return "acked"
         return "unresolved"
-
-    def first_ack(self) -> tuple[int, int]:
-        return min(a for d in self.deliveries for a in d.acks)
 
 
 @dataclass
@@ -78,12 +151,21 @@ class Truth:
     totals: dict[str, int]
     latencies: list[int]
     latency_ms: dict[str, float | int | None]
+    first_push_ms: dict[str, float | int | None]
     attempts: dict[str, int]
+    unresolved: dict[str, int]
+    dead_letters: dict[str, Any]
     by_app: list[dict[str, Any]]
     by_recipient: list[dict[str, Any]]
     anomalies: dict[str, int]
-    unresolved: list[Ref]
+    unresolved_refs: list[Ref]
     flagged: dict[str, list[Ref]]
+    events: int = 0
+    bad_lines: dict[str, int] = field(default_factory=dict)
+
+
+def _order(ref: Ref) -> tuple[str, str, int, str]:
+    return (ref[0], ref[1], 0 if ref[2] is None else 1, ref[2] or "")
 
 
 class LogBuilder:
@@ -96,6 +178,9 @@ class LogBuilder:
         self.unstored = 0
         self.recipient_counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         self.counters: Counter[str] = Counter()
+        # per delivery key (appid, msgid, topic recipient or None): last event, last retry
+        self.last_ts: dict[Ref, int] = {}
+        self.last_retry: dict[Ref, tuple[int, int]] = {}
 
     # -- events
 
@@ -129,28 +214,37 @@ class LogBuilder:
             counts = self.recipient_counts[(appid, recipient)]
             if event in EVENT_COLUMNS:
                 counts[EVENT_COLUMNS[event]] += 1
+        if msgid:
+            key = (appid, msgid, recipient if kind == "topic" else None)
+            self.last_ts[key] = max(self.last_ts.get(key, ts), ts)
+            if event == "retry_scheduled" and detail is not None:
+                next_at = int(detail.rsplit(" ", 1)[1])
+                self.last_retry[key] = max(self.last_retry.get(key, (ts, next_at)), (ts, next_at))
 
     # -- one delivery: attempts until acked, dead or left open
 
     def _attempts(
-        self, msg: Message, d: Delivery, t: int, start: int, recipients: list[str], outcome: str
+        self, msg: Message, d: Delivery, t: int, recipients: list[str], outcome: str
     ) -> int:
-        """Attempts from ``start``: ``outcome`` acked (at a chosen attempt), dead, open."""
+        """Attempts 1, 2, ...: ``outcome`` acked (at a chosen attempt), dead, open."""
         rng = self.rng
         if outcome == "acked":
-            last = start - 1 + rng.choices([1, 2, 3, 4, 5], [70, 15, 8, 4, 3])[0]
+            last = rng.choices([1, 2, 3, 4, 5], [70, 15, 8, 4, 3])[0]
         elif outcome == "dead":
             last = RETRY_TIMES
         else:
-            last = start - 1 + rng.randint(1, 3)
-        for attempt in range(start, last + 1):
+            last = rng.randint(1, 3)
+        failure = "unknown"
+        for attempt in range(1, last + 1):
             target = d.recipient or rng.choice(recipients)
             if rng.random() < 0.05:  # unreachable: marked lost, no attempt used
                 self.emit(t, "unreachable", msg.msgid, msg.appid, msg.kind, target)
                 self.emit(t + 1, "recipient_lost", "", msg.appid, None, target)
-                self.emit(t + 2000, "recipient_alive", "", msg.appid, "queue", target)
+                self.emit(t + 2000, "recipient_alive", "", msg.appid, None, target)
                 t += rng.randint(2, 30)
             self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, attempt)
+            if d.first_push is None:
+                d.first_push = t
             t += rng.randint(1, 400)
             final = attempt == last
             if final and outcome == "acked":
@@ -158,62 +252,93 @@ class LogBuilder:
                     self.emit(t, "arrived", msg.msgid, msg.appid, msg.kind, target, attempt)
                     t += rng.randint(1, 50)
                 self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, attempt)
-                d.acks.append((t, attempt))
+                d.acks.append((t, d.attempts_before + attempt))
                 return t
-            if final and outcome == "open":
-                if rng.random() < 0.5:  # in flight: pushed, no answer yet
-                    return t
+            if final and outcome == "open" and rng.random() < 0.5:
+                return t  # in flight: pushed, no answer yet
             failure = rng.choice(("rejected", "errored", "timeout"))
             self.emit(t, failure, msg.msgid, msg.appid, msg.kind, target, attempt)
             if attempt < RETRY_TIMES:
-                wait = RETRY_WAITS[attempt - 1]
-                self.emit(t + 1, "retry_scheduled", msg.msgid, msg.appid, msg.kind, target, attempt)
-                t += wait + rng.randint(0, 50)
+                due = t + RETRY_WAITS[attempt - 1]
+                detail = f"next attempt at {due}"
+                self.emit(
+                    t + 1,
+                    "retry_scheduled",
+                    msg.msgid,
+                    msg.appid,
+                    msg.kind,
+                    target,
+                    attempt,
+                    detail,
+                )
+                if final:  # open, waiting for its retry
+                    return t + 1
+                t = due + rng.randint(0, 50)
             else:
                 t += rng.randint(1, 20)
         if outcome == "dead":
-            self.emit(t, "dead_lettered", msg.msgid, msg.appid, msg.kind, d.recipient)
-            d.dead = True
+            detail = f"after {RETRY_TIMES} attempts; last: {failure}"
+            self.emit(
+                t, "dead_lettered", msg.msgid, msg.appid, msg.kind, d.recipient, RETRY_TIMES, detail
+            )
+            d.dead, d.dead_since, d.dead_reason = True, t, failure
+            d.tries += RETRY_TIMES
         return t
 
     def _deliver(self, msg: Message, d: Delivery, t: int, recipients: list[str]) -> None:
         rng = self.rng
         roll = rng.random()
         outcome = "acked" if roll < 0.75 else "dead" if roll < 0.87 else "open"
-        t = self._attempts(msg, d, t, 1, recipients, outcome)
+        t = self._attempts(msg, d, t, recipients, outcome)
         target = d.recipient or rng.choice(recipients)
         if outcome == "acked":
-            roll = rng.random()
-            if roll < 0.03:  # a redelivery after a crash, acked again
-                t += rng.randint(100, 5000)
-                attempt = d.acks[0][1] + 1
-                self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, attempt)
-                self.emit(t + 5, "acked", msg.msgid, msg.appid, msg.kind, target, attempt)
-                d.acks.append((t + 5, attempt))
-                d.flags |= {"acked_more_than_once", "pushed_after_ack"}
-            elif roll < 0.06:  # the same ack written twice (two brokers)
-                t += rng.randint(1, 50)
-                self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, d.acks[0][1])
-                d.acks.append((t, d.acks[0][1]))
-                d.flags.add("acked_more_than_once")
-            elif roll < 0.09:  # pushed again after the ack, no answer
-                t += rng.randint(100, 5000)
-                attempt = d.acks[0][1] + 1
-                self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, attempt)
-                d.flags.add("pushed_after_ack")
+            self._after_ack(msg, d, t, target)
         elif outcome == "dead":
-            roll = rng.random()
-            if roll < 0.1:  # a late ack after the dead letter: an anomaly, yet acked
-                t += rng.randint(10, 500)
-                self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, RETRY_TIMES)
-                d.acks.append((t, RETRY_TIMES))
-                d.flags.add("acked_after_dead_letter")
-            elif roll < 0.4:  # replayed by an operator
-                t += rng.randint(60_000, 600_000)
-                self.emit(t, "replayed", msg.msgid, msg.appid, msg.kind, d.recipient)
-                t += rng.randint(1, 100)
-                then = "acked" if rng.random() < 0.6 else "open"
-                self._attempts(msg, d, t, 1, recipients, then)
+            self._after_dead(msg, d, t, target, recipients)
+
+    def _after_ack(self, msg: Message, d: Delivery, t: int, target: str) -> None:
+        rng = self.rng
+        roll = rng.random()
+        ack_attempt = d.acks[0][1] - d.attempts_before  # as the broker numbers it
+        if roll < 0.03:  # a redelivery after a crash, acked again
+            t += rng.randint(100, 5000)
+            self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, ack_attempt + 1)
+            self.emit(t + 5, "acked", msg.msgid, msg.appid, msg.kind, target, ack_attempt + 1)
+            d.acks.append((t + 5, d.attempts_before + ack_attempt + 1))
+            d.flags |= {"acked_more_than_once", "pushed_after_ack"}
+        elif roll < 0.06:  # the same ack written twice (two brokers)
+            t += rng.randint(1, 50)
+            self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, ack_attempt)
+            d.acks.append((t, d.acks[0][1]))
+            d.flags.add("acked_more_than_once")
+        elif roll < 0.09:  # pushed again after the ack, no answer
+            t += rng.randint(100, 5000)
+            self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, ack_attempt + 1)
+            d.flags.add("pushed_after_ack")
+
+    def _after_dead(
+        self, msg: Message, d: Delivery, t: int, target: str, recipients: list[str]
+    ) -> None:
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.1:  # a late ack after the dead letter: an anomaly, yet acked
+            t += rng.randint(10, 500)
+            self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, RETRY_TIMES)
+            assert d.dead_since is not None
+            d.in_dlq += t - d.dead_since  # a dead letter never replayed lasts until the ack
+            d.acks.append((t, RETRY_TIMES))
+            d.dead = False
+            d.flags.add("acked_after_dead_letter")
+        elif roll < 0.45:  # replayed by an operator: attempts start again at 1
+            t += rng.randint(60_000, 600_000)
+            self.emit(t, "replayed", msg.msgid, msg.appid, msg.kind, d.recipient, None, "replay")
+            assert d.dead_since is not None
+            d.in_dlq += t - d.dead_since
+            d.dead, d.dead_since = False, None
+            d.attempts_before += RETRY_TIMES
+            t += rng.randint(1, 100)
+            then = rng.choices(("acked", "open", "dead"), (60, 25, 15))[0]
+            self._attempts(msg, d, t, recipients, then)
 
     # -- messages
 
@@ -223,17 +348,20 @@ class LogBuilder:
         t = BASE_TS + index * 97 + rng.randint(0, 90)
         self.emit(t, "received", msgid, appid, kind)
         t += rng.randint(1, 5)
-        self.emit(t, "stored", msgid, appid, kind)
-        msg = Message(appid, msgid, kind, t)
+        due = t
+        detail = None
+        if rng.random() < 0.1:  # delayed delivery: due later; latency counts from then
+            due = t + rng.randint(1000, 20000)
+            detail = f"deliver_at={due}"
+        self.emit(t, "stored", msgid, appid, kind, detail=detail)
+        msg = Message(appid, msgid, kind, t, due)
         self.messages.append(msg)
         if rng.random() < 0.06:
             for k in range(rng.randint(1, 2)):
                 dt = t + rng.randint(10, 3000) + k
                 self.emit(dt, "received", msgid, appid, kind)
                 self.emit(dt + 1, "duplicate", msgid, appid, kind)
-        if rng.random() < 0.1:  # delayed delivery
-            t += rng.randint(1000, 20000)
-        t += rng.randint(1, 30)
+        t = due + rng.randint(1, 30)
         if kind == "queue":
             delivery = Delivery(None)
             msg.deliveries.append(delivery)
@@ -248,11 +376,10 @@ class LogBuilder:
             self._deliver(msg, delivery, t + rng.randint(0, 3), recipients)
 
     def special_cases(self, index: int) -> None:
-        """Hand-made cases: message-wide replay on a topic, a message without stored."""
-        # A topic copy dead-lettered, replayed by a message-wide (recipient null) event,
-        # then acked: not an anomaly.  The other copy is acked at once.
+        """Hand-made cases: a topic copy dead twice, delayed far ahead, a message without
+        a stored event."""
         t = BASE_TS + index * 97
-        msg = Message("notify", "special-1", "topic", t + 1)
+        msg = Message("notify", "special-1", "topic", t + 1, t + 1)
         self.messages.append(msg)
         self.emit(t, "received", msg.msgid, msg.appid, "topic")
         self.emit(t + 1, "stored", msg.msgid, msg.appid, "topic")
@@ -260,18 +387,44 @@ class LogBuilder:
         msg.deliveries += [a, b]
         self.emit(t + 10, "pushed", msg.msgid, msg.appid, "topic", "n2", 1)
         self.emit(t + 20, "acked", msg.msgid, msg.appid, "topic", "n2", 1)
-        b.acks.append((t + 20, 1))
-        for attempt in range(1, RETRY_TIMES + 1):
-            self.emit(t + 100 * attempt, "pushed", msg.msgid, msg.appid, "topic", "n1", attempt)
+        b.first_push, b.acks = t + 10, [(t + 20, 1)]
+        # n1: dead after 5 timeouts, replayed, dead again after 5: 10 tries, in the DLQ.
+        a.first_push = t + 100
+        for run, start in enumerate((t, t + 10_000)):
+            for attempt in range(1, RETRY_TIMES + 1):
+                at = start + 100 * attempt
+                self.emit(at, "pushed", msg.msgid, msg.appid, "topic", "n1", attempt)
+                self.emit(at + 5, "timeout", msg.msgid, msg.appid, "topic", "n1", attempt)
+            dead_at = start + 600
+            detail = f"after {RETRY_TIMES} attempts; last: timeout"
             self.emit(
-                t + 100 * attempt + 5, "timeout", msg.msgid, msg.appid, "topic", "n1", attempt
+                dead_at, "dead_lettered", msg.msgid, msg.appid, "topic", "n1", RETRY_TIMES, detail
             )
-        self.emit(t + 600, "dead_lettered", msg.msgid, msg.appid, "topic", "n1")
-        self.emit(t + 700, "replayed", msg.msgid, msg.appid, "topic", None)
-        self.emit(t + 800, "pushed", msg.msgid, msg.appid, "topic", "n1", 1)
-        self.emit(t + 900, "acked", msg.msgid, msg.appid, "topic", "n1", 1)
-        a.dead = True
-        a.acks.append((t + 900, 1))
+            if run == 0:
+                self.emit(t + 9_000, "replayed", msg.msgid, msg.appid, "topic", "n1", None, "r")
+        a.dead, a.dead_since, a.dead_reason, a.tries = True, t + 10_600, "timeout", 10
+        # A topic message dead for 2 of its 3 recipients: 2 dead-letter entries, 1 message.
+        two = Message("notify", "special-2", "topic", t + 2, t + 2)
+        self.messages.append(two)
+        self.emit(t + 2, "stored", two.msgid, two.appid, "topic")
+        for recipient in ("n1", "n2", "n3"):
+            d = Delivery(recipient, first_push=t + 50)
+            two.deliveries.append(d)
+            self.emit(t + 50, "pushed", two.msgid, two.appid, "topic", recipient, 1)
+            if recipient == "n3":
+                self.emit(t + 60, "acked", two.msgid, two.appid, "topic", recipient, 1)
+                d.acks.append((t + 60, 1))
+                continue
+            self.emit(t + 70, "rejected", two.msgid, two.appid, "topic", recipient, 1)
+            detail = "after 1 attempts; last: rejected"
+            self.emit(t + 71, "dead_lettered", two.msgid, two.appid, "topic", recipient, 1, detail)
+            d.dead, d.dead_since, d.dead_reason, d.tries = True, t + 71, "rejected", 1
+        # Delayed a day ahead: not yet due at the end of the log.
+        later = Message("billing", "tomorrow", "queue", t + 3, t + 3 + FAR_FUTURE_MS)
+        self.messages.append(later)
+        later.deliveries.append(Delivery(None))
+        detail = f"deliver_at={later.due_ts}"
+        self.emit(t + 3, "stored", later.msgid, later.appid, "queue", detail=detail)
         # Events of a message whose stored event is not in the logs.
         self.emit(t + 5, "pushed", "ghost-1", "billing", "queue", "b1", 1)
         self.emit(t + 9, "acked", "ghost-1", "billing", "queue", "b1", 1)
@@ -284,7 +437,7 @@ class LogBuilder:
             for recipient in recipients:
                 self.emit(BASE_TS - 5000, "recipient_registered", "", appid, None, recipient)
         for appid, recipient in IDLE_RECIPIENTS:
-            self.emit(BASE_TS - 4000, "recipient_registered", "", appid, "queue", recipient)
+            self.emit(BASE_TS - 4000, "recipient_registered", "", appid, None, recipient)
             self.recipient_counts[(appid, recipient)] += Counter()
         names = list(apps)
         for index in range(n_messages):
@@ -300,26 +453,44 @@ class LogBuilder:
 
     # -- truth
 
+    def _unresolved_state(self, msg: Message, d: Delivery, as_of: int) -> str:
+        key = (msg.appid, msg.msgid, d.recipient)
+        last = self.last_ts.get(key, msg.stored_ts or 0)
+        retry = self.last_retry.get(key)
+        pending_until = msg.due_ts
+        if retry is not None and retry[0] == last:
+            pending_until = max(pending_until, retry[1])
+        if pending_until > as_of:
+            return "not_yet_due"
+        return "in_flight" if last >= as_of - STUCK_AFTER_MS else "stuck"
+
     def truth(self) -> Truth:
+        as_of = max(e["ts"] for e in self.events)
         stored = [m for m in self.messages if m.stored_ts is not None]
         statuses = Counter(m.status() for m in stored)
-        acked = [m for m in stored if m.status() == "acked"]
-        latencies = [m.first_ack()[0] - int(m.stored_ts or 0) for m in acked]
-        attempts = Counter(m.first_ack()[1] for m in acked)
+        pairs = [(m, d) for m in stored for d in m.deliveries]
+        pairs += [(m, Delivery(None)) for m in stored if not m.deliveries]
+        acked = [(m, d) for m, d in pairs if d.acks]
+        latency = {id(d): d.first_ack()[0] - m.due_ts - d.in_dlq for m, d in acked}
+        latencies = list(latency.values())
+        pushes = [d.first_push - m.due_ts for m, d in pairs if d.first_push is not None]
+        attempts = Counter(d.first_ack()[1] for _, d in acked)
+        dead = [(m, d) for m, d in pairs if d.dead]
+        states = Counter(
+            self._unresolved_state(m, d, as_of) for m, d in pairs if not d.acks and not d.dead
+        )
         by_app = []
         for appid in sorted({m.appid for m in stored}):
             mine = [m for m in stored if m.appid == appid]
-            mine_acked = [m for m in mine if m.status() == "acked"]
-            p99 = percentile_linear(
-                [m.first_ack()[0] - int(m.stored_ts or 0) for m in mine_acked], 0.99
-            )
+            p99 = percentile_linear([latency[id(d)] for m, d in acked if m.appid == appid], 0.99)
             by_app.append(
                 {
                     "appid": appid,
                     "messages": len(mine),
-                    "acked": len(mine_acked),
+                    "acked": sum(m.status() == "acked" for m in mine),
                     "dead_lettered": sum(m.status() == "dead_lettered" for m in mine),
                     "unresolved": sum(m.status() == "unresolved" for m in mine),
+                    "dead_letter_entries": sum(m.appid == appid for m, _ in dead),
                     "p99_ms": None if p99 is None else round(p99, 3),
                 }
             )
@@ -333,84 +504,100 @@ class LogBuilder:
         ]
         flagged: dict[str, list[Ref]] = defaultdict(list)
         unresolved: list[Ref] = []
-        for m in stored:
-            for d in m.deliveries:
-                for flag in d.flags:
-                    flagged[flag].append((m.appid, m.msgid, d.recipient))
-                if not d.acks and not d.dead:
-                    unresolved.append((m.appid, m.msgid, d.recipient))
-            if not m.deliveries:
-                unresolved.append((m.appid, m.msgid, None))
+        for m, d in pairs:
+            for flag in d.flags:
+                flagged[flag].append((m.appid, m.msgid, d.recipient))
+            if not d.acks and not d.dead:
+                unresolved.append((m.appid, m.msgid, d.recipient))
+        reasons = Counter((m.appid, d.dead_reason) for m, d in dead)
 
-        def order(ref: Ref) -> tuple[str, str, int, str]:
-            return (ref[0], ref[1], 0 if ref[2] is None else 1, ref[2] or "")
+        def entry(m: Message, d: Delivery) -> dict[str, Any]:
+            return {
+                "appid": m.appid,
+                "msgid": m.msgid,
+                "recipient": d.recipient,
+                "reason": d.dead_reason,
+                "attempts": d.tries,
+                "dead_since": d.dead_since,
+            }
 
-        pcts = {
-            key: percentile_linear(latencies, p)
-            for key, p in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
-        }
+        def ref_key(pair: tuple[Message, Delivery]) -> tuple[str, str, int, str]:
+            return _order((pair[0].appid, pair[0].msgid, pair[1].recipient))
+
+        oldest = sorted(dead, key=lambda p: (p[1].dead_since or 0, ref_key(p)))
+        most = sorted(dead, key=lambda p: (-p[1].tries, ref_key(p)))
         return Truth(
             totals={
                 "messages": len(stored),
-                "duplicates": self.counters["duplicate"],
                 "acked": statuses["acked"],
                 "dead_lettered": statuses["dead_lettered"],
                 "unresolved": statuses["unresolved"],
+                "deliveries": len(pairs),
+                "dead_letter_entries": len(dead),
+                "duplicates": self.counters["duplicate"],
                 "pushes": self.counters["pushed"],
             },
             latencies=latencies,
-            latency_ms={**pcts, "max": max(latencies) if latencies else None},
+            latency_ms=_pcts(latencies),
+            first_push_ms=_pcts(pushes),
             attempts={str(k): attempts[k] for k in sorted(attempts)},
+            unresolved={s: states[s] for s in ("not_yet_due", "in_flight", "stuck")},
+            dead_letters={
+                "entries": len(dead),
+                "messages": len({(m.appid, m.msgid) for m, _ in dead}),
+                "by_app_reason": [
+                    {"appid": a, "reason": r, "entries": n} for (a, r), n in sorted(reasons.items())
+                ],
+                "oldest": [entry(m, d) for m, d in oldest[:20]],
+                "most_tried": [entry(m, d) for m, d in most[:20]],
+            },
             by_app=by_app,
             by_recipient=by_recipient,
             anomalies={
                 "acked_more_than_once": len(flagged["acked_more_than_once"]),
                 "pushed_after_ack": len(flagged["pushed_after_ack"]),
                 "acked_after_dead_letter": len(flagged["acked_after_dead_letter"]),
-                "unresolved": len(unresolved),
                 "unstored_messages": self.unstored,
             },
-            unresolved=sorted(unresolved, key=order),
-            flagged={k: sorted(v, key=order) for k, v in flagged.items()},
+            unresolved_refs=sorted(unresolved, key=_order),
+            flagged={k: sorted(v, key=_order) for k, v in flagged.items()},
         )
 
     # -- files
 
-    def write(self, directory: Path, n_files: int = 6) -> tuple[list[Path], int]:
-        """Scatter the events over ``n_files`` files (shuffled); returns files, invalid lines."""
+    def write(self, directory: Path, n_files: int = 6) -> list[Path]:
+        """Scatter the events and BAD_LINES over ``n_files`` files (shuffled) in nested
+        folders."""
         rng = self.rng
         directory.mkdir(parents=True, exist_ok=True)
         buckets: list[list[str]] = [[] for _ in range(n_files)]
         for event in self.events:
             buckets[rng.randrange(n_files)].append(json.dumps(event))
-        invalid = [
-            '{"ts": 1760000000123, "event": "pus',  # torn last line of a killed broker
-            "not json at all",
-            json.dumps({"ts": BASE_TS, "event": "pushed", "msgid": "x", "appid": None}),
-            json.dumps({"ts": -5, "event": "stored", "msgid": "neg", "appid": "orders"}),
-        ]
-        for i, line in enumerate(invalid):
+        bad = [line for lines in BAD_LINES.values() for line in lines]
+        torn = bad[0]
+        for i, line in enumerate(bad):
             buckets[i % n_files].append(line)
         paths: list[Path] = []
         for i, lines in enumerate(buckets):
             rng.shuffle(lines)
             if i == 0:  # the torn line ends its file, without a newline
-                lines.remove(invalid[0])
-                lines.append(invalid[0])
-            sub = directory / ("b1" if i % 2 else "")  # some in a sub-directory
+                lines.remove(torn)
+                lines.append(torn)
+            sub = directory / ("b1/2025/11" if i % 2 else "")  # some in nested folders
             sub.mkdir(parents=True, exist_ok=True)
             path = sub / f"delivery-b{i % 3 + 1}-{i}.jsonl"
             path.write_text("\n".join(lines), encoding="utf-8")
             paths.append(path)
         (directory / "README.txt").write_text("not a log\n", encoding="utf-8")
-        return paths, len(invalid)
+        return paths
 
 
 def build(seed: int, n_messages: int, directory: Path, n_files: int = 6) -> Truth:
-    """Generate, write and return the truth (``invalid_lines`` in its anomalies)."""
+    """Generate, write and return the truth (with the bad lines per reason)."""
     builder = LogBuilder(seed)
     builder.generate(n_messages)
-    _, invalid = builder.write(directory, n_files)
+    builder.write(directory, n_files)
     truth = builder.truth()
-    truth.anomalies["invalid_lines"] = invalid
+    truth.bad_lines = {reason: len(lines) for reason, lines in BAD_LINES.items()}
+    truth.events = len(builder.events)
     return truth

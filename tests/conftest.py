@@ -57,7 +57,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local Spark session for every audit test (a JVM start costs seconds)."""
-    from spark.audit import build_spark
+    from skmq.audit_job.audit import build_spark
 
     session = build_spark("local[2]")
     yield session

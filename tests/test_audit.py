@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from audit_truth import BASE_TS, Truth, build, percentile_linear
+from audit_truth import BASE_TS, STUCK_AFTER_MS, Truth, build, percentile_linear
 
 pytest.importorskip("pyspark")
 
@@ -40,13 +42,21 @@ def _have_java() -> bool:
 needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or 21")
 
 from pyspark.sql import SparkSession  # noqa: E402
-
-from spark.audit import (  # noqa: E402
+from skmq.audit_job.arguments import add_arguments  # noqa: E402
+from skmq.audit_job.audit import (  # noqa: E402
     REPORT_KEYS,
     AuditInputError,
+    Options,
+    error_line,
     resolve_log_paths,
     run_audit,
 )
+from skmq.audit_job.inputs import BadLinesError, check_files  # noqa: E402
+from skmq.audit_job.report import fill_buckets  # noqa: E402
+from skmq.audit_job.report_html import COLORS  # noqa: E402
+from skmq.audit_job.session import driver_address, local_cores, parse_conf  # noqa: E402
+
+from skmq.events import Event  # noqa: E402
 
 SEED = 20251121
 N_MESSAGES = 1500
@@ -55,14 +65,17 @@ N_MESSAGES = 1500
 # ----------------------------------------------------------------------------- fixtures
 
 
+STUCK_AFTER_S = STUCK_AFTER_MS / 1000
+Audited = tuple[Truth, dict[str, Any], Path, Path]
+
+
 @pytest.fixture(scope="session")
-def audited(
-    spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Truth, dict[str, Any], Path, Path]:
+def audited(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> Audited:
     base = tmp_path_factory.mktemp("audit")
     logs, out = base / "logs", base / "out"
     truth = build(SEED, N_MESSAGES, logs)
-    report = run_audit(str(logs), str(out), spark=spark, progress=False)
+    options = Options(stuck_after_ms=STUCK_AFTER_MS)
+    report = run_audit(str(logs), str(out), spark=spark, options=options, progress=False)
     return truth, report, logs, out
 
 
@@ -74,50 +87,100 @@ def _refs(items: list[dict[str, Any]]) -> list[tuple[str, str, str | None]]:
 
 
 @needs_java
-def test_totals_exact(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_totals_exact(audited: Audited) -> None:
     truth, report, _, _ = audited
     assert report["totals"] == truth.totals
     totals = report["totals"]
     assert totals["messages"] == totals["acked"] + totals["dead_lettered"] + totals["unresolved"]
-    # the generated log exercises every outcome
-    assert min(totals.values()) > 0
+    # a topic copy dead for some recipients: more dead-letter entries than messages
+    assert totals["dead_letter_entries"] > totals["dead_lettered"]
+    assert min(totals.values()) > 0  # the generated log exercises every outcome
 
 
 @needs_java
-def test_attempts_exact(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_attempts_count_replays_as_new_attempts(audited: Audited) -> None:
     truth, report, _, _ = audited
     assert report["attempts"] == truth.attempts
     assert list(report["attempts"]) == sorted(report["attempts"], key=int)
-    assert sum(report["attempts"].values()) == truth.totals["acked"]
+    # acked after a replay: the 5 attempts before the dead letter count, so 6 and more
+    assert any(int(k) > 5 for k in report["attempts"])
+    totals, unresolved = report["totals"], report["unresolved"]
+    open_deliveries = sum(unresolved[s] for s in ("not_yet_due", "in_flight", "stuck"))
+    acked_deliveries = totals["deliveries"] - totals["dead_letter_entries"] - open_deliveries
+    assert sum(report["attempts"].values()) == acked_deliveries
 
 
 @needs_java
-def test_by_app_exact(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_by_app_exact(audited: Audited) -> None:
     truth, report, _, _ = audited
     assert [a["appid"] for a in report["by_app"]] == [a["appid"] for a in truth.by_app]
     for got, want in zip(report["by_app"], truth.by_app, strict=True):
-        assert list(got) == ["appid", "messages", "acked", "dead_lettered", "unresolved", "p99_ms"]
+        assert list(got) == list(want)
         assert {k: v for k, v in got.items() if k != "p99_ms"} == {
             k: v for k, v in want.items() if k != "p99_ms"
         }
         assert got["p99_ms"] == pytest.approx(want["p99_ms"], abs=0.0011)
 
 
-@needs_java
-def test_latency_exact_percentiles(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
-    truth, report, _, _ = audited
-    latency = report["latency_ms"]
-    assert list(latency) == ["p50", "p95", "p99", "max"]
-    assert latency["max"] == truth.latency_ms["max"]
+def _assert_percentiles(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert list(got) == ["p50", "p95", "p99", "max"]
+    assert got["max"] == want["max"]
     for key in ("p50", "p95", "p99"):
-        want = truth.latency_ms[key]
-        assert want is not None
-        assert latency[key] == pytest.approx(want, abs=0.0011)
-        assert latency[key] == pytest.approx(want, rel=0.05)
+        assert want[key] is not None
+        assert got[key] == pytest.approx(want[key], abs=0.0011), key
 
 
 @needs_java
-def test_by_recipient_exact(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_latency_from_due_time_without_dead_letter_time(audited: Audited) -> None:
+    truth, report, _, _ = audited
+    _assert_percentiles(report["latency_ms"], truth.latency_ms)
+
+
+@needs_java
+def test_first_push_latency_from_due_time(audited: Audited) -> None:
+    truth, report, _, _ = audited
+    _assert_percentiles(report["first_push_ms"], truth.first_push_ms)
+    # delayed messages are pushed after their due time, not 1-20 s after stored
+    assert report["first_push_ms"]["max"] < 1000
+
+
+@needs_java
+def test_unresolved_split(audited: Audited) -> None:
+    truth, report, _, _ = audited
+    unresolved = report["unresolved"]
+    assert {s: unresolved[s] for s in ("not_yet_due", "in_flight", "stuck")} == truth.unresolved
+    assert min(truth.unresolved.values()) > 0
+    assert unresolved["stuck_after_ms"] == STUCK_AFTER_MS
+    stuck = set(_refs(unresolved["stuck_sample"]))
+    assert stuck and stuck <= set(truth.unresolved_refs)
+
+
+@needs_java
+def test_dead_letter_queue(audited: Audited) -> None:
+    truth, report, _, _ = audited
+    dead = report["dead_letters"]
+    want = truth.dead_letters
+    for key in ("entries", "messages", "by_app_reason"):
+        assert dead[key] == want[key], key
+    for key in ("oldest", "most_tried"):
+        got = [{k: v for k, v in e.items() if k != "history"} for e in dead[key]]
+        assert got == want[key], key
+    top = next(e for e in dead["most_tried"] if e["msgid"] == "special-1")
+    assert (top["appid"], top["recipient"], top["attempts"], top["reason"]) == (
+        "notify",
+        "n1",
+        10,
+        "timeout",
+    )
+    events = [h["event"] for h in top["history"]]
+    assert events.count("dead_lettered") == 2 and events.count("replayed") == 1
+    assert all(h["recipient"] in ("n1", None) for h in top["history"])
+    assert [h["ts"] for h in top["history"]] == sorted(h["ts"] for h in top["history"])
+    assert "stored" in events  # the message-wide events belong to each copy's history
+
+
+@needs_java
+def test_by_recipient_exact(audited: Audited) -> None:
     truth, report, _, _ = audited
     assert report["by_recipient"] == truth.by_recipient
     idle = [r for r in report["by_recipient"] if r["recipient"] == "o9-idle"]
@@ -135,28 +198,35 @@ def test_by_recipient_exact(audited: tuple[Truth, dict[str, Any], Path, Path]) -
 
 
 @needs_java
-def test_anomalies(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_anomalies(audited: Audited) -> None:
     truth, report, _, _ = audited
     anomalies = report["anomalies"]
     for key, value in truth.anomalies.items():
         assert anomalies[key] == value, key
     assert anomalies["acked_before_stored"] == 0
-    assert _refs(anomalies["unresolved_sample"]) == truth.unresolved[:20]
     for key in ("acked_more_than_once", "pushed_after_ack", "acked_after_dead_letter"):
         assert anomalies[key] > 0
         assert _refs(anomalies["samples"][key]) == truth.flagged[key][:20], key
-    # topic resolution is per recipient: an unresolved copy of an acked topic message
-    statuses = {(a["appid"]): a for a in report["by_app"]}
-    assert statuses["notify"]["unresolved"] < sum(
-        1 for ref in truth.unresolved if ref[0] == "notify"
-    )
+
+
+@needs_java
+def test_bad_lines_counted_per_reason_totals_unchanged(audited: Audited) -> None:
+    truth, report, _, out = audited
+    bad = report["input"]["bad_lines"]
+    assert bad["total"] == 37
+    assert bad["by_reason"] == dict(sorted(truth.bad_lines.items()))
+    assert {s["reason"] for s in bad["samples"]} == set(truth.bad_lines)
+    assert all(s["file"].endswith(".jsonl") and s["line"] for s in bad["samples"])
+    assert report["input"]["events"] == truth.events
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "Bad lines" in page and "attempt_not_an_integer" in page
 
 
 # ------------------------------------------------------------------------ the outputs
 
 
 @needs_java
-def test_report_json_file(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_report_json_file(audited: Audited) -> None:
     _, report, _, out = audited
     on_disk = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert list(on_disk) == list(REPORT_KEYS)
@@ -168,11 +238,13 @@ def test_report_json_file(audited: tuple[Truth, dict[str, Any], Path, Path]) -> 
 
 
 @needs_java
-def test_report_html(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_report_html(audited: Audited) -> None:
     _, report, _, out = audited
     page = (out / "report.html").read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>")
     assert page.count("<svg") >= 4  # throughput, latency, attempts, per app
+    assert "Dead-letter queue" in page and "special-1" in page  # the DLQ, with its entries
+    assert "stuck" in page and "not yet due" in page
     assert "Throughput over time" in page and "Latency distribution" in page
     assert page.count("<table") >= 4
     for app in report["by_app"]:
@@ -186,7 +258,7 @@ def test_report_html(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
 
 
 @needs_java
-def test_csv_files(audited: tuple[Truth, dict[str, Any], Path, Path]) -> None:
+def test_csv_files(audited: Audited) -> None:
     _, report, _, out = audited
     with open(out / "by_app.csv", encoding="utf-8", newline="") as handle:
         apps = list(csv.DictReader(handle))
@@ -213,83 +285,121 @@ def _line(ts: int, event: str, msgid: str, appid: str, **more: Any) -> str:
     return json.dumps(record)
 
 
+def _audit(spark: SparkSession, logs: Path, out: Path, **options: Any) -> dict[str, Any]:
+    return run_audit(str(logs), str(out), spark=spark, options=Options(**options), progress=False)
+
+
 @needs_java
 def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None:
     t = BASE_TS
-    lines = []
-    # app "a": four acked messages, latencies 10, 20, 30, 40 ms, acked on attempts 1,1,2,3
-    for i, (latency, attempt) in enumerate(((10, 1), (20, 1), (30, 2), (40, 3))):
-        msgid = f"m{i}"
-        lines.append(_line(t + 1000 * i, "stored", msgid, "a"))
-        lines.append(
-            _line(t + 1000 * i + latency, "acked", msgid, "a", recipient="r", attempt=attempt)
-        )
-    # app "b": the same msgid as in "a" (another message), never delivered
-    lines.append(_line(t, "stored", "m0", "b"))
-    # app "c": a topic message; both copies acked at the same ms: the lower attempt wins;
-    # recipient y is pushed after x's ack (normal) and after its own ack (anomaly)
     topic = {"kind": "topic"}
-    lines += [
+    dead = {"attempt": 5, "detail": "after 5 attempts; last: rejected"}
+    lines = [
+        # q1: delayed by 10 s; pushed 5 ms and acked 25 ms after it was due
+        _line(t, "stored", "q1", "a", detail=f"deliver_at={t + 10_000}"),
+        _line(t + 10_005, "pushed", "q1", "a", recipient="r", attempt=1),
+        _line(t + 10_025, "acked", "q1", "a", recipient="r", attempt=1),
+        # q2: dead after 5 attempts at +100, replayed at +60100, acked on the broker's
+        # attempt 2 at +60140: latency 140 - 60000 in the DLQ = 140 ms, attempt 5 + 2 = 7
+        _line(t, "stored", "q2", "a"),
+        _line(t + 10, "pushed", "q2", "a", recipient="r", attempt=1),
+        _line(t + 100, "dead_lettered", "q2", "a", recipient="r", **dead),
+        _line(t + 60_100, "replayed", "q2", "a", recipient="r"),
+        _line(t + 60_140, "acked", "q2", "a", recipient="r", attempt=2),
+        # t1: a topic message dead for 2 of its 3 recipients: 1 message, 2 entries
         _line(t, "stored", "t1", "c", **topic),
-        _line(t + 5, "pushed", "t1", "c", recipient="x", attempt=1, **topic),
-        _line(t + 7, "acked", "t1", "c", recipient="x", attempt=2, **topic),
-        _line(t + 6, "pushed", "t1", "c", recipient="y", attempt=1, **topic),
-        _line(t + 7, "acked", "t1", "c", recipient="y", attempt=1, **topic),
-        _line(t + 9, "pushed", "t1", "c", recipient="y", attempt=2, **topic),
-        _line(t + 9, "recipient_lost", "", "c", recipient="z"),
+        _line(t + 5, "acked", "t1", "c", recipient="x", attempt=1, **topic),
+        _line(t + 6, "dead_lettered", "t1", "c", recipient="y", **dead, **topic),
+        _line(t + 7, "dead_lettered", "t1", "c", recipient="z", **dead, **topic),
+        # u1: waiting for a retry due after the log ends: not yet due
+        _line(t, "stored", "u1", "d"),
+        _line(t + 10, "pushed", "u1", "d", recipient="r", attempt=1),
+        _line(t + 20, "rejected", "u1", "d", recipient="r", attempt=1),
+        _line(
+            t + 21, "retry_scheduled", "u1", "d", recipient="r", attempt=1,
+            detail=f"next attempt at {t + 999_999}",
+        ),
+        # u2: pushed at +1000, nothing since: in flight 59 s before the log ends
+        _line(t, "stored", "u2", "d"),
+        _line(t + 1000, "pushed", "u2", "d", recipient="r", attempt=1),
+        # u3: stored, never pushed, no event for the last 60 s: stuck
+        _line(t - 500, "stored", "u3", "d"),
+        _line(t + 60_140, "recipient_alive", "", "d", recipient="r", kind=None),
         "",
-    ]
+    ]  # fmt: skip
     (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(reversed(lines)), encoding="utf-8")
-    report = run_audit(str(tmp_path), str(tmp_path / "out"), spark=spark, progress=False)
+    report = _audit(spark, tmp_path, tmp_path / "out", stuck_after_ms=59_500)
     assert report["totals"] == {
         "messages": 6,
+        "acked": 2,
+        "dead_lettered": 1,
+        "unresolved": 3,
+        "deliveries": 8,
+        "dead_letter_entries": 2,
         "duplicates": 0,
-        "acked": 5,
-        "dead_lettered": 0,
-        "unresolved": 1,
-        "pushes": 3,
+        "pushes": 4,
     }
-    values = [10, 20, 30, 40, 7]
+    latencies = [25, 140, 5]  # q1, q2, t1/x
     assert report["latency_ms"] == {
-        "p50": 20.0,
-        "p95": pytest.approx(percentile_linear(values, 0.95)),
-        "p99": pytest.approx(percentile_linear(values, 0.99)),
-        "max": 40,
+        "p50": 25.0,
+        "p95": pytest.approx(percentile_linear(latencies, 0.95)),
+        "p99": pytest.approx(percentile_linear(latencies, 0.99)),
+        "max": 140,
     }
-    assert report["latency_ms"]["p95"] == pytest.approx(38.0)  # 30 + 0.8 * (40 - 30)
-    assert report["attempts"] == {"1": 3, "2": 1, "3": 1}
+    assert report["first_push_ms"]["max"] == 1000 and report["first_push_ms"]["p50"] == 10
+    assert report["attempts"] == {"1": 2, "7": 1}
+    unresolved = report["unresolved"]
+    assert (unresolved["not_yet_due"], unresolved["in_flight"], unresolved["stuck"]) == (1, 1, 1)
+    assert _refs(unresolved["stuck_sample"]) == [("d", "u3", None)]
+    dlq = report["dead_letters"]
+    assert (dlq["entries"], dlq["messages"]) == (2, 1)
+    assert dlq["by_app_reason"] == [{"appid": "c", "reason": "rejected", "entries": 2}]
+    assert [(e["recipient"], e["attempts"]) for e in dlq["oldest"]] == [("y", 5), ("z", 5)]
+    assert [h["event"] for h in dlq["oldest"][0]["history"]] == ["stored", "dead_lettered"]
     by_app = {a["appid"]: a for a in report["by_app"]}
-    assert by_app["a"]["p99_ms"] == pytest.approx(39.7)
-    assert by_app["b"] == {
-        "appid": "b",
-        "messages": 1,
-        "acked": 0,
-        "dead_lettered": 0,
-        "unresolved": 1,
-        "p99_ms": None,
-    }
-    anomalies = report["anomalies"]
-    assert anomalies["pushed_after_ack"] == 1
-    assert _refs(anomalies["samples"]["pushed_after_ack"]) == [("c", "t1", "y")]
-    assert anomalies["acked_more_than_once"] == 0
-    assert _refs(anomalies["unresolved_sample"]) == [("b", "m0", None)]
-    assert anomalies["invalid_lines"] == 0  # a blank line is not an event, nor invalid
-    recipients = {(r["appid"], r["recipient"]): r for r in report["by_recipient"]}
-    assert recipients[("c", "z")]["pushes"] == 0
-    assert recipients[("c", "y")]["pushes"] == 2
+    assert by_app["c"]["dead_letter_entries"] == 2 and by_app["c"]["dead_lettered"] == 1
+    assert report["anomalies"]["acked_after_dead_letter"] == 0  # acked after its replay
+    assert report["input"]["bad_lines"]["total"] == 0  # a blank line is not bad
 
 
 @needs_java
 def test_nothing_acked(spark: SparkSession, tmp_path: Path) -> None:
     (tmp_path / "delivery-x-0.jsonl").write_text(
-        _line(BASE_TS, "stored", "m", "a") + "\n" + _line(BASE_TS + 5, "dead_lettered", "m", "a"),
+        _line(BASE_TS, "stored", "m", "a")
+        + "\n"
+        + _line(BASE_TS + 5, "dead_lettered", "m", "a", attempt=5),
         encoding="utf-8",
     )
-    report = run_audit(str(tmp_path), str(tmp_path / "out"), spark=spark, progress=False)
+    report = _audit(spark, tmp_path, tmp_path / "out")
     assert report["latency_ms"] == {"p50": None, "p95": None, "p99": None, "max": None}
     assert report["attempts"] == {}
     assert report["totals"]["dead_lettered"] == 1
+    assert report["dead_letters"]["by_app_reason"] == [
+        {"appid": "a", "reason": "unknown", "entries": 1}
+    ]
     assert (tmp_path / "out" / "report.html").read_text(encoding="utf-8").count("<svg") >= 4
+
+
+@needs_java
+def test_throughput_chart_keeps_empty_buckets_as_zeros(spark: SparkSession, tmp_path: Path) -> None:
+    # events at 0-1 s and 100-101 s: the 98 seconds between are zeros, not skipped
+    lines = [_line(BASE_TS + ms, "stored", f"m{ms}", "a") for ms in (0, 500, 100_000, 100_900)]
+    (tmp_path / "delivery-x-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    out = tmp_path / "out"
+    _audit(spark, tmp_path, out)
+    assert fill_buckets([{"t": 0, "n": 1}, {"t": 3000, "n": 2}], 1000, ["n"]) == [
+        {"t": 0, "n": 1},
+        {"t": 1000, "n": 0},
+        {"t": 2000, "n": 0},
+        {"t": 3000, "n": 2},
+    ]
+    page = (out / "report.html").read_text(encoding="utf-8")
+    stored_line = next(
+        part for part in page.split("<polyline")[1:] if COLORS["stored"] in part.split(">")[0]
+    )
+    points = stored_line.split('points="')[1].split('"')[0].split()
+    assert len(points) == 101  # one a second from 0 to 100 s, the empty ones at zero
+    assert len({p.split(",")[1] for p in points[2:100]}) == 1
 
 
 @needs_java
@@ -320,6 +430,130 @@ def test_resolve_log_paths(tmp_path: Path) -> None:
         resolve_log_paths(str(tmp_path / "empty"))
     with pytest.raises(AuditInputError):
         resolve_log_paths(str(tmp_path / "nothing-*.jsonl"))
+
+
+# ----------------------------------------------------------------------- bad input
+
+
+def _log_file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        _line(BASE_TS, "stored", "m", "a") + "\n" + _line(BASE_TS + 3, "acked", "m", "a"),
+        encoding="utf-8",
+    )
+    return path
+
+
+def _bad_files(base: Path) -> tuple[Path, Path]:
+    """A truncated .gz and gzip data named .jsonl, beside a good file."""
+    _log_file(base / "good" / "delivery-a-0.jsonl")
+    data = gzip.compress((_line(BASE_TS, "stored", "z", "a") + "\n").encode() * 500)
+    truncated = base / "delivery-b-0.jsonl.gz"
+    truncated.write_bytes(data[: len(data) // 2])
+    misnamed = base / "delivery-c-0.jsonl"
+    misnamed.write_bytes(data)
+    return truncated, misnamed
+
+
+@needs_java
+def test_unreadable_files_named_in_one_line(spark: SparkSession, tmp_path: Path) -> None:
+    truncated, misnamed = _bad_files(tmp_path)
+    with pytest.raises(AuditInputError) as failed:
+        _audit(spark, tmp_path, tmp_path / "out")
+    message = str(failed.value)
+    assert "\n" not in message and "cannot read 2 file(s)" in message
+    assert f"{truncated}: not a complete gzip file" in message
+    assert f"{misnamed}: gzip data in a file not named .gz" in message
+    assert not (tmp_path / "out").exists()
+    report = run_audit(
+        str(tmp_path), str(tmp_path / "out"), spark=spark, skip_bad_files=True, progress=False
+    )
+    skipped = {f["path"] for f in report["input"]["skipped_files"]}
+    assert skipped == {str(truncated), str(misnamed)}
+    assert report["totals"]["messages"] == 1 and report["totals"]["acked"] == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file_permission(tmp_path: Path) -> None:
+    path = _log_file(tmp_path / "delivery-a-0.jsonl")
+    path.chmod(0)
+    assert [b.line() for b in check_files([str(path)])] == [
+        f"{path}: cannot be read (Permission denied)"
+    ]
+
+
+@needs_java
+def test_empty_and_missing_input(spark: SparkSession, tmp_path: Path) -> None:
+    (tmp_path / "delivery-a-0.jsonl").write_text("\n\n", encoding="utf-8")
+    with pytest.raises(AuditInputError, match="no valid events"):
+        _audit(spark, tmp_path, tmp_path / "out")
+    with pytest.raises(AuditInputError, match="no such file or directory"):
+        _audit(spark, tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "delivery-a-0.jsonl").write_text("garbage\n", encoding="utf-8")
+    with pytest.raises(AuditInputError, match=r"no valid events .*1 bad line"):
+        _audit(spark, tmp_path, tmp_path / "out")
+
+
+@needs_java
+def test_strict_makes_a_bad_line_an_error(spark: SparkSession, tmp_path: Path) -> None:
+    log = _log_file(tmp_path / "delivery-a-0.jsonl")
+    log.write_text(log.read_text() + '\n{"ts": "1760000000000", "event": "acked"}\n')
+    assert _audit(spark, tmp_path, tmp_path / "out")["input"]["bad_lines"]["total"] == 1
+    with pytest.raises(BadLinesError, match=r"1 bad line\(s\) \(ts_not_an_integer: 1\)"):
+        _audit(spark, tmp_path, tmp_path / "out2", strict=True)
+
+
+@needs_java
+def test_output_to_a_uri(spark: SparkSession, tmp_path: Path) -> None:
+    _log_file(tmp_path / "logs" / "delivery-a-0.jsonl")
+    target = tmp_path / "written-by-hadoop"
+    run_audit(str(tmp_path / "logs"), f"file://{target}", spark=spark, progress=False)
+    assert json.loads((target / "report.json").read_text())["totals"]["acked"] == 1
+    assert sorted(p.name for p in target.iterdir() if not p.name.startswith(".")) == [
+        "by_app.csv",
+        "by_recipient.csv",
+        "report.html",
+        "report.json",
+    ]
+
+
+def test_error_line_names_the_file_without_the_trace() -> None:
+    failure = RuntimeError(
+        "An error occurred while calling o123.collectToPython.\n"
+        ": org.apache.spark.SparkException: Job aborted due to stage failure: "
+        "java.io.EOFException: Unexpected end of input stream\n"
+        "\tat org.apache.hadoop.io.compress.DecompressorStream.decompress(...)\n"
+        "Caused by: reading file hdfs://nn:8020/logs/delivery-b-3.jsonl.gz\n"
+    )
+    line = error_line(failure)
+    assert line == (
+        "SparkException: Job aborted due to stage failure: java.io.EOFException: Unexpected "
+        "end of input stream (file hdfs://nn:8020/logs/delivery-b-3.jsonl.gz)"
+    )
+
+
+def test_spark_settings_and_driver_address() -> None:
+    assert parse_conf(["spark.a=1", "spark.b=x=y"]) == {"spark.a": "1", "spark.b": "x=y"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_conf(["spark.a"])
+    # the driver advertises the address on the route to the master, never 127.0.0.1
+    # unless the master is there
+    assert driver_address("spark://127.0.0.1:7077") == "127.0.0.1"
+    assert driver_address("k8s://https://127.0.0.1:6443") == "127.0.0.1"
+    assert driver_address("yarn") is None
+    assert local_cores("local[3]") == 3 and local_cores("spark://h:7077") is None
+
+
+def test_events_enum_names_every_event_the_broker_writes() -> None:
+    written = set()
+    for path in (REPO / "skmq").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        written |= set(re.findall(r"\.event\(\s*\"([a-z_]+)\"", text))
+        written |= set(re.findall(r"record_failure\([^)]*?\"([a-z_]+)\"", text, re.S))
+    assert written, "no event found in the broker's sources"
+    assert written <= {e.value for e in Event}
+    spec = set(re.findall(r"`([a-z_]+)`", (REPO / "docs" / "AUDIT.md").read_text()))
+    assert {e.value for e in Event} <= spec
 
 
 # ------------------------------------------------------------------------------ the CLI
@@ -361,31 +595,90 @@ def _skmq_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "skmq.cli"]
 
 
+def _job_args(logs: Path, out: Path) -> list[str]:
+    return ["--logs", str(logs), "--out", str(out), "--stuck-after", str(STUCK_AFTER_MS / 1000)]
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Any:
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=600, cwd=cwd, env=env, check=False
+    )
+
+
 @needs_java
-def test_cli_end_to_end(audited: tuple[Truth, dict[str, Any], Path, Path], tmp_path: Path) -> None:
+def test_cli_end_to_end(audited: Audited, tmp_path: Path) -> None:
     truth, _, logs, in_process = audited
     out = tmp_path / "out"
-    done = subprocess.run(
-        [*_skmq_command(), "audit", "--logs", str(logs), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        check=False,
+    done = _run(
+        [
+            *_skmq_command(),
+            "audit",
+            *_job_args(logs, out),
+            "--driver-memory",
+            "700m",
+            "--conf",
+            "spark.sql.shuffle.partitions=3",
+        ],
+        tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[1/6] reading logs" in done.stderr and "[6/6] writing reports" in done.stderr
+    assert "[1/7] reading logs" in done.stderr and "[7/7] writing reports" in done.stderr
+    # the settings reached the JVM (read back from it)
+    assert "spark.driver.memory=700m, spark.sql.shuffle.partitions=3" in done.stderr
     assert f"{truth.totals['messages']:,} messages" in done.stdout
+    assert "bad lines skipped: 37" in done.stdout
     # the same job in another process and JVM (local[*]) gives the same bytes
     for name in ("report.json", "by_app.csv", "by_recipient.csv"):
         assert (out / name).read_bytes() == (in_process / name).read_bytes(), name
     assert (out / "report.html").exists()
 
 
-def _cli_args(tmp_path: Path) -> argparse.Namespace:
-    return argparse.Namespace(
-        logs=[str(tmp_path)], out=str(tmp_path / "out"), master=None, sample=20, quiet=True
+@needs_java
+def test_cli_failures_are_one_line(tmp_path: Path) -> None:
+    truncated, _ = _bad_files(tmp_path)
+    done = _run([*_skmq_command(), "audit", "--logs", str(tmp_path), "--out", "o"], tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and str(truncated) in done.stderr
+    assert "Traceback" not in done.stderr
+    # a storage Spark cannot reach: one line, exit 1; the trace only with --debug
+    args = [*_skmq_command(), "audit", "--logs", "s3a://no-such-bucket/logs", "--out", "o"]
+    done = _run([*args, "--quiet"], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = [x for x in done.stderr.splitlines() if x.startswith("skmq audit:")]
+    assert len(lines) == 1 and "s3a" in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "\tat " not in done.stderr
+
+
+@needs_java
+def test_the_same_job_through_spark_submit(audited: Audited, tmp_path: Path) -> None:
+    _, report, logs, _ = audited
+    submit = Path(sys.executable).parent / "spark-submit"
+    if not submit.exists():
+        pytest.skip("no spark-submit beside the Python")
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    out = tmp_path / "out"
+    done = _run(
+        [
+            str(submit),
+            "--master",
+            "local[2]",
+            "--driver-memory",
+            "700m",
+            str(REPO / "spark" / "audit.py"),
+            *_job_args(logs, out),
+            "--quiet",
+        ],
+        tmp_path,
+        env,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "report.json").read_text(encoding="utf-8")) == report
+
+
+def _cli_args(tmp_path: Path) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--logs", str(tmp_path), "--out", str(tmp_path / "out"), "--quiet"])
 
 
 def test_cli_without_java(

@@ -613,7 +613,7 @@ def test_image_commands_run_from_a_clean_venv(
         [
             "python",
             "-c",
-            "import importlib.util, skmq; assert importlib.util.find_spec('spark.audit');"
+            "import importlib.util, skmq; assert importlib.util.find_spec('skmq.audit_job.audit');"
             " print(skmq.__file__)",
         ],
         env,

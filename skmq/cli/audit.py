@@ -1,9 +1,12 @@
 """``skmq audit``: run the Spark delivery-log audit (spark/audit.py) on a log directory.
 
 ``skmq audit --logs PATH [PATH ...] --out DIR [--master URL]`` runs the job in
-``local[*]`` by default, or on the cluster at ``--master``.  It needs PySpark
-(``pip install 'skmq[audit]'``) and Java 17 or 21 (``JAVA_HOME`` or ``java`` on the
-PATH); without either it says what to install and exits with status 2.
+``local[*]`` by default, or on the cluster at ``--master``; docs/AUDIT.md defines
+every figure.  Exit status: 0 done, 1 Spark or storage failed (one line; the trace
+with ``--debug``), 2 bad arguments or unreadable input, 3 bad lines under
+``--strict``.  It needs PySpark (``pip install 'skmq[audit]'``) and Java 17 or 21
+(``JAVA_HOME`` or ``java`` on the PATH); without either it says what to install and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import re
 import shutil
 import subprocess
 import sys
+from typing import Any
+
+from skmq.audit_job.arguments import add_arguments
 
 SUPPORTED_JAVA = (17, 21)
 JAVA_HELP = (
@@ -28,31 +34,10 @@ PYSPARK_HELP = "skmq audit needs PySpark: pip install 'skmq[audit]'"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """The ``audit`` subcommand's flags."""
+    """The ``audit`` subcommand's flags (the job's own, skmq.audit_job.arguments)."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--logs",
-        required=True,
-        nargs="+",
-        metavar="PATH",
-        help="log directory (searched for *.jsonl), glob or file; several allowed",
-    )
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the reports")
-    parser.add_argument(
-        "--master",
-        default=None,
-        metavar="URL",
-        help="Spark master (default local[*]); e.g. spark://host:7077, yarn, k8s://...",
-    )
-    parser.add_argument(
-        "--sample",
-        type=int,
-        default=20,
-        metavar="N",
-        help="msgids kept in each anomaly sample (default 20)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -110,36 +95,38 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    from spark.audit import AuditInputError, run_audit
+    from skmq.audit_job.audit import audit_from_args
 
-    try:
-        report = run_audit(
-            args.logs, args.out, args.master, sample_size=args.sample, progress=not args.quiet
-        )
-    except AuditInputError as exc:
-        print(f"skmq audit: {exc}", file=sys.stderr)
-        return 2
+    report: dict[str, Any] | int = audit_from_args(args, "skmq audit")
+    if isinstance(report, int):
+        return report
     totals = report["totals"]
     latency = report["latency_ms"]
     anomalies = report["anomalies"]
+    unresolved = report["unresolved"]
+    bad = report["input"]["bad_lines"]
     print(
         f"{totals['messages']:,} messages: {totals['acked']:,} acked, "
-        f"{totals['dead_lettered']:,} dead-lettered, {totals['unresolved']:,} unresolved; "
+        f"{totals['dead_lettered']:,} dead-lettered ({totals['dead_letter_entries']:,} "
+        f"dead-letter entries), {totals['unresolved']:,} unresolved; "
         f"{totals['duplicates']:,} duplicates, {totals['pushes']:,} pushes"
     )
     if latency["p50"] is not None:
         print(
-            f"latency stored->ack: p50 {latency['p50']} ms, p95 {latency['p95']} ms, "
+            f"latency due->ack: p50 {latency['p50']} ms, p95 {latency['p95']} ms, "
             f"p99 {latency['p99']} ms, max {latency['max']} ms"
         )
     print(
-        f"anomalies: {anomalies['acked_more_than_once']} acked more than once, "
-        f"{anomalies['pushed_after_ack']} pushed after ack, "
-        f"{anomalies['acked_after_dead_letter']} acked after dead letter, "
-        f"{anomalies['unresolved']} unresolved deliveries"
+        f"unresolved deliveries: {unresolved['not_yet_due']:,} not yet due, "
+        f"{unresolved['in_flight']:,} in flight, {unresolved['stuck']:,} stuck"
     )
     print(
-        f"report: {os.path.join(args.out, 'report.html')} (and report.json, by_app.csv, "
-        "by_recipient.csv)"
+        f"anomalies: {anomalies['acked_more_than_once']} acked more than once, "
+        f"{anomalies['pushed_after_ack']} pushed after ack, "
+        f"{anomalies['acked_after_dead_letter']} acked after dead letter"
     )
+    if bad["total"]:
+        reasons = ", ".join(f"{k} {v}" for k, v in bad["by_reason"].items())
+        print(f"bad lines skipped: {bad['total']:,} ({reasons})")
+    print(f"report: {args.out} (report.html, report.json, by_app.csv, by_recipient.csv)")
     return 0

@@ -1,0 +1,58 @@
+"""The delivery log's vocabulary (SPEC section 7): event names, kinds and line fields.
+
+One place for the names the broker writes and the Spark audit reads
+(``skmq.audit_job``).  Members are ``str`` subclasses, so ``Event.ACKED == "acked"``
+and a member can be passed wherever a plain string is expected.  This module imports
+nothing from the broker: the audit imports it on a Spark driver.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["LOG_FIELDS", "MESSAGE_EVENTS", "RECIPIENT_EVENTS", "Event", "Kind"]
+
+
+# str + Enum, not StrEnum: the official Spark images run the audit on Python 3.10.
+class Event(str, Enum):  # noqa: UP042
+    """The ``event`` field of a delivery-log line."""
+
+    RECEIVED = "received"
+    DUPLICATE = "duplicate"
+    STORED = "stored"
+    PUSHED = "pushed"
+    ARRIVED = "arrived"
+    ACKED = "acked"
+    REJECTED = "rejected"
+    ERRORED = "errored"
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"
+    RETRY_SCHEDULED = "retry_scheduled"
+    DEAD_LETTERED = "dead_lettered"
+    REPLAYED = "replayed"
+    RECIPIENT_REGISTERED = "recipient_registered"
+    RECIPIENT_LOST = "recipient_lost"
+    RECIPIENT_ALIVE = "recipient_alive"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Kind(str, Enum):  # noqa: UP042
+    """The ``kind`` field: how a message is delivered."""
+
+    QUEUE = "queue"
+    TOPIC = "topic"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Events about a recipient, not a message (their msgid is empty).
+RECIPIENT_EVENTS = frozenset(
+    {Event.RECIPIENT_REGISTERED, Event.RECIPIENT_LOST, Event.RECIPIENT_ALIVE}
+)
+MESSAGE_EVENTS = frozenset(Event) - RECIPIENT_EVENTS
+
+# The fields of one line, in the order the broker writes them.
+LOG_FIELDS = ("ts", "event", "msgid", "appid", "kind", "recipient", "attempt", "broker", "detail")

@@ -1,0 +1,67 @@
+"""The audit's command-line options, shared by ``skmq audit`` and ``spark/audit.py``.
+
+Imports nothing heavy (no pyspark), so that ``skmq --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["DEFAULT_SAMPLE", "DEFAULT_STUCK_AFTER_MS", "add_arguments"]
+
+DEFAULT_SAMPLE = 20
+DEFAULT_STUCK_AFTER_MS = 600_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the audit's options to ``parser``."""
+    parser.add_argument(
+        "--logs",
+        required=True,
+        nargs="+",
+        metavar="PATH",
+        help="log directory (searched for *.jsonl), glob, file or URI; several allowed",
+    )
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="directory or URI for the reports"
+    )
+    parser.add_argument(
+        "--master",
+        default=None,
+        metavar="URL",
+        help="Spark master (default local[*] or spark-submit's): spark://host:7077, yarn, ...",
+    )
+    parser.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting, as spark-submit --conf (repeatable)",
+    )
+    parser.add_argument(
+        "--driver-memory", default=None, metavar="SIZE", help="spark.driver.memory, e.g. 4g"
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="any bad line is an error (exit status 3)"
+    )
+    parser.add_argument(
+        "--skip-bad-files",
+        action="store_true",
+        help="audit the readable files when some cannot be read (truncated gzip, ...)",
+    )
+    parser.add_argument(
+        "--stuck-after",
+        type=float,
+        default=DEFAULT_STUCK_AFTER_MS / 1000,
+        metavar="SECONDS",
+        help="an unresolved delivery with no event for this long is stuck (default 600)",
+    )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=DEFAULT_SAMPLE,
+        metavar="N",
+        help=f"msgids kept in each sample (default {DEFAULT_SAMPLE})",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--debug", action="store_true", help="show the stack trace of a failure")

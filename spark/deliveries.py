@@ -1,0 +1,241 @@
+"""Per delivery and per message: the definitions of docs/AUDIT.md as Spark expressions.
+
+``delivery_table`` folds the events of each delivery into one row (a queue message is
+one delivery, a topic message one per recipient) with fixed-width aggregates only, so
+Spark hash-aggregates with map-side partial aggregation and never sorts the events.
+``message_table`` folds deliveries into messages.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from skmq.events import RECIPIENT_EVENTS, Event, Kind
+
+__all__ = [
+    "FAILURES",
+    "ack_attempt",
+    "ack_key",
+    "ack_ts",
+    "count_if",
+    "delivery_table",
+    "is_event",
+    "message_table",
+]
+
+# An acked event's (ts, attempt) packed in a long: ts << 20 | attempt (all ones: none).
+_ATTEMPT_BITS = 20
+_NO_ATTEMPT = (1 << _ATTEMPT_BITS) - 1
+_MAX_ATTEMPT = _NO_ATTEMPT - 1
+# The outcome named by a dead letter's detail ("after 5 attempts; last: timeout"),
+# as a small number so that the aggregation stays fixed-width; 0: not named.
+FAILURES = (Event.REJECTED, Event.ERRORED, Event.TIMEOUT, Event.UNREACHABLE)
+_DELIVER_AT = r"deliver_at=(\d+)"
+_NEXT_AT = r"next attempt at (\d+)"
+_LAST_FAILURE = r"last: (\w+)"
+
+
+def is_event(event: Event) -> Column:
+    return F.col("event") == F.lit(event.value)
+
+
+def count_if(cond: Column) -> Column:
+    return F.count(F.when(cond, F.lit(1)))
+
+
+def ack_key() -> Column:
+    """``ts`` and ``attempt`` of an event in one long that orders as (ts, attempt).
+
+    A missing attempt sorts after any number; attempts are clamped to the field.
+    """
+    attempt = F.least(F.greatest(F.col("attempt"), F.lit(0)), F.lit(_MAX_ATTEMPT))
+    return F.shiftleft(F.col("ts"), _ATTEMPT_BITS) + F.coalesce(attempt, F.lit(_NO_ATTEMPT))
+
+
+def ack_ts(key: Column) -> Column:
+    return F.shiftright(key, _ATTEMPT_BITS)
+
+
+def ack_attempt(key: Column) -> Column:
+    attempt = key.bitwiseAND(F.lit(_NO_ATTEMPT))
+    return F.when(attempt != _NO_ATTEMPT, attempt)
+
+
+def _number_in(pattern: str) -> Column:
+    return F.regexp_extract(F.col("detail"), pattern, 1).cast("long")
+
+
+def _failure_code() -> Column:
+    named = F.regexp_extract(F.col("detail"), _LAST_FAILURE, 1)
+    code = F.lit(0)
+    for index, failure in reversed(list(enumerate(FAILURES, start=1))):
+        code = F.when(named == failure.value, F.lit(index)).otherwise(code)
+    return code
+
+
+def _when(event: Event, value: Column) -> Column:
+    return F.when(is_event(event), value)
+
+
+# The per-delivery aggregates: the message-level ones (stored) and the delivery ones.
+_MESSAGE_FIELDS = ("n_stored", "stored_ts", "due_at")
+_DELIVERY_FIELDS = (
+    "n_acked",
+    "first_ack",
+    "first_push",
+    "last_push",
+    "n_dl",
+    "last_dl",
+    "sum_dl",
+    "dl_attempts",
+    "last_dl_attempts",
+    "failure",
+    "n_rp",
+    "last_rp",
+    "sum_rp",
+    "last_ts",
+    "last_retry",
+    "next_at",
+)
+
+
+def _units(events: DataFrame) -> DataFrame:
+    """One row per (appid, msgid, rkey): rkey is a topic copy's recipient, else null."""
+    ts = F.col("ts")
+    rkey = F.when(F.col("kind") == Kind.TOPIC.value, F.col("recipient"))
+    messages = events.where(~F.col("event").isin(*[e.value for e in RECIPIENT_EVENTS]))
+    return messages.groupBy("appid", "msgid", rkey.alias("rkey")).agg(
+        count_if(is_event(Event.STORED)).alias("n_stored"),
+        F.min(_when(Event.STORED, ts)).alias("stored_ts"),
+        F.max(_when(Event.STORED, _number_in(_DELIVER_AT))).alias("due_at"),
+        (count_if(F.col("kind") == Kind.TOPIC.value) > 0).alias("topic"),
+        count_if(is_event(Event.ACKED)).alias("n_acked"),
+        F.min(_when(Event.ACKED, ack_key())).alias("first_ack"),
+        F.min(_when(Event.PUSHED, ts)).alias("first_push"),
+        F.max(_when(Event.PUSHED, ts)).alias("last_push"),
+        count_if(is_event(Event.DEAD_LETTERED)).alias("n_dl"),
+        F.max(_when(Event.DEAD_LETTERED, ts)).alias("last_dl"),
+        F.sum(_when(Event.DEAD_LETTERED, ts)).alias("sum_dl"),
+        F.sum(_when(Event.DEAD_LETTERED, F.col("attempt"))).alias("dl_attempts"),
+        F.max_by(
+            _when(Event.DEAD_LETTERED, F.col("attempt")), _when(Event.DEAD_LETTERED, ts)
+        ).alias("last_dl_attempts"),
+        F.max_by(_when(Event.DEAD_LETTERED, _failure_code()), _when(Event.DEAD_LETTERED, ts)).alias(
+            "failure"
+        ),
+        count_if(is_event(Event.REPLAYED)).alias("n_rp"),
+        F.max(_when(Event.REPLAYED, ts)).alias("last_rp"),
+        F.sum(_when(Event.REPLAYED, ts)).alias("sum_rp"),
+        F.max(ts).alias("last_ts"),
+        F.max(_when(Event.RETRY_SCHEDULED, ts)).alias("last_retry"),
+        F.max_by(
+            _when(Event.RETRY_SCHEDULED, _number_in(_NEXT_AT)), _when(Event.RETRY_SCHEDULED, ts)
+        ).alias("next_at"),
+    )
+
+
+def _joined_deliveries(units: DataFrame) -> DataFrame:
+    """Deliveries with their message's fields: queue rows as they are; topic copies
+    joined to their message's row (a topic message without copies is one delivery)."""
+    rkey = F.col("rkey")
+    queue = units.where(rkey.isNull() & ~F.col("topic")).select(
+        "appid",
+        "msgid",
+        F.lit(None).cast("string").alias("recipient"),
+        F.lit(False).alias("topic"),
+        *_MESSAGE_FIELDS,
+        *_DELIVERY_FIELDS,
+    )
+    message_rows = units.where(rkey.isNull() & F.col("topic")).select(
+        "appid",
+        "msgid",
+        *_MESSAGE_FIELDS,
+        *(F.col(f).alias("m_" + f) for f in _DELIVERY_FIELDS),
+    )
+    copies = units.where(rkey.isNotNull()).select("appid", "msgid", "rkey", *_DELIVERY_FIELDS)
+    joined = message_rows.join(copies, ["appid", "msgid"], "full_outer")
+    own = rkey.isNull()  # a topic message without any copy: its own row is the delivery
+    topic = joined.select(
+        "appid",
+        "msgid",
+        rkey.alias("recipient"),
+        F.lit(True).alias("topic"),
+        *_MESSAGE_FIELDS,
+        *(F.when(own, F.col("m_" + f)).otherwise(F.col(f)).alias(f) for f in _DELIVERY_FIELDS),
+    )
+    return queue.unionByName(topic)
+
+
+def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFrame:
+    """One row per delivery of the valid ``events``, with the columns the report uses.
+
+    ``as_of`` is the time the log ends (its last ts): unresolved deliveries are split
+    by it into not yet due, in flight and stuck (no event for ``stuck_after_ms``).
+    """
+    c = F.col
+    acked = c("n_acked") > 0
+    dead = ~acked & (c("n_dl") > 0) & (c("last_rp").isNull() | (c("last_dl") > c("last_rp")))
+    due = F.coalesce(c("due_at"), c("stored_ts"))
+    first_ack_ts = ack_ts(c("first_ack"))
+    # Time in the dead-letter queue before the ack: each replay ends a stay that its
+    # dead letter began; a dead letter never replayed lasts until the ack.
+    in_dlq = F.when(
+        acked & (c("n_dl") > 0) & (c("n_rp") <= c("n_dl")),
+        F.coalesce(c("sum_rp"), F.lit(0)) - c("sum_dl") + (c("n_dl") - c("n_rp")) * first_ack_ts,
+    ).otherwise(F.lit(0))
+    # Attempts before the ack's own: those of each dead letter that a replay ended (a
+    # dead letter not replayed, the last, belongs to the same run of attempts).
+    replayed_attempts = F.coalesce(c("dl_attempts"), F.lit(0)) - F.when(
+        c("n_dl") > c("n_rp"), F.coalesce(c("last_dl_attempts"), F.lit(0))
+    ).otherwise(F.lit(0))
+    waiting_retry = c("last_retry").isNotNull() & (c("last_retry") == c("last_ts"))
+    pending_until = F.greatest(due, F.when(waiting_retry, c("next_at")))
+    status = (
+        F.when(acked, F.lit("acked"))
+        .when(dead, F.lit("dead"))
+        .when(pending_until > F.lit(as_of), F.lit("not_yet_due"))
+        .when(c("last_ts") >= F.lit(as_of - stuck_after_ms), F.lit("in_flight"))
+        .otherwise(F.lit("stuck"))
+    )
+    return _joined_deliveries(_units(events)).select(
+        "appid",
+        "msgid",
+        "recipient",
+        "topic",
+        (c("n_stored") > 0).alias("stored"),
+        status.alias("status"),
+        due.alias("due_ts"),
+        F.when(acked, first_ack_ts - due - F.coalesce(in_dlq, F.lit(0))).alias("latency"),
+        (c("first_push") - due).alias("push_latency"),
+        F.when(acked, ack_attempt(c("first_ack")) + replayed_attempts).alias("attempt"),
+        (c("n_acked") > 1).alias("acked_more_than_once"),
+        F.coalesce(c("last_push") > first_ack_ts, F.lit(False)).alias("pushed_after_ack"),
+        (acked & (c("n_dl") > 0)).alias("acked_and_dead"),
+        c("last_dl").alias("dead_since"),
+        c("failure"),
+        F.coalesce(c("dl_attempts"), F.lit(0)).alias("tries"),
+        c("last_ts"),
+    )
+
+
+def message_table(deliveries: DataFrame) -> DataFrame:
+    """One row per message: ``status`` dead_lettered if any delivery is dead, else
+    unresolved if any is not acked, else acked (a queue message: its delivery's)."""
+    status = F.col("status")
+    rank = F.when(status == "dead", F.lit(2)).when(status == "acked", F.lit(0)).otherwise(1)
+    queue = deliveries.where(~F.col("topic")).select("appid", "msgid", "stored", rank.alias("rank"))
+    topic = (
+        deliveries.where(F.col("topic"))
+        .groupBy("appid", "msgid")
+        .agg(F.max("stored").alias("stored"), F.max(rank).alias("rank"))
+    )
+    return queue.unionByName(topic).select(
+        "appid",
+        "msgid",
+        "stored",
+        F.when(F.col("rank") == 2, F.lit("dead_lettered"))
+        .when(F.col("rank") == 1, F.lit("unresolved"))
+        .otherwise(F.lit("acked"))
+        .alias("status"),
+    )

@@ -1,0 +1,704 @@
+"""The report: every section of report.json, computed with Spark from the logs.
+
+Only aggregated rows come back to the driver (one per app, per recipient, per
+attempt and latency bucket, per time bucket, per bad-line reason) plus bounded
+samples; nothing grows with the number of messages.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from pyspark import StorageLevel
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from skmq.events import Event, Kind
+
+from .arguments import DEFAULT_SAMPLE, DEFAULT_STUCK_AFTER_MS
+from .deliveries import (
+    FAILURES,
+    count_if,
+    delivery_table,
+    is_event,
+    message_table,
+)
+from .inputs import AuditInputError, BadLinesError, read_events
+
+__all__ = [
+    "DEFAULT_SAMPLE",
+    "DEFAULT_STUCK_AFTER_MS",
+    "REPORT_KEYS",
+    "AuditResult",
+    "Options",
+    "Progress",
+    "compute_report",
+]
+
+REPORT_KEYS = (
+    "input",
+    "totals",
+    "latency_ms",
+    "first_push_ms",
+    "attempts",
+    "unresolved",
+    "dead_letters",
+    "by_app",
+    "by_recipient",
+    "anomalies",
+)
+PERCENTILES = (0.5, 0.95, 0.99)
+STAGES = 7
+BAD_LINE_SAMPLES = 5
+DLQ_TABLE = 20
+HISTORY_EVENTS = 50
+MAX_TIME_BUCKETS = 120
+UNRESOLVED_STATES = ("not_yet_due", "in_flight", "stuck")
+# Bucket widths for the throughput chart, in ms: the smallest giving <= MAX_TIME_BUCKETS.
+_TIME_WIDTHS = [
+    s * 1000 for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600)
+] + [43200_000 * k for k in (1, 2, 4, 7, 14, 28, 56, 112, 224, 448)]
+_S, _MIN, _H = 1000, 60_000, 3_600_000
+# Upper edges (exclusive, ms) of the latency histogram buckets, roughly log-spaced.
+LATENCY_EDGES: tuple[int, ...] = (
+    *(1, 2, 5, 10, 20, 50, 100, 200, 500),
+    *(_S, 2 * _S, 5 * _S, 10 * _S, 20 * _S, 30 * _S),
+    *(_MIN, 2 * _MIN, 5 * _MIN, 10 * _MIN, 20 * _MIN, 30 * _MIN),
+    *(_H, 2 * _H, 6 * _H, 12 * _H, 24 * _H, 48 * _H),
+)
+# Ordering of events with equal ts in the acked-after-dead-letter scan.
+_PRIO_ACKED, _PRIO_DEAD, _PRIO_REPLAYED = 0, 1, 2
+_COUNTED_FLAGS = ("acked_more_than_once", "pushed_after_ack")
+_CHART_EVENTS = (Event.STORED, Event.PUSHED, Event.ACKED, Event.DEAD_LETTERED)
+
+
+@dataclass
+class AuditResult:
+    """The report (what goes to report.json) and the extra series the HTML page draws."""
+
+    report: dict[str, Any]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Progress:
+    """Stage lines on stderr: ``[2/6] grouping ... `` then ``[2/6] ... done (1.2s)``."""
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total = total
+        self.stream = stream
+        self.index = 0
+        self.started = time.monotonic()
+
+    def note(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    @contextmanager
+    def stage(self, label: str) -> Iterator[list[str]]:
+        self.index += 1
+        tag = f"[{self.index}/{self.total}]"
+        self.note(f"{tag} {label} ...")
+        start = time.monotonic()
+        notes: list[str] = []
+        yield notes
+        now = time.monotonic()
+        detail = f": {', '.join(notes)}" if notes else ""
+        self.note(
+            f"{tag} {label} done{detail} ({now - start:.1f}s, total {now - self.started:.1f}s)"
+        )
+
+
+@dataclass
+class Options:
+    sample_size: int = DEFAULT_SAMPLE
+    stuck_after_ms: int = DEFAULT_STUCK_AFTER_MS
+    strict: bool = False
+
+
+def _round(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return None if math.isnan(number) else round(number, 3)
+
+
+def _percentiles(values: Any, maximum: Any) -> dict[str, Any]:
+    pcts = list(values) if values is not None else [None] * len(PERCENTILES)
+    return {
+        "p50": _round(pcts[0]),
+        "p95": _round(pcts[1]),
+        "p99": _round(pcts[2]),
+        "max": None if maximum is None else int(maximum),
+    }
+
+
+def _latency_bucket(col: Column) -> Column:
+    """Index of the latency histogram bucket: -1 negative, i < len(EDGES), len for beyond."""
+    expr = F.when(col < 0, F.lit(-1))
+    for index, edge in enumerate(LATENCY_EDGES):
+        expr = expr.when(col < edge, F.lit(index))
+    return expr.otherwise(F.lit(len(LATENCY_EDGES)))
+
+
+def _histogram(counts: dict[int, int]) -> list[dict[str, Any]]:
+    """Latency buckets ``[lo, hi)`` in ms from the first to the last non-empty one."""
+    if not counts:
+        return []
+    rows: list[dict[str, Any]] = []
+    for index in range(min(counts), max(counts) + 1):
+        if index == -1:
+            lo, hi = None, 0
+        elif index >= len(LATENCY_EDGES):
+            lo, hi = LATENCY_EDGES[-1], None
+        else:
+            lo, hi = (0 if index == 0 else LATENCY_EDGES[index - 1]), LATENCY_EDGES[index]
+        rows.append({"lo": lo, "hi": hi, "count": counts.get(index, 0)})
+    return rows
+
+
+def time_width(first_ts: int | None, last_ts: int | None) -> int:
+    if first_ts is None or last_ts is None:
+        return _TIME_WIDTHS[0]
+    span = max(1, last_ts - first_ts + 1)
+    for width in _TIME_WIDTHS:
+        if span / width <= MAX_TIME_BUCKETS:
+            return width
+    return _TIME_WIDTHS[-1]
+
+
+def fill_buckets(
+    rows: Sequence[dict[str, int]], width: int, names: Sequence[str]
+) -> list[dict[str, int]]:
+    """Every bucket from the first to the last, the empty ones as zeros (time as time)."""
+    if not rows:
+        return []
+    found = {r["t"]: r for r in rows}
+    first, last = min(found), max(found)
+    return [
+        found.get(t, {"t": t, **dict.fromkeys(names, 0)}) for t in range(first, last + width, width)
+    ]
+
+
+def _ref_rows(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"appid": r["appid"], "msgid": r["msgid"], "recipient": r["recipient"]} for r in rows]
+
+
+def _attempt_key(attempt: Any) -> tuple[int, int]:
+    return (1, 0) if attempt is None else (0, int(attempt))
+
+
+def _failure_name(code: Any) -> str:
+    return FAILURES[int(code) - 1].value if code else "unknown"
+
+
+def _ref_order() -> list[Column]:
+    return [F.col("appid").asc(), F.col("msgid").asc(), F.col("recipient").asc_nulls_first()]
+
+
+_KEYS = "k_appid string, k_msgid string, k_recipient string"
+
+
+def _delivery_events(events: DataFrame, keys: DataFrame) -> DataFrame:
+    """The events of the deliveries in ``keys`` (k_appid, k_msgid, k_recipient): a
+    topic copy's own events and its message's events without recipient; a queue
+    message's events."""
+    topic_copy = (F.col("kind") == Kind.TOPIC.value) & F.col("recipient").isNotNull()
+    return events.join(
+        F.broadcast(keys),
+        (events["appid"] == keys["k_appid"])
+        & (events["msgid"] == keys["k_msgid"])
+        & (~topic_copy | (events["recipient"] == keys["k_recipient"])),
+    )
+
+
+def _acked_after_dead_letter(picked: DataFrame) -> DataFrame:
+    """Deliveries acked after a dead letter with no replay between (appid, msgid, recipient).
+
+    ``picked``: the events of the deliveries with both an ack and a dead letter (only
+    they can be); their ack, dead-letter and replay events are sorted by
+    (ts, acked < dead_lettered < replayed) and scanned.
+    """
+    prio = (
+        F.when(is_event(Event.ACKED), F.lit(_PRIO_ACKED))
+        .when(is_event(Event.DEAD_LETTERED), F.lit(_PRIO_DEAD))
+        .otherwise(F.lit(_PRIO_REPLAYED))
+    )
+    steps = picked.where(
+        F.col("event").isin(Event.ACKED.value, Event.DEAD_LETTERED.value, Event.REPLAYED.value)
+    ).select(
+        F.col("k_appid").alias("appid"),
+        F.col("k_msgid").alias("msgid"),
+        F.col("k_recipient").alias("recipient"),
+        F.struct(F.col("ts").alias("ts"), prio.alias("prio")).alias("step"),
+    )
+    scan = F.aggregate(
+        F.array_sort(F.collect_list("step")),
+        F.struct(F.lit(False).alias("dead"), F.lit(False).alias("flag")),
+        lambda acc, x: F.struct(
+            F.when(x["prio"] == _PRIO_DEAD, F.lit(True))
+            .when(x["prio"] == _PRIO_REPLAYED, F.lit(False))
+            .otherwise(acc["dead"])
+            .alias("dead"),
+            (acc["flag"] | ((x["prio"] == _PRIO_ACKED) & acc["dead"])).alias("flag"),
+        ),
+    )
+    return (
+        steps.groupBy("appid", "msgid", "recipient")
+        .agg(scan["flag"].alias("flag"))
+        .where(F.col("flag"))
+        .select("appid", "msgid", "recipient")
+    )
+
+
+class _Job:
+    """One audit run: the cached frames and the report's sections, stage by stage."""
+
+    def __init__(
+        self, spark: SparkSession, paths: Sequence[str], options: Options, prog: Progress
+    ) -> None:
+        self.spark = spark
+        self.paths = paths
+        self.options = options
+        self.prog = prog
+        self.cached: list[DataFrame] = []
+        self.level = StorageLevel.MEMORY_AND_DISK
+
+    def keep(self, frame: DataFrame) -> DataFrame:
+        frame = frame.persist(self.level)
+        self.cached.append(frame)
+        return frame
+
+    def release(self) -> None:
+        for frame in self.cached:
+            frame.unpersist()
+
+    # ---- 1. lines: good events, bad lines per reason
+    def read(self) -> dict[str, Any]:
+        paths = self.paths
+        with self.prog.stage(f"reading logs ({len(paths)} path{'s' * (len(paths) != 1)})") as notes:
+            lines = self.keep(read_events(self.spark, paths))
+            rows = (
+                lines.groupBy("reason")
+                .agg(
+                    F.count(F.lit(1)).alias("lines"),
+                    F.min("ts").alias("first_ts"),
+                    F.max("ts").alias("last_ts"),
+                    count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
+                    count_if(is_event(Event.PUSHED)).alias("pushes"),
+                )
+                .collect()
+            )
+            good = next((r for r in rows if r["reason"] is None), None)
+            by_reason = {r["reason"]: int(r["lines"]) for r in rows if r["reason"] is not None}
+            bad_total = sum(by_reason.values())
+            samples: list[dict[str, Any]] = []
+            if bad_total:
+                rank = F.row_number().over(
+                    Window.partitionBy("reason").orderBy("bad_file", "bad_text")
+                )
+                samples = [
+                    {"reason": r["reason"], "file": r["bad_file"], "line": r["bad_text"]}
+                    for r in lines.where(F.col("reason").isNotNull())
+                    .select("reason", "bad_file", "bad_text", rank.alias("rank"))
+                    .where(F.col("rank") <= BAD_LINE_SAMPLES)
+                    .orderBy("reason", "rank")
+                    .collect()
+                ]
+            events = 0 if good is None else int(good["lines"])
+            notes.append(f"{events:,} events")
+            if bad_total:
+                notes.append(f"{bad_total:,} bad lines")
+        bad_lines = {
+            "total": bad_total,
+            "by_reason": dict(sorted(by_reason.items())),
+            "samples": samples,
+        }
+        if self.options.strict and bad_total:
+            first = samples[0]
+            raise BadLinesError(
+                f"{bad_total} bad line(s) ("
+                + ", ".join(f"{k}: {v}" for k, v in sorted(by_reason.items()))
+                + f"); first: {first['file']}: {first['line']}"
+            )
+        if events == 0:
+            where = ", ".join(paths)
+            raise AuditInputError(
+                f"no valid events in {where}"
+                + (f" ({bad_total} bad line(s), e.g. {samples[0]['line']!r})" if bad_total else "")
+            )
+        assert good is not None
+        self.events = lines.where(F.col("reason").isNull()).drop("reason", "bad_file", "bad_text")
+        return {
+            "events": events,
+            "bad_lines": bad_lines,
+            "first_ts": int(good["first_ts"]),
+            "last_ts": int(good["last_ts"]),
+            "duplicates": int(good["duplicates"]),
+            "pushes": int(good["pushes"]),
+        }
+
+    # ---- 2. deliveries and messages
+    def group(self, as_of: int) -> None:
+        with self.prog.stage("grouping events by delivery and message") as notes:
+            self.deliveries = self.keep(
+                delivery_table(self.events, as_of, self.options.stuck_after_ms)
+            )
+            self.messages = message_table(self.deliveries)
+            count = self.deliveries.count()
+            notes.append(f"{count:,} deliveries")
+
+    # ---- 3. totals per app, latencies, attempts, unresolved
+    def outcomes(self, stats: dict[str, Any]) -> dict[str, Any]:
+        stored = self.deliveries.where(F.col("stored"))
+        status = F.col("status")
+        acked = status == "acked"
+        with self.prog.stage("totals, latencies and attempts") as notes:
+            # per app and (the rollup's total row) for all apps, in one job
+            latency = F.when(acked, F.col("latency"))
+            rolled = (
+                stored.rollup("appid")
+                .agg(
+                    F.grouping("appid").alias("all"),
+                    count_if(status == "dead").alias("dead_letter_entries"),
+                    F.percentile(latency, list(PERCENTILES)).alias("p"),
+                    F.max(latency).alias("max"),
+                    count_if(latency < 0).alias("negative"),
+                    F.percentile("push_latency", list(PERCENTILES)).alias("push_p"),
+                    F.max("push_latency").alias("push_max"),
+                    *(count_if(status == s).alias(s) for s in UNRESOLVED_STATES),
+                    count_if(F.col("topic")).alias("topic_deliveries"),
+                    *(count_if(F.col(f)).alias(f) for f in _COUNTED_FLAGS),
+                )
+                .collect()
+            )
+            app_rows = [r for r in rolled if not r["all"]]
+            empty: dict[str, Any] = dict.fromkeys(("p", "max", "push_p", "push_max"))
+            empty["negative"] = 0
+            lat = push = next((r.asDict() for r in rolled if r["all"]), empty)
+            per_app = {r["appid"]: r for r in app_rows}
+            message_rows = (
+                self.messages.groupBy("appid")
+                .agg(
+                    count_if(F.col("stored")).alias("messages"),
+                    *(
+                        count_if(F.col("stored") & (F.col("status") == s)).alias(s)
+                        for s in ("acked", "dead_lettered", "unresolved")
+                    ),
+                    count_if(~F.col("stored")).alias("unstored"),
+                )
+                .orderBy("appid")
+                .collect()
+            )
+            by_app = [
+                {
+                    "appid": r["appid"],
+                    "messages": int(r["messages"]),
+                    "acked": int(r["acked"]),
+                    "dead_lettered": int(r["dead_lettered"]),
+                    "unresolved": int(r["unresolved"]),
+                    "dead_letter_entries": int(per_app[r["appid"]]["dead_letter_entries"]),
+                    "p99_ms": _round((per_app[r["appid"]]["p"] or [None] * 3)[2]),
+                }
+                for r in message_rows
+                if r["messages"]
+            ]
+            attempt_rows = (
+                stored.where(acked)
+                .groupBy("attempt", _latency_bucket(F.col("latency")).alias("bucket"))
+                .count()
+                .collect()
+            )
+            attempts: dict[Any, int] = {}
+            hist: dict[int, int] = {}
+            for r in attempt_rows:
+                attempts[r["attempt"]] = attempts.get(r["attempt"], 0) + int(r["count"])
+                hist[int(r["bucket"])] = hist.get(int(r["bucket"]), 0) + int(r["count"])
+            totals = {
+                "messages": sum(a["messages"] for a in by_app),
+                "acked": sum(a["acked"] for a in by_app),
+                "dead_lettered": sum(a["dead_lettered"] for a in by_app),
+                "unresolved": sum(a["unresolved"] for a in by_app),
+                "deliveries": 0,
+                "dead_letter_entries": sum(a["dead_letter_entries"] for a in by_app),
+                "duplicates": stats["duplicates"],
+                "pushes": stats["pushes"],
+            }
+            unresolved: dict[str, Any] = {
+                s: sum(int(r[s]) for r in app_rows) for s in UNRESOLVED_STATES
+            }
+            totals["deliveries"] = (
+                sum(int(r["count"]) for r in attempt_rows)
+                + sum(int(r["dead_letter_entries"]) for r in app_rows)
+                + sum(unresolved.values())
+            )
+            unresolved["as_of"] = stats["last_ts"]
+            unresolved["stuck_after_ms"] = self.options.stuck_after_ms
+            unresolved["stuck_sample"] = (
+                self.sample(stored.where(status == "stuck")) if unresolved["stuck"] else []
+            )
+            notes.append(
+                f"{totals['acked']:,} acked, p99 {_round(lat['p'][2]) if lat['p'] else None} ms"
+            )
+        return {
+            "totals": totals,
+            "latency_ms": _percentiles(lat["p"], lat["max"]),
+            "first_push_ms": _percentiles(push["push_p"], push["push_max"]),
+            "attempts": {
+                ("unknown" if k is None else str(int(k))): v
+                for k, v in sorted(attempts.items(), key=lambda kv: _attempt_key(kv[0]))
+            },
+            "unresolved": unresolved,
+            "by_app": by_app,
+            "negative": int(lat["negative"]),
+            "unstored": sum(int(r["unstored"]) for r in message_rows),
+            "histogram": _histogram(hist),
+            "topic_deliveries": {r["appid"]: int(r["topic_deliveries"]) for r in app_rows},
+            "flags": {f: sum(int(r[f]) for r in app_rows) for f in _COUNTED_FLAGS},
+        }
+
+    def sample(self, frame: DataFrame) -> list[dict[str, Any]]:
+        size = self.options.sample_size
+        if size <= 0:
+            return []
+        rows = frame.select("appid", "msgid", "recipient").orderBy(*_ref_order()).limit(size)
+        return _ref_rows(rows.collect())
+
+    # ---- 4. the dead-letter queue
+    def dead_letters(self, messages: int) -> dict[str, Any]:
+        """The DLQ; ``messages`` is the number of dead-lettered messages (from totals)."""
+        with self.prog.stage("dead-letter queue") as notes:
+            dead = self.deliveries.where(F.col("stored") & (F.col("status") == "dead"))
+            reason_rows = dead.groupBy("appid", "failure").count().collect()
+            by_reason = sorted(
+                (
+                    {
+                        "appid": r["appid"],
+                        "reason": _failure_name(r["failure"]),
+                        "entries": int(r["count"]),
+                    }
+                    for r in reason_rows
+                ),
+                key=lambda e: (e["appid"], e["reason"]),
+            )
+            columns = ["appid", "msgid", "recipient", "failure", "tries", "dead_since"]
+            by_age = Window.orderBy("dead_since", *_ref_order())
+            by_tries = Window.orderBy(F.desc("tries"), *_ref_order())
+            top = (
+                dead.select(
+                    *columns,
+                    F.row_number().over(by_age).alias("age_rank"),
+                    F.row_number().over(by_tries).alias("tries_rank"),
+                )
+                .where((F.col("age_rank") <= DLQ_TABLE) | (F.col("tries_rank") <= DLQ_TABLE))
+                .collect()
+            )
+            oldest_rows = sorted(
+                (r for r in top if r["age_rank"] <= DLQ_TABLE), key=lambda r: r["age_rank"]
+            )
+            most_rows = sorted(
+                (r for r in top if r["tries_rank"] <= DLQ_TABLE), key=lambda r: r["tries_rank"]
+            )
+            histories = self._histories([*oldest_rows, *most_rows])
+            entries = sum(r["entries"] for r in by_reason)
+            notes.append(f"{entries:,} entries of {messages:,} messages")
+
+        def entry(r: Any) -> dict[str, Any]:
+            key = (r["appid"], r["msgid"], r["recipient"])
+            return {
+                "appid": r["appid"],
+                "msgid": r["msgid"],
+                "recipient": r["recipient"],
+                "reason": _failure_name(r["failure"]),
+                "attempts": int(r["tries"]),
+                "dead_since": int(r["dead_since"]),
+                "history": histories.get(key, []),
+            }
+
+        return {
+            "entries": entries,
+            "messages": messages,
+            "by_app_reason": by_reason,
+            "oldest": [entry(r) for r in oldest_rows],
+            "most_tried": [entry(r) for r in most_rows],
+        }
+
+    def _histories(self, rows: Sequence[Any]) -> dict[tuple[str, str, str | None], list[Any]]:
+        """The log events of a few deliveries, in order (at most HISTORY_EVENTS each).
+
+        The same pass over the events keeps those of the deliveries with both an ack
+        and a dead letter, for the acked-after-dead-letter scan (``self.picked``).
+        """
+        wanted = self.spark.createDataFrame(
+            sorted({(r["appid"], r["msgid"], r["recipient"]) for r in rows}, key=str), _KEYS
+        )
+        candidates = self.deliveries.where(F.col("stored") & F.col("acked_and_dead")).select(
+            F.col("appid").alias("k_appid"),
+            F.col("msgid").alias("k_msgid"),
+            F.col("recipient").alias("k_recipient"),
+        )
+        self.picked = self.keep(
+            _delivery_events(self.events, wanted.unionByName(candidates).distinct())
+        )
+        want = wanted.toDF("w_appid", "w_msgid", "w_recipient")
+        joined = self.picked.join(
+            F.broadcast(want),
+            (F.col("k_appid") == F.col("w_appid"))
+            & (F.col("k_msgid") == F.col("w_msgid"))
+            & F.col("k_recipient").eqNullSafe(F.col("w_recipient")),
+            "left_semi",
+        )
+        if not rows:
+            return {}
+        found: dict[tuple[str, str, str | None], list[Any]] = {}
+        for r in joined.orderBy("ts").collect():
+            history = found.setdefault((r["k_appid"], r["k_msgid"], r["k_recipient"]), [])
+            if len(history) < HISTORY_EVENTS:
+                history.append(
+                    {
+                        "ts": int(r["ts"]),
+                        "event": r["event"],
+                        "recipient": r["recipient"],
+                        "attempt": r["attempt"],
+                        "detail": r["detail"],
+                    }
+                )
+        return found
+
+    # ---- 5. per recipient and over time
+    def event_counts(self, stats: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+        """Per recipient and per time bucket, in one pass over the events."""
+        recipient_columns = {
+            "pushes": Event.PUSHED,
+            "acked": Event.ACKED,
+            "rejected": Event.REJECTED,
+            "errored": Event.ERRORED,
+            "timeouts": Event.TIMEOUT,
+            "unreachable": Event.UNREACHABLE,
+            "lost": Event.RECIPIENT_LOST,
+            "dead_lettered": Event.DEAD_LETTERED,
+        }
+        chart = {"c_" + e.value: e for e in _CHART_EVENTS}
+        width = time_width(stats["first_ts"], stats["last_ts"])
+        with self.prog.stage("counts per recipient and over time") as notes:
+            rows = (
+                self.events.groupBy(
+                    "appid",
+                    "recipient",
+                    (F.floor(F.col("ts") / F.lit(width)) * F.lit(width)).alias("t"),
+                )
+                .agg(
+                    *(
+                        count_if(is_event(e)).alias(name)
+                        for name, e in (recipient_columns | chart).items()
+                    )
+                )
+                .collect()
+            )
+            per_recipient: dict[tuple[str, str], dict[str, int]] = {}
+            per_time: dict[int, dict[str, int]] = {}
+            for r in rows:
+                if r["recipient"] is not None:
+                    counts = per_recipient.setdefault((r["appid"], r["recipient"]), {})
+                    for name in recipient_columns:
+                        counts[name] = counts.get(name, 0) + int(r[name])
+                if any(r[name] for name in chart):
+                    bucket = per_time.setdefault(int(r["t"]), dict.fromkeys(chart, 0))
+                    for name in chart:
+                        bucket[name] += int(r[name])
+            keys = ("pushes", "acked", "rejected", "errored", "timeouts")
+            by_recipient = [
+                {"appid": a, "recipient": rid, **{k: c[k] for k in keys}}
+                for (a, rid), c in sorted(per_recipient.items())
+            ]
+            extra = [
+                {
+                    "appid": a,
+                    "recipient": rid,
+                    **{k: c[k] for k in ("unreachable", "lost", "dead_lettered")},
+                }
+                for (a, rid), c in sorted(per_recipient.items())
+            ]
+            names = [e.value for e in _CHART_EVENTS]
+            series = fill_buckets(
+                [
+                    {"t": t, **{e.value: c["c_" + e.value] for e in _CHART_EVENTS}}
+                    for t, c in per_time.items()
+                ],
+                width,
+                names,
+            )
+            notes.append(f"{len(by_recipient)} recipients, {len(series)} buckets of {width}ms")
+        return by_recipient, extra, {"bucket_ms": width, "rows": series}
+
+    # ---- 6. anomalies
+    def anomalies(self, outcomes: dict[str, Any]) -> dict[str, Any]:
+        with self.prog.stage("anomalies") as notes:
+            stored = self.deliveries.where(F.col("stored"))
+            late = self.keep(_acked_after_dead_letter(self.picked))
+            found = dict(outcomes["flags"])
+            found["acked_after_dead_letter"] = late.count()
+            anomalies: dict[str, Any] = dict(found)
+            anomalies["samples"] = {
+                "acked_more_than_once": self.sample(stored.where(F.col("acked_more_than_once")))
+                if found["acked_more_than_once"]
+                else [],
+                "pushed_after_ack": self.sample(stored.where(F.col("pushed_after_ack")))
+                if found["pushed_after_ack"]
+                else [],
+                "acked_after_dead_letter": self.sample(late)
+                if found["acked_after_dead_letter"]
+                else [],
+            }
+            anomalies["acked_before_stored"] = outcomes["negative"]
+            anomalies["unstored_messages"] = outcomes["unstored"]
+            notes.append(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in found.items()))
+        return anomalies
+
+
+def compute_report(
+    spark: SparkSession,
+    paths: Sequence[str],
+    *,
+    options: Options | None = None,
+    progress: Progress | None = None,
+) -> AuditResult:
+    """Run the Spark job over ``paths`` (already resolved) and collect the report."""
+    opts = options or Options()
+    job = _Job(spark, paths, opts, progress if progress is not None else Progress(STAGES, None))
+    try:
+        stats = job.read()
+        job.group(stats["last_ts"])
+        outcomes = job.outcomes(stats)
+        dead_letters = job.dead_letters(outcomes["totals"]["dead_lettered"])
+        by_recipient, recipient_extra, throughput = job.event_counts(stats)
+        anomalies = job.anomalies(outcomes)
+    finally:
+        job.release()
+    report: dict[str, Any] = {
+        "input": {"files": len(paths), "events": stats["events"], "bad_lines": stats["bad_lines"]},
+        "totals": outcomes["totals"],
+        "latency_ms": outcomes["latency_ms"],
+        "first_push_ms": outcomes["first_push_ms"],
+        "attempts": outcomes["attempts"],
+        "unresolved": outcomes["unresolved"],
+        "dead_letters": dead_letters,
+        "by_app": outcomes["by_app"],
+        "by_recipient": by_recipient,
+        "anomalies": anomalies,
+    }
+    extras: dict[str, Any] = {
+        "first_ts": stats["first_ts"],
+        "last_ts": stats["last_ts"],
+        "paths": list(paths),
+        "topic_deliveries": outcomes["topic_deliveries"],
+        "recipients": recipient_extra,
+        "throughput": throughput,
+        "latency_histogram": outcomes["histogram"],
+    }
+    return AuditResult(report=report, extras=extras)

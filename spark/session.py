@@ -1,0 +1,153 @@
+"""The audit's SparkSession: any master, extra settings, a reachable driver address.
+
+``build_spark(master, conf=..., driver_memory=...)`` starts (or, under spark-submit,
+joins) a session.  In local mode the driver binds 127.0.0.1 (``SPARK_LOCAL_IP``), the
+shuffles use twice the cores as partitions and the driver gets 2g (it is also the
+executor and caches the parsed events) unless ``driver_memory`` says otherwise.  For a
+cluster master (``spark://host:port``, ``k8s://https://host:port``) executors must
+reach the driver, so unless ``SPARK_LOCAL_IP`` or ``spark.driver.host`` is given, the
+driver advertises the address of this machine's interface that routes to the master
+(never 127.0.0.1); on YARN Spark's own choice is kept.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import socket
+import tempfile
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from pyspark.sql import SparkSession
+
+LOCAL_DRIVER_MEMORY = "2g"
+
+__all__ = ["LOCAL_DRIVER_MEMORY", "build_spark", "driver_address", "local_cores", "parse_conf"]
+
+# WARN at the root (the level Spark's shell default expects, so it says nothing about
+# it); ERROR for the usual start-up noise; build_spark then sets ERROR everywhere.
+_LOG4J2 = """\
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+logger.native.name = org.apache.hadoop.util.NativeCodeLoader
+logger.native.level = error
+"""
+
+
+def _quiet_log4j_file() -> str:
+    directory = tempfile.mkdtemp(prefix="skmq-audit-log4j-")
+    atexit.register(shutil.rmtree, directory, True)
+    path = os.path.join(directory, "log4j2.properties")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(_LOG4J2)
+    return path
+
+
+def local_cores(master: str | None) -> int | None:
+    """Cores of a local master (``None`` means the default ``local[*]``); None if not local."""
+    cpus = os.cpu_count() or 2
+    if master is None or master == "local[*]":
+        return cpus
+    found = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", master.strip())
+    if found is None:
+        return None
+    value = found.group(1)
+    if value is None:
+        return 1
+    return cpus if value == "*" else max(1, int(value))
+
+
+def parse_conf(items: list[str] | None) -> dict[str, str]:
+    """``--conf k=v`` arguments as a mapping; ValueError names a malformed one."""
+    conf: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--conf {item!r}: expected KEY=VALUE")
+        conf[key.strip()] = value
+    return conf
+
+
+def _master_host(master: str) -> tuple[str, int] | None:
+    """The host and port a cluster master URL names (None for yarn, local, or none)."""
+    url = master.split("://", 1)[1] if master.startswith("k8s://") else master
+    if "://" not in url:
+        url = "https://" + url if master.startswith("k8s://") else url
+    parts = urlsplit(url.split(",")[0])
+    if parts.hostname is None:
+        return None
+    return parts.hostname, parts.port or 7077
+
+
+def driver_address(master: str) -> str | None:
+    """This machine's address on the route to a cluster master, None if none is known.
+
+    A UDP "connect" sends nothing; it only asks the kernel which interface it would use.
+    """
+    target = _master_host(master)
+    if target is None:
+        return None
+    try:
+        infos = socket.getaddrinfo(target[0], target[1], type=socket.SOCK_DGRAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def build_spark(
+    master: str | None = None,
+    *,
+    conf: Mapping[str, str] | None = None,
+    driver_memory: str | None = None,
+    app_name: str = "skmq-audit",
+) -> SparkSession:
+    """A quiet SparkSession: ``local[*]`` unless ``master`` (or spark-submit) says otherwise.
+
+    ``conf`` is passed through as ``--conf`` would be (it wins over the defaults here);
+    ``driver_memory`` sets ``spark.driver.memory`` (it takes effect only when this call
+    starts the JVM, i.e. not under spark-submit, where ``--driver-memory`` does it).
+    """
+    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM already runs
+    cores = local_cores(master) if (master is not None or not under_submit) else None
+    settings: dict[str, str] = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.adaptive.enabled": "true",
+    }
+    if cores is not None:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        settings["spark.sql.shuffle.partitions"] = str(max(2, 2 * cores))
+        # The driver is the executor: room to cache the parsed events (Spark's 1g spills).
+        settings["spark.driver.memory"] = LOCAL_DRIVER_MEMORY
+    elif master is not None and "SPARK_LOCAL_IP" not in os.environ:
+        address = None if "spark.driver.host" in (conf or {}) else driver_address(master)
+        if address is not None:
+            os.environ["SPARK_LOCAL_IP"] = address
+            settings["spark.driver.host"] = address
+    if not under_submit:
+        settings["spark.driver.extraJavaOptions"] = (
+            f"-Dlog4j2.configurationFile=file:{_quiet_log4j_file()}"
+        )
+    if driver_memory:
+        settings["spark.driver.memory"] = driver_memory
+    settings.update(conf or {})
+    builder = SparkSession.builder.appName(app_name)
+    if master is not None:
+        builder = builder.master(master)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session
