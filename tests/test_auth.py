@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
-from skmq.client import AuthenticationError, Consumer, Message, Producer, RegistrationRefused
+from skmq.client import AuthenticationError, Consumer, Message, Producer, RegistrationError
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 
@@ -196,7 +196,7 @@ async def test_python_clients_authenticate_with_token(
         msg = await asyncio.wait_for(got.get(), 10)
         assert (msg.appid, msg.msgid, msg.content) == ("a", "p1", b"hello")
     # Without a token a consumer cannot even register.
-    with pytest.raises(RegistrationRefused, match="authentication required"):
+    with pytest.raises(RegistrationError, match="authentication required"):
         async with Consumer("a", "c2", handle, broker_port=port):
             pass
 
