@@ -27,6 +27,7 @@ from pathlib import Path
 import structlog
 
 from skmq.coalesce import Coalescer
+from skmq.events import Event
 
 log = structlog.get_logger("skmq.deliverylog")
 
@@ -91,7 +92,7 @@ class DeliveryLog:
 
     def event(
         self,
-        event: str,
+        event: Event,
         msgid: str,
         appid: str,
         kind: str | None,

@@ -24,7 +24,17 @@ from redis.exceptions import RedisError
 from skmq import __version__
 from skmq.aio import spawn
 from skmq.auth import Role, Tokens
-from skmq.codec import PONG, CodecError, Frame, InvalidFrame, encode_resp
+from skmq.codec import (
+    ANSWER_TYPES,
+    PONG,
+    PRODUCER_TYPES,
+    CodecError,
+    Frame,
+    FrameType,
+    InvalidFrame,
+    Status,
+    encode_resp,
+)
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
 from skmq.peer import Peer
@@ -127,32 +137,32 @@ class FrameHandler:
         if item is None:
             return Outcome(b"", close=True)
         if isinstance(item, CodecError):
-            return Outcome(encode_resp("error", f"frame refused, closing: {item}"), close=True)
-        if isinstance(item, Frame) and item.type == "ping":
+            return Outcome(encode_resp(Status.ERROR, f"frame refused, closing: {item}"), close=True)
+        if isinstance(item, Frame) and item.type == FrameType.PING:
             return Outcome(PONG)
-        if isinstance(item, Frame) and item.type == "hello":  # says nothing of any app
-            return Outcome(self._resp(HELLO_BODY, item.fields.get("msgid"), "ack"))
+        if isinstance(item, Frame) and item.type == FrameType.HELLO:  # says nothing of any app
+            return Outcome(self._resp(HELLO_BODY, item.fields.get("msgid"), Status.ACK))
         if self.tokens is not None and not peer.authenticated:
             return self._before_auth(self.tokens, peer, item)
         if isinstance(item, InvalidFrame):
             return Outcome(self._resp(f"invalid frame: {item.reason}", item.fields.get("msgid")))
         kind = item.type
-        if kind in ("queue", "topic"):
+        if kind in PRODUCER_TYPES:
             return Outcome(self._produce(item, batch, peer))
-        if kind in ("ack", "reject", "error", "arrived"):
+        if kind in ANSWER_TYPES:
             app = item.fields.get("appid") or ""
             if (refused := self._refusal(peer, "consume", app)) is not None:
-                return Outcome(self._resp(refused, item.fields.get("msgid"), "reject"))
+                return Outcome(self._resp(refused, item.fields.get("msgid"), Status.REJECT))
             return Outcome(spawn(self._answer(item, peer), self._tasks))
-        if kind == "register":
+        if kind == FrameType.REGISTER:
             return Outcome(spawn(self._register(item, peer), self._tasks))
-        if kind == "unregister":
+        if kind == FrameType.UNREGISTER:
             return Outcome(spawn(self._unregister(item, peer), self._tasks))
         msgid = item.fields.get("msgid")
-        if kind == "auth":
+        if kind == FrameType.AUTH:
             if self.tokens is None:
-                return Outcome(self._resp("authentication is not required here", msgid, "ack"))
-            return Outcome(self._resp("already authenticated", msgid, "reject"))
+                return Outcome(self._resp("authentication is not required here", msgid, Status.ACK))
+            return Outcome(self._resp("already authenticated", msgid, Status.REJECT))
         if not kind:
             return Outcome(self._resp("frame without a type field", msgid))
         return Outcome(self._resp(f"unknown frame type {kind!r}", msgid))
@@ -163,15 +173,17 @@ class FrameHandler:
         before) is refused, changing nothing. A wrong token closes the
         connection. The token itself is never logged."""
         msgid = item.fields.get("msgid")
-        if isinstance(item, InvalidFrame) or item.type != "auth":
-            return Outcome(self._resp("authentication required: send auth first", msgid, "reject"))
+        if isinstance(item, InvalidFrame) or item.type != FrameType.AUTH:
+            return Outcome(
+                self._resp("authentication required: send auth first", msgid, Status.REJECT)
+            )
         grant = tokens.check(item.content or b"")
         if grant is None:
             log.warning("authentication failed, closing", peer=peer.host)
-            return Outcome(self._resp("authentication failed", msgid, "reject"), close=True)
+            return Outcome(self._resp("authentication failed", msgid, Status.REJECT), close=True)
         peer.admit(grant)
         log.info("authenticated", peer=peer.host, principal=grant.name)
-        return Outcome(self._resp("authenticated", msgid, "ack"))
+        return Outcome(self._resp("authenticated", msgid, Status.ACK))
 
     def _refusal(self, peer: Peer, role: Role, app: str) -> str | None:
         """Why `peer` may not act as `role` for `app`, or None (always None with auth off)."""
@@ -182,7 +194,7 @@ class FrameHandler:
         return f"not allowed: this connection's token lacks the {role} role for app {app!r}"
 
     @staticmethod
-    def _resp(content: str, msgid: str | None = None, status: str = "error") -> bytes:
+    def _resp(content: str, msgid: str | None = None, status: str = Status.ERROR) -> bytes:
         """A `resp` (an error unless said otherwise), echoing msgid where it can."""
         if msgid is not None and ("\r" in msgid or "\n" in msgid):
             msgid = None
@@ -198,7 +210,7 @@ class FrameHandler:
         if (why := _bad_id(app)) is not None:
             return self._resp(f"appid {why}", msgid)
         if (refused := self._refusal(peer, "produce", app)) is not None:
-            return self._resp(refused, msgid, "reject")
+            return self._resp(refused, msgid, Status.REJECT)
         if msgid is None or msgid == "":
             msgid = f"{self._id_prefix}-{next(self._id_counter)}"
         elif (why := _bad_id(msgid)) is not None:
@@ -241,10 +253,10 @@ class FrameHandler:
                 await self.engine.registry.register(reg)
                 await self.engine.note_apps({reg.app})
         except RegistrationRefused as exc:
-            return self._resp(str(exc), msgid, "reject")
+            return self._resp(str(exc), msgid, Status.REJECT)
         except (RedisError, OSError):
             return self._resp("store unavailable, register again later", msgid)
-        return self._resp("registered", msgid, "ack")
+        return self._resp("registered", msgid, Status.ACK)
 
     async def _unregister(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
@@ -255,7 +267,7 @@ class FrameHandler:
             async with peer.store_calls:
                 removed = await self.engine.registry.unregister(app, rid)
         except RegistrationRefused as exc:
-            return self._resp(str(exc), msgid, "reject")
+            return self._resp(str(exc), msgid, Status.REJECT)
         except (RedisError, OSError):
             return self._resp("store unavailable, unregister again later", msgid)
-        return self._resp("unregistered" if removed else "was not registered", msgid, "ack")
+        return self._resp("unregistered" if removed else "was not registered", msgid, Status.ACK)

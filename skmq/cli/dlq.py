@@ -23,6 +23,7 @@ from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.errors import UsageError
+from skmq.events import Event
 from skmq.logs import configure_logging
 from skmq.store import DeadLetter, Store
 
@@ -153,7 +154,7 @@ async def _apply(
                             done += 1
                             if verb == "replay":
                                 dlog.event(
-                                    "replayed",
+                                    Event.REPLAYED,
                                     d.msgid,
                                     app,
                                     d.kind,

@@ -4,16 +4,21 @@ from skmq.codec.decoder import Decoder
 from skmq.codec.encoder import PING, PONG, encode_frame, encode_resp
 from skmq.codec.errors import CodecError, FrameTooLarge, LineTooLong
 from skmq.codec.frame import Frame, InvalidFrame
+from skmq.codec.vocabulary import ANSWER_TYPES, PRODUCER_TYPES, FrameType, Status
 
 __all__ = [
+    "ANSWER_TYPES",
     "PING",
     "PONG",
+    "PRODUCER_TYPES",
     "CodecError",
     "Decoder",
     "Frame",
     "FrameTooLarge",
+    "FrameType",
     "InvalidFrame",
     "LineTooLong",
+    "Status",
     "encode_frame",
     "encode_resp",
 ]

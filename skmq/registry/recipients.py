@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.events import Event
 from skmq.registry.registration import KNOWN_CAPS, Registration
 from skmq.store import Store
 
@@ -122,7 +123,7 @@ class Registry:
             reg.app, reg.id, reg.host, reg.port, reg.weight, True, now, reg.caps
         )
         self.dlog.event(
-            "recipient_registered",
+            Event.RECIPIENT_REGISTERED,
             "",
             reg.app,
             None,
@@ -154,7 +155,7 @@ class Registry:
             rec.alive = alive
         if previous == -1 or bool(previous) == alive:
             return
-        event = "recipient_alive" if alive else "recipient_lost"
+        event = Event.RECIPIENT_ALIVE if alive else Event.RECIPIENT_LOST
         self.dlog.event(event, "", app, None, rid, detail=detail or None)
         log.info(event, app=app, recipient=rid, detail=detail)
         self.on_change(app)

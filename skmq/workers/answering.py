@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 
-from skmq.codec import Frame
+from skmq.codec import Frame, Status
+from skmq.events import Event
 from skmq.peer import Peer
 from skmq.registry.own_addresses import same_host
 from skmq.registry.recipients import Registry
 from skmq.store import Store
 from skmq.workers.answers import AnswerBatcher
-from skmq.workers.link import ANSWERS, DETAILS, Verdict
+from skmq.workers.link import DETAILS, OUTCOMES, Verdict
 from skmq.workers.pusher import Pusher
 
 InFlight = tuple[str, str, int]  # delivery id, recipient, attempt
@@ -39,25 +40,25 @@ class AnswerRouter:
         the app), or the frame must echo the push's delivery token."""
         msgid = frame.fields.get("msgid")
         if not msgid:
-            return ("reject", "msgid required")
+            return (Status.REJECT, "msgid required")
         app = sender[0] if sender else frame.fields.get("appid") or None
         if app is None:
             app = await self.store.find_app(msgid)
             if app is None:
-                return ("reject", f"message {msgid!r} is not in flight")
+                return (Status.REJECT, f"message {msgid!r} is not in flight")
         found = await self._delivery(frame, msgid, app, peer, sender)
         if isinstance(found, str):
-            return ("reject", found)
+            return (Status.REJECT, found)
         delivery_id, rid, attempt = found
         pushed = self.pusher.pushed(app, rid, msgid)
         if frame.type == "arrived":
             if pushed is not None:
                 pushed.arrived_at = time.monotonic()
-                self.pusher.dlog.event("arrived", msgid, app, pushed.kind, rid, attempt)
-            return ("ack", "arrived")
+                self.pusher.dlog.event(Event.ARRIVED, msgid, app, pushed.kind, rid, attempt)
+            return (Status.ACK, "arrived")
         if pushed is not None:
             self.pusher.settled(app, rid, msgid)
-        outcome = ANSWERS[frame.type]
+        outcome = OUTCOMES[frame.type]
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
         return await self.answers.submit_and_wait(app, delivery_id, outcome, detail, rid, attempt)
 

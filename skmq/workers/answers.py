@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.codec import Status
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.events import Event
 from skmq.store import Failed, Store, split_delivery
 from skmq.workers.link import Verdict
 
@@ -25,7 +27,7 @@ log = structlog.get_logger("skmq.answers")
 @dataclass(slots=True)
 class Answer:
     delivery_id: str
-    outcome: str  # acked | rejected | errored | timeout | unreachable
+    outcome: Event  # acked | rejected | errored | timeout | unreachable
     detail: str
     recipient: str
     attempt: int | None
@@ -55,7 +57,7 @@ class AnswerBatcher:
         self,
         app: str,
         delivery_id: str,
-        outcome: str,
+        outcome: Event,
         detail: str = "",
         recipient: str = "",
         attempt: int | None = None,
@@ -71,7 +73,7 @@ class AnswerBatcher:
         self,
         app: str,
         delivery_id: str,
-        outcome: str,
+        outcome: Event,
         detail: str = "",
         recipient: str = "",
         attempt: int | None = None,
@@ -93,8 +95,8 @@ class AnswerBatcher:
             await asyncio.shield(self._task)
 
     async def _flush(self, app: str, answers: list[Answer]) -> None:
-        acks = [a for a in answers if a.outcome == "acked"]
-        fails = [a for a in answers if a.outcome != "acked"]
+        acks = [a for a in answers if a.outcome == Event.ACKED]
+        fails = [a for a in answers if a.outcome != Event.ACKED]
         now = now_ms()
         if acks:
             try:
@@ -126,17 +128,17 @@ class AnswerBatcher:
         """The deliveries stay in flight in Redis; their leases run out and they are retried."""
         log.warning("store unavailable for answers", app=app, error=repr(exc))
         for a in answers:
-            a.done(("error", "store unavailable, answer again later"))
+            a.done((Status.ERROR, "store unavailable, answer again later"))
 
     def _finished(
         self, app: str, a: Answer, ok: bool, attempt: int, stored: int, rid: str, now: int
     ) -> None:
         msgid = split_delivery(a.delivery_id)[0]
         if not ok:
-            a.done(("reject", "message not in flight (already settled, or a newer attempt)"))
+            a.done((Status.REJECT, "message not in flight (already settled, or a newer attempt)"))
             return
         self.dlog.event(
-            "acked",
+            Event.ACKED,
             msgid,
             app,
             _kind(a.delivery_id),
@@ -146,21 +148,21 @@ class AnswerBatcher:
         )
         if self.on_acked is not None:
             self.on_acked(app, now - stored)
-        a.done(("ack", "acked"))
+        a.done((Status.ACK, "acked"))
 
     def record_failure(
-        self, app: str, delivery_id: str, outcome: str, detail: str, recipient: str, r: Failed
+        self, app: str, delivery_id: str, outcome: Event, detail: str, recipient: str, r: Failed
     ) -> Verdict:
         """Log a failed attempt and what became of it; returns the resp for whoever answered."""
         msgid = split_delivery(delivery_id)[0]
         kind = _kind(delivery_id)
         rid = recipient or r.recipient
         if r.code == Failed.STALE:
-            return ("reject", "message not in flight (already settled, or a newer attempt)")
+            return (Status.REJECT, "message not in flight (already settled, or a newer attempt)")
         self.dlog.event(outcome, msgid, app, kind, rid, r.attempt, detail or None)
         if r.code == Failed.DEAD:
             self.dlog.event(
-                "dead_lettered",
+                Event.DEAD_LETTERED,
                 msgid,
                 app,
                 kind,
@@ -168,8 +170,8 @@ class AnswerBatcher:
                 r.attempt,
                 f"after {r.attempt} attempts; last: {outcome}",
             )
-            return ("ack", "dead-lettered")
+            return (Status.ACK, "dead-lettered")
         self.dlog.event(
-            "retry_scheduled", msgid, app, kind, rid, r.attempt, f"next attempt at {r.due}"
+            Event.RETRY_SCHEDULED, msgid, app, kind, rid, r.attempt, f"next attempt at {r.due}"
         )
-        return ("ack", "retry scheduled")
+        return (Status.ACK, "retry scheduled")

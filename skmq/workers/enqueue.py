@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from skmq.aio import spawn
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.events import Event
 from skmq.store import NewMessage, Store
 
 log = structlog.get_logger("skmq.enqueue")
@@ -136,12 +137,12 @@ class Enqueuer:
         event = self.dlog.event
         for app, msgs in batch.messages.items():
             for m, ok in zip(msgs, results[app], strict=True):
-                event("received", m.msgid, app, m.kind, ts=received)
+                event(Event.RECEIVED, m.msgid, app, m.kind, ts=received)
                 if ok:
                     detail = f"deliver_at={m.deliver_at}" if m.deliver_at else None
-                    event("stored", m.msgid, app, m.kind, detail=detail, ts=stored_ts)
+                    event(Event.STORED, m.msgid, app, m.kind, detail=detail, ts=stored_ts)
                 else:
-                    event("duplicate", m.msgid, app, m.kind, ts=stored_ts)
+                    event(Event.DUPLICATE, m.msgid, app, m.kind, ts=stored_ts)
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
         batch.future.set_result(results)

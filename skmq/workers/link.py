@@ -28,7 +28,8 @@ from typing import Protocol, cast
 import structlog
 
 from skmq.coalesce import Coalescer
-from skmq.codec import PING, CodecError, Decoder, Frame, encode_frame, encode_resp
+from skmq.codec import PING, CodecError, Decoder, Frame, Status, encode_frame, encode_resp
+from skmq.events import Event
 
 log = structlog.get_logger("skmq.link")
 
@@ -56,7 +57,7 @@ class LinkOwner(Protocol):
         self,
         link: RecipientLink,
         delivery: Delivery,
-        outcome: str,
+        outcome: Event,
         detail: str,
         reply: Callable[[Verdict], None],
     ) -> None: ...
@@ -70,7 +71,7 @@ class LinkOwner(Protocol):
     def push_fields(self, app: str, msgid: str, content: bytes) -> tuple[tuple[str, str], ...]: ...
 
 
-ANSWERS = {"ack": "acked", "reject": "rejected", "error": "errored"}
+OUTCOMES = {"ack": Event.ACKED, "reject": Event.REJECTED, "error": Event.ERRORED}
 DETAILS = {"ack": "", "reject": "rejected by the recipient", "error": "error at the recipient"}
 
 
@@ -301,7 +302,7 @@ class RecipientLink:
             conn.reply(msgid, resp)
 
         d = self.inflight.get(msgid)
-        if d is None and kind in ANSWERS:
+        if d is None and kind in OUTCOMES:
             d = self.expired.pop(msgid, None)
         token = frame.fields.get("token")
         if d is None or (token is not None and d.token and token != d.token):
@@ -312,11 +313,11 @@ class RecipientLink:
             if d.conn is not None:
                 d.conn.answered(d, arrived=True)
             self.owner.on_arrived(self, d)
-            reply(("ack", "arrived"))
+            reply((Status.ACK, "arrived"))
             return
-        outcome = ANSWERS.get(kind)
+        outcome = OUTCOMES.get(kind)
         if outcome is None:
-            reply(("error", f"unexpected frame type {kind!r} from a recipient"))
+            reply((Status.ERROR, f"unexpected frame type {kind!r} from a recipient"))
             return
         self.take(msgid)
         self.benched_until = 0.0

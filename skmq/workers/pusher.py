@@ -12,9 +12,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import spawn
-from skmq.codec import Frame
+from skmq.codec import Frame, Status
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
+from skmq.events import Event
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.registry.recipients import Recipient, Registry
 from skmq.signing import PushSigner
@@ -158,7 +159,7 @@ class Pusher:
             if "token" in link.caps:
                 d.token = self.tokens.make(app, c.delivery_id, c.attempt)
             link.push(d)
-            self.dlog.event("pushed", c.msgid, app, c.kind, c.recipient, c.attempt)
+            self.dlog.event(Event.PUSHED, c.msgid, app, c.kind, c.recipient, c.attempt)
         if unregistered:
             self._hand_back(app, "", unregistered, "recipient no longer registered")
         for d in forbidden:
@@ -169,7 +170,7 @@ class Pusher:
     def _undeliverable(self, app: str, c: Claimed) -> None:
         kind = "topic" if split_delivery(c.delivery_id)[1] is not None else "queue"
         reason = c.content.decode()
-        self.dlog.event("dead_lettered", c.msgid, app, kind, c.recipient or None, 0, reason)
+        self.dlog.event(Event.DEAD_LETTERED, c.msgid, app, kind, c.recipient or None, 0, reason)
         log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
 
     def _hand_back(self, app: str, rid: str, deliveries: list[Delivery], detail: str) -> None:
@@ -188,12 +189,12 @@ class Pusher:
             for d, ok in zip(queue, released, strict=True):
                 if ok:
                     self.dlog.event(
-                        "unreachable", d.msgid, app, d.kind, d.recipient, d.attempt, detail
+                        Event.UNREACHABLE, d.msgid, app, d.kind, d.recipient, d.attempt, detail
                     )
             for d in deliveries:
                 if d.kind == "topic":
                     self.answers.submit(
-                        app, d.delivery_id, "unreachable", detail, d.recipient, d.attempt
+                        app, d.delivery_id, Event.UNREACHABLE, detail, d.recipient, d.attempt
                     )
         except (RedisError, OSError) as exc:
             log.warning("could not hand back deliveries; their leases will", error=repr(exc))
@@ -205,13 +206,13 @@ class Pusher:
         return self.signer.fields(app, msgid, content) if self.signer is not None else ()
 
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
-        self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
+        self.dlog.event(Event.ARRIVED, d.msgid, link.app, d.kind, link.rid, d.attempt)
 
     def on_answer(
         self,
         link: RecipientLink,
         d: Delivery,
-        outcome: str,
+        outcome: Event,
         detail: str,
         reply: Callable[[Verdict], None],
     ) -> None:
@@ -227,13 +228,13 @@ class Pusher:
             try:
                 reply(await late(frame, (link.app, link.rid)))
             except (RedisError, OSError):
-                reply(("error", "store unavailable, answer again later"))
+                reply((Status.ERROR, "store unavailable, answer again later"))
 
         spawn(answer(), self.tasks)
 
     def on_broken(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
         for d in deliveries:
-            self.answers.submit(link.app, d.delivery_id, "errored", detail, link.rid, d.attempt)
+            self.answers.submit(link.app, d.delivery_id, Event.ERRORED, detail, link.rid, d.attempt)
 
     def on_unreachable(self, link: RecipientLink, deliveries: list[Delivery], detail: str) -> None:
         self._hand_back(link.app, link.rid, deliveries, detail)

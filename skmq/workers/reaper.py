@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from skmq.deliverylog import now_ms
+from skmq.events import Event
 from skmq.store import Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
@@ -52,7 +53,7 @@ class Reaper:
                 rid = crid or r.result.recipient
                 self.pusher.timed_out(app, rid, msgid)
                 self.answers.record_failure(
-                    app, r.delivery_id, "timeout", "no final answer within ack_timeout", rid,
+                    app, r.delivery_id, Event.TIMEOUT, "no final answer within ack_timeout", rid,
                     r.result,
                 )  # fmt: skip
             if reaped:
