@@ -25,11 +25,13 @@ from skmq.store import Claimed, Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher, Resp
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.link import ANSWERS, DETAILS, Delivery, RecipientLink
+from skmq.workers.rotation import Rotation
 
 log = structlog.get_logger("skmq.engine")
 
-# Apps a reap round checks in turn, besides those this broker claimed for lately.
-REAP_SWEEP = 500
+# Apps a refresh or reap round visits in turn (besides those it must see now: new apps,
+# apps claimed for lately), so that a round's work does not grow with the number of apps.
+APPS_A_ROUND = 500
 
 
 class Engine:
@@ -53,7 +55,8 @@ class Engine:
         self._dispatch_tasks: dict[str, asyncio.Task[None]] = {}
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._known_apps: set[str] = set()
-        self._reap_cursor = 0
+        self._refresh_turns = Rotation(APPS_A_ROUND)
+        self._reap_turns = Rotation(APPS_A_ROUND)
         # Claims of all dispatchers at once: half the Redis pool at most, so that a wave
         # of dispatchers (thousands of apps found at once) leaves producers room.
         self._claims = asyncio.Semaphore(max(1, settings.redis_pool_size // 2))
@@ -318,13 +321,16 @@ class Engine:
 
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:
+        """Find every broker's apps, refresh their recipients and forget the empty ones:
+        apps new to this broker at once, the others APPS_A_ROUND at a time, in turn."""
         apps = await self.store.apps()
         self._known_apps.update(apps)
-        await self.registry.refresh(apps)
-        for app in apps:
-            if app not in self.dispatchers:
-                self.notify(app)
-        await self._forget_empty([app for app in apps if not self.registry.all(app)])
+        new = [app for app in apps if app not in self.dispatchers]
+        turn = sorted({*self._refresh_turns.take(apps), *new})
+        await self.registry.refresh(turn)
+        for app in new:
+            self.notify(app)
+        await self._forget_empty([app for app in turn if not self.registry.all(app)])
         await self.store.redis.hset(
             self.store.global_key("brokers"),
             self.broker_id,
@@ -359,13 +365,9 @@ class Engine:
         """Leases that ran out: pushes never answered, here or on a broker that died.
 
         One round trip a round: the apps this broker claimed for lately, and the next
-        REAP_SWEEP apps in turn (leases of other brokers), so that a round's work does not
-        grow with the number of apps."""
+        APPS_A_ROUND apps in turn (leases of other brokers)."""
         recent = time.monotonic() - 2 * self.settings.ack_timeout
-        apps = list(self.dispatchers)
-        start = self._reap_cursor % len(apps) if apps else 0
-        self._reap_cursor = start + REAP_SWEEP
-        turn = set(apps[start : start + REAP_SWEEP])
+        turn = set(self._reap_turns.take(list(self.dispatchers)))
         turn.update(app for app, d in self.dispatchers.items() if d.last_claim > recent)
         for app, reaped in (await self.store.reap(sorted(turn), now_ms())).items():
             for r in reaped:
