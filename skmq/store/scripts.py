@@ -1,7 +1,9 @@
 """The Lua scripts behind every Redis state change that touches more than one key.
 
 Every script works on the keys of ONE app, all sharing the hash tag `{app}`, and gets
-that app's key base (`<prefix>:{<app>}:`) as KEYS[1]. Key layout under the base:
+that app's key base (`<prefix>:{<app>}:`) as KEYS[1]; STORE and FORGET also touch the
+apps set (`<prefix>:apps`), passed in KEYS, and FORGET gets each of its keys in KEYS.
+Key layout under the base:
 
     m:<msgid>   STRING  kind (q|t), stored ms (13 digits), then the content: a plain
                         string, because a waiting message should cost as little as
