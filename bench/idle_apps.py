@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         except subprocess.TimeoutExpired:
             broker.kill()
             broker.wait(10)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def main() -> None:

@@ -266,8 +266,10 @@ class Server:
     def _shed_partial(self, out: list[tuple[Connection, Item]]) -> None:
         """Over MAX_PARTIAL_BYTES: refuse the connections holding the most until under."""
         cap = self.settings.max_partial_bytes
-        while self.partial_bytes > cap:
+        while self.partial_bytes > cap and self.connections:
             conn = max(self.connections, key=lambda c: c.partial)
+            if not conn.partial:
+                break
             log.warning("partial frames over MAX_PARTIAL_BYTES, closing the largest",
                         peer=conn.peer.host, held=conn.partial)  # fmt: skip
             self._last_item(conn, LimitExceeded("incomplete frames over MAX_PARTIAL_BYTES"), out)
@@ -338,6 +340,7 @@ class Server:
 
     def _close(self, conn: Connection) -> None:
         conn.broken = True
+        self._release_partial(conn)
         conn.readable.set()  # let its connection stage see the end
         conn.writer.close()
         self.connections.discard(conn)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from skmq.broker import Broker
 from skmq.codec import Decoder, Frame, encode_frame
 from skmq.embedded import EmbeddedRedis
+from skmq.workers.rotation import Rotation
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 
@@ -378,3 +379,11 @@ async def test_apps_with_no_recipients_and_no_messages_are_forgotten(
     await client.close()
     await rec.stop()
     await rec2.stop()
+
+
+def test_rotation_visits_every_app_a_share_at_a_time() -> None:
+    turns = Rotation(3)
+    apps = [f"a{i}" for i in range(7)]
+    seen = [turns.take(apps) for _ in range(3)]
+    assert seen == [["a0", "a1", "a2"], ["a3", "a4", "a5"], ["a6", "a0", "a1"]]
+    assert turns.take(apps[:2]) == ["a0", "a1"]  # few apps: all of them, every round

@@ -28,8 +28,10 @@ CLAIM_BATCH = 512
 FIRST_CLAIM = 4
 POLL = 0.25
 # An app with nothing to do polls less and less often, down to once in IDLE_POLL: its
-# own work wakes it at once; only work stored by another broker waits for a poll.
+# own work wakes it at once; only work stored by another broker waits for a poll. An app
+# without recipients waits for one (a registration or a recipient back wakes it).
 IDLE_POLL = 5.0
+NO_RECIPIENT_POLL = 60.0
 
 
 class Dispatcher:
@@ -88,7 +90,7 @@ class Dispatcher:
         self.wake.clear()
         recipients = [] if self.paused else self.alive(self.app)
         if not recipients:
-            return self._idle()
+            return NO_RECIPIENT_POLL
         free = self.free_slots(self.app, recipients)
         n = min(sum(free.values()), self.batch)
         self.starved = n <= 0

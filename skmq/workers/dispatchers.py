@@ -13,6 +13,7 @@ from skmq.registry.recipients import Recipient, Registry
 from skmq.store import Claimed, Store
 from skmq.supervisor import Supervisor
 from skmq.workers.dispatch import Dispatcher
+from skmq.workers.rotation import APPS_A_ROUND, Rotation
 
 log = structlog.get_logger("skmq.dispatchers")
 
@@ -38,6 +39,7 @@ class Dispatchers:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ending: set[asyncio.Task[None]] = set()
         self._known: set[str] = set()
+        self._turns = Rotation(APPS_A_ROUND)
         # Claims of all dispatchers at once: half the Redis pool at most, so that a wave
         # of dispatchers (thousands of apps found at once) leaves producers room.
         self._claims = asyncio.Semaphore(max(1, max_claims))
@@ -77,14 +79,16 @@ class Dispatchers:
 
     async def refresh(self) -> set[str]:
         """Every app of the store gets a dispatcher here; apps without recipients that
-        hold no message are forgotten. Returns the apps forgotten."""
+        hold no message are forgotten. Apps new to this broker are seen at once, the
+        others APPS_A_ROUND at a time, in turn. Returns the apps forgotten."""
         apps = await self.store.apps()
         self._known.update(apps)
-        await self.registry.refresh(apps)
-        for app in apps:
-            if app not in self.by_app:
-                self.notify(app)
-        return await self._forget_empty([app for app in apps if not self.registry.all(app)])
+        new = [app for app in apps if app not in self.by_app]
+        turn = sorted({*self._turns.take(apps), *new})
+        await self.registry.refresh(turn)
+        for app in new:
+            self.notify(app)
+        return await self._forget_empty([app for app in turn if not self.registry.all(app)])
 
     async def _forget_empty(self, apps: list[str]) -> set[str]:
         """The store decides (one script an app): out of the apps set, no dispatcher,

@@ -12,9 +12,7 @@ from skmq.store import Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.pusher import Pusher
-
-# Apps a reap round checks in turn, besides those this broker claimed for lately.
-REAP_SWEEP = 500
+from skmq.workers.rotation import APPS_A_ROUND, Rotation
 
 
 class Reaper:
@@ -33,17 +31,14 @@ class Reaper:
         self.answers = answers
         self.notify = notify
         self.ack_timeout = ack_timeout
-        self._cursor = 0
+        self._turns = Rotation(APPS_A_ROUND)
 
     async def step(self) -> None:
         """One round trip a round: the apps this broker claimed for lately, and the next
-        REAP_SWEEP apps in turn (leases of other brokers), so that a round's work does not
-        grow with the number of apps."""
+        APPS_A_ROUND apps in turn (leases of other brokers), so that a round's work does
+        not grow with the number of apps."""
         recent = time.monotonic() - 2 * self.ack_timeout
-        apps = list(self.dispatchers)
-        start = self._cursor % len(apps) if apps else 0
-        self._cursor = start + REAP_SWEEP
-        turn = set(apps[start : start + REAP_SWEEP])
+        turn = set(self._turns.take(list(self.dispatchers)))
         turn.update(app for app, d in self.dispatchers.items() if d.last_claim > recent)
         for app, reaped in (await self.store.reap(sorted(turn), now_ms())).items():
             for r in reaped:
