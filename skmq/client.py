@@ -172,6 +172,28 @@ class Message:
 Handler = Callable[[Message], Awaitable[None]]
 
 
+class _Scoped:
+    """`async with x:` opens x (its `_open`) and shuts it (its `_shut`) at the end."""
+
+    async def _open(self) -> None:
+        raise NotImplementedError
+
+    async def _shut(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self._open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._shut()
+
+
 # --------------------------------------------------------------------------- producer
 
 
@@ -258,7 +280,7 @@ def _named(resp: Resp, msgid: str) -> Resp:
     return resp if resp.msgid is not None else replace(resp, msgid=msgid)
 
 
-class Producer:
+class Producer(_Scoped):
     """A connection to the broker for sending frames, pipelined.
 
     Any number of `send` calls may be in flight at once: each frame is written
@@ -333,16 +355,10 @@ class Producer:
         except TimeoutError:
             proto.transport.abort()
 
-    async def __aenter__(self) -> Self:
+    async def _open(self) -> None:
         await self.connect()
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def _shut(self) -> None:
         await self.close()
 
     async def _writable_proto(self) -> _RespProtocol:
@@ -633,7 +649,7 @@ def _answer_fields(msg: Message, consumer_id: str) -> list[tuple[str, str]]:
     return fields
 
 
-class Consumer:
+class Consumer(_Scoped):
     """A recipient: listens for the broker's pushes and calls `handler` on each.
 
     `handler` returning normally answers `ack`; raising `Reject` answers
@@ -769,16 +785,10 @@ class Consumer:
             broker, self._broker_conn = self._broker_conn, None
             await broker.close()
 
-    async def __aenter__(self) -> Self:
+    async def _open(self) -> None:
         await self.start()
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def _shut(self) -> None:
         await self.stop()
 
     async def _drain_tasks(self, grace: float) -> None:

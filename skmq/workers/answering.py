@@ -8,6 +8,7 @@ goes, through the answer batcher."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from skmq.codec import Frame, Status
@@ -60,7 +61,9 @@ class AnswerRouter:
             self.pusher.settled(app, rid, msgid)
         outcome = OUTCOMES[frame.type]
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[frame.type]
-        return await self.answers.submit_and_wait(app, delivery_id, outcome, detail, rid, attempt)
+        verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self.answers.submit(app, delivery_id, outcome, detail, rid, attempt, verdict.set_result)
+        return await verdict
 
     async def _delivery(
         self, frame: Frame, msgid: str, app: str, peer: Peer | None, sender: tuple[str, str] | None

@@ -69,19 +69,6 @@ class AnswerBatcher:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def submit_and_wait(
-        self,
-        app: str,
-        delivery_id: str,
-        outcome: Event,
-        detail: str = "",
-        recipient: str = "",
-        attempt: int | None = None,
-    ) -> asyncio.Future[Verdict]:
-        fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
-        self.submit(app, delivery_id, outcome, detail, recipient, attempt, fut.set_result)
-        return fut
-
     async def _run(self) -> None:
         try:
             while self._pending:

@@ -30,6 +30,7 @@ import structlog
 from skmq.coalesce import Coalescer
 from skmq.codec import PING, CodecError, Decoder, Frame, Status, encode_frame, encode_resp
 from skmq.events import Event
+from skmq.store import Claimed
 
 log = structlog.get_logger("skmq.link")
 
@@ -37,14 +38,10 @@ Verdict = tuple[str, str]
 
 
 @dataclass(slots=True, eq=False)
-class Delivery:
-    app: str
-    delivery_id: str
-    msgid: str
-    kind: str
-    content: bytes
-    attempt: int
-    recipient: str
+class Delivery(Claimed):
+    """A claimed delivery of app, as pushed (or about to be) by this broker."""
+
+    app: str = ""
     token: str = ""
     pushed_at: float = field(default_factory=time.monotonic)
     arrived_at: float = 0.0

@@ -147,7 +147,7 @@ class Pusher:
             if c.kind == "dead":
                 self._undeliverable(app, c)
                 continue
-            d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
+            d = Delivery(c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient, app)
             r = self.registry.get(app, c.recipient)
             if r is None:
                 unregistered.append(d)
