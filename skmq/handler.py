@@ -52,7 +52,7 @@ log = structlog.get_logger("skmq.handler")
 
 MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
-BROKER_CAPS = ("delay", "hello", "length", "pipeline", "recipient", "token", "unregister")
+BROKER_CAPS = ("auth", "delay", "hello", "length", "pipeline", "recipient", "token", "unregister")
 HELLO_BODY = json.dumps(
     {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
 )
