@@ -57,9 +57,11 @@ async def stored(redis: aioredis.Redis, prefix: str, app: str) -> int:
 
 
 class Listener:
-    """A loopback service that is not an SKMQ recipient: records every byte it is sent."""
+    """A loopback service that is not an SKMQ recipient: records every byte it is sent
+    (and answers `+OK` to each read, as a Redis-like service would, unless `silent`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent: bool = False) -> None:
+        self.silent = silent
         self.data = bytearray()
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -77,7 +79,8 @@ class Listener:
         with contextlib.suppress(ConnectionError, OSError):
             while chunk := await reader.read(65536):
                 self.data += chunk
-                writer.write(b"+OK\r\n")  # what a Redis-like service says to anything
+                if not self.silent:
+                    writer.write(b"+OK\r\n")
         writer.close()
 
 
@@ -146,6 +149,41 @@ async def test_a_service_that_does_not_answer_pong_never_receives_a_message(
         assert b"push" not in service.data
         assert service.data.replace(b"ping\r\n\r\n", b"") == b""
     assert await stored(redis, prefix, "probe") == 1
+
+
+async def test_a_service_that_never_answers_the_handshake_is_given_up_on(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+) -> None:
+    """HANDSHAKE_TIMEOUT: no `pong` in time, no push; the message stays stored."""
+    broker = await make_broker(handshake_timeout=0.3)
+    async with Listener(silent=True) as service:
+        rec = FakeRecipient("mute-svc", "svc", caps=("pipeline",))
+        rec.port = service.port
+        assert (await register(broker.server.port, rec))["status"] == "ack"
+        await produce(broker.server.port, "mute-svc", {"m1": b"SECRET-CONTENT"})
+        await eventually(lambda: recipient_lost(broker, "mute-svc", "svc"))
+        assert service.data.replace(b"ping\r\n\r\n", b"") == b""
+    assert await stored(redis, prefix, "mute-svc") == 1
+
+
+async def test_an_original_peer_gets_at_most_legacy_window_connections(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(legacy_window=2, ack_timeout=60, legacy_answer_timeout=60)
+    rec = FakeRecipient("lw", "go", lambda f: "silent", caps=())
+    await rec.start()
+    assert (await register(broker.server.port, rec))["status"] == "ack"
+    await produce(broker.server.port, "lw", {f"m{i}": b"x" for i in range(10)})
+    for _ in range(2):
+        await rec.next_push()
+    link = broker.engine.links[("lw", "go")]
+    await eventually(lambda: _true(len(link.inflight) == 2))
+    assert len(rec.received) == 2 and len(link.inflight) <= 2
+    await rec.stop()
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 # -- 2. answers are fenced ------------------------------------------------------------
