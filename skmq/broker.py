@@ -172,6 +172,7 @@ class Broker:
             ) from None
         await check_eviction_policy(self.redis)
         self.store = make_store(s, self.redis)
+        await self.store.adopt_legacy_apps()
         self.dlog = DeliveryLog(
             s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
         )

@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from skmq.embedded_cluster import LocalCluster
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_reliability import (
     ACK_TIMEOUT,
@@ -84,6 +84,19 @@ async def test_a_duplicate_store_lists_an_unlisted_app_again(
     assert await store.apps() == []
     assert await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW) == {"a": [False]}
     assert await store.apps() == ["a"]
+
+
+async def test_apps_of_the_unsharded_apps_set_are_adopted(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+) -> None:
+    """A store written before the directory was sharded: its apps are found (those that
+    hold something: an empty one is forgotten at once, as it would have been)."""
+    await redis.sadd(f"{prefix}:apps", "old1", "old2")
+    for app in ("old1", "old2"):
+        await redis.rpush(f"{prefix}:{{{app}}}:ready", "waiting")  # held: not forgotten
+    broker = await make_broker()
+    assert await broker.store.apps() == ["old1", "old2"]
+    assert not await redis.exists(f"{prefix}:apps")
 
 
 # -- a 3-master cluster -------------------------------------------------------------
@@ -221,6 +234,47 @@ async def test_replica_acks_wait_for_replicas_or_refuse(
     finally:
         for proc in replicas:
             proc.send_signal(signal.SIGCONT)
+        local.stop()
+
+
+async def test_a_master_killed_fails_over_and_loses_no_acked_message(
+    make_broker: BrokerFactory, tmp_path: Path, prefix: str
+) -> None:
+    """kill -9 of the master holding the app, with REPLICA_ACKS=1: its replica takes
+    over; the broker follows (MOVED, a new slot map); every message acked before or
+    after is delivered. (Until the old master is back as a replica, the new one has no
+    replica: REPLICA_ACKS=1 answers `error` meanwhile, as it should.)"""
+    local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
+    try:
+        broker = await make_broker(redis_url=local.url, replica_acks=1)
+        recipient = await start_recipient(broker.server.port, "r1")
+        before = [f"before-{i}" for i in range(20)]
+        assert await produce(broker.server.port, before) == before
+        store_client = broker.store.redis
+        assert isinstance(store_client, RedisCluster)
+        master = store_client.get_node_from_key(f"{prefix}:{{{APP}}}:msgs")
+        replica = local.client(local.ports[local.masters + local.master_ports.index(master.port)])
+        local.kill(master.port)
+
+        async def promoted() -> bool:
+            role = await asyncio.to_thread(replica.execute_command, "ROLE")
+            return bool(role[0] in (b"master", "master"))
+
+        await eventually(promoted, timeout=20)
+        replica.close()
+        # The old master comes back as a replica of the new one: REPLICA_ACKS=1 can hold.
+        local.launch(master.port)
+        after: list[str] = []
+
+        async def stored_after_failover() -> bool:
+            msgid = f"after-{len(after)}"
+            after.extend(await produce(broker.server.port, [msgid]))
+            return len(after) >= 20
+
+        await eventually(stored_after_failover, timeout=30)
+        await until(lambda: set(recipient.msgids()) >= set(before + after), timeout=20)
+        await recipient.stop()
+    finally:
         local.stop()
 
 

@@ -11,7 +11,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 RedisClient = aioredis.Redis | RedisCluster
 
@@ -36,6 +37,35 @@ def url_hosts(url: str, default_port: int) -> list[tuple[str, int]]:
     return hosts
 
 
+class ClusterUnavailable(RedisError):  # type: ignore[misc]
+    """A cluster error raised by the client itself (a slot no node covers during a
+    failover, no node reachable), as a RedisError: what every caller of the store
+    handles as "store unavailable"."""
+
+
+class _Pipeline(ClusterPipeline):  # type: ignore[misc]
+    async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return await super().execute(*args, **kwargs)  # type: ignore[no-any-return]
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+
+
+class Cluster(RedisCluster):  # type: ignore[misc]
+    """RedisCluster whose client-side cluster errors are RedisErrors too."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        if shard_hint:
+            raise ValueError("shard_hint is not supported in cluster mode")
+        return _Pipeline(self, transaction)
+
+
 def connect_cluster(url: str, options: dict[str, Any]) -> RedisCluster:
     """A RedisCluster client for a `redis+cluster://` URL; `options` as for one Redis
     (`max_connections` then counts per node; a node with none free fails at once)."""
@@ -44,7 +74,7 @@ def connect_cluster(url: str, options: dict[str, Any]) -> RedisCluster:
     if not nodes:
         raise ValueError("redis+cluster:// URL needs at least one host:port")
     options = {k: v for k, v in options.items() if k != "timeout"}
-    return RedisCluster(
+    return Cluster(
         startup_nodes=nodes,
         password=unquote(parsed.password) if parsed.password else None,
         **options,

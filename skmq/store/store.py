@@ -326,6 +326,15 @@ class Store:
     async def apps(self) -> list[str]:
         return await self.directory.members()
 
+    async def adopt_legacy_apps(self) -> None:
+        """List in the directory the apps of a store written before it was sharded (one
+        set, `<prefix>:apps`), then drop that set."""
+        legacy = self.global_key("apps")
+        members = await self.redis.smembers(legacy)
+        if members:
+            await self.directory.add(_s(m) for m in members)
+            await self.redis.delete(legacy)
+
     async def forget_apps(self, apps: Sequence[str]) -> list[str]:
         """Forget each app that holds no recipient and no message; returns those forgotten
         (skmq/store/directory.py: why this is safe against a store at the same time)."""
