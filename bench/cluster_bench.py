@@ -2,9 +2,11 @@
 Redis, CPU per message of each component, and a projection for N cores.
 
     python -m bench.cluster_bench [--messages 12000] [--brokers 1,2,3] [--apps 6]
+    python -m bench.cluster_bench --stores replicas,wait1 --brokers 1   # WAIT's cost
 
 Each run: a fresh store (one embedded Redis, no AOF fsync wait: `appendfsync
-everysec`, or a LocalCluster of 3 masters with AOF everysec), k `skmq serve`
+everysec`; `cluster`: a LocalCluster of 3 masters with AOF everysec; `replicas`: 3
+masters + 3 replicas; `wait1`: the same with REPLICA_ACKS=1), k `skmq serve`
 processes on it, `--apps` apps each with one recipient (bench/skmq_load.py, registered
 at broker i % k) and one producer sending `messages / apps` queue messages to broker
 i % k. Throughput: delivered messages / (last receipt - first send). CPU: user+system
@@ -12,8 +14,9 @@ seconds of every broker process and every Redis process over the run, per delive
 message.
 
 Projection (the method): with c_b the brokers' CPU per message (all brokers), c_r the
-Redis nodes' (all nodes), k brokers and m Redis nodes (each one thread: at most one
-core each), and N cores for the brokers and Redis (load generators elsewhere):
+Redis nodes' (all nodes, replicas included), k brokers and m Redis masters (each one
+thread: at most one core each; m = 1 for one Redis), and N cores for the brokers and
+Redis (load generators elsewhere):
     rate(N) = min(N / (c_b + c_r), k / c_b, m / c_r)
 with k = m = N / 2 rounded up. It assumes the per-message cost stays what it was here
 (batches get smaller when the load spreads over more processes: optimistic) and apps
@@ -50,7 +53,6 @@ class Run:
     seconds: float
     broker_cpu: float
     redis_cpu: float
-    redis_nodes: int
 
     @property
     def rate(self) -> float:
@@ -63,7 +65,7 @@ class Run:
         c_b = self.broker_cpu / max(self.delivered, 1)
         c_r = self.redis_cpu / max(self.delivered, 1)
         k = m = math.ceil(cores / 2)
-        m = min(m, self.redis_nodes) if self.store == "single" else m
+        m = 1 if self.store == "single" else m
         return min(cores / (c_b + c_r), k / c_b, m / c_r)
 
 
@@ -77,13 +79,14 @@ def _cpu(pids: list[int]) -> float:
 
 
 async def _start_broker(
-    url: str, workdir: Path, name: str
+    url: str, workdir: Path, name: str, replica_acks: int
 ) -> tuple[asyncio.subprocess.Process, int]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
     env.update(
         SKMQ_REDIS_URL=url, SKMQ_PORT=str(port), SKMQ_HOST="127.0.0.1",
         SKMQ_DATA_DIR=str(workdir / name), SKMQ_KEY_PREFIX="bench", SKMQ_LOG_LEVEL="warning",
+        SKMQ_REPLICA_ACKS=str(replica_acks),
     )  # fmt: skip
     with open(workdir / f"{name}.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(
@@ -108,7 +111,8 @@ async def one_run(store: str, k: int, messages: int, apps: int, workdir: Path) -
         assert single.proc is not None
         url, redis_pids = single.url, [single.proc.pid]
     else:
-        cluster = LocalCluster(workdir / "cluster", masters=3)
+        replicas = 0 if store == "cluster" else 1
+        cluster = LocalCluster(workdir / "cluster", masters=3, replicas=replicas)
         await asyncio.to_thread(cluster.start)
         url, redis_pids = cluster.url, [p.pid for p in cluster.procs.values()]
     brokers: list[asyncio.subprocess.Process] = []
@@ -116,7 +120,7 @@ async def one_run(store: str, k: int, messages: int, apps: int, workdir: Path) -
     try:
         ports = []
         for i in range(k):
-            proc, port = await _start_broker(url, workdir, f"broker{i}")
+            proc, port = await _start_broker(url, workdir, f"broker{i}", int(store == "wait1"))
             brokers.append(proc)
             ports.append(port)
         deadline = str(time.time() + 600)
@@ -148,8 +152,7 @@ async def one_run(store: str, k: int, messages: int, apps: int, workdir: Path) -
         seconds = time.monotonic() - t0
         cpu1 = (_cpu([b.pid for b in brokers]), _cpu(redis_pids))
         delivered = sum(int(r.progress.get("unique", 0)) for r in recipients)
-        return Run(store, k, delivered, seconds, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1],
-                   len(redis_pids))  # fmt: skip
+        return Run(store, k, delivered, seconds, cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
     finally:
         for r in recipients if children else []:
             r.send("stop")
