@@ -5,6 +5,7 @@ kill -9 on a local 3-master cluster, and REPLICA_ACKS (WAIT) on a 3+3 one."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -286,3 +287,41 @@ async def test_replica_acks_on_a_redis_without_replicas_refuses(
     resp = await client.request("queue", b"x", appid="w", msgid="m1")
     assert resp["status"] == "error", resp
     await client.close()
+
+
+# -- docker/compose.cluster.yaml (no Docker engine here: checked, not run) ------------
+
+
+def test_compose_cluster_file_is_valid_and_its_brokers_reach_the_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("check_jsonschema", reason="the compose-spec schema ships with it")
+    yaml = pytest.importorskip("ruamel.yaml")
+    from importlib.resources import files
+
+    from skmq.config import Settings
+    from tests.test_docker import DOCKER, environment, interpolate
+
+    raw = yaml.YAML(typ="safe", pure=True).load((DOCKER / "compose.cluster.yaml").read_text())
+    project = interpolate(raw, {})
+    schema_file = files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    assert not sorted(validator.iter_errors(project), key=str)
+    services = project["services"]
+    nodes = {n for n, svc in services.items() if "--cluster-enabled" in svc.get("command", [])}
+    assert len(nodes) == 6
+    init = services["redis-cluster-init"]
+    assert "--cluster-replicas 1" in init["command"][0]
+    found = {n: s for n, s in services.items() if "SKMQ_REDIS_URL" in environment(s)}
+    assert len(found) == 2
+    for svc in found.values():
+        for key, value in environment(svc).items():
+            monkeypatch.setenv(key, value)
+        settings = Settings.load()
+        assert settings.replica_acks == 1
+        assert {h for h, _ in url_hosts(settings.redis_url, 6379)} <= nodes
+        assert svc["depends_on"]["redis-cluster-init"]["condition"] == (
+            "service_completed_successfully"
+        )
