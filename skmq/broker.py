@@ -104,20 +104,27 @@ def listening(host: str, port: int, settings: str) -> Iterator[None]:
 
 
 async def check_eviction_policy(redis: RedisClient) -> None:
-    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
+    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages
+    (on a cluster: any of its nodes)."""
     try:
-        reply = await redis.config_get("maxmemory-policy")
+        if isinstance(redis, RedisCluster):
+            reply = await redis.config_get("maxmemory-policy", target_nodes=RedisCluster.ALL_NODES)
+        else:
+            reply = await redis.config_get("maxmemory-policy")
     except ResponseError as exc:
         log.warning("cannot read maxmemory-policy (CONFIG not allowed): make sure this Redis "
                     "never evicts keys", error=str(exc))  # fmt: skip
         return
-    raw = next(iter(reply.values()), b"")
-    policy = raw.decode() if isinstance(raw, bytes) else str(raw)
-    if policy.startswith(EVICTING):
-        raise Misconfigured(
-            f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
-            "set maxmemory-policy noeviction"
-        )
+    # A cluster answers {node: {name: value}} (one node: {name: value}).
+    nested = reply and all(isinstance(v, dict) for v in reply.values())
+    for node_reply in reply.values() if nested else [reply]:
+        raw = next(iter(node_reply.values()), b"")
+        policy = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if policy.startswith(EVICTING):
+            raise Misconfigured(
+                f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
+                "set maxmemory-policy noeviction"
+            )
 
 
 class Broker:

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from skmq.broker import Misconfigured
 from skmq.embedded_cluster import LocalCluster
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
@@ -134,6 +135,19 @@ async def test_core_delivery_path_on_a_cluster(
     assert [(d.msgid, d.attempts) for d in dead] == [("dead", broker.settings.retry_times)]
     assert await broker.store.apps() == [APP]
     await recipient.stop()
+
+
+async def test_a_cluster_node_that_may_evict_is_refused(
+    make_broker: BrokerFactory, cluster: LocalCluster
+) -> None:
+    node = aioredis.Redis(host="127.0.0.1", port=cluster.master_ports[-1])
+    await node.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(Misconfigured, match="allkeys-lru"):
+            await make_broker(redis_url=cluster.url)
+    finally:
+        await node.config_set("maxmemory-policy", "noeviction")
+        await node.aclose()
 
 
 async def test_24_apps_spread_over_every_master(
