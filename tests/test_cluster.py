@@ -237,15 +237,16 @@ async def test_replica_acks_wait_for_replicas_or_refuse(
         assert (await client.request("queue", b"x", appid="w", msgid="m1"))["status"] == "ack"
         for proc in replicas:
             proc.send_signal(signal.SIGSTOP)
-        resp = await client.request("queue", b"x", appid="w", msgid="m2")
+        resp = await client.request("queue", b"x", appid="w2", msgid="m2")
         assert resp["status"] == "error" and "store unavailable" in resp["content"], resp
+        assert "w2" in await broker.store.apps()  # stored on its master: listed
         for proc in replicas:
             proc.send_signal(signal.SIGCONT)
-        resp = await client.request("queue", b"x", appid="w", msgid="m2")
+        resp = await client.request("queue", b"x", appid="w2", msgid="m2")
         assert resp["status"] == "ack" and "duplicate" in resp["content"], resp
         await client.close()
-        counts = await broker.store.counts(["w"], NOW * 2)
-        assert counts["w"].pending == 2
+        counts = await broker.store.counts(["w", "w2"], NOW * 2)
+        assert counts["w"].pending == 1 and counts["w2"].pending == 1
     finally:
         for proc in replicas:
             proc.send_signal(signal.SIGCONT)

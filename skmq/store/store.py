@@ -248,8 +248,9 @@ class Store:
     ) -> list[Any]:
         """Script `name` once per (app, args, extra keys), pipelined in one round trip (a
         cluster pipeline sends each node its calls). With `replicas`, each node then
-        waits (WAIT, on the connection that ran the scripts) until that many of its
-        replicas have the writes; fewer within REPLICA_ACK_TIMEOUT: ReplicasMissing."""
+        runs WAIT on the connection that ran its scripts (how many of its replicas have
+        the writes, waiting up to REPLICA_ACK_TIMEOUT for `replicas`): their answers
+        follow the scripts' in the list returned."""
         script = self._scripts[name]
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
@@ -267,10 +268,7 @@ class Store:
                     pipe.execute_command("WAIT", replicas, self.replica_ack_ms, **options)
             try:
                 results: list[Any] = await pipe.execute()
-                acked = results[len(calls) :]
-                if any(int(n) < replicas for n in acked):
-                    raise ReplicasMissing(f"{min(acked)} of {replicas} replicas acknowledged")
-                return results[: len(calls)]
+                return results
             except NoScriptError:
                 if attempt == 2:
                     raise
@@ -299,12 +297,16 @@ class Store:
             for m in messages:
                 args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
             calls.append((app, args, done))
-        results = await self._call_each("store", calls, self.replica_acks)
+        replies = await self._call_each("store", calls, self.replica_acks)
+        results, acked = replies[: len(calls)], replies[len(calls) :]
         # A new `listed` mark, or a duplicate (perhaps the retry of a store whose broker
-        # died before listing the app): list the app (skmq/store/directory.py).
+        # died before listing the app): list the app (skmq/store/directory.py). Even if
+        # too few replicas acknowledged: the messages are stored on their masters.
         await self.directory.add(
             app for app, res in zip(batches, results, strict=True) if res[0] or 0 in res[1:]
         )
+        if any(int(n) < self.replica_acks for n in acked):
+            raise ReplicasMissing(f"{min(acked)} of {self.replica_acks} replicas acknowledged")
         return {app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)}
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
