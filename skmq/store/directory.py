@@ -43,19 +43,23 @@ class AppDirectory:
         return shards
 
     async def add(self, apps: Iterable[str]) -> None:
-        shards = self._by_shard(apps)
-        if shards:
-            pipe = self.redis.pipeline(transaction=False)
-            for key, members in shards.items():
-                pipe.sadd(key, *members)
-            await pipe.execute()
+        await self._each_shard("SADD", apps)
 
     async def remove(self, apps: Sequence[str]) -> None:
+        await self._each_shard("SREM", apps)
+
+    async def _each_shard(self, command: str, apps: Iterable[str]) -> None:
+        """`command shard-key app...` for each shard holding some of `apps`: one command
+        when one shard (a lone command is retried on a connection that died with a
+        restarted Redis; a pipeline is not), else one pipeline."""
         shards = self._by_shard(apps)
-        if shards:
+        if len(shards) == 1:
+            ((key, members),) = shards.items()
+            await self.redis.execute_command(command, key, *members)
+        elif shards:
             pipe = self.redis.pipeline(transaction=False)
             for key, members in shards.items():
-                pipe.srem(key, *members)
+                pipe.execute_command(command, key, *members)
             await pipe.execute()
 
     async def members(self) -> list[str]:

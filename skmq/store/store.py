@@ -359,7 +359,11 @@ class Store:
         pipe = self.redis.pipeline(transaction=False)
         for app in apps:
             pipe.exists(self.base(app) + "listed")
-        marked = await pipe.execute()
+        try:
+            marked = await pipe.execute()
+        except (RedisError, OSError):
+            await self.directory.add(apps)  # not checked: listed again, forgotten later
+            raise
         await self.directory.add(app for app, m in zip(apps, marked, strict=True) if m)
         gone = [app for app, m in zip(apps, marked, strict=True) if not m]
         for app in gone:
