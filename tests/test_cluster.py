@@ -112,9 +112,15 @@ def test_cluster_url_hosts() -> None:
 async def test_core_delivery_path_on_a_cluster(
     make_broker: BrokerFactory, cluster: LocalCluster, cluster_redis: RedisCluster
 ) -> None:
-    """produce, push, ack; an error answer retried; always failing: dead letter."""
-    broker = await make_broker(redis_url=cluster.url)
+    """produce, push, ack; an error answer retried; always failing: dead letter. The URL
+    names one node: the broker finds the others, and refuses them as recipients."""
+    broker = await make_broker(redis_url=f"redis+cluster://127.0.0.1:{cluster.ports[0]}")
     assert all(broker.own.used_by_broker("127.0.0.1", p) for p in cluster.master_ports)
+    client = await RawClient.connect(broker.server.port)
+    node = {"id": "x", "app_id": APP, "host": "127.0.0.1", "port": cluster.master_ports[-1]}
+    resp = await client.request("register", json.dumps(node).encode())
+    assert resp["status"] == "reject" and "uses itself" in resp["content"], resp
+    await client.close()
     tries: Counter[str] = Counter()
 
     def policy(frame: object) -> str:
