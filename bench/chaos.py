@@ -42,10 +42,10 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from skmq.client import Consumer, Message, Producer, RegistrationError
 from skmq.embedded import EmbeddedRedis, free_port
+from skmq.embedded_cluster import LocalCluster
+from skmq.store import connect_redis
 
 APP = "chaos"
 PREFIX = "chaos"
@@ -370,7 +370,7 @@ return out
 
 async def where(redis_url: str, msgids: list[str]) -> Counter[str]:
     """Where the given messages are in Redis (to explain a loss)."""
-    client = aioredis.Redis.from_url(redis_url)
+    client = connect_redis(redis_url)
     try:
         states = await client.eval(WHERE, 1, f"{PREFIX}:{{{APP}}}:", *msgids)
     finally:
@@ -396,7 +396,7 @@ async def killer(brokers: Sequence[Broker], every: float, stop: asyncio.Event) -
 async def run(args: argparse.Namespace, workdir: Path) -> int:
     started = time.monotonic()
     deadline = time.time() + args.time_limit
-    redis = EmbeddedRedis(workdir / "redis")
+    redis = LocalCluster(workdir / "cluster") if args.cluster else EmbeddedRedis(workdir / "redis")
     brokers: list[Broker] = []
     recipients: Recipients | None = None
     try:
@@ -478,6 +478,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--brokers", type=int, default=2)
     parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--cluster", action="store_true", help="on a local 3-master cluster")
     parser.add_argument("--kill-every", type=float, default=2.0, help="seconds between kills")
     parser.add_argument("--time-limit", type=float, default=120.0, help="whole run, seconds")
     parser.add_argument("--rate", type=float, default=200.0, help="messages a second, all told")

@@ -15,8 +15,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from skmq.aio import cancel_and_wait
@@ -30,6 +30,7 @@ from skmq.metrics import Metrics
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import Store, check_eviction_policy, connect_redis, redacted
+from skmq.store.client import RedisClient
 from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
@@ -42,7 +43,7 @@ def make_broker_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def make_store(settings: Settings, redis: aioredis.Redis) -> Store:
+def make_store(settings: Settings, redis: RedisClient) -> Store:
     return Store(
         redis,
         settings.key_prefix,
@@ -50,10 +51,12 @@ def make_store(settings: Settings, redis: aioredis.Redis) -> Store:
         backoff=settings.retry_backoff,
         ack_timeout=settings.ack_timeout,
         dedupe_window=settings.dedupe_window,
+        replica_acks=settings.replica_acks,
+        replica_ack_timeout=settings.replica_ack_timeout,
     )
 
 
-async def wait_for_redis(redis: aioredis.Redis, give_up: Callable[[], bool]) -> None:
+async def wait_for_redis(redis: RedisClient, give_up: Callable[[], bool]) -> None:
     delay = 0.05
     while True:
         try:
@@ -136,6 +139,7 @@ class Broker:
             ) from None
         await check_eviction_policy(self.redis)
         self.store = make_store(s, self.redis)
+        await self.store.adopt_legacy_apps()
         self.dlog = DeliveryLog(
             s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
         )
@@ -143,6 +147,9 @@ class Broker:
         self.dlog.listener = self.metrics.observe
         self.own = OwnAddresses()
         self.own.add_redis_url(url)
+        if isinstance(self.redis, RedisCluster):  # the nodes it found, not only the seeds
+            for node in self.redis.get_nodes():
+                self.own.add(node.host, node.port)
         self.own.add(s.host, s.port)
         if s.metrics_port:
             self.own.add(s.metrics_host, s.metrics_port)

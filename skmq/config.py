@@ -21,7 +21,7 @@ from pydantic_settings import (
 from skmq.errors import UsageError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 
 # RocketMQ's delay levels, in seconds (the last one repeats).
 ROCKETMQ_BACKOFF = [1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600]
@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     legacy_answer_timeout: float = Field(10.0, gt=0)
     handshake_timeout: float = Field(3.0, gt=0)
     dedupe_window: float = Field(3600.0, gt=0)
+    replica_acks: int = Field(0, ge=0, le=16)
+    replica_ack_timeout: float = Field(1.0, gt=0, le=60)
     shutdown_timeout: float = Field(5.0, ge=0)
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
     log_rotate_bytes: int = Field(64 << 20, ge=4096)

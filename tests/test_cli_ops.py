@@ -88,7 +88,7 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         lambda f: ["serve"],
         {"SKMQ_REDIS_URL": "http://127.0.0.1:1/0"},
         "skmq serve: invalid setting REDIS_URL='http://127.0.0.1:1/0': needs a scheme of "
-        "redis://, rediss://, unix://, redis+sentinel://",
+        "redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
     ),
     (
         "port",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from skmq.embedded import EmbeddedRedis, server_binary
-from tests.conftest import BrokerFactory, free_port, wait_listening
+from skmq.embedded import EmbeddedRedis, _wait_port, server_binary
+from tests.conftest import BrokerFactory, free_port
 from tests.peers import RawClient
 
 
@@ -31,7 +31,7 @@ def sentinel(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        wait_listening(port, proc)  # type: ignore[arg-type]
+        _wait_port("127.0.0.1", port, proc, 10.0)  # a Sentinel, not a broker: no pong
         yield master, port
     finally:
         proc.terminate()

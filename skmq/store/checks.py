@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from skmq.errors import Misconfigured
+from skmq.store.client import RedisClient
 
 log = structlog.get_logger("skmq.store")
 
@@ -24,18 +25,25 @@ def redacted(url: str) -> str:
     return parts._replace(netloc=f"***@{host}").geturl()
 
 
-async def check_eviction_policy(redis: aioredis.Redis) -> None:
-    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
+async def check_eviction_policy(redis: RedisClient) -> None:
+    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages
+    (on a cluster: any of its nodes)."""
     try:
-        reply = await redis.config_get("maxmemory-policy")
+        if isinstance(redis, RedisCluster):
+            reply = await redis.config_get("maxmemory-policy", target_nodes=RedisCluster.ALL_NODES)
+        else:
+            reply = await redis.config_get("maxmemory-policy")
     except ResponseError as exc:
         log.warning("cannot read maxmemory-policy (CONFIG not allowed): make sure this Redis "
                     "never evicts keys", error=str(exc))  # fmt: skip
         return
-    raw = next(iter(reply.values()), b"")
-    policy = raw.decode() if isinstance(raw, bytes) else str(raw)
-    if policy.startswith(EVICTING):
-        raise Misconfigured(
-            f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
-            "set maxmemory-policy noeviction"
-        )
+    # A cluster answers {node: {name: value}} (one node: {name: value}).
+    nested = reply and all(isinstance(v, dict) for v in reply.values())
+    for node_reply in reply.values() if nested else [reply]:
+        raw = next(iter(node_reply.values()), b"")
+        policy = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if policy.startswith(EVICTING):
+            raise Misconfigured(
+                f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
+                "set maxmemory-policy noeviction"
+            )

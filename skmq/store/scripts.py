@@ -2,9 +2,10 @@
 `skmq/store/lua/` (the transitions are listed in `skmq/lifecycle.py`).
 
 Each script gets every key it touches in KEYS, in the order `KEYS` below names them
-(a name is under the app's key base, `@name` is a key of the whole store; `done:<b>`
-buckets are appended by the caller), so Redis Cluster and proxies can route it: all of
-one app's keys share the app's hash tag. The
+(each name is under the app's key base; `done:<b>` buckets are appended by the caller),
+so Redis Cluster and proxies can route it: all of one app's keys share the app's hash
+tag, and no script touches a key of another app or of the whole store (the apps
+directory is kept outside the scripts: skmq/store/directory.py). The
 helpers of `lib.lua` (and, for fail and reap, the retry policy of `retry.lua`) are
 prepended to a script when it is loaded.
 """
@@ -15,7 +16,7 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": ("msgs", "ready", "delayed", "@apps"),  # + done:<current>, done:<previous>
+    "store": ("msgs", "ready", "delayed", "listed"),  # + done:<current>, done:<previous>
     "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
     "fail": ("msgs", "state", "delayed", "inflight", "dead"),
     "reap": ("msgs", "state", "delayed", "inflight", "dead"),
@@ -25,11 +26,11 @@ KEYS: dict[str, tuple[str, ...]] = {
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),
-    "register": ("recipients", "rstate", "rbeat"),
+    "register": ("recipients", "rstate", "rbeat", "listed"),
     "unregister": ("recipients", "rstate", "rbeat"),
     "forget": (
         *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
-        *("msgs", "state", "rstate", "rbeat", "rate", "@apps"),  # dropped
+        *("msgs", "state", "rstate", "rbeat", "rate", "listed"),  # dropped
     ),
 }
 

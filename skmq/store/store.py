@@ -2,8 +2,9 @@
 (one `.lua` file a transition, see `scripts.py`), one app per call.
 
 Scripts are redis-py `Script`s (EVALSHA, loaded again after a NOSCRIPT). Several broker
-processes can share one Redis: every transition is one script, so each delivery is in
-flight from one broker at most.
+processes can share one Redis (or one Redis Cluster: each script touches one app's keys,
+which share a hash tag, so it runs on one node): every transition is one script, so each
+delivery is in flight from one broker at most.
 """
 
 from __future__ import annotations
@@ -16,19 +17,18 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from skmq.store import scripts
+from skmq.store.client import CLUSTER_SCHEME, ENC, RedisClient, connect_cluster
+from skmq.store.client import text as _s
+from skmq.store.directory import AppDirectory
 
 SEP = "\x1f"
-ENC = "surrogateescape"
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode("utf-8", ENC) if isinstance(value, bytes) else value
 
 
 def split_delivery(delivery_id: str) -> tuple[str, str | None]:
@@ -51,10 +51,15 @@ class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):  # 
     """The Sentinel-managed pool (master discovery) that waits for a free connection."""
 
 
-def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> aioredis.Redis:
-    """A client for REDIS_URL: `redis://`, `rediss://`, `unix://`, or
+class ReplicasMissing(RedisError):  # type: ignore[misc]
+    """Fewer replicas than REPLICA_ACKS acknowledged a store within REPLICA_ACK_TIMEOUT."""
+
+
+def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> RedisClient:
+    """A client for REDIS_URL: `redis://`, `rediss://`, `unix://`,
     `redis+sentinel://[:password@]host1:26379,host2:26379/<service>[/<db>]`, which asks
-    the Sentinels for the current master (and again after a failover).
+    the Sentinels for the current master (and again after a failover), or
+    `redis+cluster://[:password@]host1:port1,host2:port2,...` (skmq/store/client.py).
 
     At most `pool_size` connections; a call finding them all busy waits up to `wait`
     seconds for one (a burst queues up instead of failing with "Too many connections")."""
@@ -66,6 +71,8 @@ def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> aioredis.
         "socket_connect_timeout": 2.0,
         "socket_timeout": 10.0,
     }
+    if url.startswith(f"{CLUSTER_SCHEME}://"):
+        return connect_cluster(url, options)
     if not url.startswith("redis+sentinel://"):
         return aioredis.Redis.from_pool(BlockingConnectionPool.from_url(url, **options))
     parsed = urlsplit(url)
@@ -183,16 +190,21 @@ class DeadLetter:
 class Store:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         prefix: str = "skmq",
         *,
         retry_times: int = 5,
         backoff: Sequence[float] = (1.0,),
         ack_timeout: float = 60.0,
         dedupe_window: float = 3600.0,
+        replica_acks: int = 0,
+        replica_ack_timeout: float = 1.0,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
+        self.directory = AppDirectory(redis, prefix)
+        self.replica_acks = replica_acks
+        self.replica_ack_ms = max(1, int(replica_ack_timeout * 1000))
         self.retry_times = retry_times
         self.backoff_ms = [int(b * 1000) for b in backoff]
         self.lease_ms = int(ack_timeout * 1000)
@@ -209,10 +221,6 @@ class Store:
             base = self._bases[app] = f"{self.prefix}:{{{_escape_tag(app)}}}:"
         return base
 
-    @property
-    def apps_key(self) -> str:
-        return f"{self.prefix}:apps"
-
     def global_key(self, name: str) -> str:
         return f"{self.prefix}:{name}"
 
@@ -227,24 +235,37 @@ class Store:
     def _keys(self, name: str, app: str, *extra: str) -> list[str]:
         """The keys script `name` declares for `app` (then `extra` keys of the app)."""
         base = self.base(app)
-        return [
-            self.global_key(key[1:]) if key.startswith("@") else base + key
-            for key in (*scripts.KEYS[name], *extra)
-        ]
+        return [base + key for key in (*scripts.KEYS[name], *extra)]
 
     async def _call(self, name: str, app: str, args: Sequence[Any], *extra_keys: str) -> Any:
         return await self._scripts[name](self._keys(name, app, *extra_keys), args)
 
     async def _call_each(
-        self, name: str, calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]]
+        self,
+        name: str,
+        calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]],
+        replicas: int = 0,
     ) -> list[Any]:
-        """Script `name` once per (app, args, extra keys), pipelined in one round trip."""
+        """Script `name` once per (app, args, extra keys), pipelined in one round trip (a
+        cluster pipeline sends each node its calls). With `replicas`, each node then
+        runs WAIT on the connection that ran its scripts (how many of its replicas have
+        the writes, waiting up to REPLICA_ACK_TIMEOUT for `replicas`): their answers
+        follow the scripts' in the list returned."""
         script = self._scripts[name]
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
+            nodes: dict[str, Any] = {}
             for app, args, extra in calls:
                 keys = self._keys(name, app, *extra)
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                # (not pipe.evalsha: a cluster pipeline refuses the method, not the command)
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                if replicas and isinstance(self.redis, RedisCluster):
+                    node = self.redis.get_node_from_key(keys[0])
+                    nodes[node.name] = node
+            if replicas:
+                for node in nodes.values() or (None,):
+                    options = {"target_nodes": node} if node is not None else {}
+                    pipe.execute_command("WAIT", replicas, self.replica_ack_ms, **options)
             try:
                 results: list[Any] = await pipe.execute()
                 return results
@@ -272,12 +293,21 @@ class Store:
         done = (self._done(bucket), self._done(bucket - 1))
         calls = []
         for app, messages in batches.items():
-            args: list[Any] = [now, app]
+            args: list[Any] = [now]
             for m in messages:
                 args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
             calls.append((app, args, done))
-        results = await self._call_each("store", calls)
-        return {app: [bool(x) for x in res] for app, res in zip(batches, results, strict=True)}
+        replies = await self._call_each("store", calls, self.replica_acks)
+        results, acked = replies[: len(calls)], replies[len(calls) :]
+        # A new `listed` mark, or a duplicate (perhaps the retry of a store whose broker
+        # died before listing the app): list the app (skmq/store/directory.py). Even if
+        # too few replicas acknowledged: the messages are stored on their masters.
+        await self.directory.add(
+            app for app, res in zip(batches, results, strict=True) if res[0] or 0 in res[1:]
+        )
+        if any(int(n) < self.replica_acks for n in acked):
+            raise ReplicasMissing(f"{min(acked)} of {self.replica_acks} replicas acknowledged")
+        return {app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)}
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
         """Record that a broker is alive (for `skmq status`)."""
@@ -293,18 +323,49 @@ class Store:
         return bool(await self.redis.set(key, broker_id, nx=True, px=ttl_ms))
 
     async def add_apps(self, apps: Iterable[str]) -> None:
-        await self.redis.sadd(self.apps_key, *apps)
+        await self.directory.add(apps)
 
     async def apps(self) -> list[str]:
-        return sorted(_s(a) for a in await self.redis.smembers(self.apps_key))
+        return await self.directory.members()
+
+    async def adopt_legacy_apps(self) -> None:
+        """List in the directory the apps of a store written before it was sharded (one
+        set, `<prefix>:apps`), then drop that set."""
+        legacy = self.global_key("apps")
+        members = await self.redis.smembers(legacy)
+        if members:
+            await self.directory.add(_s(m) for m in members)
+            await self.redis.delete(legacy)
 
     async def forget_apps(self, apps: Sequence[str]) -> list[str]:
-        """Drop from the apps set each app that holds no recipient and no message (checked
-        and removed in one script an app); returns the apps forgotten."""
+        """Forget each app that holds no recipient and no message; returns those forgotten
+        (skmq/store/directory.py: why this is safe against a store at the same time)."""
+        return await self.unlist(await self.drop_empty(apps))
+
+    async def drop_empty(self, apps: Sequence[str]) -> list[str]:
+        """Drop the leftovers and `listed` mark of each app holding nothing (one script an
+        app); returns those dropped, still to be taken out of the directory (`unlist`)."""
         if not apps:
             return []
-        results = await self._call_each("forget", [(app, [app], ()) for app in apps])
-        gone = [app for app, res in zip(apps, results, strict=True) if res]
+        results = await self._call_each("forget", [(app, [], ()) for app in apps])
+        return [app for app, res in zip(apps, results, strict=True) if res]
+
+    async def unlist(self, apps: Sequence[str]) -> list[str]:
+        """Take dropped apps out of the directory, then list again those that a store or a
+        registration marked meanwhile; returns the apps gone."""
+        if not apps:
+            return []
+        await self.directory.remove(apps)
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.exists(self.base(app) + "listed")
+        try:
+            marked = await pipe.execute()
+        except (RedisError, OSError):
+            await self.directory.add(apps)  # not checked: listed again, forgotten later
+            raise
+        await self.directory.add(app for app, m in zip(apps, marked, strict=True) if m)
+        gone = [app for app, m in zip(apps, marked, strict=True) if not m]
         for app in gone:
             self._bases.pop(app, None)
         return gone
@@ -414,7 +475,7 @@ class Store:
     # -- recipients ---------------------------------------------------------
     async def register(self, app: str, rid: str, registration: dict[str, Any], now: int) -> None:
         await self._call("register", app, [rid, json.dumps(registration), now])
-        await self.redis.sadd(self.apps_key, app)
+        await self.directory.add([app])
 
     async def unregister(self, app: str, rid: str) -> bool:
         return bool(await self._call("unregister", app, [rid]))

@@ -1,0 +1,348 @@
+"""Redis Cluster as the store (`redis+cluster://`): the apps directory's race with
+forget, the core delivery path, apps spread over the masters, several brokers and
+kill -9 on a local 3-master cluster, and REPLICA_ACKS (WAIT) on a 3+3 one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from skmq.broker import Misconfigured
+from skmq.embedded_cluster import LocalCluster
+from skmq.store import NewMessage, Store, connect_redis
+from skmq.store.client import url_hosts
+from tests.conftest import BrokerFactory, eventually
+from tests.peers import FakeRecipient, RawClient
+from tests.test_reliability import (
+    ACK_TIMEOUT,
+    APP,
+    Producer,
+    Spawn,
+    all_in,
+    log_events,
+    produce,
+    shared,
+    spawn,
+    start_recipient,
+    until,
+)
+
+__all__ = ["spawn"]  # the fixture, shared with tests/test_reliability.py
+
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    local = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3)
+    try:
+        yield local.start()
+    finally:
+        local.stop()
+
+
+@pytest.fixture
+async def cluster_redis(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
+    client = connect_redis(cluster.url)
+    assert isinstance(client, RedisCluster)
+    yield client
+    await client.aclose()
+
+
+# -- the apps directory and forget (any store: here the single Redis) ------------------
+
+
+async def test_a_store_racing_a_forget_keeps_the_app(redis: aioredis.Redis, prefix: str) -> None:
+    """forget = drop the empty app (one script) then take it out of its shard set; a
+    store or a registration between the two must leave the app listed."""
+    store = Store(redis, prefix)
+    await store.add_apps(["a", "r", "idle"])
+    assert await store.drop_empty(["a", "r", "idle"]) == ["a", "r", "idle"]
+    stored = await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW)
+    assert stored == {"a": [True]}
+    await store.register("r", "rid", {"id": "rid"}, NOW)
+    assert await store.unlist(["a", "r", "idle"]) == ["idle"]
+    assert await store.apps() == ["a", "r"]
+    # The app holds its message: a later forget keeps it too.
+    assert await store.forget_apps(["a"]) == []
+
+
+async def test_a_duplicate_store_lists_an_unlisted_app_again(
+    redis: aioredis.Redis, prefix: str
+) -> None:
+    """A broker killed between the store script and listing the app: the producer got no
+    answer and sends again; the duplicate lists the app."""
+    store = Store(redis, prefix)
+    await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW)
+    await store.directory.remove(["a"])  # the listing that the dead broker never did
+    assert await store.apps() == []
+    assert await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW) == {"a": [False]}
+    assert await store.apps() == ["a"]
+
+
+async def test_apps_of_the_unsharded_apps_set_are_adopted(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+) -> None:
+    """A store written before the directory was sharded: its apps are found (those that
+    hold something: an empty one is forgotten at once, as it would have been)."""
+    await redis.sadd(f"{prefix}:apps", "old1", "old2")
+    for app in ("old1", "old2"):
+        await redis.rpush(f"{prefix}:{{{app}}}:ready", "waiting")  # held: not forgotten
+    broker = await make_broker()
+    assert await broker.store.apps() == ["old1", "old2"]
+    assert not await redis.exists(f"{prefix}:apps")
+
+
+# -- a 3-master cluster -------------------------------------------------------------
+
+
+def test_cluster_url_hosts() -> None:
+    url = "redis+cluster://:pw@h1:7000,h2,[::1]:7002"
+    assert url_hosts(url, 6379) == [("h1", 7000), ("h2", 6379), ("::1", 7002)]
+
+
+async def test_core_delivery_path_on_a_cluster(
+    make_broker: BrokerFactory, cluster: LocalCluster, cluster_redis: RedisCluster
+) -> None:
+    """produce, push, ack; an error answer retried; always failing: dead letter. The URL
+    names one node: the broker finds the others, and refuses them as recipients."""
+    broker = await make_broker(redis_url=f"redis+cluster://127.0.0.1:{cluster.ports[0]}")
+    assert all(broker.own.used_by_broker("127.0.0.1", p) for p in cluster.master_ports)
+    client = await RawClient.connect(broker.server.port)
+    node = {"id": "x", "app_id": APP, "host": "127.0.0.1", "port": cluster.master_ports[-1]}
+    resp = await client.request("register", json.dumps(node).encode())
+    assert resp["status"] == "reject" and "uses itself" in resp["content"], resp
+    await client.close()
+    tries: Counter[str] = Counter()
+
+    def policy(frame: object) -> str:
+        msgid = frame.fields["msgid"]  # type: ignore[attr-defined]
+        tries[msgid] += 1
+        if msgid == "dead" or (msgid == "retry" and tries[msgid] == 1):
+            return "error"
+        return "ack"
+
+    recipient = await FakeRecipient(APP, "r1", policy).start()
+    assert (await recipient.register(broker.server.port))["status"] == "ack"
+    assert await produce(broker.server.port, ["ok", "retry", "dead"]) == ["ok", "retry", "dead"]
+    prefix = broker.settings.key_prefix
+    await all_in(cluster_redis, prefix, ["ok", "retry"], ("done",), 10)
+    await all_in(cluster_redis, prefix, ["dead"], ("dead",), 10)
+    assert tries["retry"] == 2 and tries["dead"] == broker.settings.retry_times
+    dead = await broker.store.dead_letters(APP)
+    assert [(d.msgid, d.attempts) for d in dead] == [("dead", broker.settings.retry_times)]
+    assert await broker.store.apps() == [APP]
+    await recipient.stop()
+
+
+async def test_a_cluster_node_that_may_evict_is_refused(
+    make_broker: BrokerFactory, cluster: LocalCluster
+) -> None:
+    node = aioredis.Redis(host="127.0.0.1", port=cluster.master_ports[-1])
+    await node.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(Misconfigured, match="allkeys-lru"):
+            await make_broker(redis_url=cluster.url)
+    finally:
+        await node.config_set("maxmemory-policy", "noeviction")
+        await node.aclose()
+
+
+async def test_24_apps_spread_over_every_master(
+    make_broker: BrokerFactory, cluster: LocalCluster, prefix: str
+) -> None:
+    broker = await make_broker(redis_url=cluster.url)
+    apps = [f"app{i}" for i in range(24)]
+    client = await RawClient.connect(broker.server.port)
+    for app in apps:
+        assert (await client.request("queue", b"x", appid=app, msgid="m"))["status"] == "ack"
+    await client.close()
+    assert await broker.store.apps() == sorted(apps)
+    apps_on: dict[int, set[str]] = {}
+    shard_sets_on: dict[int, int] = {}
+    for port in cluster.master_ports:
+        node = aioredis.Redis(host="127.0.0.1", port=port)
+        keys = [k.decode() async for k in node.scan_iter(match=f"{prefix}:*", count=1000)]
+        await node.aclose()
+        app_keys = [k for k in keys if k.startswith(f"{prefix}:{{")]
+        apps_on[port] = {k.split("{")[1].split("}")[0] for k in app_keys}
+        shard_sets_on[port] = sum(":apps:" in k for k in keys)
+    assert all(apps_on.values()), apps_on
+    assert set().union(*apps_on.values()) == set(apps)
+    assert all(shard_sets_on.values()), "the apps directory is spread too"
+
+
+async def test_two_brokers_on_a_cluster_deliver_each_message_once(
+    spawn: Spawn, cluster: LocalCluster, cluster_redis: RedisCluster, prefix: str
+) -> None:
+    a = spawn("a", **shared(cluster.url, prefix))
+    b = spawn("b", **shared(cluster.url, prefix))
+    await asyncio.gather(a.up(), b.up())
+    r1 = await start_recipient(a.port, "r1")
+    r2 = await start_recipient(b.port, "r2")
+    sent = [f"a-{i}" for i in range(100)], [f"b-{i}" for i in range(100)]
+    acked = await asyncio.gather(produce(a.port, sent[0]), produce(b.port, sent[1]))
+    msgids = acked[0] + acked[1]
+    assert len(msgids) == 200
+    await all_in(cluster_redis, prefix, msgids, ("done",), 15)
+    received = Counter(r1.msgids() + r2.msgids())
+    assert {m: c for m, c in received.items() if c != 1} == {}
+    assert set(received) == set(msgids)
+    events = log_events(a.log_dir(), b.log_dir())
+    assert {e["broker"] for e in events if e["event"] == "pushed"} == {
+        e["broker"] for e in events
+    } and len({e["broker"] for e in events if e["event"] == "pushed"}) == 2
+    await r1.stop()
+    await r2.stop()
+
+
+async def test_kill9_of_a_broker_on_a_cluster_loses_nothing(
+    spawn: Spawn, cluster: LocalCluster, cluster_redis: RedisCluster, prefix: str
+) -> None:
+    a = spawn("a", **shared(cluster.url, prefix))
+    b = spawn("b", **shared(cluster.url, prefix))
+    await asyncio.gather(a.up(), b.up())
+    recipient = await start_recipient(b.port, "r1")
+    producers = [Producer("p0"), Producer("p1")]
+    tasks = [asyncio.create_task(p.run(a.port, batch=20, pause=0.01)) for p in producers]
+    await until(lambda: len(recipient.received) >= 40)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGKILL)
+    await a.exited()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    acked = [m for p in producers for m in p.acked]
+    assert len(acked) >= 40
+    await all_in(cluster_redis, prefix, acked, ("done",), 3 * ACK_TIMEOUT + 10)
+    assert set(recipient.msgids()) >= set(acked)
+    await recipient.stop()
+
+
+# -- REPLICA_ACKS: WAIT before the producer's ack -----------------------------------
+
+
+async def test_replica_acks_wait_for_replicas_or_refuse(
+    make_broker: BrokerFactory, tmp_path: Path
+) -> None:
+    """On a 3+3 cluster, REPLICA_ACKS=1 acks once a replica has the message. With the
+    replicas frozen (SIGSTOP), the WAIT on the connection that stored it times out: the
+    producer gets `error` (store unavailable), though the message is stored on its
+    master; sent again once the replicas run, it is acked as a duplicate, delivered once."""
+    local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
+    replicas = [local.procs[p] for p in local.ports[local.masters :]]
+    try:
+        broker = await make_broker(redis_url=local.url, replica_acks=1, replica_ack_timeout=0.3)
+        client = await RawClient.connect(broker.server.port)
+        assert (await client.request("queue", b"x", appid="w", msgid="m1"))["status"] == "ack"
+        for proc in replicas:
+            proc.send_signal(signal.SIGSTOP)
+        resp = await client.request("queue", b"x", appid="w2", msgid="m2")
+        assert resp["status"] == "error" and "store unavailable" in resp["content"], resp
+        assert "w2" in await broker.store.apps()  # stored on its master: listed
+        for proc in replicas:
+            proc.send_signal(signal.SIGCONT)
+        resp = await client.request("queue", b"x", appid="w2", msgid="m2")
+        assert resp["status"] == "ack" and "duplicate" in resp["content"], resp
+        await client.close()
+        counts = await broker.store.counts(["w", "w2"], NOW * 2)
+        assert counts["w"].pending == 1 and counts["w2"].pending == 1
+    finally:
+        for proc in replicas:
+            proc.send_signal(signal.SIGCONT)
+        local.stop()
+
+
+async def test_a_master_killed_fails_over_and_loses_no_acked_message(
+    make_broker: BrokerFactory, tmp_path: Path, prefix: str
+) -> None:
+    """kill -9 of the master holding the app, with REPLICA_ACKS=1: its replica takes
+    over; the broker follows (MOVED, a new slot map); every message acked before or
+    after is delivered. (Until the old master is back as a replica, the new one has no
+    replica: REPLICA_ACKS=1 answers `error` meanwhile, as it should.)"""
+    local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
+    try:
+        broker = await make_broker(redis_url=local.url, replica_acks=1)
+        recipient = await start_recipient(broker.server.port, "r1")
+        before = [f"before-{i}" for i in range(20)]
+        assert await produce(broker.server.port, before) == before
+        store_client = broker.store.redis
+        assert isinstance(store_client, RedisCluster)
+        master = store_client.get_node_from_key(f"{prefix}:{{{APP}}}:msgs")
+        replica = local.client(local.ports[local.masters + local.master_ports.index(master.port)])
+        local.kill(master.port)
+
+        async def promoted() -> bool:
+            role = await asyncio.to_thread(replica.execute_command, "ROLE")
+            return bool(role[0] in (b"master", "master"))
+
+        await eventually(promoted, timeout=20)
+        replica.close()
+        # The old master comes back as a replica of the new one: REPLICA_ACKS=1 can hold.
+        local.launch(master.port)
+        after: list[str] = []
+
+        async def stored_after_failover() -> bool:
+            msgid = f"after-{len(after)}"
+            after.extend(await produce(broker.server.port, [msgid]))
+            return len(after) >= 20
+
+        await eventually(stored_after_failover, timeout=30)
+        await until(lambda: set(recipient.msgids()) >= set(before + after), timeout=20)
+        await recipient.stop()
+    finally:
+        local.stop()
+
+
+async def test_replica_acks_on_a_redis_without_replicas_refuses(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(replica_acks=1, replica_ack_timeout=0.1)
+    client = await RawClient.connect(broker.server.port)
+    resp = await client.request("queue", b"x", appid="w", msgid="m1")
+    assert resp["status"] == "error", resp
+    await client.close()
+
+
+# -- docker/compose.cluster.yaml (no Docker engine here: checked, not run) ------------
+
+
+def test_compose_cluster_file_is_valid_and_its_brokers_reach_the_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("check_jsonschema", reason="the compose-spec schema ships with it")
+    yaml = pytest.importorskip("ruamel.yaml")
+    from importlib.resources import files
+
+    from skmq.config import Settings
+    from tests.test_docker import DOCKER, environment, interpolate
+
+    raw = yaml.YAML(typ="safe", pure=True).load((DOCKER / "compose.cluster.yaml").read_text())
+    project = interpolate(raw, {})
+    schema_file = files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    assert not sorted(validator.iter_errors(project), key=str)
+    services = project["services"]
+    nodes = {n for n, svc in services.items() if "--cluster-enabled" in svc.get("command", [])}
+    assert len(nodes) == 6
+    init = services["redis-cluster-init"]
+    assert "--cluster-replicas 1" in init["command"][0]
+    found = {n: s for n, s in services.items() if "SKMQ_REDIS_URL" in environment(s)}
+    assert len(found) == 2
+    for svc in found.values():
+        for key, value in environment(svc).items():
+            monkeypatch.setenv(key, value)
+        settings = Settings.load()
+        assert settings.replica_acks == 1
+        assert {h for h, _ in url_hosts(settings.redis_url, 6379)} <= nodes
+        assert svc["depends_on"]["redis-cluster-init"]["condition"] == (
+            "service_completed_successfully"
+        )
