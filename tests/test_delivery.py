@@ -511,7 +511,13 @@ async def test_arrived_then_ack_on_the_push_connection(
     await settle(redis, broker, app)
     await logged(broker, "acked", "a1")
     names = [e["event"] for e in log_events(broker, "a1")]
-    assert names == ["received", "stored", "pushed", "arrived", "acked"], names
+    # A dispatcher may push a message (its claim answered on another connection) before
+    # the enqueue worker hears that the message is stored: `pushed` and `stored` have no
+    # order of their own; everything else has.
+    first = names[:3]
+    assert set(first) == {"received", "stored", "pushed"}, names
+    assert first.index("received") < first.index("stored"), names
+    assert names[3:] == ["arrived", "acked"], names
 
 
 async def test_final_answer_on_the_recipients_own_connection_after_ack_wait(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
@@ -287,8 +287,16 @@ class Store:
         return now // self.dedupe_ms
 
     # -- producers ----------------------------------------------------------
-    async def store(self, batches: dict[str, list[NewMessage]], now: int) -> dict[str, list[bool]]:
-        """Store the messages of several apps in one round trip; True stored, False duplicate."""
+    async def store(
+        self,
+        batches: dict[str, list[NewMessage]],
+        now: int,
+        stored: Callable[[dict[str, list[bool]]], None] | None = None,
+    ) -> dict[str, list[bool]]:
+        """Store the messages of several apps in one round trip; True stored, False duplicate.
+        `stored` hears the results as soon as the scripts ran, before anything else is
+        awaited: from then on a dispatcher may push them, so what must come first (the
+        delivery log's `stored` lines) goes there."""
         bucket = self._bucket(now)
         done = (self._done(bucket), self._done(bucket - 1))
         calls = []
@@ -299,6 +307,11 @@ class Store:
             calls.append((app, args, done))
         replies = await self._call_each("store", calls, self.replica_acks)
         results, acked = replies[: len(calls)], replies[len(calls) :]
+        outcome = {
+            app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)
+        }
+        if stored is not None:
+            stored(outcome)
         # A new `listed` mark, or a duplicate (perhaps the retry of a store whose broker
         # died before listing the app): list the app (skmq/store/directory.py). Even if
         # too few replicas acknowledged: the messages are stored on their masters.
@@ -307,7 +320,7 @@ class Store:
         )
         if any(int(n) < self.replica_acks for n in acked):
             raise ReplicasMissing(f"{min(acked)} of {self.replica_acks} replicas acknowledged")
-        return {app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)}
+        return outcome
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
         """Record that a broker is alive (for `skmq status`)."""

@@ -123,16 +123,7 @@ class Enqueuer:
             if self.pending_bytes < self.max_pending_bytes:
                 self._room.set()
 
-    async def _store_and_log(self, batch: EnqueueBatch) -> None:
-        received = now_ms()
-        try:
-            async with asyncio.timeout(self.timeout):
-                await self.note_apps(set(batch.messages))
-                results = await self.store.store(batch.messages, received)
-        except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("store unavailable", error=repr(exc))
-            batch.future.set_result(None)
-            return
+    def _log(self, batch: EnqueueBatch, received: int, results: dict[str, list[bool]]) -> None:
         stored_ts = now_ms()
         event = self.dlog.event
         for app, msgs in batch.messages.items():
@@ -143,6 +134,19 @@ class Enqueuer:
                     event(Event.STORED, m.msgid, app, m.kind, detail=detail, ts=stored_ts)
                 else:
                     event(Event.DUPLICATE, m.msgid, app, m.kind, ts=stored_ts)
+
+    async def _store_and_log(self, batch: EnqueueBatch) -> None:
+        received = now_ms()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.note_apps(set(batch.messages))
+                results = await self.store.store(
+                    batch.messages, received, lambda res: self._log(batch, received, res)
+                )
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("store unavailable", error=repr(exc))
+            batch.future.set_result(None)
+            return
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
         batch.future.set_result(results)
