@@ -254,7 +254,8 @@ class FrameHandler:
                 await self.engine.note_apps({reg.app})
         except RegistrationRefused as exc:
             return self._resp(str(exc), msgid, Status.REJECT)
-        except (RedisError, OSError):
+        except (RedisError, OSError) as exc:
+            log.warning("store unavailable for a registration", error=repr(exc))
             return self._resp("store unavailable, register again later", msgid)
         return self._resp("registered", msgid, Status.ACK)
 
@@ -268,6 +269,7 @@ class FrameHandler:
                 removed = await self.engine.registry.unregister(app, rid)
         except RegistrationRefused as exc:
             return self._resp(str(exc), msgid, Status.REJECT)
-        except (RedisError, OSError):
+        except (RedisError, OSError) as exc:
+            log.warning("store unavailable for an unregistration", error=repr(exc))
             return self._resp("store unavailable, unregister again later", msgid)
         return self._resp("unregistered" if removed else "was not registered", msgid, Status.ACK)

@@ -683,7 +683,11 @@ async def test_redis_outage(spawn: Spawn, own_redis: EmbeddedRedis, prefix: str,
     await eventually(accepted, 15)
     await client.close()
     later = await Holder("later", "r2").start()
-    assert (await later.register(broker.port))["status"] == "ack"
+
+    async def registered() -> bool:  # `error` means "register again later" (PROTOCOL.md)
+        return (await later.register(broker.port))["status"] == "ack"
+
+    await eventually(registered, 15)
     recipient.mode = "ack"
     want = set(before + after)
     await until(lambda: want <= set(recipient.msgids()), ACK_TIMEOUT + 15)
