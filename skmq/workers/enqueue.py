@@ -124,7 +124,10 @@ class Enqueuer:
                 self._room.set()
 
     def _log(self, batch: EnqueueBatch, received: int, results: dict[str, list[bool]]) -> None:
-        stored_ts = now_ms()
+        """`stored` carries the time the store stamped on the message (`received`): a
+        dispatcher may push it, on another connection, before this broker hears it is
+        stored, and the log must not show a push before the store."""
+        stored_ts = received
         event = self.dlog.event
         for app, msgs in batch.messages.items():
             for m, ok in zip(msgs, results[app], strict=True):
