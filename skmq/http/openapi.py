@@ -1,0 +1,122 @@
+"""The OpenAPI 3.1 document served at /openapi.json: paths written here, the message
+schemas generated from the pydantic models the gateway validates with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from skmq import __version__
+from skmq.http.produce import BatchResult, MessageBatch, OutgoingMessage, StoreResult
+
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    why = {
+        400: "invalid request (the error says which field)",
+        401: "no token, or an unknown one (auth on)",
+        403: "the token lacks the role for this app",
+        413: "body, batch or content too large",
+        415: "not application/json",
+        503: "store unavailable: nothing stored, try again",
+    }
+    return {str(c): _json(_ref("Error"), why[c]) for c in codes}
+
+
+def document() -> dict[str, Any]:
+    _, defs = models_json_schema(
+        [(m, "validation") for m in (OutgoingMessage, MessageBatch, StoreResult, BatchResult)],
+        ref_template=_REF,
+    )
+    schemas: dict[str, Any] = dict(defs["$defs"])
+    schemas["Error"] = {
+        "type": "object",
+        "properties": {"error": {"type": "string"}},
+        "required": ["error"],
+    }
+    app_param = {
+        "name": "app",
+        "in": "path",
+        "required": True,
+        "description": "the app id (at most 256 bytes, no control characters)",
+        "schema": {"type": "string", "minLength": 1},
+    }
+    produce = {
+        "post": {
+            "operationId": "produce",
+            "summary": "Store one message or a batch; answered once stored",
+            "parameters": [app_param],
+            "security": [{"bearer": []}, {}],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"oneOf": [_ref("OutgoingMessage"), _ref("MessageBatch")]}
+                    }
+                },
+            },
+            "responses": {
+                "200": _json(
+                    {"oneOf": [_ref("StoreResult"), _ref("BatchResult")]},
+                    "stored (or a duplicate of a msgid stored before): one result each",
+                ),
+                **_errors(400, 401, 403, 413, 415, 503),
+            },
+        }
+    }
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "SKMQ HTTP gateway",
+            "version": __version__,
+            "description": "Produce to SKMQ over HTTP (docs/HTTP.md).",
+        },
+        "paths": {
+            "/v1/apps/{app}/messages": produce,
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "Prometheus text", "content": text}},
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "operationId": "healthz",
+                    "summary": "Health: ok, degraded (200) or unhealthy (503), one line why",
+                    "responses": {
+                        "200": {"description": "serving", "content": text},
+                        "503": {"description": "not serving", "content": text},
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "operationId": "openapi",
+                    "summary": "This document",
+                    "responses": {"200": {"description": "OpenAPI 3.1 document"}},
+                }
+            },
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a token of AUTH_TOKEN or AUTH_FILE (docs/SECURITY.md)",
+                }
+            },
+        },
+    }
