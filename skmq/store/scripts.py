@@ -15,7 +15,8 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": ("msgs", "ready", "delayed", "@apps"),  # + done:<current>, done:<previous>
+    # + done:<current>, done:<previous>
+    "store": ("msgs", "ready", "delayed", "@apps", "groups", "glog", "gseen", "recipients"),
     "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
     "fail": ("msgs", "state", "delayed", "inflight", "dead"),
     "reap": ("msgs", "state", "delayed", "inflight", "dead"),
@@ -31,9 +32,21 @@ KEYS: dict[str, tuple[str, ...]] = {
         *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
         *("msgs", "state", "rstate", "rbeat", "rate", "@apps"),  # dropped
     ),
+    # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead.
+    "group_create": ("groups", "glog"),
+    "group_reset": ("groups", "glog"),
+    "group_delete": ("groups", "glog"),
+    "pull_receive": ("groups", "glog"),
+    "pull_ack": ("groups", "glog"),
+    "pull_nack": ("groups", "glog"),
+    "pull_extend": ("groups", "glog"),
 }
 
-_PRELUDES: dict[str, tuple[str, ...]] = {"fail": ("retry",), "reap": ("retry",)}
+_PRELUDES: dict[str, tuple[str, ...]] = {
+    "fail": ("retry",),
+    "reap": ("retry",),
+    **{name: ("pull_lib",) for name in ("pull_receive", "pull_ack", "pull_nack", "pull_extend")},
+}
 
 
 def _read(name: str) -> str:

@@ -1,27 +1,46 @@
 -- received -> pending | delayed (a msgid stored or completed within the dedupe window:
 -- refused as a duplicate). The app joins the apps set in the same step, so that
 -- forget.lua can never drop an app between a store and its discovery.
--- KEYS: msgs, ready, delayed, apps, done:<current bucket>, done:<previous bucket>
+-- Once the app has a consumer group (skmq/pull/), a stored message is also appended to
+-- the group log `glog` (groups read it from their cursors) and the log's channel is told;
+-- while no push recipient is registered, it then skips the push queue (docs/HTTP.md).
+-- KEYS: msgs, ready, delayed, apps, groups, glog, gseen, recipients,
+--       done:<current bucket>, done:<previous bucket>
 -- ARGV: now (13 digits), app, then (msgid, kind q|t, content, deliver_at ms)*
 -- Returns 1 (stored) or 0 (duplicate) each.
 local msgs, ready, delayed, apps = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local cur, prev = KEYS[5], KEYS[6]
+local groups, glog, gseen, recipients = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local cur, prev = KEYS[9], KEYS[10]
 local now = ARGV[1]
 redis.call('SADD', apps, ARGV[2])
+local pulled = redis.call('HLEN', groups) > 0
+local pull_only = pulled and redis.call('HLEN', recipients) == 0
 local out = {}
+local logged = false
 for i = 3, #ARGV, 4 do
   local id = ARGV[i]
   if redis.call('SISMEMBER', cur, id) == 1 or redis.call('SISMEMBER', prev, id) == 1
-      or redis.call('HSETNX', msgs, id, ARGV[i + 1] .. now .. ARGV[i + 2]) == 0 then
+      or redis.call('HEXISTS', msgs, id) == 1
+      or (pulled and redis.call('HEXISTS', gseen, id) == 1) then
     out[#out + 1] = 0
   else
     local at = tonumber(ARGV[i + 3])
-    if at > tonumber(now) then
-      redis.call('ZADD', delayed, at, id)
-    else
-      redis.call('RPUSH', ready, id)
+    if not pull_only then
+      redis.call('HSET', msgs, id, ARGV[i + 1] .. now .. ARGV[i + 2])
+      if at > tonumber(now) then
+        redis.call('ZADD', delayed, at, id)
+      else
+        redis.call('RPUSH', ready, id)
+      end
+    end
+    if pulled then
+      local eid = redis.call('XADD', glog, '*', 'm', id, 'k', ARGV[i + 1], 'c', ARGV[i + 2],
+                            'd', at)
+      redis.call('HSET', gseen, id, eid)
+      logged = true
     end
     out[#out + 1] = 1
   end
 end
+if logged then redis.call('PUBLISH', glog, now) end
 return out
