@@ -27,7 +27,11 @@ from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured, UsageError
 from skmq.handler import Handler
 from skmq.http import Gateway
+from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
+from skmq.pull.groups import Groups
+from skmq.pull.longpoll import LongPoll
+from skmq.pull.wakeups import Wakeups
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import Store, check_eviction_policy, connect_redis, redacted
@@ -180,7 +184,11 @@ class Broker:
             timeout=s.store_timeout,
         )
         self.metrics.attach(self.engine)
-        self.gateway = Gateway(s, self.metrics, self.enqueuer, self.tokens)
+        self.groups = Groups(self.store)
+        self.wakeups = Wakeups(self.redis, s.key_prefix)
+        longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
+        pull = PullRoutes(s, self.groups, longpoll, self.tokens)
+        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, self.tokens)
         self.server = Server(
             s, Handler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
         )
@@ -214,6 +222,7 @@ class Broker:
             with listening(s.host, s.http_port, "HOST/HTTP_PORT"):
                 await self.gateway.serve(s.host, s.http_port)
             self.own.add(s.host, s.http_port)
+            self.supervisor.start("pull-wakeups", self.wakeups.run)
         if s.metrics_port:
             with listening(s.metrics_host, s.metrics_port, "METRICS_HOST/METRICS_PORT"):
                 await self.gateway.serve_health(s.metrics_host, s.metrics_port)

@@ -187,7 +187,16 @@ async def test_openapi_document_is_valid_and_names_every_route(
     async with http.get(f"{base}/openapi.json") as r:
         doc = await r.json()
     validate(doc)
-    assert set(doc["paths"]) == {"/v1/apps/{app}/messages", "/metrics", "/healthz", "/openapi.json"}
+    assert set(doc["paths"]) == {
+        "/v1/apps/{app}/messages",
+        "/v1/apps/{app}/groups",
+        "/v1/apps/{app}/groups/{group}",
+        *(f"/v1/apps/{{app}}/groups/{{group}}/{verb}"
+          for verb in ("receive", "ack", "nack", "extend", "reset")),
+        "/metrics",
+        "/healthz",
+        "/openapi.json",
+    }  # fmt: skip
     message = doc["components"]["schemas"]["OutgoingMessage"]
     assert message["properties"]["kind"]["enum"] == ["queue", "topic"]
     assert message["additionalProperties"] is False

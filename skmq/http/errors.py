@@ -1,4 +1,5 @@
-"""Every HTTP error as JSON, `{"error": "<one line>"}`, with a status that fits."""
+"""Every HTTP error as JSON, `{"error": "<one line>"}`, with a status that fits
+(a Redis that does not answer: 503)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.exceptions import RedisError
 
 
 class ApiError(Exception):
@@ -31,6 +33,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     except ApiError as exc:
         return error_response(exc.status, exc.message, exc.headers)
+    except RedisError:
+        return error_response(503, "store unavailable, try again", {"Retry-After": "1"})
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -14,6 +14,7 @@ from skmq.config import Settings
 from skmq.http.errors import json_errors
 from skmq.http.openapi import document
 from skmq.http.produce import Producer
+from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
 from skmq.workers.enqueue import Enqueuer
 
@@ -22,11 +23,17 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class Gateway:
     def __init__(
-        self, settings: Settings, metrics: Metrics, enqueuer: Enqueuer, tokens: Tokens | None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        enqueuer: Enqueuer,
+        pull: PullRoutes,
+        tokens: Tokens | None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.producer = Producer(settings, enqueuer, tokens)
+        self.pull = pull
         self._openapi = document()
         self._runners: list[web.AppRunner] = []
         self.port: int | None = None
@@ -54,6 +61,7 @@ class Gateway:
         if full:
             app.router.add_get("/openapi.json", self._openapi_json)
             app.router.add_post("/v1/apps/{app}/messages", self.producer.handle)
+            self.pull.add_to(app)
         return app
 
     # -- serving --------------------------------------------------------------

@@ -9,6 +9,7 @@ from pydantic.json_schema import models_json_schema
 
 from skmq import __version__
 from skmq.http.produce import BatchResult, MessageBatch, OutgoingMessage, StoreResult
+from skmq.http.pull import MODELS as PULL_MODELS
 
 _REF = "#/components/schemas/{model}"
 
@@ -26,16 +27,20 @@ def _errors(*codes: int) -> dict[str, Any]:
         400: "invalid request (the error says which field)",
         401: "no token, or an unknown one (auth on)",
         403: "the token lacks the role for this app",
+        404: "no such group",
         413: "body, batch or content too large",
         415: "not application/json",
-        503: "store unavailable: nothing stored, try again",
+        503: "store unavailable (nothing stored or changed), or too many long polls: try again",
     }
     return {str(c): _json(_ref("Error"), why[c]) for c in codes}
 
 
 def document() -> dict[str, Any]:
     _, defs = models_json_schema(
-        [(m, "validation") for m in (OutgoingMessage, MessageBatch, StoreResult, BatchResult)],
+        [
+            (m, "validation")
+            for m in (OutgoingMessage, MessageBatch, StoreResult, BatchResult, *PULL_MODELS)
+        ],
         ref_template=_REF,
     )
     schemas: dict[str, Any] = dict(defs["$defs"])
@@ -74,6 +79,72 @@ def document() -> dict[str, Any]:
             },
         }
     }
+    group_param = {
+        "name": "group",
+        "in": "path",
+        "required": True,
+        "description": "the consumer group: 1 to 64 letters, digits, '_', '.' or '-'",
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+    }
+
+    def op(
+        op_id: str, summary: str, body: str | None, ok: str, ok_why: str, *codes: int
+    ) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "operationId": op_id,
+            "summary": summary,
+            "security": [{"bearer": []}, {}],
+            "responses": {"200": _json(_ref(ok), ok_why), **_errors(*codes)},
+        }
+        if body is not None:
+            content = {"application/json": {"schema": _ref(body)}}
+            spec["requestBody"] = {"required": True, "content": content}
+        return spec
+
+    pull_codes = (400, 401, 403, 404, 415, 503)
+    on_group = {"parameters": [app_param, group_param]}
+    pull_paths: dict[str, Any] = {
+        "/v1/apps/{app}/groups": {
+            "parameters": [app_param],
+            "get": op("listGroups", "The app's consumer groups", None, "GroupList",
+                      "each group with its backlog", 401, 403, 503),
+            "post": op("createGroup", "Subscribe a consumer group (201 created, 200 exists)",
+                       "NewGroup", "NewGroup", "the group", 400, 401, 403, 415, 503),
+        },
+        "/v1/apps/{app}/groups/{group}": {
+            **on_group,
+            "delete": op("deleteGroup", "Delete a group (admin role)", None, "NewGroup",
+                         "deleted", 400, 401, 403, 404, 503),
+        },
+        "/v1/apps/{app}/groups/{group}/reset": {
+            **on_group,
+            "post": op("resetGroup", "Move a group to latest or earliest (admin role)",
+                       "GroupReset", "GroupReset", "reset", *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/receive": {
+            **on_group,
+            "post": op("receive", "Up to max messages, each leased for visibility seconds; "
+                       "waits up to wait seconds for one", "ReceiveRequest", "ReceiveResult",
+                       "the messages (none when the wait ran out)", *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/ack": {
+            **on_group,
+            "post": op("ack", "Settle received messages by receipt", "AckRequest",
+                       "ReceiptResults", "acked, or stale (another attempt, lease ran out)",
+                       *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/nack": {
+            **on_group,
+            "post": op("nack", "A failed attempt: retried after delay (or the backoff), "
+                       "dead after RETRY_TIMES", "NackRequest", "ReceiptResults",
+                       "retry, dead, or stale", *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/extend": {
+            **on_group,
+            "post": op("extend", "Lease received messages for visibility more seconds",
+                       "ExtendRequest", "ReceiptResults", "extended, or stale", *pull_codes),
+        },
+    }  # fmt: skip
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
         "openapi": "3.1.0",
@@ -84,6 +155,7 @@ def document() -> dict[str, Any]:
         },
         "paths": {
             "/v1/apps/{app}/messages": produce,
+            **pull_paths,
             "/metrics": {
                 "get": {
                     "operationId": "metrics",

@@ -62,11 +62,22 @@ class BatchResult(BaseModel):
     results: list[StoreResult]
 
 
-def _field_errors(exc: ValidationError) -> str:
+def field_errors(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "body"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{where}: {first['msg']}{more}"
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body: 415 unless application/json, 400 unless valid JSON."""
+    if request.content_type != "application/json":
+        raise ApiError(415, "send Content-Type: application/json")
+    body = await request.read()
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "body is not valid JSON") from None
 
 
 class Producer:
@@ -80,7 +91,7 @@ class Producer:
         if (why := bad_id(app)) is not None:
             raise ApiError(400, f"appid {why}")
         authorize(self.tokens, request, "produce", app)
-        raw = await self._json(request)
+        raw = await read_json(request)
         batch = isinstance(raw, dict) and "messages" in raw
         try:
             if batch:
@@ -88,7 +99,7 @@ class Producer:
             else:
                 messages = [OutgoingMessage.model_validate(raw)]
         except ValidationError as exc:
-            raise ApiError(400, _field_errors(exc)) from None
+            raise ApiError(400, field_errors(exc)) from None
         if len(messages) > self.settings.http_max_batch:
             raise ApiError(
                 413, f"{len(messages)} messages: at most {self.settings.http_max_batch} a batch"
@@ -97,16 +108,6 @@ class Producer:
         if not batch:
             return web.json_response(stored[0].model_dump())
         return web.json_response(BatchResult(results=stored).model_dump())
-
-    @staticmethod
-    async def _json(request: web.Request) -> Any:
-        if request.content_type != "application/json":
-            raise ApiError(415, "send Content-Type: application/json")
-        body = await request.read()
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "body is not valid JSON") from None
 
     def _new(self, m: OutgoingMessage, index: int, batch: bool) -> NewMessage:
         where = f"messages.{index}." if batch else ""
