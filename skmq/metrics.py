@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from skmq import __version__
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.pull.groups import GroupInfo, Groups
 from skmq.store import AppCounts, Store
 from skmq.supervisor import Supervisor
 
@@ -84,6 +85,7 @@ class Metrics(Collector):
         self.latency_sum: defaultdict[str, float] = defaultdict(float)
         self._depths: dict[str, AppCounts] = {}
         self._recipients: dict[str, tuple[int, int]] = {}
+        self._groups: dict[str, list[GroupInfo]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         ProcessCollector(registry=self.registry)
@@ -138,7 +140,23 @@ class Metrics(Collector):
             recipients.add_metric([app, "alive"], alive)
             recipients.add_metric([app, "lost"], lost)
         yield recipients
+        yield from self._group_gauges()
         yield from self._ops()
+
+    def _group_gauges(self) -> Iterator[Metric]:
+        """Per consumer group (pull consumption): backlog, in flight, delayed, dead."""
+        about = {
+            "backlog": "Messages a consumer group has not received yet (counted up to 10001)",
+            "in_flight": "Messages a consumer group holds leased",
+            "delayed": "Messages of a consumer group waiting for a delay or a retry",
+            "dead": "Dead letters of a consumer group",
+        }
+        for attr, doc in about.items():
+            family = GaugeMetricFamily(f"skmq_group_{attr}", doc, labels=["app", "group"])
+            for app, infos in sorted(self._groups.items()):
+                for info in infos:
+                    family.add_metric([app, info.name], getattr(info, attr))
+            yield family
 
     def _ops(self) -> Iterator[Metric]:
         """The broker's own health: restarts, delivery-log trouble, Redis round trips."""
@@ -180,6 +198,7 @@ class Metrics(Collector):
         async with asyncio.timeout(PROBE_TIMEOUT):
             apps = await self.store.apps()
             self._depths = await self.store.counts(apps, now_ms())
+            self._groups = await Groups(self.store).describe_apps(apps)
         if self._engine is not None:
             reg = self._engine.registry
             self._recipients = {

@@ -12,10 +12,12 @@ import redis.asyncio as aioredis
 from skmq.store import NewMessage, Store
 
 
-def groups_cmd(redis_url: str, prefix: str, *args: str) -> tuple[int, str, str]:
+def groups_cmd(
+    redis_url: str, prefix: str, *args: str, command: str = "groups"
+) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
     done = subprocess.run(
-        [sys.executable, "-m", "skmq.cli", "groups", *args, "--redis-url", redis_url,
+        [sys.executable, "-m", "skmq.cli", command, *args, "--redis-url", redis_url,
          "--key-prefix", prefix],
         env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )  # fmt: skip

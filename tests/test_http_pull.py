@@ -81,6 +81,10 @@ async def test_groups_each_get_every_message_and_members_share_one_group(
     assert status == 200
     states = {g["group"]: g for g in body["groups"]}
     assert states["billing"]["in_flight"] == 4 and states["billing"]["backlog"] == 0
+    async with http.get(base.replace("/v1/apps", "/metrics")) as r:
+        text = await r.text()
+    assert 'skmq_group_in_flight{app="shop",group="billing"} 4.0' in text
+    assert 'skmq_group_backlog{app="shop",group="billing"} 0.0' in text
 
 
 async def test_a_long_poll_on_one_broker_wakes_for_a_message_stored_through_another(

@@ -95,6 +95,14 @@ class Groups:
         keys = self._group_keys(group)
         return bool(await self.store._call("group_delete", app, [group], *keys))
 
+    async def describe_apps(self, apps: Sequence[str]) -> dict[str, list[GroupInfo]]:
+        """The groups of each app that has any (one round trip to find them)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.hlen(self.store.base(app) + "groups")
+        counts = await pipe.execute()
+        return {app: await self.describe(app) for app, n in zip(apps, counts, strict=True) if n}
+
     async def describe(self, app: str) -> list[GroupInfo]:
         redis = self.store.redis
         cursors = await redis.hgetall(self.store.base(app) + "groups")
