@@ -31,6 +31,7 @@ from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
 from skmq.pull.groups import Groups
 from skmq.pull.longpoll import LongPoll
+from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
@@ -223,6 +224,8 @@ class Broker:
                 await self.gateway.serve(s.host, s.http_port)
             self.own.add(s.host, s.http_port)
             self.supervisor.start("pull-wakeups", self.wakeups.run)
+        trimmer = Trimmer(self.groups, self.broker_id, s.group_log_trim_interval)
+        self.supervisor.start("group-log-trim", trimmer.run)
         if s.metrics_port:
             with listening(s.metrics_host, s.metrics_port, "METRICS_HOST/METRICS_PORT"):
                 await self.gateway.serve_health(s.metrics_host, s.metrics_port)

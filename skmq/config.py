@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     pull_max_visibility: float = Field(43200.0, gt=0)
     pull_visibility: float = Field(30.0, gt=0)
     pull_max_waiting: int = Field(10_000, ge=1)
+    group_log_trim_interval: float = Field(5.0, gt=0)
     task_max_restarts: int = Field(10, ge=0)
     log_level: str = "info"
     log_format: Literal["console", "json"] = "console"

@@ -163,6 +163,7 @@ async def pull_transitions(store: Store) -> None:
     await groups.ack(APP, "g", receipts[:1], NOW)
     await groups.nack(APP, "g", [(*receipts[1], 0)], NOW)
     await groups.reset(APP, "g", "latest")
+    await groups.trim(APP)
     await groups.delete(APP, "g")
 
 

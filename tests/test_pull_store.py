@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.pull.groups import Groups, NoSuchGroup, Pulled, parse_receipt
+from skmq.pull.trimmer import Trimmer
 from skmq.store import NewMessage, Store
 
 APP = "pull"
@@ -147,3 +148,37 @@ async def test_reset_and_delete_a_group(groups: Groups) -> None:
     assert await groups.delete(APP, "g") and not await groups.delete(APP, "g")
     assert not await groups.reset(APP, "g", "latest")
     assert await groups.describe(APP) == []
+
+
+async def test_group_trim_drops_only_what_no_group_needs(groups: Groups) -> None:
+    redis, base = groups.store.redis, groups.store.base(APP)
+    await groups.create(APP, "fast")
+    await groups.create(APP, "slow")
+    await stored(groups, "a", "b", "c")
+    fast = await received(groups, "fast")
+    assert await groups.ack(APP, "fast", [receipt(fast[0]), receipt(fast[1])], NOW) == [True] * 2
+    assert await groups.trim(APP) == 0  # "slow" has read nothing
+    slow = await received(groups, "slow", n=2)
+    assert await groups.ack(APP, "slow", [receipt(slow[0])], NOW) == [True]
+    # a: settled by both; b: leased by "slow"; c: leased by "fast", unread by "slow"
+    assert await groups.trim(APP) == 1
+    assert [m[1][b"m"] for m in await redis.xrange(base + "glog")] == [b"b", b"c"]
+    assert await redis.hkeys(base + "gseen") == [b"b", b"c"]
+    assert await stored(groups, "a") == [True]  # its msgid may be used again
+    await groups.delete(APP, "fast")
+    await groups.delete(APP, "slow")
+    assert await groups.trim(APP) == 3  # no group: the whole log goes
+    assert await redis.exists(base + "glog", base + "gseen") == 0
+
+
+async def test_one_broker_a_round_trims_every_app_with_a_group_log(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (got,) = await received(groups, "g")
+    await groups.ack(APP, "g", [receipt(got)], NOW)
+    first, second = Trimmer(groups, "b1", 5.0), Trimmer(groups, "b2", 5.0)
+    assert await first.trim_once() == 1
+    await stored(groups, "b")
+    (got,) = await received(groups, "g")
+    await groups.ack(APP, "g", [receipt(got)], NOW)
+    assert await second.trim_once() == 0  # b1's turn holds this round

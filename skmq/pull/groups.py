@@ -95,6 +95,21 @@ class Groups:
         keys = self._group_keys(group)
         return bool(await self.store._call("group_delete", app, [group], *keys))
 
+    async def trim(self, app: str, limit: int = 1000) -> int:
+        """Drop the group-log entries no group of `app` needs any more; how many went."""
+        names = sorted(
+            k.decode() for k in await self.store.redis.hkeys(self.store.base(app) + "groups")
+        )
+        held = [f"g:{name}:held" for name in names]
+        return int(await self.store._call("group_trim", app, [limit, *names], *held))
+
+    async def with_log(self, apps: Sequence[str]) -> list[str]:
+        """The apps that have a group log (one round trip)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.exists(self.log_key(app))
+        return [app for app, n in zip(apps, await pipe.execute(), strict=True) if n]
+
     async def describe_apps(self, apps: Sequence[str]) -> dict[str, list[GroupInfo]]:
         """The groups of each app that has any (one round trip to find them)."""
         pipe = self.store.redis.pipeline(transaction=False)
