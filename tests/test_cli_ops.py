@@ -131,7 +131,7 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         lambda f: ["sned"],
         {},
         "skmq: argument COMMAND: invalid choice: 'sned' (choose from 'serve', 'send', "
-        "'consume', 'status', 'dlq', 'audit') (see skmq --help)",
+        "'consume', 'status', 'dlq', 'groups', 'audit') (see skmq --help)",
     ),
     (
         "dlq without selection",
