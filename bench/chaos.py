@@ -76,6 +76,7 @@ class Broker:
         self.env.update(
             SKMQ_HOST="127.0.0.1",
             SKMQ_PORT=str(self.port),
+            SKMQ_HTTP_PORT="0",
             SKMQ_REDIS_URL=redis_url,
             SKMQ_KEY_PREFIX=PREFIX,
             SKMQ_DATA_DIR=str(workdir / self.name),

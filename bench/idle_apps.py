@@ -133,7 +133,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     data_dir = Path(tempfile.mkdtemp(prefix="skmq-idle-"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
-    env.update(SKMQ_PORT=str(port), SKMQ_DATA_DIR=str(data_dir), SKMQ_LOG_LEVEL="warning")
+    env.update(
+        SKMQ_PORT=str(port),
+        SKMQ_HTTP_PORT="0",
+        SKMQ_DATA_DIR=str(data_dir),
+        SKMQ_LOG_LEVEL="warning",
+    )
     broker = subprocess.Popen([sys.executable, "-m", "skmq.cli", "serve"], env=env)
     try:
         await wait_listening(port)

@@ -110,7 +110,12 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="legacy-check-"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
-    env.update(SKMQ_HOST="127.0.0.1", SKMQ_PORT=str(port), SKMQ_DATA_DIR=str(work / "data"))
+    env.update(
+        SKMQ_HOST="127.0.0.1",
+        SKMQ_PORT=str(port),
+        SKMQ_HTTP_PORT="0",
+        SKMQ_DATA_DIR=str(work / "data"),
+    )
     env.setdefault("SKMQ_LOG_LEVEL", "warning")
     procs: list[subprocess.Popen[bytes]] = []
     broker_log = (work / "broker.log").open("ab")

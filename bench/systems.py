@@ -126,6 +126,7 @@ class SkmqBroker:
             {
                 "SKMQ_DATA_DIR": str(self.data_dir),
                 "SKMQ_PORT": str(self.port),
+                "SKMQ_HTTP_PORT": "0",
                 "SKMQ_HOST": self.host,
                 "SKMQ_LOG_LEVEL": "warning",
                 "SKMQ_REDIS_URL": "",

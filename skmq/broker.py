@@ -26,7 +26,13 @@ from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured, UsageError
 from skmq.handler import FrameHandler
+from skmq.http import Gateway
+from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
+from skmq.pull.groups import Groups
+from skmq.pull.longpoll import LongPoll
+from skmq.pull.trimmer import Trimmer
+from skmq.pull.wakeups import Wakeups
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import Store, check_eviction_policy, connect_redis, redacted
@@ -185,6 +191,12 @@ class Broker:
             max_pending_bytes=s.max_store_pending_bytes,
             timeout=s.store_timeout,
         )
+        self.metrics.attach(self.engine)
+        self.groups = Groups(self.store)
+        self.wakeups = Wakeups(self.redis, s.key_prefix)
+        longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
+        pull = PullRoutes(s, self.groups, longpoll, self.tokens)
+        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, self.tokens)
         self.server = Server(
             s, FrameHandler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
         )
@@ -194,10 +206,7 @@ class Broker:
         if self.embedded is not None:
             keep = functools.partial(self.embedded.keep_running, self._embedded_restarted)
             self.supervisor.start("embedded-redis", keep)
-        if s.metrics_port:
-            with listening(s.metrics_host, s.metrics_port, "METRICS_HOST/METRICS_PORT"):
-                await self.metrics.serve(s.metrics_host, s.metrics_port, self.engine)
-            self.supervisor.start("redis-probe", self.metrics.probe_loop)
+        await self.start_gateway()
         log.info(
             "broker listening",
             host=s.host,
@@ -208,6 +217,27 @@ class Broker:
             redis=redacted(url),
             log_dir=str(s.delivery_log_dir),
         )
+
+    async def start_gateway(self) -> None:
+        """The HTTP gateway on HOST:HTTP_PORT, /metrics and /healthz on METRICS_PORT."""
+        s = self.settings
+        if s.http_port:
+            if self.own.used_by_broker(s.host, s.http_port):
+                raise Misconfigured(
+                    f"HTTP_PORT {s.http_port} is an address the broker uses already "
+                    "(its Redis, PORT or METRICS_PORT)"
+                )
+            with listening(s.host, s.http_port, "HOST/HTTP_PORT"):
+                await self.gateway.serve(s.host, s.http_port)
+            self.own.add(s.host, s.http_port)
+            self.supervisor.start("pull-wakeups", self.wakeups.run)
+        trimmer = Trimmer(self.groups, self.broker_id, s.group_log_trim_interval)
+        self.supervisor.start("group-log-trim", trimmer.run)
+        if s.metrics_port:
+            with listening(s.metrics_host, s.metrics_port, "METRICS_HOST/METRICS_PORT"):
+                await self.gateway.serve_health(s.metrics_host, s.metrics_port)
+        if s.http_port or s.metrics_port:
+            self.supervisor.start("redis-probe", self.metrics.probe_loop)
 
     def _embedded_restarted(self, status: int) -> None:
         self.metrics.redis_restarts += 1
@@ -220,7 +250,7 @@ class Broker:
         await self.server.stop(timeout=min(2.0, self.settings.shutdown_timeout))
         await self.enqueuer.drain()
         await self.engine.stop()
-        await self.metrics.close()
+        await self.gateway.close()
         await cancel_and_wait(self.supervisor.tasks)
         self.dlog.close()
         await self.redis.aclose()

@@ -82,6 +82,17 @@ class Settings(BaseSettings):
     log_backlog_bytes: int = Field(16 << 20, ge=0)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535)
+    # The HTTP gateway (docs/HTTP.md) on HOST; 0: off.
+    http_port: int = Field(1735, ge=0, le=65535)
+    http_max_body_bytes: int = Field(8 << 20, ge=1024)
+    http_max_batch: int = Field(1000, ge=1)
+    # Pull consumption (docs/HTTP.md).
+    pull_max_messages: int = Field(100, ge=1)
+    pull_max_wait: float = Field(20.0, ge=0)
+    pull_max_visibility: float = Field(43200.0, gt=0)
+    pull_visibility: float = Field(30.0, gt=0)
+    pull_max_waiting: int = Field(10_000, ge=1)
+    group_log_trim_interval: float = Field(5.0, gt=0)
     task_max_restarts: int = Field(10, ge=0)
     log_level: str = "info"
     log_format: Literal["console", "json"] = "console"

@@ -78,7 +78,7 @@ class Outcome:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def _bad_id(value: str) -> str | None:
+def bad_id(value: str) -> str | None:
     """Why msgid/appid `value` is refused, or None. CR/LF never reach here (the codec)."""
     if (
         len(value) * 4 > MAX_ID_BYTES
@@ -207,13 +207,13 @@ class FrameHandler:
         app = fields.get("appid")
         if not app:
             return self._resp("appid required", msgid)
-        if (why := _bad_id(app)) is not None:
+        if (why := bad_id(app)) is not None:
             return self._resp(f"appid {why}", msgid)
         if (refused := self._refusal(peer, "produce", app)) is not None:
             return self._resp(refused, msgid, Status.REJECT)
         if msgid is None or msgid == "":
             msgid = f"{self._id_prefix}-{next(self._id_counter)}"
-        elif (why := _bad_id(msgid)) is not None:
+        elif (why := bad_id(msgid)) is not None:
             return self._resp(f"msgid {why}", None)
         if frame.content is None:
             return self._resp("content required", msgid)

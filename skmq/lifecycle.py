@@ -13,6 +13,15 @@ table and tests/test_lifecycle.py has a test for each row, refusals included.
     in_flight(n) --release--> pending                  (never seen: no attempt spent)
     dead --replay--> delayed (due now, attempts reset) (anything not dead: refused)
     dead --purge--> gone                               (anything not dead: refused)
+
+Pull consumption (skmq/pull/): each consumer group holds its own copy of these states
+for every message stored after it subscribed (its receipts name an attempt):
+
+    pending | delayed | waiting_retry --pull_receive--> in_flight(n + 1)
+    in_flight(n) --pull_receive--> waiting_retry | dead (its lease ran out)
+    in_flight(n) --pull_ack--> acked                   (only attempt n, lease running)
+    in_flight(n) --pull_nack--> waiting_retry | dead   (only attempt n, lease running)
+    in_flight(n) --pull_extend--> in_flight(n)         (only attempt n, lease running)
 """
 
 from __future__ import annotations
@@ -54,4 +63,23 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t("release", {S.IN_FLIGHT}, {S.PENDING}, "not in flight"),
     _t("replay", {S.DEAD}, {S.DELAYED}, "not dead"),
     _t("purge", {S.DEAD}, {S.GONE}, "not dead"),
+    _t(
+        "pull_receive",
+        {S.PENDING, S.DELAYED, S.WAITING_RETRY, S.IN_FLIGHT},
+        {S.IN_FLIGHT, S.WAITING_RETRY, S.DEAD},
+        "nothing due for the group, or no such group",
+    ),
+    _t("pull_ack", {S.IN_FLIGHT}, {S.ACKED}, "stale receipt: another attempt or lease ran out"),
+    _t(
+        "pull_nack",
+        {S.IN_FLIGHT},
+        {S.WAITING_RETRY, S.DEAD},
+        "stale receipt: another attempt or lease ran out",
+    ),
+    _t(
+        "pull_extend",
+        {S.IN_FLIGHT},
+        {S.IN_FLIGHT},
+        "stale receipt: another attempt or lease ran out",
+    ),
 )

@@ -1,24 +1,22 @@
-"""Prometheus metrics and health on METRICS_HOST:METRICS_PORT (`/metrics`, `/healthz`).
+"""Prometheus metrics and health (`/metrics`, `/healthz`, served by skmq/http/).
 
 The hot path only bumps plain dict counters (every delivery-log event passes through
 `observe`); they become Prometheus families at scrape time, when the depth gauges are
-also read from Redis. The HTTP side is a minimal asyncio server: two GET routes, each
-answering within about PROBE_TIMEOUT whatever Redis does (a stalled Redis leaves the
-last depths; /healthz then says why it is unhealthy).
+also read from Redis. Both routes answer within about PROBE_TIMEOUT whatever Redis
+does (a stalled Redis leaves the last depths; /healthz then says why it is unhealthy).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import platform
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -30,6 +28,7 @@ from redis.exceptions import RedisError
 
 from skmq import __version__
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.pull.groups import GroupInfo, Groups
 from skmq.store import AppCounts, Store
 from skmq.supervisor import Supervisor
 
@@ -86,10 +85,10 @@ class Metrics(Collector):
         self.latency_sum: defaultdict[str, float] = defaultdict(float)
         self._depths: dict[str, AppCounts] = {}
         self._recipients: dict[str, tuple[int, int]] = {}
+        self._groups: dict[str, list[GroupInfo]] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         ProcessCollector(registry=self.registry)
-        self._server: asyncio.Server | None = None
         self._engine: Engine | None = None
 
     # -- hot path -------------------------------------------------------------
@@ -141,7 +140,23 @@ class Metrics(Collector):
             recipients.add_metric([app, "alive"], alive)
             recipients.add_metric([app, "lost"], lost)
         yield recipients
+        yield from self._group_gauges()
         yield from self._ops()
+
+    def _group_gauges(self) -> Iterator[Metric]:
+        """Per consumer group (pull consumption): backlog, in flight, delayed, dead."""
+        about = {
+            "backlog": "Messages a consumer group has not received yet (counted up to 10001)",
+            "in_flight": "Messages a consumer group holds leased",
+            "delayed": "Messages of a consumer group waiting for a delay or a retry",
+            "dead": "Dead letters of a consumer group",
+        }
+        for attr, doc in about.items():
+            family = GaugeMetricFamily(f"skmq_group_{attr}", doc, labels=["app", "group"])
+            for app, infos in sorted(self._groups.items()):
+                for info in infos:
+                    family.add_metric([app, info.name], getattr(info, attr))
+            yield family
 
     def _ops(self) -> Iterator[Metric]:
         """The broker's own health: restarts, delivery-log trouble, Redis round trips."""
@@ -183,6 +198,7 @@ class Metrics(Collector):
         async with asyncio.timeout(PROBE_TIMEOUT):
             apps = await self.store.apps()
             self._depths = await self.store.counts(apps, now_ms())
+            self._groups = await Groups(self.store).describe_apps(apps)
         if self._engine is not None:
             reg = self._engine.registry
             self._recipients = {
@@ -227,50 +243,6 @@ class Metrics(Collector):
             )
         return True, "ok"
 
-    # -- HTTP -----------------------------------------------------------------
-    async def serve(self, host: str, port: int, engine: Engine) -> None:
+    def attach(self, engine: Engine) -> None:
+        """The engine whose health /healthz reports."""
         self._engine = engine
-        self._server = await asyncio.start_server(self._http, host, port)
-
-    @property
-    def port(self) -> int | None:
-        if self._server is None:
-            return None
-        port: int = self._server.sockets[0].getsockname()[1]
-        return port
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(5):
-                request = await reader.readline()
-                while (await reader.readline()).strip():
-                    pass
-            parts = request.split()
-            path = parts[1].decode("latin-1") if len(parts) > 1 else ""
-            if path.split("?")[0] == "/metrics":
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await self.refresh()
-                status, body = "200 OK", generate_latest(self.registry)
-                ctype = "text/plain; version=0.0.4; charset=utf-8"
-            elif path.split("?")[0] == "/healthz":
-                ok, why = await self.health()
-                status = "200 OK" if ok else "503 Service Unavailable"
-                body, ctype = why.encode() + b"\n", "text/plain"
-            else:
-                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
-        except (OSError, TimeoutError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()

@@ -43,6 +43,7 @@ FAST: dict[str, Any] = {
     "heartbeat_timeout": 0.3,
     "max_frame_bytes": 65536,
     "shutdown_timeout": 1.0,
+    "http_port": 0,
 }
 
 
@@ -214,6 +215,7 @@ def broker_env(tmp_path: Path) -> dict[str, str]:
         SKMQ_HEARTBEAT_TIMEOUT="0.3",
         SKMQ_MAX_FRAME_BYTES="65536",
         SKMQ_LOG_LEVEL="warning",
+        SKMQ_HTTP_PORT="0",
     )
     return env
 

@@ -31,6 +31,7 @@ def skmq(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> tuple[int, str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
+    base["SKMQ_HTTP_PORT"] = "0"  # the gateway's default port may be taken by another test
     done = subprocess.run(
         [*SKMQ, *args], env={**base, **(env or {})}, cwd=cwd,
         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
@@ -130,7 +131,7 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         lambda f: ["sned"],
         {},
         "skmq: argument COMMAND: invalid choice: 'sned' (choose from 'serve', 'send', "
-        "'consume', 'status', 'dlq', 'audit') (see skmq --help)",
+        "'consume', 'status', 'dlq', 'groups', 'audit') (see skmq --help)",
     ),
     (
         "dlq without selection",

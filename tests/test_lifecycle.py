@@ -12,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.lifecycle import TRANSITIONS, State
+from skmq.pull.groups import Groups, parse_receipt
 from skmq.store import AliveRecipient, NewMessage, Store, scripts
 
 APP = "life"
@@ -149,6 +150,23 @@ async def test_replay_and_purge_take_dead_letters_only(store: Store) -> None:
     assert await state_of(store, "alive") == State.IN_FLIGHT
 
 
+async def pull_transitions(store: Store) -> None:
+    """Every group and pull script once (tests/test_pull_store.py tests what they do)."""
+    groups = Groups(store)
+    await groups.create(APP, "g")
+    await store.store(
+        {APP: [NewMessage("p1", "queue", b"x"), NewMessage("p2", "queue", b"y")]}, NOW
+    )
+    got = (await groups.receive(APP, "g", NOW, 5, 1000)).messages
+    receipts = [r for p in got if (r := parse_receipt(p.receipt)) is not None]
+    await groups.extend(APP, "g", [(*receipts[0], 1000)], NOW)
+    await groups.ack(APP, "g", receipts[:1], NOW)
+    await groups.nack(APP, "g", [(*receipts[1], 0)], NOW)
+    await groups.reset(APP, "g", "latest")
+    await groups.trim(APP)
+    await groups.delete(APP, "g")
+
+
 async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> None:
     """MONITOR shows each EVALSHA with its KEYS and then every command the script ran."""
     touched: list[tuple[list[str], str, str]] = []
@@ -185,6 +203,7 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     await store.register(APP, "r1", {"id": "r1"}, NOW)
     await store.set_state(APP, "r1", False, NOW)
     await store.unregister(APP, "r1")
+    await pull_transitions(store)
     await store.redis.ping()
     async with asyncio.timeout(10):
         while not any(cmd.strip('"').upper() == "HDEL" for _, cmd, _ in touched[-3:]):

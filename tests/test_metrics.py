@@ -1,9 +1,11 @@
-"""`/metrics` (Prometheus text) and `/healthz` on METRICS_PORT."""
+"""`/metrics` (Prometheus text) and `/healthz` on METRICS_PORT (the gateway serves
+them too: tests/test_http.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
+
+import aiohttp
 
 from skmq.embedded import EmbeddedRedis
 from tests.conftest import BrokerFactory, eventually, free_port
@@ -11,13 +13,12 @@ from tests.peers import FakeRecipient, RawClient
 
 
 async def http_get(port: int, path: str) -> tuple[int, str]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    async with asyncio.timeout(10):
-        data = await reader.read()
-    writer.close()
-    head, _, body = data.decode().partition("\r\n\r\n")
-    return int(head.split()[1]), body
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(f"http://127.0.0.1:{port}{path}") as response,
+    ):
+        return response.status, await response.text()
 
 
 def sample(text: str, name: str, app: str) -> float | None:

@@ -24,6 +24,7 @@ COMMANDS = {
     "consume": ("receive pushed messages", "skmq.cli.consume"),
     "status": ("apps, depths and recipients", "skmq.cli.status"),
     "dlq": ("list, replay or purge dead letters", "skmq.cli.dlq"),
+    "groups": ("list, create, reset or delete consumer groups", "skmq.cli.groups"),
     "audit": ("audit delivery logs with Spark (report.json, report.html, CSV)", "skmq.cli.audit"),
 }
 

@@ -18,6 +18,7 @@ import sys
 
 import uvloop
 
+from skmq.cli.consume_pull import add_pull_flags, consume_pull
 from skmq.cli.send import broker_address, port_number
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
@@ -37,8 +38,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--app", required=True, help="application id to receive messages of")
-    p.add_argument("--id", required=True, help="recipient id (unique within the app)")
-    p.add_argument("--port", type=port_number, required=True, help="port to listen on (0: any)")
+    p.add_argument("--id", help="recipient id (unique within the app; push only, required)")
+    p.add_argument("--port", type=port_number, help="port to listen on (0: any; push, required)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--advertise-host", help="host to register (default: --host)")
     p.add_argument("--weight", type=int, default=0, help="load-balancing weight (>= 0)")
@@ -70,6 +71,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="unregister when stopped (default: keep the registration for a restart)",
     )
+    add_pull_flags(p)
     p.set_defaults(func=run)
 
 
@@ -202,6 +204,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="skmq consume: %(levelname)s %(message)s"
     )
+    if args.pull:
+        return consume_pull(args, exec_handler, print_message)
+    if args.id is None or args.port is None:
+        print("skmq consume: --id and --port are required (or --pull --group G)", file=sys.stderr)
+        return 2
     try:
         broker_host, broker_port = broker_address(args.broker_host, args.broker_port)
     except ValueError:

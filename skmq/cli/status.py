@@ -1,4 +1,5 @@
-"""`skmq status [--json] [--watch]`: per app depths, and each recipient's state."""
+"""`skmq status [--json] [--watch]`: per app depths, each recipient's state, and each
+consumer group's backlog, in flight, delayed and dead."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import now_ms
+from skmq.pull.groups import Groups
 from skmq.store import Store
 
 
@@ -35,6 +37,7 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
     counts = await store.counts(apps, now)
     recipients = await store.recipients(apps)
     brokers = await store.brokers()
+    groups = await Groups(store).describe_apps(apps)
     return {
         "ts": now,
         "apps": [
@@ -57,6 +60,16 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
                     }
                     for r in recipients[app]
                 ],
+                "groups": [
+                    {
+                        "group": g.name,
+                        "backlog": g.backlog,
+                        "in_flight": g.in_flight,
+                        "delayed": g.delayed,
+                        "dead": g.dead,
+                    }
+                    for g in groups.get(app, [])
+                ],
             }
             for app in apps
         ],
@@ -77,6 +90,9 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
     recips = Table(title="recipients")
     for col in ("app", "recipient", "address", "weight", "state", "last heartbeat"):
         recips.add_column(col)
+    groups = Table(title="consumer groups")
+    for col in ("app", "group", "backlog", "in flight", "delayed", "dead"):
+        groups.add_column(col, justify="left" if col in ("app", "group") else "right")
     for a in snap["apps"]:
         row = [
             a["appid"],
@@ -98,7 +114,10 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
                 r["state"],
                 "never" if ago is None else f"{ago:.1f}s ago",
             )
-    return Group(apps, recips)
+        for g in a.get("groups", []):
+            groups.add_row(a["appid"], g["group"], str(g["backlog"]), str(g["in_flight"]),
+                           str(g["delayed"]), str(g["dead"]))  # fmt: skip
+    return Group(apps, recips, groups) if groups.row_count else Group(apps, recips)
 
 
 async def _run(args: argparse.Namespace) -> int:

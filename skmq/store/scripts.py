@@ -16,7 +16,8 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": ("msgs", "ready", "delayed", "listed"),  # + done:<current>, done:<previous>
+    # + done:<current>, done:<previous>
+    "store": ("msgs", "ready", "delayed", "listed", "groups", "glog", "gseen", "recipients"),
     "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
     "fail": ("msgs", "state", "delayed", "inflight", "dead"),
     "reap": ("msgs", "state", "delayed", "inflight", "dead"),
@@ -32,9 +33,22 @@ KEYS: dict[str, tuple[str, ...]] = {
         *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
         *("msgs", "state", "rstate", "rbeat", "rate", "listed"),  # dropped
     ),
+    # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead.
+    "group_create": ("groups", "glog"),
+    "group_reset": ("groups", "glog"),
+    "group_delete": ("groups", "glog"),
+    "group_trim": ("groups", "glog", "gseen"),  # + each group's held
+    "pull_receive": ("groups", "glog"),
+    "pull_ack": ("groups", "glog"),
+    "pull_nack": ("groups", "glog"),
+    "pull_extend": ("groups", "glog"),
 }
 
-_PRELUDES: dict[str, tuple[str, ...]] = {"fail": ("retry",), "reap": ("retry",)}
+_PRELUDES: dict[str, tuple[str, ...]] = {
+    "fail": ("retry",),
+    "reap": ("retry",),
+    **{name: ("pull_lib",) for name in ("pull_receive", "pull_ack", "pull_nack", "pull_extend")},
+}
 
 
 def _read(name: str) -> str:

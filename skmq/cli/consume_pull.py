@@ -1,0 +1,93 @@
+"""`skmq consume --pull --group G`: pull the app's messages through the HTTP gateway
+(docs/HTTP.md) instead of listening for pushes. Each message is handled as a pushed one
+(printed, or --exec CMD), its lease extended meanwhile; then acked, or nacked (a reject
+or a failure: retried after the broker's backoff)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import uvloop
+
+from skmq.client import Handler, Message
+
+ExecHandler = Callable[[str, int | None, float], Handler]
+
+
+def add_pull_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pull", action="store_true", help="pull through the HTTP gateway")
+    p.add_argument("--group", help="the consumer group to pull for (created if missing)")
+    p.add_argument(
+        "--gateway",
+        default=os.environ.get("SKMQ_GATEWAY", "http://127.0.0.1:1735"),
+        help="the broker's HTTP gateway (default: $SKMQ_GATEWAY or http://127.0.0.1:1735)",
+    )
+    p.add_argument("--visibility", type=float, default=30.0, help="lease seconds (pull)")
+    p.add_argument("--batch", type=int, default=10, help="messages a receive (pull)")
+
+
+async def _pull(args: argparse.Namespace, handler: Handler) -> int:
+    from skmq.pull.consumer import PullConsumer, PullError
+
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopped.set)
+    done = {"acked": 0, "nacked": 0}
+    try:
+        async with PullConsumer(
+            args.gateway, args.app, args.group, token=args.token,
+            batch=args.batch, visibility=args.visibility,
+        ) as consumer:  # fmt: skip
+            print(f"skmq consume: pulling {args.app}/{args.group} from {args.gateway}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            messages = aiter(consumer)
+            while not stopped.is_set():
+                nxt = asyncio.ensure_future(anext(messages))
+                stop = asyncio.ensure_future(stopped.wait())
+                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if not nxt.done():
+                    nxt.cancel()
+                    break
+                msg = nxt.result()
+                try:
+                    async with msg.leased():
+                        await handler(Message(args.app, msg.msgid, msg.content, {}))
+                except Exception:
+                    await msg.nack()
+                    done["nacked"] += 1
+                else:
+                    await msg.ack()
+                    done["acked"] += 1
+    except PullError as exc:
+        print(f"skmq consume: refused: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"skmq consume: cannot reach {args.gateway}: {exc}", file=sys.stderr)
+        return 2
+    stats = " ".join(f"{k}={v}" for k, v in done.items())
+    print(f"skmq consume: stopped ({stats})", file=sys.stderr, flush=True)
+    return 0
+
+
+def consume_pull(
+    args: argparse.Namespace,
+    exec_handler: ExecHandler,
+    print_message: Callable[[Message], Awaitable[None]],
+) -> int:
+    if not args.group:
+        print("skmq consume: --pull needs --group G", file=sys.stderr)
+        return 2
+    handler = (
+        print_message
+        if args.command is None
+        else exec_handler(args.command, args.reject_exit_code, args.exec_timeout)
+    )
+    code: int = uvloop.run(_pull(args, handler))
+    return code

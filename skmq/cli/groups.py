@@ -1,0 +1,82 @@
+"""`skmq groups list|create|reset|delete --app A [GROUP]`: consumer groups, for operators
+(the same operations as the HTTP gateway's, docs/HTTP.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from skmq.cli.common import open_store
+from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.errors import UsageError
+from skmq.pull.groups import Groups, bad_group
+
+
+class NoSuchGroup(LookupError):
+    """The group named does not exist (nothing is done)."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for verb, what in (
+        ("list", "the app's groups: backlog, in flight, delayed, dead"),
+        ("create", "subscribe a group: it gets every message stored from now on"),
+        ("reset", "move a group to latest or earliest, dropping its leases and waits"),
+        ("delete", "delete a group"),
+    ):
+        p = verbs.add_parser(verb, help=what, description=what)
+        p.add_argument("--app", required=True, help="the app")
+        if verb != "list":
+            p.add_argument("group", metavar="GROUP")
+        if verb == "reset":
+            p.add_argument("--to", choices=("latest", "earliest"), required=True)
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+        add_settings_flags(p, STORE_FLAGS)
+        add_token_flag(p, "admin token, when the settings configure auth")
+        p.set_defaults(func=run)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    only = admin_apps(settings, args.token)
+    if only is not None and args.app not in only:
+        raise UsageError(f"this token has no admin role for app {args.app!r}")
+    group = getattr(args, "group", None)
+    if group is not None and (why := bad_group(group)) is not None:
+        raise UsageError(f"group {why}")
+    async with open_store(settings) as store:
+        groups = Groups(store)
+        if args.verb == "list":
+            infos = await groups.describe(args.app)
+            rows = [
+                {"group": i.name, "backlog": i.backlog, "in_flight": i.in_flight,
+                 "delayed": i.delayed, "dead": i.dead}
+                for i in infos
+            ]  # fmt: skip
+            if args.json:
+                print(json.dumps(rows))
+            else:
+                for row in rows:
+                    print(" ".join(f"{k}={v}" for k, v in row.items()))
+                print(f"{len(rows)} group(s) of app {args.app!r}")
+            return 0
+        assert group is not None
+        if args.verb == "create":
+            done = await groups.create(args.app, group)
+            said = "created" if done else "exists already"
+        elif args.verb == "reset":
+            done = await groups.reset(args.app, group, args.to)
+            said = f"reset to {args.to}"
+        else:
+            done = await groups.delete(args.app, group)
+            said = "deleted"
+        if not done and args.verb != "create":
+            raise NoSuchGroup(f"no group {group!r} for app {args.app!r}: nothing done")
+        print(json.dumps({"group": group, "result": said}) if args.json else f"{group}: {said}")
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))

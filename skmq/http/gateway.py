@@ -1,0 +1,88 @@
+"""The HTTP gateway on aiohttp: produce, /metrics, /healthz and /openapi.json on
+HOST:HTTP_PORT, and /metrics and /healthz alone on METRICS_HOST:METRICS_PORT."""
+
+from __future__ import annotations
+
+import contextlib
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from redis.exceptions import RedisError
+
+from skmq.auth import Tokens
+from skmq.config import Settings
+from skmq.http.errors import json_errors
+from skmq.http.openapi import document
+from skmq.http.produce import Producer
+from skmq.http.pull import PullRoutes
+from skmq.metrics import Metrics
+from skmq.workers.enqueue import Enqueuer
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        enqueuer: Enqueuer,
+        pull: PullRoutes,
+        tokens: Tokens | None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.producer = Producer(settings, enqueuer, tokens)
+        self.pull = pull
+        self._openapi = document()
+        self._runners: list[web.AppRunner] = []
+        self.port: int | None = None
+
+    # -- routes ---------------------------------------------------------------
+    async def _metrics(self, request: web.Request) -> web.Response:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.metrics.refresh()
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TYPE})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        ok, why = await self.metrics.health()
+        return web.Response(text=why + "\n", status=200 if ok else 503)
+
+    async def _openapi_json(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
+
+    def _app(self, *, full: bool) -> web.Application:
+        app = web.Application(
+            middlewares=[json_errors], client_max_size=self.settings.http_max_body_bytes
+        )
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        if full:
+            app.router.add_get("/openapi.json", self._openapi_json)
+            app.router.add_post("/v1/apps/{app}/messages", self.producer.handle)
+            self.pull.add_to(app)
+        return app
+
+    # -- serving --------------------------------------------------------------
+    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound: int = runner.addresses[-1][1]
+        return bound
+
+    async def serve(self, host: str, port: int) -> None:
+        """The whole gateway (HTTP_PORT)."""
+        self.port = await self._serve(self._app(full=True), host, port)
+
+    async def serve_health(self, host: str, port: int) -> None:
+        """Only /metrics and /healthz (METRICS_PORT)."""
+        await self._serve(self._app(full=False), host, port)
+
+    async def close(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()

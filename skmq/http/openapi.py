@@ -1,0 +1,194 @@
+"""The OpenAPI 3.1 document served at /openapi.json: paths written here, the message
+schemas generated from the pydantic models the gateway validates with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from skmq import __version__
+from skmq.http.produce import BatchResult, MessageBatch, OutgoingMessage, StoreResult
+from skmq.http.pull import MODELS as PULL_MODELS
+
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    why = {
+        400: "invalid request (the error says which field)",
+        401: "no token, or an unknown one (auth on)",
+        403: "the token lacks the role for this app",
+        404: "no such group",
+        413: "body, batch or content too large",
+        415: "not application/json",
+        503: "store unavailable (nothing stored or changed), or too many long polls: try again",
+    }
+    return {str(c): _json(_ref("Error"), why[c]) for c in codes}
+
+
+def document() -> dict[str, Any]:
+    _, defs = models_json_schema(
+        [
+            (m, "validation")
+            for m in (OutgoingMessage, MessageBatch, StoreResult, BatchResult, *PULL_MODELS)
+        ],
+        ref_template=_REF,
+    )
+    schemas: dict[str, Any] = dict(defs["$defs"])
+    schemas["Error"] = {
+        "type": "object",
+        "properties": {"error": {"type": "string"}},
+        "required": ["error"],
+    }
+    app_param = {
+        "name": "app",
+        "in": "path",
+        "required": True,
+        "description": "the app id (at most 256 bytes, no control characters)",
+        "schema": {"type": "string", "minLength": 1},
+    }
+    produce = {
+        "post": {
+            "operationId": "produce",
+            "summary": "Store one message or a batch; answered once stored",
+            "parameters": [app_param],
+            "security": [{"bearer": []}, {}],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"oneOf": [_ref("OutgoingMessage"), _ref("MessageBatch")]}
+                    }
+                },
+            },
+            "responses": {
+                "200": _json(
+                    {"oneOf": [_ref("StoreResult"), _ref("BatchResult")]},
+                    "stored (or a duplicate of a msgid stored before): one result each",
+                ),
+                **_errors(400, 401, 403, 413, 415, 503),
+            },
+        }
+    }
+    group_param = {
+        "name": "group",
+        "in": "path",
+        "required": True,
+        "description": "the consumer group: 1 to 64 letters, digits, '_', '.' or '-'",
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+    }
+
+    def op(
+        op_id: str, summary: str, body: str | None, ok: str, ok_why: str, *codes: int
+    ) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "operationId": op_id,
+            "summary": summary,
+            "security": [{"bearer": []}, {}],
+            "responses": {"200": _json(_ref(ok), ok_why), **_errors(*codes)},
+        }
+        if body is not None:
+            content = {"application/json": {"schema": _ref(body)}}
+            spec["requestBody"] = {"required": True, "content": content}
+        return spec
+
+    pull_codes = (400, 401, 403, 404, 415, 503)
+    on_group = {"parameters": [app_param, group_param]}
+    pull_paths: dict[str, Any] = {
+        "/v1/apps/{app}/groups": {
+            "parameters": [app_param],
+            "get": op("listGroups", "The app's consumer groups", None, "GroupList",
+                      "each group with its backlog", 401, 403, 503),
+            "post": op("createGroup", "Subscribe a consumer group (201 created, 200 exists)",
+                       "NewGroup", "NewGroup", "the group", 400, 401, 403, 415, 503),
+        },
+        "/v1/apps/{app}/groups/{group}": {
+            **on_group,
+            "delete": op("deleteGroup", "Delete a group (admin role)", None, "NewGroup",
+                         "deleted", 400, 401, 403, 404, 503),
+        },
+        "/v1/apps/{app}/groups/{group}/reset": {
+            **on_group,
+            "post": op("resetGroup", "Move a group to latest or earliest (admin role)",
+                       "GroupReset", "GroupReset", "reset", *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/receive": {
+            **on_group,
+            "post": op("receive", "Up to max messages, each leased for visibility seconds; "
+                       "waits up to wait seconds for one", "ReceiveRequest", "ReceiveResult",
+                       "the messages (none when the wait ran out)", *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/ack": {
+            **on_group,
+            "post": op("ack", "Settle received messages by receipt", "AckRequest",
+                       "ReceiptResults", "acked, or stale (another attempt, lease ran out)",
+                       *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/nack": {
+            **on_group,
+            "post": op("nack", "A failed attempt: retried after delay (or the backoff), "
+                       "dead after RETRY_TIMES", "NackRequest", "ReceiptResults",
+                       "retry, dead, or stale", *pull_codes),
+        },
+        "/v1/apps/{app}/groups/{group}/extend": {
+            **on_group,
+            "post": op("extend", "Lease received messages for visibility more seconds",
+                       "ExtendRequest", "ReceiptResults", "extended, or stale", *pull_codes),
+        },
+    }  # fmt: skip
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "SKMQ HTTP gateway",
+            "version": __version__,
+            "description": "Produce to SKMQ over HTTP (docs/HTTP.md).",
+        },
+        "paths": {
+            "/v1/apps/{app}/messages": produce,
+            **pull_paths,
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "Prometheus text", "content": text}},
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "operationId": "healthz",
+                    "summary": "Health: ok, degraded (200) or unhealthy (503), one line why",
+                    "responses": {
+                        "200": {"description": "serving", "content": text},
+                        "503": {"description": "not serving", "content": text},
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "operationId": "openapi",
+                    "summary": "This document",
+                    "responses": {"200": {"description": "OpenAPI 3.1 document"}},
+                }
+            },
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a token of AUTH_TOKEN or AUTH_FILE (docs/SECURITY.md)",
+                }
+            },
+        },
+    }

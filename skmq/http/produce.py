@@ -1,0 +1,149 @@
+"""POST /v1/apps/{app}/messages: one message or a batch, stored through the same enqueue
+worker as TCP producers (skmq/workers/enqueue.py) and answered only once stored."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from skmq.auth import Tokens
+from skmq.config import Settings
+from skmq.deliverylog import now_ms
+from skmq.handler import bad_id
+from skmq.http.bearer import authorize
+from skmq.http.errors import ApiError
+from skmq.store import NewMessage
+from skmq.workers.enqueue import EnqueueBatch, Enqueuer
+
+
+class OutgoingMessage(BaseModel):
+    """One message to store."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, title="OutgoingMessage")
+
+    content: str = Field(description="the content, as text or (encoding base64) base64")
+    encoding: Literal["text", "base64"] = "text"
+    msgid: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="for deduplication; made up by the broker when absent"
+    )
+    kind: Literal["queue", "topic"] = Field(
+        "queue", description="queue: one recipient; topic: every recipient"
+    )
+    delay: Annotated[int, Field(ge=0)] = Field(0, description="ms before it is delivered")
+
+
+class MessageBatch(BaseModel):
+    """Several messages stored in one step (HTTP_MAX_BATCH at most)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, title="MessageBatch")
+
+    messages: Annotated[list[OutgoingMessage], Field(min_length=1)]
+
+
+class StoreResult(BaseModel):
+    """What became of one message: stored, or refused as a duplicate of a stored msgid."""
+
+    model_config = ConfigDict(title="StoreResult")
+
+    msgid: str
+    status: Literal["stored", "duplicate"]
+
+
+class BatchResult(BaseModel):
+    model_config = ConfigDict(title="BatchResult")
+
+    results: list[StoreResult]
+
+
+def field_errors(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body: 415 unless application/json, 400 unless valid JSON."""
+    if request.content_type != "application/json":
+        raise ApiError(415, "send Content-Type: application/json")
+    body = await request.read()
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "body is not valid JSON") from None
+
+
+class Producer:
+    def __init__(self, settings: Settings, enqueuer: Enqueuer, tokens: Tokens | None) -> None:
+        self.settings = settings
+        self.enqueuer = enqueuer
+        self.tokens = tokens
+
+    async def handle(self, request: web.Request) -> web.Response:
+        app = request.match_info["app"]
+        if (why := bad_id(app)) is not None:
+            raise ApiError(400, f"appid {why}")
+        authorize(self.tokens, request, "produce", app)
+        raw = await read_json(request)
+        batch = isinstance(raw, dict) and "messages" in raw
+        try:
+            if batch:
+                messages = MessageBatch.model_validate(raw).messages
+            else:
+                messages = [OutgoingMessage.model_validate(raw)]
+        except ValidationError as exc:
+            raise ApiError(400, field_errors(exc)) from None
+        if len(messages) > self.settings.http_max_batch:
+            raise ApiError(
+                413, f"{len(messages)} messages: at most {self.settings.http_max_batch} a batch"
+            )
+        stored = await self._store(app, [self._new(m, i, batch) for i, m in enumerate(messages)])
+        if not batch:
+            return web.json_response(stored[0].model_dump())
+        return web.json_response(BatchResult(results=stored).model_dump())
+
+    def _new(self, m: OutgoingMessage, index: int, batch: bool) -> NewMessage:
+        where = f"messages.{index}." if batch else ""
+        if m.msgid is not None and (why := bad_id(m.msgid)) is not None:
+            raise ApiError(400, f"{where}msgid {why}")
+        if m.encoding == "base64":
+            try:
+                content = base64.b64decode(m.content, validate=True)
+            except (binascii.Error, ValueError):
+                raise ApiError(400, f"{where}content: not valid base64") from None
+        else:
+            content = m.content.encode("utf-8", "surrogateescape")
+        if len(content) > self.settings.max_frame_bytes:
+            raise ApiError(413, f"{where}content: {len(content)} bytes, more than MAX_FRAME_BYTES")
+        msgid = m.msgid or uuid.uuid4().hex
+        due = now_ms() + m.delay if m.delay else 0
+        return NewMessage(msgid, m.kind, content, due)
+
+    async def _store(self, app: str, messages: list[NewMessage]) -> list[StoreResult]:
+        """Stored through the enqueue worker; 503 when the store does not answer in time."""
+        unavailable = ApiError(503, "store unavailable, message not stored", {"Retry-After": "1"})
+        batch = EnqueueBatch()
+        for m in messages:
+            batch.add(app, m)
+        try:
+            async with asyncio.timeout(self.settings.store_timeout):
+                await self.enqueuer.room()
+            self.enqueuer.submit(batch)
+            # The enqueuer answers every batch within STORE_TIMEOUT; the bound is a guard.
+            async with asyncio.timeout(self.settings.store_timeout + 1):
+                results = await batch.future
+        except TimeoutError:
+            raise unavailable from None
+        if results is None:
+            raise unavailable
+        return [
+            StoreResult(msgid=m.msgid, status="stored" if ok else "duplicate")
+            for m, ok in zip(messages, results[app], strict=True)
+        ]

@@ -1,0 +1,274 @@
+"""Consumer groups and pull consumption over HTTP (docs/HTTP.md): create, list, reset
+and delete groups; receive (with a long poll), ack, nack and extend by receipt."""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from skmq.auth import Role, Tokens
+from skmq.config import Settings
+from skmq.deliverylog import now_ms
+from skmq.handler import bad_id
+from skmq.http.bearer import authorize
+from skmq.http.errors import ApiError
+from skmq.http.produce import field_errors, read_json
+from skmq.pull.groups import Groups, NoSuchGroup, Pulled, bad_group, parse_receipt
+from skmq.pull.longpoll import LongPoll, TooManyWaiting
+
+M = TypeVar("M", bound=BaseModel)
+Receipts = Annotated[
+    list[Annotated[str, Field(max_length=64)]], Field(min_length=1, max_length=1000)
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class NewGroup(_Body):
+    model_config = ConfigDict(title="NewGroup")
+    group: str = Field(description="1 to 64 letters, digits, '_', '.' or '-'")
+
+
+class GroupReset(_Body):
+    model_config = ConfigDict(title="GroupReset")
+    position: Literal["latest", "earliest"] = Field(
+        description="latest: only what is stored from now on; earliest: all the log holds"
+    )
+
+
+class ReceiveRequest(_Body):
+    model_config = ConfigDict(title="ReceiveRequest")
+    max: Annotated[int, Field(ge=1)] = Field(1, description="most messages (PULL_MAX_MESSAGES)")
+    wait: Annotated[float, Field(ge=0)] = Field(
+        0, description="seconds to wait for a message (long poll; PULL_MAX_WAIT)"
+    )
+    visibility: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="seconds the messages stay hidden (lease); PULL_VISIBILITY if absent"
+    )
+
+
+class AckRequest(_Body):
+    model_config = ConfigDict(title="AckRequest")
+    receipts: Receipts
+
+
+class NackRequest(_Body):
+    model_config = ConfigDict(title="NackRequest")
+    receipts: Receipts
+    delay: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="ms before the retry; the retry backoff (RETRY_BACKOFF) if absent"
+    )
+
+
+class ExtendRequest(_Body):
+    model_config = ConfigDict(title="ExtendRequest")
+    receipts: Receipts
+    visibility: Annotated[float, Field(gt=0)] = Field(description="seconds from now")
+
+
+class PulledMessage(BaseModel):
+    model_config = ConfigDict(title="PulledMessage")
+    receipt: str
+    msgid: str
+    kind: Literal["queue", "topic"]
+    content: str
+    encoding: Literal["text", "base64"] = Field(description="base64 when not UTF-8 text")
+    attempt: int
+
+
+class ReceiveResult(BaseModel):
+    model_config = ConfigDict(title="ReceiveResult")
+    messages: list[PulledMessage]
+
+
+class ReceiptResult(BaseModel):
+    model_config = ConfigDict(title="ReceiptResult")
+    receipt: str
+    status: Literal["acked", "retry", "dead", "extended", "stale"]
+
+
+class ReceiptResults(BaseModel):
+    model_config = ConfigDict(title="ReceiptResults")
+    results: list[ReceiptResult]
+
+
+class GroupState(BaseModel):
+    model_config = ConfigDict(title="GroupState")
+    group: str
+    backlog: int = Field(description="messages not yet received (at most 10001 counted)")
+    in_flight: int
+    delayed: int
+    dead: int
+
+
+class GroupList(BaseModel):
+    model_config = ConfigDict(title="GroupList")
+    groups: list[GroupState]
+
+
+MODELS = (
+    NewGroup, GroupReset, ReceiveRequest, AckRequest, NackRequest, ExtendRequest,
+    PulledMessage, ReceiveResult, ReceiptResult, ReceiptResults, GroupState, GroupList,
+)  # fmt: skip
+
+
+def _pulled(p: Pulled) -> PulledMessage:
+    encoding: Literal["text", "base64"] = "text"
+    try:
+        content = p.content.decode("utf-8")
+    except UnicodeDecodeError:
+        content, encoding = base64.b64encode(p.content).decode(), "base64"
+    return PulledMessage(
+        receipt=p.receipt, msgid=p.msgid, kind="topic" if p.kind == "topic" else "queue",
+        content=content, encoding=encoding, attempt=p.attempt,
+    )  # fmt: skip
+
+
+class PullRoutes:
+    def __init__(
+        self, settings: Settings, groups: Groups, longpoll: LongPoll, tokens: Tokens | None
+    ) -> None:
+        self.settings = settings
+        self.groups = groups
+        self.longpoll = longpoll
+        self.tokens = tokens
+
+    def add_to(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/v1/apps/{app}/groups", self.list_groups)
+        r.add_post("/v1/apps/{app}/groups", self.create)
+        r.add_delete("/v1/apps/{app}/groups/{group}", self.delete)
+        r.add_post("/v1/apps/{app}/groups/{group}/reset", self.reset)
+        r.add_post("/v1/apps/{app}/groups/{group}/receive", self.receive)
+        r.add_post("/v1/apps/{app}/groups/{group}/ack", self.ack)
+        r.add_post("/v1/apps/{app}/groups/{group}/nack", self.nack)
+        r.add_post("/v1/apps/{app}/groups/{group}/extend", self.extend)
+
+    # -- request parts --------------------------------------------------------
+    def _app(self, request: web.Request, role: Role) -> str:
+        app = request.match_info["app"]
+        if (why := bad_id(app)) is not None:
+            raise ApiError(400, f"appid {why}")
+        authorize(self.tokens, request, role, app)
+        return app
+
+    @staticmethod
+    def _group(name: str) -> str:
+        if (why := bad_group(name)) is not None:
+            raise ApiError(400, f"group {why}")
+        return name
+
+    @staticmethod
+    async def _body(request: web.Request, model: type[M]) -> M:
+        raw = await read_json(request)
+        try:
+            return model.model_validate(raw)
+        except ValidationError as exc:
+            raise ApiError(400, field_errors(exc)) from None
+
+    @staticmethod
+    def _receipts(receipts: list[str]) -> list[tuple[str, int]]:
+        parsed = []
+        for receipt in receipts:
+            one = parse_receipt(receipt)
+            if one is None:
+                raise ApiError(400, f"not a receipt: {receipt[:64]!r}")
+            parsed.append(one)
+        return parsed
+
+    def _lease_ms(self, seconds: float | None) -> int:
+        seconds = self.settings.pull_visibility if seconds is None else seconds
+        if seconds > self.settings.pull_max_visibility:
+            raise ApiError(400, f"visibility: at most {self.settings.pull_max_visibility:g} s")
+        return max(1, int(seconds * 1000))
+
+    @staticmethod
+    def _results(receipts: list[str], statuses: list[str]) -> web.Response:
+        results = [ReceiptResult.model_validate({"receipt": r, "status": s})
+                   for r, s in zip(receipts, statuses, strict=True)]  # fmt: skip
+        return web.json_response(ReceiptResults(results=results).model_dump())
+
+    # -- groups -------------------------------------------------------------
+    async def list_groups(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        infos = await self.groups.describe(app)
+        states = [
+            GroupState(group=i.name, backlog=i.backlog, in_flight=i.in_flight,
+                       delayed=i.delayed, dead=i.dead)
+            for i in infos
+        ]  # fmt: skip
+        return web.json_response(GroupList(groups=states).model_dump())
+
+    async def create(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        group = self._group((await self._body(request, NewGroup)).group)
+        created = await self.groups.create(app, group)
+        return web.json_response(
+            {"group": group, "created": created}, status=201 if created else 200
+        )
+
+    async def delete(self, request: web.Request) -> web.Response:
+        app = self._app(request, "admin")
+        group = self._group(request.match_info["group"])
+        if not await self.groups.delete(app, group):
+            raise ApiError(404, f"no group {group!r} for app {app!r}")
+        return web.json_response({"group": group, "deleted": True})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        app = self._app(request, "admin")
+        group = self._group(request.match_info["group"])
+        position = (await self._body(request, GroupReset)).position
+        if not await self.groups.reset(app, group, position):
+            raise ApiError(404, f"no group {group!r} for app {app!r}")
+        return web.json_response({"group": group, "position": position})
+
+    # -- pull ---------------------------------------------------------------
+    async def receive(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        group = self._group(request.match_info["group"])
+        body = await self._body(request, ReceiveRequest)
+        s = self.settings
+        if body.max > s.pull_max_messages:
+            raise ApiError(400, f"max: at most {s.pull_max_messages} (PULL_MAX_MESSAGES)")
+        if body.wait > s.pull_max_wait:
+            raise ApiError(400, f"wait: at most {s.pull_max_wait:g} s (PULL_MAX_WAIT)")
+        lease = self._lease_ms(body.visibility)
+        try:
+            got = await self.longpoll.receive(app, group, body.max, body.wait, lease)
+        except NoSuchGroup:
+            raise ApiError(404, f"no group {group!r} for app {app!r}") from None
+        except TooManyWaiting as exc:
+            raise ApiError(503, str(exc), {"Retry-After": "1"}) from None
+        result = ReceiveResult(messages=[_pulled(p) for p in got])
+        return web.json_response(result.model_dump())
+
+    async def ack(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        group = self._group(request.match_info["group"])
+        body = await self._body(request, AckRequest)
+        done = await self.groups.ack(app, group, self._receipts(body.receipts), now_ms())
+        return self._results(body.receipts, ["acked" if ok else "stale" for ok in done])
+
+    async def nack(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        group = self._group(request.match_info["group"])
+        body = await self._body(request, NackRequest)
+        wait = -1 if body.delay is None else body.delay
+        receipts = [(e, n, wait) for e, n in self._receipts(body.receipts)]
+        codes = await self.groups.nack(app, group, receipts, now_ms())
+        names = {0: "stale", 1: "retry", 2: "dead"}
+        return self._results(body.receipts, [names[code] for code, _ in codes])
+
+    async def extend(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        group = self._group(request.match_info["group"])
+        body = await self._body(request, ExtendRequest)
+        lease = self._lease_ms(body.visibility)
+        receipts = [(e, n, lease) for e, n in self._receipts(body.receipts)]
+        done = await self.groups.extend(app, group, receipts, now_ms())
+        return self._results(body.receipts, ["extended" if ok else "stale" for ok in done])

@@ -1,0 +1,187 @@
+"""The store calls of consumer groups and pull consumption (the `pull_*` and `group_*`
+Lua scripts; keys in skmq/store/lua/pull_lib.lua, transitions in skmq/lifecycle.py).
+
+A receipt handle is `<entry id>.<attempt>`: it settles only that attempt, while its
+lease runs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from skmq.store import Store
+
+GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})")
+GROUP_KEYS = ("inflight", "delayed", "held", "gstate", "dead")
+_KINDS = {b"q": "queue", b"t": "topic"}
+
+
+class NoSuchGroup(LookupError):
+    pass
+
+
+def bad_group(name: str) -> str | None:
+    """Why `name` cannot be a group name, or None."""
+    if GROUP_NAME.fullmatch(name) is None:
+        return "must be 1 to 64 letters, digits, '_', '.' or '-'"
+    return None
+
+
+def parse_receipt(receipt: str) -> tuple[str, int] | None:
+    """(entry id, attempt) of a receipt handle, None if it is not one."""
+    m = _RECEIPT.fullmatch(receipt)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+@dataclass(slots=True)
+class Pulled:
+    receipt: str
+    msgid: str
+    kind: str
+    content: bytes
+    attempt: int
+
+
+@dataclass(slots=True)
+class Received:
+    messages: list[Pulled]
+    next_due: int | None  # unix ms at which a delay or a lease of the group runs out
+
+
+@dataclass(slots=True)
+class GroupInfo:
+    name: str
+    cursor: str
+    in_flight: int
+    delayed: int
+    dead: int
+    backlog: int  # log entries after the cursor
+
+
+class Groups:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @staticmethod
+    def _group_keys(group: str) -> tuple[str, ...]:
+        """The group's own keys, under the app's key base (as a script's extra keys)."""
+        return tuple(f"g:{group}:{name}" for name in GROUP_KEYS)
+
+    def log_key(self, app: str) -> str:
+        """The app's group log; also the channel its stores and due retries are told on."""
+        return self.store.base(app) + "glog"
+
+    def _retry_args(self) -> list[Any]:
+        return [self.store.retry_times, len(self.store.backoff_ms), *self.store.backoff_ms]
+
+    async def _pull(self, name: str, app: str, group: str, now: int, args: Sequence[Any]) -> Any:
+        keys = self._group_keys(group)
+        return await self.store._call(name, app, [now, *self._retry_args(), *args], *keys)
+
+    # -- groups -------------------------------------------------------------
+    async def create(self, app: str, group: str) -> bool:
+        created = await self.store._call("group_create", app, [group])
+        await self.store.add_apps([app])
+        return bool(created)
+
+    async def reset(self, app: str, group: str, position: Literal["latest", "earliest"]) -> bool:
+        keys = self._group_keys(group)
+        return bool(await self.store._call("group_reset", app, [group, position], *keys))
+
+    async def delete(self, app: str, group: str) -> bool:
+        keys = self._group_keys(group)
+        return bool(await self.store._call("group_delete", app, [group], *keys))
+
+    async def trim(self, app: str, limit: int = 1000) -> int:
+        """Drop the group-log entries no group of `app` needs any more; how many went."""
+        names = sorted(
+            k.decode() for k in await self.store.redis.hkeys(self.store.base(app) + "groups")
+        )
+        held = [f"g:{name}:held" for name in names]
+        return int(await self.store._call("group_trim", app, [limit, *names], *held))
+
+    async def with_log(self, apps: Sequence[str]) -> list[str]:
+        """The apps that have a group log (one round trip)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.exists(self.log_key(app))
+        return [app for app, n in zip(apps, await pipe.execute(), strict=True) if n]
+
+    async def describe_apps(self, apps: Sequence[str]) -> dict[str, list[GroupInfo]]:
+        """The groups of each app that has any (one round trip to find them)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.hlen(self.store.base(app) + "groups")
+        counts = await pipe.execute()
+        return {app: await self.describe(app) for app, n in zip(apps, counts, strict=True) if n}
+
+    async def describe(self, app: str) -> list[GroupInfo]:
+        redis = self.store.redis
+        cursors = await redis.hgetall(self.store.base(app) + "groups")
+        names = sorted(k.decode() for k in cursors)
+        pipe = redis.pipeline(transaction=False)
+        for name in names:
+            base = self.store.base(app)
+            inflight, delayed, _, _, dead = (base + k for k in self._group_keys(name))
+            pipe.zcard(inflight)
+            pipe.zcard(delayed)
+            pipe.zcard(dead)
+            pipe.xrange(self.log_key(app), "(" + cursors[name.encode()].decode(), "+", count=10001)
+        res = await pipe.execute()
+        return [
+            GroupInfo(
+                name,
+                cursors[name.encode()].decode(),
+                int(res[4 * i]),
+                int(res[4 * i + 1]),
+                int(res[4 * i + 2]),
+                len(res[4 * i + 3]),
+            )
+            for i, name in enumerate(names)
+        ]
+
+    # -- pull ---------------------------------------------------------------
+    async def receive(
+        self, app: str, group: str, now: int, max_messages: int, visibility_ms: int
+    ) -> Received:
+        res = await self._pull(
+            "pull_receive", app, group, now, [group, max_messages, visibility_ms]
+        )
+        if res == [b"no group"]:
+            raise NoSuchGroup(group)
+        out = [
+            Pulled(
+                f"{res[i].decode()}.{int(res[i + 4])}",
+                res[i + 1].decode("utf-8", "surrogateescape"),
+                _KINDS.get(res[i + 2], "queue"),
+                res[i + 3],
+                int(res[i + 4]),
+            )
+            for i in range(0, len(res) - 1, 5)
+        ]
+        nxt = int(res[-1])
+        return Received(out, None if nxt < 0 else nxt)
+
+    async def ack(
+        self, app: str, group: str, receipts: Sequence[tuple[str, int]], now: int
+    ) -> list[bool]:
+        args = [x for r in receipts for x in r]
+        return [bool(x) for x in await self._pull("pull_ack", app, group, now, args)]
+
+    async def nack(
+        self, app: str, group: str, receipts: Sequence[tuple[str, int, int]], now: int
+    ) -> list[tuple[int, int]]:
+        """receipts: (entry id, attempt, wait ms or -1 for the backoff); (code 0 refused |
+        1 retry | 2 dead, due ms) each."""
+        args = [x for r in receipts for x in r]
+        res = await self._pull("pull_nack", app, group, now, args)
+        return [(int(res[i]), int(res[i + 1])) for i in range(0, len(res), 2)]
+
+    async def extend(
+        self, app: str, group: str, receipts: Sequence[tuple[str, int, int]], now: int
+    ) -> list[bool]:
+        args = [x for r in receipts for x in r]
+        return [bool(x) for x in await self._pull("pull_extend", app, group, now, args)]

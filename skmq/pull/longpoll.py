@@ -1,0 +1,44 @@
+"""receive with a wait: returns as soon as a message is there for the group, or the wait
+is over. Between receives a poll sleeps on its wake-up (skmq/pull/wakeups.py) or until
+the group's next delay or lease runs out: no polling of Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+from skmq.deliverylog import now_ms
+from skmq.pull.groups import Groups, Pulled
+from skmq.pull.wakeups import Wakeups
+
+
+class TooManyWaiting(RuntimeError):
+    pass
+
+
+class LongPoll:
+    def __init__(self, groups: Groups, wakeups: Wakeups, max_waiting: int) -> None:
+        self.groups = groups
+        self.wakeups = wakeups
+        self.max_waiting = max_waiting
+
+    async def receive(
+        self, app: str, group: str, max_messages: int, wait: float, visibility_ms: int
+    ) -> list[Pulled]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        if wait > 0 and self.wakeups.count >= self.max_waiting:
+            raise TooManyWaiting(f"{self.max_waiting} receives wait already (PULL_MAX_WAITING)")
+        with self.wakeups.listen(self.groups.log_key(app)) as woken:
+            while True:
+                woken.clear()
+                got = await self.groups.receive(app, group, now_ms(), max_messages, visibility_ms)
+                left = deadline - loop.time()
+                if got.messages or left <= 0:
+                    return got.messages
+                if got.next_due is not None:
+                    left = min(left, max(0.001, (got.next_due - now_ms()) / 1000))
+                try:
+                    async with asyncio.timeout(left):
+                        await woken.wait()
+                except TimeoutError:
+                    pass

@@ -1,0 +1,46 @@
+-- Shared by the pull scripts (skmq/pull/): one consumer group's view of an app's group
+-- log. Prepended after lib.lua.
+--   groups    HASH    group -> cursor: the last log entry id the group has read
+--   glog      STREAM  the group log: m msgid, k kind q|t, c content, d deliver_at ms
+-- and the group's own keys (g:<group>:<name>):
+--   inflight  ZSET    entry id -> lease deadline ms (received, not settled)
+--   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)
+--   held      ZSET    entry id -> its ms: every entry the group still needs (log trimming)
+--   gstate    HASH    <entry id>\31n attempts, <entry id>\31e last error
+--   dead      ZSET    entry id -> ms it died (the group's dead letters)
+-- A receipt names (entry id, attempt n): it settles only attempt n, while its lease runs.
+-- KEYS: groups, glog, inflight, delayed, held, gstate, dead
+-- ARGV: now, retry_times, nb, backoff ms * nb, then the script's own arguments
+local groups, glog, inflight, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local held, gstate, dead = KEYS[5], KEYS[6], KEYS[7]
+local now = tonumber(ARGV[1])
+local retry_times = tonumber(ARGV[2])
+local nb = tonumber(ARGV[3])
+local backoff = {}
+for j = 1, nb do backoff[j] = tonumber(ARGV[3 + j]) end
+local rest = 4 + nb
+
+local function nfield(id) return id .. '\31n' end
+local function efield(id) return id .. '\31e' end
+
+-- True while attempt n of entry id is in flight and its lease has not run out.
+local function live(id, n)
+  local deadline = redis.call('ZSCORE', inflight, id)
+  if not deadline or tonumber(deadline) < now then return false end
+  return tonumber(redis.call('HGET', gstate, nfield(id)) or '0') == n
+end
+
+-- A failed attempt (nack, or a lease run out): retried after `wait` ms (negative: the
+-- backoff of its attempt), or dead after retry_times. Returns {code 1 retry | 2 dead, due}.
+local function fail_attempt(id, why, wait)
+  redis.call('ZREM', inflight, id)
+  local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
+  redis.call('HSET', gstate, efield(id), why)
+  if n >= retry_times then
+    redis.call('ZADD', dead, now, id)
+    return {2, now}
+  end
+  if wait < 0 then wait = backoff[math.max(1, math.min(n, nb))] end
+  redis.call('ZADD', delayed, now + wait, id)
+  return {1, now + wait}
+end

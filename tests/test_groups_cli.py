@@ -1,0 +1,61 @@
+"""`skmq groups`: consumer groups for operators, over the session Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import redis.asyncio as aioredis
+
+from skmq.store import NewMessage, Store
+
+
+def groups_cmd(
+    redis_url: str, prefix: str, *args: str, command: str = "groups"
+) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "skmq.cli", command, *args, "--redis-url", redis_url,
+         "--key-prefix", prefix],
+        env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return done.returncode, done.stdout, done.stderr
+
+
+async def test_create_list_reset_delete_from_the_command_line(
+    redis_url: str, prefix: str, redis: aioredis.Redis
+) -> None:
+    assert groups_cmd(redis_url, prefix, "create", "--app", "shop", "billing")[1] == (
+        "billing: created\n"
+    )
+    assert groups_cmd(redis_url, prefix, "create", "--app", "shop", "billing")[1] == (
+        "billing: exists already\n"
+    )
+    store = Store(redis, prefix)
+    await store.store(
+        {"shop": [NewMessage("m1", "queue", b"x"), NewMessage("m2", "queue", b"y")]}, 1
+    )
+    code, out, _ = groups_cmd(redis_url, prefix, "list", "--app", "shop", "--json")
+    assert code == 0
+    assert json.loads(out) == [
+        {"group": "billing", "backlog": 2, "in_flight": 0, "delayed": 0, "dead": 0}
+    ]
+    code, out, _ = groups_cmd(
+        redis_url, prefix, "reset", "--app", "shop", "billing", "--to", "latest"
+    )
+    assert (code, out) == (0, "billing: reset to latest\n")
+    code, out, _ = groups_cmd(redis_url, prefix, "list", "--app", "shop")
+    assert out.splitlines() == [
+        "group=billing backlog=0 in_flight=0 delayed=0 dead=0",
+        "1 group(s) of app 'shop'",
+    ]
+    assert groups_cmd(redis_url, prefix, "delete", "--app", "shop", "billing")[:2] == (
+        0,
+        "billing: deleted\n",
+    )
+    code, _, err = groups_cmd(redis_url, prefix, "delete", "--app", "shop", "billing")
+    assert (code, err) == (1, "skmq groups: no group 'billing' for app 'shop': nothing done\n")
+    code, _, err = groups_cmd(redis_url, prefix, "create", "--app", "shop", "no spaces")
+    assert code == 2 and err.startswith("skmq groups: group must be 1 to 64 letters")

@@ -1,0 +1,255 @@
+"""Consumer groups, pull consumption and long polls over HTTP (docs/HTTP.md), with real
+brokers on one Redis and a real HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from skmq.broker import Broker
+from tests.conftest import BrokerFactory, free_port
+
+CONSUMER = "consumer-a-token-0123456789abcdef"
+ADMIN = "admin-a-token-0123456789abcdefgh"
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+async def gateway(make_broker: BrokerFactory, **settings: Any) -> tuple[Broker, str]:
+    broker = await make_broker(http_port=free_port(), **settings)
+    return broker, f"http://127.0.0.1:{broker.gateway.port}/v1/apps"
+
+
+async def call(
+    http: aiohttp.ClientSession, method: str, url: str, body: Any = None, **headers: str
+) -> tuple[int, Any]:
+    async with http.request(method, url, json=body, headers=headers) as response:
+        return response.status, await response.json()
+
+
+async def produce(http: aiohttp.ClientSession, base: str, app: str, *msgids: str) -> None:
+    batch = {"messages": [{"msgid": m, "content": f"body {m}"} for m in msgids]}
+    status, _ = await call(http, "POST", f"{base}/{app}/messages", batch)
+    assert status == 200
+
+
+async def receive(
+    http: aiohttp.ClientSession, base: str, app: str, group: str, **body: Any
+) -> list[dict[str, Any]]:
+    status, got = await call(http, "POST", f"{base}/{app}/groups/{group}/receive", body)
+    assert status == 200, got
+    messages: list[dict[str, Any]] = got["messages"]
+    return messages
+
+
+async def settle(
+    http: aiohttp.ClientSession, base: str, app: str, group: str, verb: str, **body: Any
+) -> list[str]:
+    status, got = await call(http, "POST", f"{base}/{app}/groups/{group}/{verb}", body)
+    assert status == 200, got
+    return [r["status"] for r in got["results"]]
+
+
+async def test_groups_each_get_every_message_and_members_share_one_group(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base = await gateway(make_broker)
+    for group in ("billing", "audit"):
+        status, body = await call(http, "POST", f"{base}/shop/groups", {"group": group})
+        assert (status, body) == (201, {"group": group, "created": True})
+    assert (await call(http, "POST", f"{base}/shop/groups", {"group": "audit"}))[0] == 200
+    await produce(http, base, "shop", "m1", "m2", "m3", "m4")
+    got = await receive(http, base, "shop", "billing", max=10)
+    assert [m["msgid"] for m in got] == ["m1", "m2", "m3", "m4"]
+    assert got[0]["content"] == "body m1" and got[0]["attempt"] == 1
+    members = await asyncio.gather(
+        *(receive(http, base, "shop", "audit", max=2, wait=5) for _ in range(2))
+    )
+    seen = [m["msgid"] for member in members for m in member]
+    assert sorted(seen) == ["m1", "m2", "m3", "m4"]  # each to one member
+    status, body = await call(http, "GET", f"{base}/shop/groups")
+    assert status == 200
+    states = {g["group"]: g for g in body["groups"]}
+    assert states["billing"]["in_flight"] == 4 and states["billing"]["backlog"] == 0
+    async with http.get(base.replace("/v1/apps", "/metrics")) as r:
+        text = await r.text()
+    assert 'skmq_group_in_flight{app="shop",group="billing"} 4.0' in text
+    assert 'skmq_group_backlog{app="shop",group="billing"} 0.0' in text
+
+
+async def test_a_long_poll_on_one_broker_wakes_for_a_message_stored_through_another(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base_a = await gateway(make_broker)
+    _, base_b = await gateway(make_broker)
+    await call(http, "POST", f"{base_a}/x/groups", {"group": "g"})
+    started = time.monotonic()
+    poll = asyncio.create_task(receive(http, base_b, "x", "g", wait=10))
+    await asyncio.sleep(0.3)  # let the poll find nothing and wait (the test is the wake-up)
+    assert not poll.done()
+    await produce(http, base_a, "x", "cross")
+    got = await asyncio.wait_for(poll, 5)
+    assert [m["msgid"] for m in got] == ["cross"]
+    assert time.monotonic() - started < 5
+    started = time.monotonic()
+    assert await receive(http, base_b, "x", "g", wait=0.3) == []
+    assert time.monotonic() - started >= 0.3
+
+
+async def test_an_expired_lease_redelivers_and_its_stale_receipt_is_refused(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    await produce(http, base, "x", "m")
+    (first,) = await receive(http, base, "x", "g", visibility=0.2)
+    (again,) = await receive(http, base, "x", "g", wait=5)  # after the lease and backoff
+    assert again["msgid"] == "m" and again["attempt"] == 2
+    assert await settle(http, base, "x", "g", "ack", receipts=[first["receipt"]]) == ["stale"]
+    assert await settle(http, base, "x", "g", "extend", receipts=[first["receipt"]],
+                        visibility=5) == ["stale"]  # fmt: skip
+    assert await settle(http, base, "x", "g", "ack", receipts=[again["receipt"]]) == ["acked"]
+    assert await receive(http, base, "x", "g", wait=0.5) == []
+
+
+async def test_nacks_retry_then_dead_letter_after_retry_times(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base = await gateway(make_broker, retry_times=3)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    await produce(http, base, "x", "m")
+    statuses = []
+    for _ in range(3):
+        (got,) = await receive(http, base, "x", "g", wait=5)
+        statuses += await settle(http, base, "x", "g", "nack", receipts=[got["receipt"]], delay=0)
+    assert statuses == ["retry", "retry", "dead"]
+    assert await receive(http, base, "x", "g", wait=0.3) == []
+    _, body = await call(http, "GET", f"{base}/x/groups")
+    assert body["groups"][0]["dead"] == 1
+
+
+async def test_extend_keeps_a_message_hidden(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    await produce(http, base, "x", "m")
+    (got,) = await receive(http, base, "x", "g", visibility=0.5)
+    assert await settle(http, base, "x", "g", "extend", receipts=[got["receipt"]],
+                        visibility=30) == ["extended"]  # fmt: skip
+    assert await receive(http, base, "x", "g", wait=1.0) == []
+    assert await settle(http, base, "x", "g", "ack", receipts=[got["receipt"]]) == ["acked"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "error"),
+    [
+        ("g/receive", {"max": 11}, 400, "max: at most 10 (PULL_MAX_MESSAGES)"),
+        ("g/receive", {"wait": 2.5}, 400, "wait: at most 2 s (PULL_MAX_WAIT)"),
+        ("g/receive", {"visibility": 61}, 400, "visibility: at most 60 s"),
+        ("g/receive", {"max": 0}, 400, "max: Input should be greater than or equal to 1"),
+        ("g/extend", {"receipts": ["x"], "visibility": 61}, 400, "visibility: at most 60 s"),
+        ("g/ack", {"receipts": ["not-a-receipt"]}, 400, "not a receipt: 'not-a-receipt'"),
+        ("g/ack", {"receipts": []}, 400, "receipts: List should have at least 1 item"),
+        ("nope/receive", {}, 404, "no group 'nope' for app 'x'"),
+        ("bad%20name/receive", {}, 400, "group must be 1 to 64 letters"),
+    ],
+)
+async def test_pull_limits_and_refusals(
+    make_broker: BrokerFactory,
+    http: aiohttp.ClientSession,
+    path: str,
+    body: Any,
+    status: int,
+    error: str,
+) -> None:
+    _, base = await gateway(
+        make_broker, pull_max_messages=10, pull_max_wait=2, pull_max_visibility=60
+    )
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    got = await call(http, "POST", f"{base}/x/groups/{path}", body)
+    assert got[0] == status and got[1]["error"].startswith(error), got
+
+
+async def test_long_polls_past_pull_max_waiting_are_refused(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    broker, base = await gateway(make_broker, pull_max_waiting=1)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    first = asyncio.create_task(receive(http, base, "x", "g", wait=10))
+    deadline = time.monotonic() + 5
+    while broker.wakeups.count < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    status, body = await call(http, "POST", f"{base}/x/groups/g/receive", {"wait": 1})
+    assert status == 503 and "PULL_MAX_WAITING" in body["error"]
+    await produce(http, base, "x", "m")
+    assert len(await asyncio.wait_for(first, 5)) == 1
+
+
+async def test_idle_long_polls_send_no_commands_to_redis(make_broker: BrokerFactory) -> None:
+    broker, base = await gateway(make_broker)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+        await idle_polls(broker, base, http)
+
+
+async def idle_polls(broker: Broker, base: str, http: aiohttp.ClientSession) -> None:
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+
+    async def commands_in(seconds: float) -> int:
+        before = (await broker.redis.info("stats"))["total_commands_processed"]
+        await asyncio.sleep(seconds)
+        after = (await broker.redis.info("stats"))["total_commands_processed"]
+        return int(after) - int(before)
+
+    baseline = await commands_in(1.0)
+    polls = [asyncio.create_task(receive(http, base, "x", "g", wait=8)) for _ in range(200)]
+    deadline = time.monotonic() + 5
+    while broker.wakeups.count < 200 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert broker.wakeups.count == 200
+    with_polls = await commands_in(1.0)
+    assert with_polls - baseline < 100, (baseline, with_polls)  # 200 busy polls: thousands
+    await produce(http, base, "x", "wake")
+    results = await asyncio.wait_for(asyncio.gather(*polls), 15)
+    assert sum(len(r) for r in results) == 1
+
+
+@pytest.fixture
+def auth_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.toml"
+    path.write_text(
+        f'[[tokens]]\nname = "c"\ntoken = "{CONSUMER}"\napps = ["a"]\n'
+        'roles = ["consume", "produce"]\n'
+        f'[[tokens]]\nname = "o"\ntoken = "{ADMIN}"\napps = ["a"]\nroles = ["admin"]\n'
+    )
+    return path
+
+
+async def test_group_reset_and_delete_need_the_admin_role(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession, auth_file: Path
+) -> None:
+    _, base = await gateway(make_broker, auth_file=auth_file)
+    consumer = {"Authorization": f"Bearer {CONSUMER}"}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert (await call(http, "POST", f"{base}/a/groups", {"group": "g"}, **consumer))[0] == 201
+    assert (await call(http, "POST", f"{base}/b/groups", {"group": "g"}, **consumer))[0] == 403
+    assert (await call(http, "POST", f"{base}/a/groups/g/receive", {}))[0] == 401
+    status, _ = await call(http, "DELETE", f"{base}/a/groups/g", **consumer)
+    assert status == 403
+    reset = {"position": "earliest"}
+    assert (await call(http, "POST", f"{base}/a/groups/g/reset", reset, **admin))[0] == 200
+    assert (await call(http, "DELETE", f"{base}/a/groups/g", **admin))[0] == 200
+    assert (await call(http, "DELETE", f"{base}/a/groups/g", **admin))[0] == 404

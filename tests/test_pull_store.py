@@ -1,0 +1,184 @@
+"""Consumer groups and pull consumption in the store: one test per pull transition of
+skmq/lifecycle.py over a real Redis, refusals (stale receipts) included."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.pull.groups import Groups, NoSuchGroup, Pulled, parse_receipt
+from skmq.pull.trimmer import Trimmer
+from skmq.store import NewMessage, Store
+
+APP = "pull"
+NOW = 1_700_000_000_000
+VIS = 10_000
+
+
+@pytest.fixture
+async def groups(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Groups]:
+    client = aioredis.Redis(connection_pool=redis.connection_pool)
+    yield Groups(Store(client, prefix, retry_times=2, backoff=[1.0], ack_timeout=10.0))
+
+
+async def stored(groups: Groups, *msgids: str, at: int = 0) -> list[bool]:
+    batch = {APP: [NewMessage(m, "queue", f"body-{m}".encode(), at) for m in msgids]}
+    return (await groups.store.store(batch, NOW))[APP]
+
+
+async def received(groups: Groups, group: str, now: int = NOW, n: int = 10) -> list[Pulled]:
+    return (await groups.receive(APP, group, now, n, VIS)).messages
+
+
+def ids(got: list[Pulled]) -> list[str]:
+    return [p.msgid for p in got]
+
+
+def receipt(p: Pulled) -> tuple[str, int]:
+    parsed = parse_receipt(p.receipt)
+    assert parsed is not None
+    return parsed
+
+
+async def test_a_group_gets_what_is_stored_after_it_subscribed_and_each_group_all(
+    groups: Groups,
+) -> None:
+    await stored(groups, "before")
+    assert await groups.create(APP, "g1") and await groups.create(APP, "g2")
+    assert not await groups.create(APP, "g1")
+    assert await stored(groups, "a", "b", "a") == [True, True, False]
+    for group in ("g1", "g2"):
+        got = await received(groups, group)
+        assert ids(got) == ["a", "b"] and got[0].content == b"body-a"
+        assert [p.attempt for p in got] == [1, 1]
+    # "before" stays in the push queue, as before groups existed
+    assert await groups.store.redis.lrange(groups.store.base(APP) + "ready", 0, -1) == [b"before"]
+
+
+async def test_pull_only_apps_skip_the_push_queue_push_recipients_keep_theirs(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "only-pulled")
+    base = groups.store.base(APP)
+    assert await groups.store.redis.hlen(base + "msgs") == 0
+    await groups.store.register(APP, "r1", {"id": "r1"}, NOW)
+    await stored(groups, "both")
+    assert await groups.store.redis.lrange(base + "ready", 0, -1) == [b"both"]
+    assert ids(await received(groups, "g")) == ["only-pulled", "both"]
+
+
+async def test_pull_receive_leases_hide_messages_from_the_group_and_no_group_is_refused(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a", "b", "c")
+    assert ids(await received(groups, "g", n=2)) == ["a", "b"]
+    assert ids(await received(groups, "g")) == ["c"]
+    result = await groups.receive(APP, "g", NOW, 10, VIS)
+    assert result.messages == [] and result.next_due == NOW + VIS + 1
+    with pytest.raises(NoSuchGroup):
+        await groups.receive(APP, "nope", NOW, 10, VIS)
+
+
+async def test_pull_ack_settles_only_the_current_attempt_while_its_lease_runs(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a", "b")
+    a, b = await received(groups, "g")
+    assert await groups.ack(APP, "g", [receipt(a)], NOW) == [True]
+    assert await groups.ack(APP, "g", [receipt(a)], NOW) == [False]  # settled already
+    assert await groups.ack(APP, "g", [receipt(b)], NOW + VIS + 1) == [False]  # ran out
+    # the lease that ran out is a failed attempt: redelivered after the backoff (1 s)
+    assert await received(groups, "g", NOW + VIS + 1) == []
+    again = await received(groups, "g", NOW + VIS + 1_001)
+    assert ids(again) == ["b"] and again[0].attempt == 2
+    assert await groups.ack(APP, "g", [receipt(b)], NOW + VIS + 1_001) == [False]  # stale
+    assert await groups.ack(APP, "g", [receipt(again[0])], NOW + VIS + 1_001) == [True]
+
+
+async def test_pull_nack_waits_then_redelivers_and_dead_letters_after_retry_times(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (first,) = await received(groups, "g")
+    entry, attempt = receipt(first)
+    assert await groups.nack(APP, "g", [(entry, attempt, 5_000)], NOW) == [(1, NOW + 5_000)]
+    assert await groups.nack(APP, "g", [(entry, attempt, 0)], NOW) == [(0, 0)]  # stale
+    assert await received(groups, "g", NOW + 4_999) == []
+    (second,) = await received(groups, "g", NOW + 5_000)
+    assert second.attempt == 2
+    assert await groups.nack(APP, "g", [(*receipt(second), -1)], NOW + 5_000) == [(2, NOW + 5_000)]
+    info = (await groups.describe(APP))[0]
+    assert (info.name, info.dead, info.in_flight, info.delayed) == ("g", 1, 0, 0)
+
+
+async def test_pull_extend_keeps_a_lease_running(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (got,) = await received(groups, "g")
+    entry, attempt = receipt(got)
+    assert await groups.extend(APP, "g", [(entry, attempt, 60_000)], NOW + 5_000) == [True]
+    assert await received(groups, "g", NOW + VIS + 1_001) == []  # still leased
+    assert await groups.ack(APP, "g", [(entry, attempt)], NOW + 60_000) == [True]
+    assert await groups.extend(APP, "g", [(entry, attempt, 1)], NOW) == [False]
+
+
+async def test_delayed_messages_reach_groups_when_due(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "later", at=NOW + 30_000)
+    result = await groups.receive(APP, "g", NOW, 10, VIS)
+    assert result.messages == [] and result.next_due == NOW + 30_000
+    assert ids(await received(groups, "g", NOW + 30_000)) == ["later"]
+
+
+async def test_reset_and_delete_a_group(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a", "b")
+    assert ids(await received(groups, "g", n=1)) == ["a"]
+    assert await groups.reset(APP, "g", "earliest")
+    assert ids(await received(groups, "g")) == ["a", "b"]
+    assert await groups.reset(APP, "g", "latest")
+    assert await received(groups, "g") == []
+    assert (await groups.describe(APP))[0].backlog == 0
+    assert await groups.delete(APP, "g") and not await groups.delete(APP, "g")
+    assert not await groups.reset(APP, "g", "latest")
+    assert await groups.describe(APP) == []
+
+
+async def test_group_trim_drops_only_what_no_group_needs(groups: Groups) -> None:
+    redis, base = groups.store.redis, groups.store.base(APP)
+    await groups.create(APP, "fast")
+    await groups.create(APP, "slow")
+    await stored(groups, "a", "b", "c")
+    fast = await received(groups, "fast")
+    assert await groups.ack(APP, "fast", [receipt(fast[0]), receipt(fast[1])], NOW) == [True] * 2
+    assert await groups.trim(APP) == 0  # "slow" has read nothing
+    slow = await received(groups, "slow", n=2)
+    assert await groups.ack(APP, "slow", [receipt(slow[0])], NOW) == [True]
+    # a: settled by both; b: leased by "slow"; c: leased by "fast", unread by "slow"
+    assert await groups.trim(APP) == 1
+    assert [m[1][b"m"] for m in await redis.xrange(base + "glog")] == [b"b", b"c"]
+    assert await redis.hkeys(base + "gseen") == [b"b", b"c"]
+    assert await stored(groups, "a") == [True]  # its msgid may be used again
+    await groups.delete(APP, "fast")
+    await groups.delete(APP, "slow")
+    assert await groups.trim(APP) == 3  # no group: the whole log goes
+    assert await redis.exists(base + "glog", base + "gseen") == 0
+
+
+async def test_one_broker_a_round_trims_every_app_with_a_group_log(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (got,) = await received(groups, "g")
+    await groups.ack(APP, "g", [receipt(got)], NOW)
+    first, second = Trimmer(groups, "b1", 5.0), Trimmer(groups, "b2", 5.0)
+    assert await first.trim_once() == 1
+    await stored(groups, "b")
+    (got,) = await received(groups, "g")
+    await groups.ack(APP, "g", [receipt(got)], NOW)
+    assert await second.trim_once() == 0  # b1's turn holds this round
