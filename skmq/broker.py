@@ -50,6 +50,8 @@ def make_store(settings: Settings, redis: aioredis.Redis) -> Store:
         backoff=settings.retry_backoff,
         ack_timeout=settings.ack_timeout,
         dedupe_window=settings.dedupe_window,
+        expired_drop=settings.expired == "drop",
+        retry_jitter=settings.retry_jitter,
     )
 
 

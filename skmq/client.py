@@ -429,13 +429,16 @@ class Producer:
         msgid: str | None = None,
         delay_ms: int | None = None,
         deliver_at_ms: int | None = None,
+        ttl_ms: int | None = None,
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
         Without `msgid` one is generated here (the original broker would take every
         message without one for a duplicate of the first); `resp.msgid` names it even
         when the broker's answer carries none (the original's do not). A delay needs
-        the broker's `delay` extension (ExtensionUnsupported otherwise).
+        the broker's `delay` extension, a TTL (not pushed once `ttl_ms` have passed,
+        0: none, overriding the broker's default) its `ttl` extension
+        (ExtensionUnsupported otherwise).
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -445,6 +448,9 @@ class Producer:
             fields.append(("delay", str(int(delay_ms))))
         if deliver_at_ms is not None:
             fields.append(("deliver_at", str(int(deliver_at_ms))))
+        if ttl_ms is not None:
+            await self.require("ttl")
+            fields.append(("ttl", str(int(ttl_ms))))
         data = content.encode() if isinstance(content, str) else content
         return _named(await self.request("topic" if topic else "queue", fields, data), msgid)
 

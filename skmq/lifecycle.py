@@ -10,8 +10,13 @@ table and tests/test_lifecycle.py has a test for each row, refusals included.
     in_flight(n) --finish--> acked                     (only attempt n, only in flight)
     in_flight(n) --fail | reap--> waiting_retry | dead (a failed attempt; dead after
                                                         RETRY_TIMES)
+    pending | delayed | waiting_retry --claim--> dead | gone
+                                                       (TTL run out: expired, never pushed;
+                                                        gone with EXPIRED=drop)
+    in_flight(n) --fail | reap--> dead | gone          (TTL run out by then: expired, no
+                                                        retry)
     in_flight(n) --release--> pending                  (never seen: no attempt spent)
-    dead --replay--> delayed (due now, attempts reset) (anything not dead: refused)
+    dead --replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
     dead --purge--> gone                               (anything not dead: refused)
 """
 
@@ -48,6 +53,11 @@ S = State
 TRANSITIONS: tuple[Transition, ...] = (
     _t("store", {S.RECEIVED}, {S.PENDING, S.DELAYED}, "duplicate msgid: not stored again"),
     _t("claim", {S.PENDING, S.DELAYED, S.WAITING_RETRY}, {S.IN_FLIGHT, S.DEAD}, "nothing due"),
+    # expiry: a message whose TTL ran out is never pushed (dead-lettered, reason `expired`,
+    # or dropped); a delayed one or a retry wait falls due at its expiry at the latest.
+    _t("claim", {S.PENDING, S.DELAYED, S.WAITING_RETRY}, {S.DEAD, S.GONE}, "not expired"),
+    _t("fail", {S.IN_FLIGHT}, {S.DEAD, S.GONE}, "not expired: retried or dead as usual"),
+    _t("reap", {S.IN_FLIGHT}, {S.DEAD, S.GONE}, "not expired: retried or dead as usual"),
     _t("finish", {S.IN_FLIGHT}, {S.ACKED}, "not in flight, or another attempt"),
     _t("fail", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "not in flight, or another attempt"),
     _t("reap", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "lease not run out"),

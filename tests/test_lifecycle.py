@@ -168,7 +168,9 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     task = asyncio.create_task(watch())
     await ready.wait()
     await store.load_scripts()
-    await store.store({APP: [NewMessage("t", "topic", b"x"), NewMessage("q", "queue", b"y")]}, NOW)
+    ttl = NewMessage("x", "queue", b"z", 0, NOW + 1)  # expires: reaped as `expired`
+    messages = [NewMessage("t", "topic", b"x"), NewMessage("q", "queue", b"y"), ttl]
+    await store.store({APP: messages}, NOW)
     got, _, _ = await store.claim(APP, NOW, 5, alive("r1", "r2"), ["r1"] * 5)
     ids = [c.delivery_id for c in got]
     await store.in_flight_of(APP, "t")

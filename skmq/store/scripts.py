@@ -15,7 +15,7 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": ("msgs", "ready", "delayed", "@apps"),  # + done:<current>, done:<previous>
+    "store": ("msgs", "ready", "delayed", "@apps", "state"),  # + done:<current>, <previous>
     "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
     "fail": ("msgs", "state", "delayed", "inflight", "dead"),
     "reap": ("msgs", "state", "delayed", "inflight", "dead"),

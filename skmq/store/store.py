@@ -9,6 +9,7 @@ flight from one broker at most.
 from __future__ import annotations
 
 import json
+import random
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -93,9 +94,10 @@ class NewMessage:
     kind: str  # "queue" | "topic"
     content: bytes
     deliver_at: int = 0  # unix ms; 0: now
+    expires_at: int = 0  # unix ms; 0: never (TTL)
 
 
-_KINDS = {b"q": "queue", b"t": "topic", b"d": "dead"}
+_KINDS = {b"q": "queue", b"t": "topic", b"d": "dead", b"x": "expired"}
 
 
 @dataclass(slots=True)
@@ -115,6 +117,7 @@ class Claimed:
     content: bytes
     attempt: int
     recipient: str
+    stored_at: int = 0  # unix ms the message was first stored
 
 
 @dataclass(slots=True)
@@ -127,7 +130,7 @@ class Finished:
 
 @dataclass(slots=True)
 class Failed:
-    code: int  # 0 stale (not in flight), 1 retry scheduled, 2 dead
+    code: int  # 0 stale (not in flight), 1 retry scheduled, 2 dead, 3|4 expired
     attempt: int
     due: int
     recipient: str
@@ -135,6 +138,8 @@ class Failed:
     STALE = 0
     RETRY = 1
     DEAD = 2
+    EXPIRED = 3  # its TTL ran out: dead-lettered, reason `expired`
+    EXPIRED_DROPPED = 4  # its TTL ran out: dropped (EXPIRED=drop)
 
 
 @dataclass(slots=True)
@@ -190,6 +195,8 @@ class Store:
         backoff: Sequence[float] = (1.0,),
         ack_timeout: float = 60.0,
         dedupe_window: float = 3600.0,
+        expired_drop: bool = False,
+        retry_jitter: float = 0.0,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -197,6 +204,8 @@ class Store:
         self.backoff_ms = [int(b * 1000) for b in backoff]
         self.lease_ms = int(ack_timeout * 1000)
         self.dedupe_ms = max(1, int(dedupe_window * 1000))
+        self.expired_drop = expired_drop
+        self.retry_jitter = retry_jitter
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(scripts.source(name)) for name in scripts.KEYS
         }
@@ -274,7 +283,8 @@ class Store:
         for app, messages in batches.items():
             args: list[Any] = [now, app]
             for m in messages:
-                args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
+                kind = "t" if m.kind == "topic" else "q"
+                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at)
             calls.append((app, args, done))
         results = await self._call_each("store", calls)
         return {app: [bool(x) for x in res] for app, res in zip(batches, results, strict=True)}
@@ -323,20 +333,23 @@ class Store:
         copies only to recipients with free slots (the others wait).
 
         Returns them (kind `dead` for one dead-lettered as undeliverable, its content the
-        reason), when the next delayed one falls due (unix ms), and how long the app's
+        reason; kind `expired` for one whose TTL ran out, its content `dead` or `drop`),
+        when the next delayed one falls due (unix ms), and how long the app's
         DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
-        args: list[Any] = [now, self.lease_ms, n, len(alive), rate]
+        drop = 1 if self.expired_drop else 0
+        args: list[Any] = [now, self.lease_ms, n, len(alive), rate, drop]
         for r in alive:
             args += (r.rid, r.free, 1 if r.takes_length else 0)
         args += assignment
         res = await self._call("claim", app, args)
         nxt = int(float(res[-2]))
         out = []
-        for i in range(0, len(res) - 2, 5):
+        for i in range(0, len(res) - 2, 6):
             did = _s(res[i])
             msgid, _ = split_delivery(did)
             kind = _KINDS[res[i + 1]]
-            out.append(Claimed(did, msgid, kind, res[i + 2], int(res[i + 3]), _s(res[i + 4])))
+            attempt, rid, stored = int(res[i + 3]), _s(res[i + 4]), int(res[i + 5])
+            out.append(Claimed(did, msgid, kind, res[i + 2], attempt, rid, stored))
         return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
@@ -351,7 +364,12 @@ class Store:
         ]
 
     def _retry_args(self) -> list[Any]:
-        return [self.retry_times, len(self.backoff_ms), *self.backoff_ms]
+        drop = 1 if self.expired_drop else 0
+        spread = random.random()  # spreads retry waits: no secret
+        return [
+            *(self.retry_times, drop, self.retry_jitter, spread),
+            *(len(self.backoff_ms), *self.backoff_ms),
+        ]
 
     async def fail(
         self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int

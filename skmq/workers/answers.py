@@ -148,6 +148,14 @@ class AnswerBatcher:
             self.on_acked(app, now - stored)
         a.done(("ack", "acked"))
 
+    def expired(self, app: str, msgid: str, kind: str, rid: str, attempt: int, dead: bool) -> Resp:
+        """Log a message whose TTL ran out: dead-lettered (reason `expired`) or dropped."""
+        fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
+        self.dlog.event("expired", msgid, app, kind, rid or None, attempt, fate)
+        if dead:
+            self.dlog.event("dead_lettered", msgid, app, kind, rid or None, attempt, "expired")
+        return ("ack", f"expired: {fate}")
+
     def record_failure(
         self, app: str, delivery_id: str, outcome: str, detail: str, recipient: str, r: Failed
     ) -> Resp:
@@ -158,6 +166,8 @@ class AnswerBatcher:
         if r.code == Failed.STALE:
             return ("reject", "message not in flight (already settled, or a newer attempt)")
         self.dlog.event(outcome, msgid, app, kind, rid, r.attempt, detail or None)
+        if r.code in (Failed.EXPIRED, Failed.EXPIRED_DROPPED):
+            return self.expired(app, msgid, kind, rid, r.attempt, r.code == Failed.EXPIRED)
         if r.code == Failed.DEAD:
             self.dlog.event(
                 "dead_lettered",

@@ -146,6 +146,9 @@ class Pusher:
             if c.kind == "dead":
                 self._undeliverable(app, c)
                 continue
+            if c.kind == "expired":
+                self._expired(app, c)
+                continue
             d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
             r = self.registry.get(app, c.recipient)
             if r is None:
@@ -171,6 +174,11 @@ class Pusher:
         reason = c.content.decode()
         self.dlog.event("dead_lettered", c.msgid, app, kind, c.recipient or None, 0, reason)
         log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
+
+    def _expired(self, app: str, c: Claimed) -> None:
+        """Its TTL ran out before a push: dead-lettered (reason `expired`) or dropped."""
+        kind = "topic" if split_delivery(c.delivery_id)[1] is not None else "queue"
+        self.answers.expired(app, c.msgid, kind, c.recipient, c.attempt, c.content == b"dead")
 
     def _hand_back(self, app: str, rid: str, deliveries: list[Delivery], detail: str) -> None:
         spawn(self._unreachable(app, rid, deliveries, detail), self.tasks)

@@ -6,7 +6,8 @@
 --                   <msgid>\31<attr> or, for one recipient's copy of a topic message,
 --                   <msgid>\31<attr>\31<rid>; attrs: n attempts, r last recipient,
 --                   e last error, h history, o copies outstanding, dc copies dead,
---                   c the recipients a topic message was fanned out to (\31-joined)
+--                   c the recipients a topic message was fanned out to (\31-joined),
+--                   x when the message expires (unix ms; TTL, set when stored)
 --   ready     LIST  delivery ids ready to push, FIFO
 --   delayed   ZSET  delivery id -> due ms (delayed messages, retry waits, replays)
 --   inflight  ZSET  delivery id -> lease deadline ms (pushed, waiting for an answer)
@@ -32,7 +33,7 @@ end
 -- Drop a message and all its delivery state.
 local function forget(msgs, state, msgid)
   local f = {field(msgid, 'n'), field(msgid, 'r'), field(msgid, 'e'), field(msgid, 'h'),
-             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c')}
+             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x')}
   local copies = redis.call('HGET', state, field(msgid, 'c'))
   if copies then
     for rid in string.gmatch(copies, '[^\31]+') do
@@ -67,6 +68,29 @@ local function note(state, msgid, crid, line, err)
     h = line
   end
   redis.call('HSET', state, hk, h, field(msgid, 'e', crid), err)
+end
+
+-- When msgid expires (unix ms), or nil: it never does.
+local function expiry(state, msgid)
+  local x = redis.call('HGET', state, field(msgid, 'x'))
+  if x then return tonumber(x) end
+  return nil
+end
+
+-- An expired delivery ends now: dead-lettered with the reason `expired`, or dropped when
+-- `drop` (EXPIRED=drop). A topic copy counts off its message's outstanding copies.
+local function expire(msgs, state, dead, id, now, drop, line)
+  local msgid, crid = split(id)
+  if drop then
+    if not crid or settle_copy(state, msgid, crid, 'o') then forget(msgs, state, msgid) end
+    return
+  end
+  note(state, msgid, crid, now .. ' ' .. line, 'expired')
+  redis.call('ZADD', dead, now, id)
+  if crid then
+    redis.call('HINCRBY', state, field(msgid, 'o'), -1)
+    redis.call('HINCRBY', state, field(msgid, 'dc'), 1)
+  end
 end
 
 -- fn(id) for each delivery id in ARGV from index `first` on: 1 where it did (returned
