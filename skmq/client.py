@@ -167,6 +167,20 @@ class Message:
     content: bytes
     fields: dict[str, str]
 
+    @property
+    def attempt(self) -> int | None:
+        """Which attempt this push is (1 the first), when the broker said (extension)."""
+        return _int_or_none(self.fields.get("attempt"))
+
+    @property
+    def stored_at(self) -> int | None:
+        """When the broker first stored the message (unix ms), when it said (extension)."""
+        return _int_or_none(self.fields.get("stored_at"))
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
 
 Handler = Callable[[Message], Awaitable[None]]
 

@@ -44,6 +44,7 @@ class Delivery:
     attempt: int
     recipient: str
     token: str = ""
+    stored_at: int = 0  # unix ms the message was first stored
     pushed_at: float = field(default_factory=time.monotonic)
     arrived_at: float = 0.0
     conn: PushConnection | None = None
@@ -290,9 +291,11 @@ class RecipientLink:
         conn.send(d)
 
     def encode_push(self, d: Delivery) -> bytes:
-        """Original peers get only the fields the original broker sends."""
+        """Original peers get only the fields the original broker sends; a recipient that
+        declared capabilities also gets the delivery metadata (attempt, stored_at)."""
         fields: list[tuple[str, str]] = [("appid", self.app), ("msgid", d.msgid)]
         if self.caps:
+            fields += (("attempt", str(d.attempt)), ("stored_at", str(d.stored_at)))
             if d.kind == "topic":
                 fields.append(("recipient", self.rid))
             if d.token and "token" in self.caps:

@@ -150,6 +150,7 @@ class Pusher:
                 self._expired(app, c)
                 continue
             d = Delivery(app, c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient)
+            d.stored_at = c.stored_at  # the push's metadata (link.encode_push)
             r = self.registry.get(app, c.recipient)
             if r is None:
                 orphans.append(d)
