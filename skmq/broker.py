@@ -52,6 +52,7 @@ def make_store(settings: Settings, redis: aioredis.Redis) -> Store:
         dedupe_window=settings.dedupe_window,
         expired_drop=settings.expired == "drop",
         retry_jitter=settings.retry_jitter,
+        max_lease_extensions=settings.max_lease_extensions,
     )
 
 

@@ -786,6 +786,15 @@ class Consumer:
             raise RegistrationError(resp)
         return resp
 
+    async def extend(self, msg: Message) -> Resp:
+        """Ask for another ACK_TIMEOUT to work on `msg` (the broker's `extend` extension,
+        ExtensionUnsupported otherwise; at most MAX_LEASE_EXTENSIONS times an attempt, then
+        `reject`). Sent on our own connection to the broker."""
+        link = await self._broker()
+        await link.require("extend")
+        fields = _answer_fields(msg, self.id)
+        return await asyncio.wait_for(link.request("extend", fields), BROKER_TIMEOUT)
+
     async def unregister(self) -> Resp:
         """Send `unregister`; returns the broker's resp (not raising on refusal).
 

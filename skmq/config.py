@@ -93,6 +93,7 @@ class Settings(BaseSettings):
     ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     expired: Literal["dead", "drop"] = "dead"
     retry_jitter: float = Field(0.1, ge=0, le=1)
+    max_lease_extensions: int = Field(10, ge=0)
 
     @field_validator("retry_backoff", mode="before")
     @classmethod

@@ -43,7 +43,8 @@ log = structlog.get_logger("skmq.handler")
 MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
 BROKER_CAPS = (
-    *("delay", "hello", "length", "pipeline", "recipient", "token", "ttl", "unregister"),
+    *("delay", "extend", "hello", "length", "pipeline", "recipient", "token", "ttl"),
+    "unregister",
 )
 HELLO_BODY = json.dumps(
     {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
@@ -141,7 +142,7 @@ class Handler:
         kind = item.type
         if kind in ("queue", "topic"):
             return Outcome(self._produce(item, batch, peer))
-        if kind in ("ack", "reject", "error", "arrived"):
+        if kind in ("ack", "reject", "error", "arrived", "extend"):
             app = item.fields.get("appid") or ""
             if (refused := self._refusal(peer, "consume", app)) is not None:
                 return Outcome(self._resp(refused, item.fields.get("msgid"), "reject"))

@@ -15,6 +15,8 @@ table and tests/test_lifecycle.py has a test for each row, refusals included.
                                                         gone with EXPIRED=drop)
     in_flight(n) --fail | reap--> dead | gone          (TTL run out by then: expired, no
                                                         retry)
+    in_flight(n) --extend--> in_flight(n)              (lease + ACK_TIMEOUT from now; only
+                                                        attempt n, MAX_LEASE_EXTENSIONS times)
     in_flight(n) --release--> pending                  (never seen: no attempt spent)
     dead --replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
     dead --purge--> gone                               (anything not dead: refused)
@@ -61,6 +63,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t("finish", {S.IN_FLIGHT}, {S.ACKED}, "not in flight, or another attempt"),
     _t("fail", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "not in flight, or another attempt"),
     _t("reap", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "lease not run out"),
+    _t("extend", {S.IN_FLIGHT}, {S.IN_FLIGHT}, "not in flight, another attempt, or the limit"),
     _t("release", {S.IN_FLIGHT}, {S.PENDING}, "not in flight"),
     _t("replay", {S.DEAD}, {S.DELAYED}, "not dead"),
     _t("purge", {S.DEAD}, {S.GONE}, "not dead"),

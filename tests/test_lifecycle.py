@@ -174,6 +174,7 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     got, _, _ = await store.claim(APP, NOW, 5, alive("r1", "r2"), ["r1"] * 5)
     ids = [c.delivery_id for c in got]
     await store.in_flight_of(APP, "t")
+    await store.extend(APP, [(ids[0], 0), (ids[1], 1)], NOW)
     await store.finish(APP, [(ids[0], 0)], NOW)
     await store.fail(APP, [(ids[1], "errored", "x", "", 0)], NOW)
     await store.reap([APP], NOW + 20_000)

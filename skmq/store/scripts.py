@@ -20,6 +20,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "fail": ("msgs", "state", "delayed", "inflight", "dead"),
     "reap": ("msgs", "state", "delayed", "inflight", "dead"),
     "finish": ("msgs", "state", "inflight"),  # + done:<current>
+    "extend": ("msgs", "state", "inflight"),
     "release": ("msgs", "state", "ready", "delayed", "inflight"),
     "in_flight_of": ("msgs", "state", "inflight"),
     "replay": ("state", "delayed", "dead"),

@@ -143,6 +143,17 @@ class Failed:
 
 
 @dataclass(slots=True)
+class Extended:
+    code: int  # 0 not in flight (or another attempt), 1 extended, 2 limit reached
+    extensions: int  # of this attempt, so far
+    deadline: int  # the lease's end (unix ms)
+
+    STALE = 0
+    EXTENDED = 1
+    LIMIT = 2
+
+
+@dataclass(slots=True)
 class Reaped:
     delivery_id: str
     result: Failed
@@ -197,6 +208,7 @@ class Store:
         dedupe_window: float = 3600.0,
         expired_drop: bool = False,
         retry_jitter: float = 0.0,
+        max_lease_extensions: int = 10,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -206,6 +218,7 @@ class Store:
         self.dedupe_ms = max(1, int(dedupe_window * 1000))
         self.expired_drop = expired_drop
         self.retry_jitter = retry_jitter
+        self.max_lease_extensions = max_lease_extensions
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(scripts.source(name)) for name in scripts.KEYS
         }
@@ -361,6 +374,17 @@ class Store:
         return [
             Finished(bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
             for i in range(0, len(res), 4)
+        ]
+
+    async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
+        """leases: (delivery id, attempt or 0 for the current); each in flight gets a lease
+        of ACK_TIMEOUT from now, at most MAX_LEASE_EXTENSIONS times an attempt."""
+        args: list[Any] = [now, self.lease_ms, self.max_lease_extensions]
+        for delivery_id, attempt in leases:
+            args += (delivery_id, attempt)
+        res = await self._call("extend", app, args)
+        return [
+            Extended(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)
         ]
 
     def _retry_args(self) -> list[Any]:

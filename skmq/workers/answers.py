@@ -16,7 +16,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.deliverylog import DeliveryLog, now_ms
-from skmq.store import Failed, Store, split_delivery
+from skmq.store import Extended, Failed, Store, split_delivery
 from skmq.workers.link import Resp
 
 log = structlog.get_logger("skmq.answers")
@@ -147,6 +147,19 @@ class AnswerBatcher:
         if self.on_acked is not None:
             self.on_acked(app, now - stored)
         a.done(("ack", "acked"))
+
+    async def extend(self, app: str, delivery_id: str, rid: str, attempt: int) -> Resp:
+        """A recipient still working: its lease pushed out (fenced to `attempt`), logged."""
+        (e,) = await self.store.extend(app, [(delivery_id, attempt)], now_ms())
+        msgid = split_delivery(delivery_id)[0]
+        if e.code == Extended.STALE:
+            return ("reject", "message not in flight (already settled, or a newer attempt)")
+        limit = self.store.max_lease_extensions
+        if e.code == Extended.LIMIT:
+            return ("reject", f"lease not extended: MAX_LEASE_EXTENSIONS ({limit}) reached")
+        detail = f"lease until {e.deadline} ({e.extensions} of {limit})"
+        self.dlog.event("extended", msgid, app, _kind(delivery_id), rid, attempt, detail)
+        return ("ack", f"lease extended until {e.deadline} ({e.extensions} of {limit})")
 
     def expired(self, app: str, msgid: str, kind: str, rid: str, attempt: int, dead: bool) -> Resp:
         """Log a message whose TTL ran out: dead-lettered (reason `expired`) or dropped."""

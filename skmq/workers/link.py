@@ -52,6 +52,9 @@ class Delivery:
 
 class LinkOwner(Protocol):
     def on_arrived(self, link: RecipientLink, delivery: Delivery) -> None: ...
+    def on_extend(
+        self, link: RecipientLink, delivery: Delivery, reply: Callable[[Resp], None]
+    ) -> None: ...
     def on_answer(
         self,
         link: RecipientLink,
@@ -317,6 +320,9 @@ class RecipientLink:
         token = frame.fields.get("token")
         if d is None or (token is not None and d.token and token != d.token):
             self.owner.on_unknown_answer(self, frame, reply)
+            return
+        if kind == "extend" or (kind == "arrived" and d.arrived_at):
+            self.owner.on_extend(self, d, reply)  # still working: another lease
             return
         if kind == "arrived":
             d.arrived_at = time.monotonic()

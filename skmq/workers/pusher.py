@@ -216,6 +216,18 @@ class Pusher:
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
         self.dlog.event("arrived", d.msgid, link.app, d.kind, link.rid, d.attempt)
 
+    def on_extend(self, link: RecipientLink, d: Delivery, reply: Callable[[Resp], None]) -> None:
+        async def extend() -> None:
+            try:
+                resp = await self.answers.extend(link.app, d.delivery_id, link.rid, d.attempt)
+            except (RedisError, OSError):
+                resp = ("error", "store unavailable, answer again later")
+            if resp[0] == "ack":
+                d.pushed_at = time.monotonic()  # this broker's own timer follows the lease
+            reply(resp)
+
+        spawn(extend(), self.tasks)
+
     def on_answer(
         self,
         link: RecipientLink,

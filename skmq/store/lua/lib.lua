@@ -7,7 +7,8 @@
 --                   <msgid>\31<attr>\31<rid>; attrs: n attempts, r last recipient,
 --                   e last error, h history, o copies outstanding, dc copies dead,
 --                   c the recipients a topic message was fanned out to (\31-joined),
---                   x when the message expires (unix ms; TTL, set when stored)
+--                   x when the message expires (unix ms; TTL, set when stored),
+--                   l lease extensions of the current attempt (<attempt>:<count>)
 --   ready     LIST  delivery ids ready to push, FIFO
 --   delayed   ZSET  delivery id -> due ms (delayed messages, retry waits, replays)
 --   inflight  ZSET  delivery id -> lease deadline ms (pushed, waiting for an answer)
@@ -33,13 +34,15 @@ end
 -- Drop a message and all its delivery state.
 local function forget(msgs, state, msgid)
   local f = {field(msgid, 'n'), field(msgid, 'r'), field(msgid, 'e'), field(msgid, 'h'),
-             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x')}
+             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x'),
+             field(msgid, 'l')}
   local copies = redis.call('HGET', state, field(msgid, 'c'))
   if copies then
     for rid in string.gmatch(copies, '[^\31]+') do
       f[#f + 1] = field(msgid, 'n', rid)
       f[#f + 1] = field(msgid, 'e', rid)
       f[#f + 1] = field(msgid, 'h', rid)
+      f[#f + 1] = field(msgid, 'l', rid)
     end
   end
   redis.call('HDEL', state, unpack(f))
@@ -51,7 +54,7 @@ end
 -- or dead, so that the message itself can go.
 local function settle_copy(state, msgid, crid, counter)
   redis.call('HDEL', state, field(msgid, 'n', crid), field(msgid, 'h', crid),
-             field(msgid, 'e', crid))
+             field(msgid, 'e', crid), field(msgid, 'l', crid))
   redis.call('HINCRBY', state, field(msgid, counter), -1)
   local c = redis.call('HMGET', state, field(msgid, 'o'), field(msgid, 'dc'))
   return tonumber(c[1] or '0') <= 0 and tonumber(c[2] or '0') <= 0

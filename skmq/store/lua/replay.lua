@@ -8,7 +8,7 @@ return each_id(2, function(id)
   if redis.call('ZREM', dead, id) == 0 then return false end
   local msgid, crid = split(id)
   redis.call('HSET', state, field(msgid, 'n', crid), 0)
-  redis.call('HDEL', state, field(msgid, 'x'))
+  redis.call('HDEL', state, field(msgid, 'x'), field(msgid, 'l', crid))
   if crid then
     redis.call('HINCRBY', state, field(msgid, 'dc'), -1)
     redis.call('HINCRBY', state, field(msgid, 'o'), 1)
