@@ -20,6 +20,8 @@ table and tests/test_lifecycle.py has a test for each row, refusals included.
     in_flight(n) --release--> pending                  (never seen: no attempt spent)
     dead --replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
     dead --purge--> gone                               (anything not dead: refused)
+    dead --move--> gone, and pending in another app    (`dlq replay --to-app`; not dead,
+                                                        or a duplicate there: refused)
 """
 
 from __future__ import annotations
@@ -67,4 +69,5 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t("release", {S.IN_FLIGHT}, {S.PENDING}, "not in flight"),
     _t("replay", {S.DEAD}, {S.DELAYED}, "not dead"),
     _t("purge", {S.DEAD}, {S.GONE}, "not dead"),
+    _t("move", {S.DEAD}, {S.GONE}, "not dead, or its msgid a duplicate in the target app"),
 )

@@ -184,7 +184,8 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
         await store.reap([APP], NOW + 100_000_000)
     dead = [d.delivery_id for d in await store.dead_letters(APP)]
     await store.replay(APP, dead[:1], NOW)
-    await store.purge(APP, dead[1:])
+    assert await store.move(APP, "life2", dead[1:2], NOW) == [1]
+    await store.purge(APP, dead[2:])
     await store.register(APP, "r1", {"id": "r1"}, NOW)
     await store.set_state(APP, "r1", False, NOW)
     await store.unregister(APP, "r1")

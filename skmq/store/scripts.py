@@ -25,6 +25,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "in_flight_of": ("msgs", "state", "inflight"),
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
+    # the source app's; Store.move adds the target app's msgs, ready, then @apps, done:*
+    "move": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),
     "register": ("recipients", "rstate", "rbeat"),
     "unregister": ("recipients", "rstate", "rbeat"),

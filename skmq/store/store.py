@@ -554,6 +554,18 @@ class Store:
             return []
         return [bool(x) for x in await self._call("replay", app, [now, *delivery_ids])]
 
+    async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
+        """Dead letters of `app` become new messages of `to_app` (same msgid, pending),
+        purged from `app`, in one script: 1 moved, 0 not dead, -1 a duplicate there."""
+        if not delivery_ids:
+            return []
+        to, bucket = self.base(to_app), self._bucket(now)
+        target = (to + "msgs", to + "ready", self.apps_key)
+        done = (to + self._done(bucket), to + self._done(bucket - 1))
+        keys = [*self._keys("move", app), *target, *done]
+        res = await self._scripts["move"](keys, [now, to_app, *delivery_ids])
+        return [int(x) for x in res]
+
     async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:
             return []
