@@ -444,6 +444,7 @@ class Producer:
         delay_ms: int | None = None,
         deliver_at_ms: int | None = None,
         ttl_ms: int | None = None,
+        key: str | None = None,
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
@@ -452,7 +453,9 @@ class Producer:
         when the broker's answer carries none (the original's do not). A delay needs
         the broker's `delay` extension, a TTL (not pushed once `ttl_ms` have passed,
         0: none, overriding the broker's default) its `ttl` extension
-        (ExtensionUnsupported otherwise).
+        (ExtensionUnsupported otherwise). A `key` (queue messages only, the `key`
+        extension) orders delivery: one message of the app and key at a time, in stored
+        order.
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -465,6 +468,9 @@ class Producer:
         if ttl_ms is not None:
             await self.require("ttl")
             fields.append(("ttl", str(int(ttl_ms))))
+        if key is not None:
+            await self.require("key")
+            fields.append(("key", key))
         data = content.encode() if isinstance(content, str) else content
         return _named(await self.request("topic" if topic else "queue", fields, data), msgid)
 

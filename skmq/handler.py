@@ -43,7 +43,7 @@ log = structlog.get_logger("skmq.handler")
 MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
 BROKER_CAPS = (
-    *("delay", "extend", "hello", "length", "pipeline", "recipient", "token", "ttl"),
+    *("delay", "extend", "hello", "key", "length", "pipeline", "recipient", "token", "ttl"),
     "unregister",
 )
 HELLO_BODY = json.dumps(
@@ -208,6 +208,11 @@ class Handler:
             return self._resp(f"msgid {why}", None)
         if frame.content is None:
             return self._resp("content required", msgid)
+        key = fields.get("key") or ""
+        if key and (why := _bad_id(key)) is not None:
+            return self._resp(f"key {why}", msgid)
+        if key and frame.type != "queue":
+            return self._resp("key= (ordered delivery) applies to queue messages only", msgid)
         try:
             delay = _int_field(frame, "delay")
             deliver_at = _int_field(frame, "deliver_at")
@@ -221,7 +226,7 @@ class Handler:
         if ttl is None:
             ttl = self.settings.ttl_by_app.get(app, self.settings.default_ttl)
         expires = now + ttl if ttl else 0
-        return batch.add(app, NewMessage(msgid, frame.type, frame.content, due, expires))
+        return batch.add(app, NewMessage(msgid, frame.type, frame.content, due, expires, key))
 
     # -- recipients' answers and registrations ------------------------------
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:

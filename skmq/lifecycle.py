@@ -5,6 +5,11 @@ store, safe with any number of brokers on one Redis; docs/ARCHITECTURE.md draws 
 table and tests/test_lifecycle.py has a test for each row, refusals included.
 
     received --store--> pending | delayed              (a duplicate msgid: refused)
+    received --store--> waiting_key                    (key=: an earlier message of its
+                                                        key is not over yet)
+    waiting_key --finish | fail | reap | claim--> pending | delayed
+                                                       (the message before it in its key
+                                                        acked or dead: the next goes)
     pending | delayed | waiting_retry --claim--> in_flight(n + 1)
                                      --claim--> dead   (content no recipient can take)
     in_flight(n) --finish--> acked                     (only attempt n, only in flight)
@@ -36,6 +41,7 @@ class State(enum.StrEnum):
     DELAYED = "delayed"  # in `delayed`, not yet due (a delay, or a replay due now)
     IN_FLIGHT = "in_flight"  # in `inflight`, leased to one recipient
     WAITING_RETRY = "waiting_retry"  # in `delayed` after a failed attempt
+    WAITING_KEY = "waiting_key"  # in `kq` only: an earlier message of its key is not over
     ACKED = "acked"  # gone, its msgid in `done:<bucket>` for the dedupe window
     DEAD = "dead"  # in `dead`, the dead-letter queue
     GONE = "gone"  # purged
@@ -56,6 +62,12 @@ def _t(script: str, sources: set[State], targets: set[State], refused: str) -> T
 S = State
 TRANSITIONS: tuple[Transition, ...] = (
     _t("store", {S.RECEIVED}, {S.PENDING, S.DELAYED}, "duplicate msgid: not stored again"),
+    _t("store", {S.RECEIVED}, {S.WAITING_KEY}, "no earlier message of its key: pending"),
+    # per-key order: a message acked or dead lets the next one of its key go
+    _t("finish", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of its key"),
+    _t("fail", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of a dead message's key"),
+    _t("reap", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of a dead message's key"),
+    _t("claim", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of a dead message's key"),
     _t("claim", {S.PENDING, S.DELAYED, S.WAITING_RETRY}, {S.IN_FLIGHT, S.DEAD}, "nothing due"),
     # expiry: a message whose TTL ran out is never pushed (dead-lettered, reason `expired`,
     # or dropped); a delayed one or a retry wait falls due at its expiry at the latest.

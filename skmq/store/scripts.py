@@ -15,11 +15,11 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": ("msgs", "ready", "delayed", "@apps", "state"),  # + done:<current>, <previous>
-    "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
-    "fail": ("msgs", "state", "delayed", "inflight", "dead"),
-    "reap": ("msgs", "state", "delayed", "inflight", "dead"),
-    "finish": ("msgs", "state", "inflight"),  # + done:<current>
+    "store": ("msgs", "ready", "delayed", "@apps", "state", "kq"),  # + done:<cur>, <prev>
+    "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate", "kq"),
+    "fail": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
+    "reap": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
+    "finish": ("msgs", "state", "inflight", "ready", "delayed", "kq"),  # + done:<current>
     "extend": ("msgs", "state", "inflight"),
     "release": ("msgs", "state", "ready", "delayed", "inflight"),
     "in_flight_of": ("msgs", "state", "inflight"),

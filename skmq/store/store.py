@@ -95,6 +95,7 @@ class NewMessage:
     content: bytes
     deliver_at: int = 0  # unix ms; 0: now
     expires_at: int = 0  # unix ms; 0: never (TTL)
+    key: str = ""  # ordering key: one at a time, in stored order, per app and key
 
 
 _KINDS = {b"q": "queue", b"t": "topic", b"d": "dead", b"x": "expired"}
@@ -297,7 +298,7 @@ class Store:
             args: list[Any] = [now, app]
             for m in messages:
                 kind = "t" if m.kind == "topic" else "q"
-                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at)
+                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key)
             calls.append((app, args, done))
         results = await self._call_each("store", calls)
         return {app: [bool(x) for x in res] for app, res in zip(batches, results, strict=True)}
@@ -367,7 +368,7 @@ class Store:
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         """acks: (delivery id, attempt or 0 for whichever is current)."""
-        args: list[Any] = [2 * self.dedupe_ms]
+        args: list[Any] = [now, 2 * self.dedupe_ms]
         for delivery_id, attempt in acks:
             args += (delivery_id, attempt)
         res = await self._call("finish", app, args, self._done(self._bucket(now)))

@@ -2,7 +2,8 @@
 -- recipient can take the content. Also pending | delayed | waiting retry -> dead | gone:
 -- a message whose TTL ran out is never pushed: dead-lettered (reason `expired`), or
 -- dropped when drop is 1.
--- KEYS: msgs, state, ready, delayed, inflight, dead, rate
+-- A message that dies or expires here lets the next message of its ordering key go.
+-- KEYS: msgs, state, ready, delayed, inflight, dead, rate, kq
 -- ARGV: now, lease ms, n, k, rate, drop 0|1, (alive rid, free slots, length 0|1) * k,
 --       queue assignment rid * n
 -- Takes up to n messages, due ones first, then the ready list. With a rate
@@ -16,7 +17,7 @@
 -- then `dead` or `drop`), the next due ms (-1: none), and the ms until the
 -- bucket has a token again (0: not limited).
 local msgs, state, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local inflight, dead, ratek = KEYS[5], KEYS[6], KEYS[7]
+local inflight, dead, ratek, kq = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local now = tonumber(ARGV[1])
 local lease = now + tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
@@ -54,6 +55,7 @@ end
 local UNDELIVERABLE = 'undeliverable: content holds CR or LF and no recipient declared '
   .. 'the length capability'
 local function bury(id, msgid, crid, rid)
+  if not crid then advance(state, kq, ready, delayed, msgid, now) end
   note(state, msgid, crid, now .. ' attempt=0 recipient=' .. rid .. ' ' .. UNDELIVERABLE,
        UNDELIVERABLE)
   redis.call('ZADD', dead, now, id)
@@ -74,6 +76,7 @@ local function take(id)
   local x = expiry(state, msgid)
   if x and now >= x then
     local a = tonumber(redis.call('HGET', state, field(msgid, 'n', crid)) or '0')
+    if not crid then advance(state, kq, ready, delayed, msgid, now) end
     expire(msgs, state, dead, id, now, drop, 'attempt=' .. a .. ' recipient=' .. (crid or '')
            .. ' expired: its ttl ran out before it was pushed')
     emit(id, 'x', drop and 'drop' or 'dead', a, crid or '')

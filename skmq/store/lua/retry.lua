@@ -5,10 +5,12 @@
 -- Each wait is spread by +-jitter (a fraction) from `random` (0..1, drawn by the caller:
 -- math.random is deterministic in Redis scripts); the failures of one call get values
 -- spread from it by the golden ratio, so that a burst does not come back in lockstep.
--- KEYS: msgs, state, delayed, inflight, dead
+-- A message over (dead or expired) lets the next message of its ordering key go.
+-- KEYS: msgs, state, delayed, inflight, dead, ready, kq
 -- ARGV: now, limit, retry_times, drop 0|1, jitter, random, nb, backoff ms * nb, then the
 --       script's own arguments
 local msgs, state, delayed, inflight, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local ready, kq = KEYS[6], KEYS[7]
 local now = tonumber(ARGV[1])
 local retry_times = tonumber(ARGV[3])
 local drop = ARGV[4] == '1'
@@ -39,6 +41,7 @@ local function fail_one(id, outcome, detail, rid_hint, attempt)
   if rid == '' then rid = f[2] or '' end
   local x = expiry(state, msgid)
   if x and now >= x then
+    if not crid then advance(state, kq, ready, delayed, msgid, now) end
     expire(msgs, state, dead, id, now, drop, 'attempt=' .. n .. ' recipient=' .. rid .. ' '
            .. outcome .. ': ' .. detail .. '; expired: its ttl ran out')
     if drop then return {4, n, now, rid} end
@@ -49,6 +52,7 @@ local function fail_one(id, outcome, detail, rid_hint, attempt)
        outcome .. ': ' .. detail)
   if n >= retry_times then
     redis.call('ZADD', dead, now, id)
+    if not crid then advance(state, kq, ready, delayed, msgid, now) end
     if crid then
       redis.call('HINCRBY', state, field(msgid, 'o'), -1)
       redis.call('HINCRBY', state, field(msgid, 'dc'), 1)
