@@ -22,9 +22,14 @@ from tests.test_lifecycle import APP, NOW, alive, claimed, state_of
 TTL = 500
 
 
-def make_store(redis: aioredis.Redis, prefix: str, drop: bool = False) -> Store:
+def make_store(
+    redis: aioredis.Redis, prefix: str, drop: bool = False, retry_times: int = 3
+) -> Store:
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    return Store(client, prefix, retry_times=3, backoff=[1.0], ack_timeout=10.0, expired_drop=drop)
+    return Store(
+        client, prefix, retry_times=retry_times, backoff=[1.0], ack_timeout=10.0,
+        expired_drop=drop,
+    )  # fmt: skip
 
 
 @pytest.fixture

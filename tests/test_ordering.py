@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,15 +20,15 @@ from skmq.store import AliveRecipient, Failed, NewMessage, Store
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import base, log_events, produce, registered, settle
+from tests.test_expiry import make_store
+from tests.test_lifecycle import NOW
 
 APP = "order"
-NOW = 1_700_000_000_000
 
 
 @pytest.fixture
 async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
-    client = aioredis.Redis(connection_pool=redis.connection_pool)
-    yield Store(client, prefix, retry_times=2, backoff=[1.0], ack_timeout=10.0)
+    yield make_store(redis, prefix, retry_times=2)
 
 
 def keyed(msgid: str, key: str, at: int = 0, content: bytes = b"x") -> NewMessage:
@@ -111,11 +112,16 @@ class OrderWatch:
         self.seen: dict[str, list[int]] = collections.defaultdict(list)
         self.total = 0
         self.overlaps: list[list[str]] = []
+        self.hold = False  # answer nothing: pushes stay in flight
+        self.held: set[str] = set()
 
     def on_push(self, frame: Frame) -> str:
         key, _, n = (frame.fields.get("msgid") or "").partition("-")
         self.seen[key].append(int(n))
         self.total += 1
+        if self.hold:
+            self.held.add(frame.fields.get("msgid") or "")
+            return "silent"
         return "ack"
 
     async def sample(self, redis: aioredis.Redis, inflight: str) -> None:
@@ -138,6 +144,7 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
     env = broker_process.env
     env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix, SKMQ_RETRY_TIMES="20")
     env.update(SKMQ_ACK_TIMEOUT="1.5", SKMQ_RETRY_BACKOFF="0.1")
+    env["SKMQ_LOG_DIR"] = env["SKMQ_DATA_DIR"] + "-killed-log"  # its log only
     await asyncio.to_thread(broker_process.start)
     other = await make_broker(ack_timeout=1.5, retry_times=20, retry_backoff=[0.1])
     watch = OrderWatch()
@@ -152,7 +159,24 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
             port = broker_process.port if n % 2 else other.server.port
             await _produce_keyed(port, ids)
         await eventually(lambda: _at_least(watch, KEYS * PER_KEY // 3), timeout=120)
-        await asyncio.to_thread(broker_process.kill)  # mid-way, leases of its own in flight
+        # mid-way, once the broker to kill has pushes of its own in flight
+        watch.hold = True
+        pushed_there = Path(env["SKMQ_LOG_DIR"])
+        inflight = base(other, APP) + "inflight"
+        caught: set[str] = set()
+
+        def unanswered_there() -> set[str]:
+            pushed = {e["msgid"] for e in log_events(pushed_there, event="pushed")}
+            return pushed - {e["msgid"] for e in log_events(pushed_there, event="acked")}
+
+        async def in_flight_there() -> bool:
+            now = {m.decode() for m in await redis.zrange(inflight, 0, -1)}
+            caught.update(now & watch.held & unanswered_there())  # never to be answered
+            return bool(caught)
+
+        await eventually(in_flight_there, timeout=60)
+        await asyncio.to_thread(broker_process.kill)
+        watch.hold = False
         await settle(redis, other, APP, timeout=180)
     finally:
         sampler.cancel()
@@ -166,8 +190,14 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
         assert firsts == list(range(PER_KEY)), (k, got)  # in order; a repeat only of
         # the message just pushed (its ack lost with the killed broker)
     assert watch.total >= KEYS * PER_KEY
-    # the killed broker had pushes in flight: their leases ran out and went on here
-    assert log_events(other, event="timeout"), "the kill caught nothing in flight"
+    # the killed broker's pushes in flight: their leases ran out and went on here
+    missed = caught - {e["msgid"] for e in log_events(other, event="timeout")}
+    assert not missed, [
+        (e["event"], e["msgid"], e["attempt"], e["ts"], where)
+        for where in (other, Path(env["SKMQ_LOG_DIR"]))
+        for e in log_events(where)
+        if e["msgid"] in missed
+    ]
 
 
 async def _at_least(watch: OrderWatch, n: int) -> bool:
