@@ -59,6 +59,9 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
         dedupe_window=settings.dedupe_window,
         replica_acks=settings.replica_acks,
         replica_ack_timeout=settings.replica_ack_timeout,
+        expired_drop=settings.expired == "drop",
+        retry_jitter=settings.retry_jitter,
+        max_lease_extensions=settings.max_lease_extensions,
     )
 
 

@@ -168,6 +168,20 @@ class Message:
     content: bytes
     fields: dict[str, str]
 
+    @property
+    def attempt(self) -> int | None:
+        """Which attempt this push is (1 the first), when the broker said (extension)."""
+        return _int_or_none(self.fields.get("attempt"))
+
+    @property
+    def stored_at(self) -> int | None:
+        """When the broker first stored the message (unix ms), when it said (extension)."""
+        return _int_or_none(self.fields.get("stored_at"))
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
 
 Handler = Callable[[Message], Awaitable[None]]
 
@@ -415,13 +429,19 @@ class Producer(_Scoped):
         msgid: str | None = None,
         delay_ms: int | None = None,
         deliver_at_ms: int | None = None,
+        ttl_ms: int | None = None,
+        key: str | None = None,
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
         Without `msgid` one is generated here (the original broker would take every
         message without one for a duplicate of the first); `resp.msgid` names it even
         when the broker's answer carries none (the original's do not). A delay needs
-        the broker's `delay` extension (ExtensionUnsupported otherwise).
+        the broker's `delay` extension, a TTL (not pushed once `ttl_ms` have passed,
+        0: none, overriding the broker's default) its `ttl` extension
+        (ExtensionUnsupported otherwise). A `key` (queue messages only, the `key`
+        extension) orders delivery: one message of the app and key at a time, in stored
+        order.
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -431,6 +451,12 @@ class Producer(_Scoped):
             fields.append(("delay", str(int(delay_ms))))
         if deliver_at_ms is not None:
             fields.append(("deliver_at", str(int(deliver_at_ms))))
+        if ttl_ms is not None:
+            await self.require("ttl")
+            fields.append(("ttl", str(int(ttl_ms))))
+        if key is not None:
+            await self.require("key")
+            fields.append(("key", key))
         data = content.encode() if isinstance(content, str) else content
         return _named(await self.request("topic" if topic else "queue", fields, data), msgid)
 
@@ -751,6 +777,15 @@ class Consumer(_Scoped):
         if not resp.ok:
             raise RegistrationError(resp)
         return resp
+
+    async def extend(self, msg: Message) -> Resp:
+        """Ask for another ACK_TIMEOUT to work on `msg` (the broker's `extend` extension,
+        ExtensionUnsupported otherwise; at most MAX_LEASE_EXTENSIONS times an attempt, then
+        `reject`). Sent on our own connection to the broker."""
+        link = await self._broker()
+        await link.require("extend")
+        fields = _answer_fields(msg, self.id)
+        return await asyncio.wait_for(link.request("extend", fields), BROKER_TIMEOUT)
 
     async def unregister(self) -> Resp:
         """Send `unregister`; returns the broker's resp (not raising on refusal).

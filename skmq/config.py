@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     auth_file: Path | None = None
     allow_unauthenticated: bool = False
     signing_secret: SecretStr | None = None
+    # Delivery semantics (docs/PROTOCOL.md extensions).
+    default_ttl: int = Field(0, ge=0)
+    ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    expired: Literal["dead", "drop"] = "dead"
+    retry_jitter: float = Field(0.1, ge=0, le=1)
+    max_lease_extensions: int = Field(10, ge=0)
 
     @field_validator("retry_backoff", mode="before")
     @classmethod
@@ -111,6 +117,27 @@ class Settings(BaseSettings):
     @classmethod
     def _networks(cls, value: Any) -> Any:
         return _split_csv(value)
+
+    @field_validator("ttl_by_app", mode="before")
+    @classmethod
+    def _ttls(cls, value: Any) -> Any:
+        """`app1:5000,app2:100` (ms) -> {"app1": 5000, "app2": 100}."""
+        if not isinstance(value, str):
+            return value
+        ttls = {}
+        for part in _split_csv(value):
+            app, sep, ms = part.rpartition(":")
+            if not sep or not app or not ms.strip().isdigit():
+                raise ValueError(f"{part!r} is not app:<ttl ms> (a non-negative integer)")
+            ttls[app.strip()] = int(ms)
+        return ttls
+
+    @field_validator("ttl_by_app")
+    @classmethod
+    def _ttls_not_negative(cls, value: dict[str, int]) -> dict[str, int]:
+        if any(ms < 0 for ms in value.values()):
+            raise ValueError("a ttl is a non-negative integer (ms)")
+        return value
 
     @field_validator("auth_token", "auth_file", "signing_secret", mode="before")
     @classmethod

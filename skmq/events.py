@@ -30,6 +30,8 @@ class Event(str, Enum):  # noqa: UP042
     RETRY_SCHEDULED = "retry_scheduled"
     DEAD_LETTERED = "dead_lettered"
     REPLAYED = "replayed"
+    EXPIRED = "expired"
+    EXTENDED = "extended"
     RECIPIENT_REGISTERED = "recipient_registered"
     RECIPIENT_LOST = "recipient_lost"
     RECIPIENT_ALIVE = "recipient_alive"

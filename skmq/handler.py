@@ -52,7 +52,10 @@ log = structlog.get_logger("skmq.handler")
 
 MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
-BROKER_CAPS = ("auth", "delay", "hello", "length", "pipeline", "recipient", "token", "unregister")
+BROKER_CAPS = (
+    *("auth", "delay", "extend", "hello", "key", "length", "pipeline", "recipient"),
+    *("token", "ttl", "unregister"),
+)
 HELLO_BODY = json.dumps(
     {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
 )
@@ -217,15 +220,25 @@ class FrameHandler:
             return self._resp(f"msgid {why}", None)
         if frame.content is None:
             return self._resp("content required", msgid)
+        key = fields.get("key") or ""
+        if key and (why := bad_id(key)) is not None:
+            return self._resp(f"key {why}", msgid)
+        if key and frame.type != "queue":
+            return self._resp("key= (ordered delivery) applies to queue messages only", msgid)
         try:
             delay = _int_field(frame, "delay")
             deliver_at = _int_field(frame, "deliver_at")
+            ttl = _int_field(frame, "ttl")
         except ValueError:
-            return self._resp("delay and deliver_at must be non-negative integers (ms)", msgid)
+            return self._resp("delay, deliver_at and ttl must be non-negative integers (ms)", msgid)
+        now = now_ms()
         due = 0
         if delay or deliver_at:
-            due = max(deliver_at or 0, now_ms() + (delay or 0))
-        return batch.add(app, NewMessage(msgid, frame.type, frame.content, due))
+            due = max(deliver_at or 0, now + (delay or 0))
+        if ttl is None:
+            ttl = self.settings.ttl_by_app.get(app, self.settings.default_ttl)
+        expires = now + ttl if ttl else 0
+        return batch.add(app, NewMessage(msgid, frame.type, frame.content, due, expires, key))
 
     # -- recipients' answers and registrations ------------------------------
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:

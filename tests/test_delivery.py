@@ -686,7 +686,7 @@ async def test_reject_is_retried_with_growing_waits_then_dead(
     make_broker: BrokerFactory, redis: aioredis.Redis
 ) -> None:
     backoff = [0.1, 0.3, 0.6]
-    broker = await make_broker(retry_backoff=backoff, retry_times=4)
+    broker = await make_broker(retry_backoff=backoff, retry_times=4, retry_jitter=0)
     app = "rej"
     times: list[float] = []
     loop = asyncio.get_running_loop()

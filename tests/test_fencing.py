@@ -203,7 +203,7 @@ async def test_answers_from_another_address_change_nothing(
     push = await holder.next_push()
     assert push.fields["msgid"] == "fly"
     for msgid in ("late", "fly", "nope"):
-        for kind in ("ack", "reject", "error", "arrived"):
+        for kind in ("ack", "reject", "error", "arrived", "extend"):
             resp = await answer_from(broker.server.port, ATTACKER, kind, msgid=msgid, appid=app)
             assert resp["status"] == "reject", (msgid, kind, resp)
     # a guessed or replayed token is refused too

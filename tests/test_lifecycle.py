@@ -186,10 +186,13 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     task = asyncio.create_task(watch())
     await ready.wait()
     await store.load_scripts()
-    await store.store({APP: [NewMessage("t", "topic", b"x"), NewMessage("q", "queue", b"y")]}, NOW)
+    ttl = NewMessage("x", "queue", b"z", 0, NOW + 1)  # expires: reaped as `expired`
+    messages = [NewMessage("t", "topic", b"x"), NewMessage("q", "queue", b"y"), ttl]
+    await store.store({APP: messages}, NOW)
     got, _, _ = await store.claim(APP, NOW, 5, alive("r1", "r2"), ["r1"] * 5)
     ids = [c.delivery_id for c in got]
     await store.in_flight_of(APP, "t")
+    await store.extend(APP, [(ids[0], 0), (ids[1], 1)], NOW)
     await store.finish(APP, [(ids[0], 0)], NOW)
     await store.fail(APP, [(ids[1], "errored", "x", "", 0)], NOW)
     await store.reap([APP], NOW + 20_000)
@@ -199,7 +202,8 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
         await store.reap([APP], NOW + 100_000_000)
     dead = [d.delivery_id for d in await store.dead_letters(APP)]
     await store.replay(APP, dead[:1], NOW)
-    await store.purge(APP, dead[1:])
+    assert await store.move(APP, "life2", dead[1:2], NOW) == [1]
+    await store.purge(APP, dead[2:])
     await store.register(APP, "r1", {"id": "r1"}, NOW)
     await store.set_state(APP, "r1", False, NOW)
     await store.unregister(APP, "r1")

@@ -1,5 +1,10 @@
 """`skmq dlq list|replay|purge`: the dead-letter queue, for operators.
 
+Replay and purge take filters (`--reason`, `--since`/`--until`, `--max`), a pace
+(`--rate N/s`) and `--dry-run` (says what would be done, changes nothing); `replay
+--to-app OTHER` makes each dead letter a new message of OTHER (same msgid), purged
+from its own app in the same script.
+
 Replays are written to the delivery log (event `replayed`) under this command's own
 instance id, so the audit sees them; every replay and purge is also logged (a structlog
 line on stderr: who, what, how many). A MSGID that is not a dead letter fails the
@@ -13,7 +18,9 @@ import asyncio
 import getpass
 import json
 import os
+import re
 import socket
+from datetime import UTC, datetime
 
 import structlog
 from rich.progress import Progress
@@ -25,6 +32,7 @@ from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.errors import UsageError
 from skmq.events import Event
 from skmq.logs import configure_logging
+from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
 
 CHUNK = 500
@@ -46,9 +54,70 @@ def configure(parser: argparse.ArgumentParser) -> None:
         which.add_argument("msgids", nargs="*", default=[], metavar="MSGID")
         p.add_argument("--app", help="only this app (with --all, or alone: all of this app)")
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
+        p.add_argument("--reason", help="only dead letters whose last error holds this text")
+        p.add_argument("--since", type=_when, help="died at or after: ISO time, unix ms, or 2h")
+        p.add_argument("--until", type=_when, help="died before: ISO time, unix ms, or 30m")
+        p.add_argument("--max", type=_positive, help="at most N, oldest first")
+        p.add_argument("--rate", type=_rate, help="at most N a second (N/s)")
+        p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+        if verb == "replay":
+            p.add_argument("--to-app", help="replay into this app (a new message there)")
         add_settings_flags(p, STORE_FLAGS)
         add_token_flag(p, "admin token, when the settings configure auth")
         p.set_defaults(func=run)
+
+
+_AGO = re.compile(r"(\d+)([smhd])")
+_UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _when(text: str) -> int:
+    """A point in time (unix ms): `2026-11-23T12:00` (UTC unless it says), unix ms, or
+    a duration ago (`90s`, `15m`, `2h`, `3d`)."""
+    if text.isdigit():
+        return int(text)
+    if ago := _AGO.fullmatch(text):
+        return now_ms() - int(ago[1]) * _UNIT_MS[ago[2]]
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO time, unix ms or a duration ago (90s, 15m, 2h, 3d)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _rate(text: str) -> float:
+    number = text.removesuffix("/s")
+    try:
+        rate = float(number)
+    except ValueError:
+        rate = 0.0
+    if not rate > 0 or rate == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive rate (N/s)")
+    return rate
+
+
+def _filtered(letters: list[DeadLetter], args: argparse.Namespace) -> list[DeadLetter]:
+    """The dead letters that pass --reason, --since, --until; --max of them, oldest first."""
+    reason = args.reason.lower() if args.reason else None
+    kept = [
+        d
+        for d in letters
+        if (reason is None or reason in d.last_error.lower())
+        and (args.since is None or d.died_at >= args.since)
+        and (args.until is None or d.died_at < args.until)
+    ]
+    kept.sort(key=lambda d: d.died_at)
+    return kept[: args.max] if args.max else kept
 
 
 async def _selected(
@@ -64,7 +133,7 @@ async def _selected(
     if args.verb != "list" and args.msgids:
         wanted = set(args.msgids)
         letters = [d for d in letters if d.msgid in wanted]
-    return letters
+    return letters if args.verb == "list" else _filtered(letters, args)
 
 
 def printable(text: str, limit: int = 60) -> str:
@@ -80,8 +149,10 @@ async def _run(args: argparse.Namespace) -> int:
     if args.verb != "list" and not (args.all or args.msgids or args.app):
         raise UsageError("say which: --all, --app A, or MSGID ...")
     only = admin_apps(settings, args.token)
-    if args.app and only is not None and args.app not in only:
-        raise UsageError(f"this token has no admin role for app {args.app!r}")
+    to_app = getattr(args, "to_app", None)
+    for app in (args.app, to_app):
+        if app and only is not None and app not in only:
+            raise UsageError(f"this token has no admin role for app {app!r}")
     async with open_store(settings) as store:
         letters = await _selected(store, args, only)
         if args.verb == "list":
@@ -98,12 +169,16 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"{len(letters)} dead letter(s)")
             return 0
         unknown = sorted(set(args.msgids) - {d.msgid for d in letters})
-        if unknown:
+        if unknown and not (args.reason or args.since or args.until or args.max):
             raise UnknownDeadLetter(
                 f"no dead letter with msgid {', '.join(map(repr, unknown))}"
                 f"{' in app ' + repr(args.app) if args.app else ''}: nothing done"
             )
-        done = await _apply(store, settings.delivery_log_dir, args.verb, letters)
+        verb = f"{args.verb} into {to_app}" if to_app else args.verb
+        if args.dry_run:
+            return _dry_run(verb, letters, args.json)
+        pace = TokenBucket(args.rate, burst=max(1.0, args.rate)) if args.rate else None
+        done = await _apply(store, settings.delivery_log_dir, args.verb, letters, to_app, pace)
         structlog.get_logger("skmq.dlq").info(
             "operator action",
             action=f"dlq {args.verb}",
@@ -115,8 +190,20 @@ async def _run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({args.verb: done, "selected": len(letters)}))
         else:
-            print(f"{args.verb}: {done} of {len(letters)} dead letter(s)")
+            print(f"{verb}: {done} of {len(letters)} dead letter(s)")
         return 0 if done == len(letters) else 1
+
+
+def _dry_run(verb: str, letters: list[DeadLetter], as_json: bool) -> int:
+    if as_json:
+        selected = [{"appid": d.appid, "msgid": d.msgid, "recipient": d.recipient} for d in letters]
+        print(json.dumps({"dry_run": verb, "selected": selected}))
+        return 0
+    for d in letters:
+        who = f" recipient={d.recipient}" if d.recipient else ""
+        print(f"would {verb}: {d.appid} {d.msgid}{who} error={printable(d.last_error, 200)}")
+    print(f"dry run: would {verb} {len(letters)} dead letter(s); nothing done")
+    return 0
 
 
 def _user() -> str:
@@ -131,20 +218,37 @@ class UnknownDeadLetter(LookupError):
 
 
 async def _apply(
-    store: Store, log_dir: os.PathLike[str], verb: str, letters: list[DeadLetter]
+    store: Store,
+    log_dir: os.PathLike[str],
+    verb: str,
+    letters: list[DeadLetter],
+    to_app: str | None = None,
+    pace: TokenBucket | None = None,
 ) -> int:
     dlog = DeliveryLog(log_dir, f"cli-{socket.gethostname()}-{os.getpid()}")  # type: ignore[arg-type]
     done = 0
     try:
         with Progress(transient=True, disable=len(letters) <= CHUNK) as progress:
             task = progress.add_task(f"{verb}ing", total=len(letters))
-            for i in range(0, len(letters), CHUNK):
-                chunk = letters[i : i + CHUNK]
+            size = CHUNK if pace is None else max(1, min(CHUNK, int(pace.rate)))
+            for i in range(0, len(letters), size):
+                chunk = letters[i : i + size]
+                if pace is not None:
+                    await pace.acquire(len(chunk))
                 by_app: dict[str, list[DeadLetter]] = {}
                 for d in chunk:
                     by_app.setdefault(d.appid, []).append(d)
                 for app, items in by_app.items():
                     ids = [d.delivery_id for d in items]
+                    if to_app is not None:
+                        moved = await store.move(app, to_app, ids, now_ms())
+                        results = [x == 1 for x in moved]
+                        for d, ok in zip(items, results, strict=True):
+                            if ok:
+                                detail = f"moved from the dead letters of app {app}"
+                                dlog.event(Event.STORED, d.msgid, to_app, d.kind, detail=detail)
+                        done += sum(results)
+                        continue
                     if verb == "replay":
                         results = await store.replay(app, ids, now_ms())
                     else:

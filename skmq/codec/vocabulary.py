@@ -15,6 +15,7 @@ class FrameType(enum.StrEnum):
     ACK = "ack"
     REJECT = "reject"
     ERROR = "error"
+    EXTEND = "extend"  # extension: a lease extension
     # recipients
     REGISTER = "register"
     UNREGISTER = "unregister"
@@ -37,4 +38,6 @@ class Status(enum.StrEnum):
 
 
 PRODUCER_TYPES = frozenset({FrameType.QUEUE, FrameType.TOPIC})
-ANSWER_TYPES = frozenset({FrameType.ARRIVED, FrameType.ACK, FrameType.REJECT, FrameType.ERROR})
+ANSWER_TYPES = frozenset(
+    {FrameType.ARRIVED, FrameType.ACK, FrameType.REJECT, FrameType.ERROR, FrameType.EXTEND}
+)

@@ -16,16 +16,21 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    # + done:<current>, done:<previous>
-    "store": ("msgs", "ready", "delayed", "listed", "groups", "glog", "gseen", "recipients"),
-    "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate"),
-    "fail": ("msgs", "state", "delayed", "inflight", "dead"),
-    "reap": ("msgs", "state", "delayed", "inflight", "dead"),
-    "finish": ("msgs", "state", "inflight"),  # + done:<current>
+    "store": (  # + done:<current>, done:<previous>
+        *("msgs", "ready", "delayed", "listed", "groups", "glog", "gseen", "recipients"),
+        *("state", "kq"),
+    ),
+    "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate", "kq"),
+    "fail": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
+    "reap": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
+    "finish": ("msgs", "state", "inflight", "ready", "delayed", "kq"),  # + done:<current>
+    "extend": ("msgs", "state", "inflight"),
     "release": ("msgs", "state", "ready", "delayed", "inflight"),
     "in_flight_of": ("msgs", "state", "inflight"),
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
+    # the source app's; Store.move adds the target app's msgs, ready, listed, done:*
+    "move": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),
     "register": ("recipients", "rstate", "rbeat", "listed"),
     "unregister": ("recipients", "rstate", "rbeat"),

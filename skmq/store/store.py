@@ -10,6 +10,7 @@ delivery is in flight from one broker at most.
 from __future__ import annotations
 
 import json
+import random
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -100,9 +101,11 @@ class NewMessage:
     kind: str  # "queue" | "topic"
     content: bytes
     deliver_at: int = 0  # unix ms; 0: now
+    expires_at: int = 0  # unix ms; 0: never (TTL)
+    key: str = ""  # ordering key: one at a time, in stored order, per app and key
 
 
-_KINDS = {b"q": "queue", b"t": "topic", b"d": "dead"}
+_KINDS = {b"q": "queue", b"t": "topic", b"d": "dead", b"x": "expired"}
 
 
 @dataclass(slots=True)
@@ -122,6 +125,7 @@ class Claimed:
     content: bytes
     attempt: int
     recipient: str
+    stored_at: int = 0  # unix ms the message was first stored
 
 
 @dataclass(slots=True)
@@ -134,7 +138,7 @@ class Finished:
 
 @dataclass(slots=True)
 class Failed:
-    code: int  # 0 stale (not in flight), 1 retry scheduled, 2 dead
+    code: int  # 0 stale (not in flight), 1 retry scheduled, 2 dead, 3|4 expired
     attempt: int
     due: int
     recipient: str
@@ -142,6 +146,19 @@ class Failed:
     STALE = 0
     RETRY = 1
     DEAD = 2
+    EXPIRED = 3  # its TTL ran out: dead-lettered, reason `expired`
+    EXPIRED_DROPPED = 4  # its TTL ran out: dropped (EXPIRED=drop)
+
+
+@dataclass(slots=True)
+class Extended:
+    code: int  # 0 not in flight (or another attempt), 1 extended, 2 limit reached
+    extensions: int  # of this attempt, so far
+    deadline: int  # the lease's end (unix ms)
+
+    STALE = 0
+    EXTENDED = 1
+    LIMIT = 2
 
 
 @dataclass(slots=True)
@@ -199,6 +216,9 @@ class Store:
         dedupe_window: float = 3600.0,
         replica_acks: int = 0,
         replica_ack_timeout: float = 1.0,
+        expired_drop: bool = False,
+        retry_jitter: float = 0.0,
+        max_lease_extensions: int = 10,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -209,6 +229,9 @@ class Store:
         self.backoff_ms = [int(b * 1000) for b in backoff]
         self.lease_ms = int(ack_timeout * 1000)
         self.dedupe_ms = max(1, int(dedupe_window * 1000))
+        self.expired_drop = expired_drop
+        self.retry_jitter = retry_jitter
+        self.max_lease_extensions = max_lease_extensions
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(scripts.source(name)) for name in scripts.KEYS
         }
@@ -303,7 +326,8 @@ class Store:
         for app, messages in batches.items():
             args: list[Any] = [now]
             for m in messages:
-                args += (m.msgid, "t" if m.kind == "topic" else "q", m.content, m.deliver_at)
+                kind = "t" if m.kind == "topic" else "q"
+                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key)
             calls.append((app, args, done))
         replies = await self._call_each("store", calls, self.replica_acks)
         results, acked = replies[: len(calls)], replies[len(calls) :]
@@ -397,25 +421,28 @@ class Store:
         copies only to recipients with free slots (the others wait).
 
         Returns them (kind `dead` for one dead-lettered as undeliverable, its content the
-        reason), when the next delayed one falls due (unix ms), and how long the app's
+        reason; kind `expired` for one whose TTL ran out, its content `dead` or `drop`),
+        when the next delayed one falls due (unix ms), and how long the app's
         DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
-        args: list[Any] = [now, self.lease_ms, n, len(alive), rate]
+        drop = 1 if self.expired_drop else 0
+        args: list[Any] = [now, self.lease_ms, n, len(alive), rate, drop]
         for r in alive:
             args += (r.rid, r.free, 1 if r.takes_length else 0)
         args += assignment
         res = await self._call("claim", app, args)
         nxt = int(float(res[-2]))
         out = []
-        for i in range(0, len(res) - 2, 5):
+        for i in range(0, len(res) - 2, 6):
             did = _s(res[i])
             msgid, _ = split_delivery(did)
             kind = _KINDS[res[i + 1]]
-            out.append(Claimed(did, msgid, kind, res[i + 2], int(res[i + 3]), _s(res[i + 4])))
+            attempt, rid, stored = int(res[i + 3]), _s(res[i + 4]), int(res[i + 5])
+            out.append(Claimed(did, msgid, kind, res[i + 2], attempt, rid, stored))
         return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         """acks: (delivery id, attempt or 0 for whichever is current)."""
-        args: list[Any] = [2 * self.dedupe_ms]
+        args: list[Any] = [now, 2 * self.dedupe_ms]
         for delivery_id, attempt in acks:
             args += (delivery_id, attempt)
         res = await self._call("finish", app, args, self._done(self._bucket(now)))
@@ -424,8 +451,24 @@ class Store:
             for i in range(0, len(res), 4)
         ]
 
+    async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
+        """leases: (delivery id, attempt or 0 for the current); each in flight gets a lease
+        of ACK_TIMEOUT from now, at most MAX_LEASE_EXTENSIONS times an attempt."""
+        args: list[Any] = [now, self.lease_ms, self.max_lease_extensions]
+        for delivery_id, attempt in leases:
+            args += (delivery_id, attempt)
+        res = await self._call("extend", app, args)
+        return [
+            Extended(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)
+        ]
+
     def _retry_args(self) -> list[Any]:
-        return [self.retry_times, len(self.backoff_ms), *self.backoff_ms]
+        drop = 1 if self.expired_drop else 0
+        spread = random.random()  # spreads retry waits: no secret
+        return [
+            *(self.retry_times, drop, self.retry_jitter, spread),
+            *(len(self.backoff_ms), *self.backoff_ms),
+        ]
 
     async def fail(
         self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
@@ -585,6 +628,20 @@ class Store:
         if not delivery_ids:
             return []
         return [bool(x) for x in await self._call("replay", app, [now, *delivery_ids])]
+
+    async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
+        """Dead letters of `app` become new messages of `to_app` (same msgid, pending),
+        purged from `app`, in one script: 1 moved, 0 not dead, -1 a duplicate there."""
+        if not delivery_ids:
+            return []
+        to, bucket = self.base(to_app), self._bucket(now)
+        target = (to + "msgs", to + "ready", to + "listed")
+        done = (to + self._done(bucket), to + self._done(bucket - 1))
+        keys = [*self._keys("move", app), *target, *done]
+        res = [int(x) for x in await self._scripts["move"](keys, [now, to_app, *delivery_ids])]
+        if 1 in res:
+            await self.directory.add([to_app])
+        return res
 
     async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:

@@ -52,6 +52,14 @@ class AnswerRouter:
             return (Status.REJECT, found)
         delivery_id, rid, attempt = found
         pushed = self.pusher.pushed(app, rid, msgid)
+        if frame.type == "extend" or (
+            frame.type == "arrived" and (pushed is None or pushed.arrived_at)
+        ):  # still working (an `arrived` for a push this broker does not hold may be the
+            # first: it extends the lease all the same)
+            resp = await self.answers.extend(app, delivery_id, rid, attempt)
+            if resp[0] == "ack" and pushed is not None:
+                pushed.pushed_at = time.monotonic()
+            return resp
         if frame.type == "arrived":
             if pushed is not None:
                 pushed.arrived_at = time.monotonic()

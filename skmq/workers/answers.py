@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from skmq.codec import Status
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
-from skmq.store import Failed, Store, split_delivery
+from skmq.store import Extended, Failed, Store, split_delivery
 from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.answers")
@@ -137,6 +137,29 @@ class AnswerBatcher:
             self.on_acked(app, now - stored)
         a.done((Status.ACK, "acked"))
 
+    async def extend(self, app: str, delivery_id: str, rid: str, attempt: int) -> Verdict:
+        """A recipient still working: its lease pushed out (fenced to `attempt`), logged."""
+        (e,) = await self.store.extend(app, [(delivery_id, attempt)], now_ms())
+        msgid = split_delivery(delivery_id)[0]
+        if e.code == Extended.STALE:
+            return ("reject", "message not in flight (already settled, or a newer attempt)")
+        limit = self.store.max_lease_extensions
+        if e.code == Extended.LIMIT:
+            return ("reject", f"lease not extended: MAX_LEASE_EXTENSIONS ({limit}) reached")
+        detail = f"lease until {e.deadline} ({e.extensions} of {limit})"
+        self.dlog.event(Event.EXTENDED, msgid, app, _kind(delivery_id), rid, attempt, detail)
+        return ("ack", f"lease extended until {e.deadline} ({e.extensions} of {limit})")
+
+    def expired(
+        self, app: str, msgid: str, kind: str, rid: str, attempt: int, dead: bool
+    ) -> Verdict:
+        """Log a message whose TTL ran out: dead-lettered (reason `expired`) or dropped."""
+        fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
+        self.dlog.event(Event.EXPIRED, msgid, app, kind, rid or None, attempt, fate)
+        if dead:
+            self.dlog.event(Event.DEAD_LETTERED, msgid, app, kind, rid or None, attempt, "expired")
+        return ("ack", f"expired: {fate}")
+
     def record_failure(
         self, app: str, delivery_id: str, outcome: Event, detail: str, recipient: str, r: Failed
     ) -> Verdict:
@@ -147,6 +170,8 @@ class AnswerBatcher:
         if r.code == Failed.STALE:
             return (Status.REJECT, "message not in flight (already settled, or a newer attempt)")
         self.dlog.event(outcome, msgid, app, kind, rid, r.attempt, detail or None)
+        if r.code in (Failed.EXPIRED, Failed.EXPIRED_DROPPED):
+            return self.expired(app, msgid, kind, rid, r.attempt, r.code == Failed.EXPIRED)
         if r.code == Failed.DEAD:
             self.dlog.event(
                 Event.DEAD_LETTERED,

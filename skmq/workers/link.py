@@ -50,6 +50,9 @@ class Delivery(Claimed):
 
 class LinkOwner(Protocol):
     def on_arrived(self, link: RecipientLink, delivery: Delivery) -> None: ...
+    def on_extend(
+        self, link: RecipientLink, delivery: Delivery, reply: Callable[[Verdict], None]
+    ) -> None: ...
     def on_answer(
         self,
         link: RecipientLink,
@@ -280,9 +283,11 @@ class RecipientLink:
         conn.send(d)
 
     def encode_push(self, d: Delivery) -> bytes:
-        """Original peers get only the fields the original broker sends."""
+        """Original peers get only the fields the original broker sends; a recipient that
+        declared capabilities also gets the delivery metadata (attempt, stored_at)."""
         fields: list[tuple[str, str]] = [("appid", self.app), ("msgid", d.msgid)]
         if self.caps:
+            fields += (("attempt", str(d.attempt)), ("stored_at", str(d.stored_at)))
             if d.kind == "topic":
                 fields.append(("recipient", self.rid))
             if d.token and "token" in self.caps:
@@ -304,6 +309,9 @@ class RecipientLink:
         token = frame.fields.get("token")
         if d is None or (token is not None and d.token and token != d.token):
             self.owner.on_unknown_answer(self, frame, reply)
+            return
+        if kind == "extend" or (kind == "arrived" and d.arrived_at):
+            self.owner.on_extend(self, d, reply)  # still working: another lease
             return
         if kind == "arrived":
             d.arrived_at = time.monotonic()

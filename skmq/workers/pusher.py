@@ -147,7 +147,12 @@ class Pusher:
             if c.kind == "dead":
                 self._undeliverable(app, c)
                 continue
-            d = Delivery(c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient, app)
+            if c.kind == "expired":
+                self._expired(app, c)
+                continue
+            d = Delivery(
+                c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient, c.stored_at, app
+            )
             r = self.registry.get(app, c.recipient)
             if r is None:
                 unregistered.append(d)
@@ -172,6 +177,11 @@ class Pusher:
         reason = c.content.decode()
         self.dlog.event(Event.DEAD_LETTERED, c.msgid, app, kind, c.recipient or None, 0, reason)
         log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
+
+    def _expired(self, app: str, c: Claimed) -> None:
+        """Its TTL ran out before a push: dead-lettered (reason `expired`) or dropped."""
+        kind = "topic" if split_delivery(c.delivery_id)[1] is not None else "queue"
+        self.answers.expired(app, c.msgid, kind, c.recipient, c.attempt, c.content == b"dead")
 
     def _hand_back(self, app: str, rid: str, deliveries: list[Delivery], detail: str) -> None:
         spawn(self._unreachable(app, rid, deliveries, detail), self.tasks)
@@ -207,6 +217,18 @@ class Pusher:
 
     def on_arrived(self, link: RecipientLink, d: Delivery) -> None:
         self.dlog.event(Event.ARRIVED, d.msgid, link.app, d.kind, link.rid, d.attempt)
+
+    def on_extend(self, link: RecipientLink, d: Delivery, reply: Callable[[Verdict], None]) -> None:
+        async def extend() -> None:
+            try:
+                resp = await self.answers.extend(link.app, d.delivery_id, link.rid, d.attempt)
+            except (RedisError, OSError):
+                resp = ("error", "store unavailable, answer again later")
+            if resp[0] == "ack":
+                d.pushed_at = time.monotonic()  # this broker's own timer follows the lease
+            reply(resp)
+
+        spawn(extend(), self.tasks)
 
     def on_answer(
         self,

@@ -1,7 +1,10 @@
 -- pending | delayed | waiting retry -> in flight (attempt n + 1), or -> dead when no
--- recipient can take the content.
--- KEYS: msgs, state, ready, delayed, inflight, dead, rate
--- ARGV: now, lease ms, n, k, rate, (alive rid, free slots, length capable 0|1) * k,
+-- recipient can take the content. Also pending | delayed | waiting retry -> dead | gone:
+-- a message whose TTL ran out is never pushed: dead-lettered (reason `expired`), or
+-- dropped when drop is 1.
+-- A message that dies or expires here lets the next message of its ordering key go.
+-- KEYS: msgs, state, ready, delayed, inflight, dead, rate, kq
+-- ARGV: now, lease ms, n, k, rate, drop 0|1, (alive rid, free slots, length 0|1) * k,
 --       queue assignment rid * n
 -- Takes up to n messages, due ones first, then the ready list. With a rate
 -- (DELIVERY_RATE, pushes/s for the app, whichever brokers push) a token bucket holding
@@ -9,24 +12,26 @@
 -- its recipient has a free window slot (PUSH_WINDOW holds for topics too); the others
 -- wait in `delayed`. Content holding CR or LF needs `length=`: it goes only to a
 -- recipient that declared the `length` capability, else it is dead-lettered.
--- Returns (delivery id, kind q|t|d, content, attempt, rid)* (kind d: dead-lettered here,
--- the content then being the reason), the next due ms (-1: none), and the ms until the
+-- Returns (delivery id, kind q|t|d|x, content, attempt, rid, stored ms)* (kind d:
+-- dead-lettered here, the content then being the reason; x: expired here, the content
+-- then `dead` or `drop`), the next due ms (-1: none), and the ms until the
 -- bucket has a token again (0: not limited).
 local msgs, state, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local inflight, dead, ratek = KEYS[5], KEYS[6], KEYS[7]
+local inflight, dead, ratek, kq = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local now = tonumber(ARGV[1])
 local lease = now + tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
 local k = tonumber(ARGV[4])
 local rate = tonumber(ARGV[5])
+local drop = ARGV[6] == '1'
 local alive, budget, can_length = {}, {}, {}
 for j = 1, k do
-  local rid = ARGV[3 + 3 * j]
+  local rid = ARGV[4 + 3 * j]
   alive[j] = rid
-  budget[rid] = tonumber(ARGV[4 + 3 * j])
-  can_length[rid] = ARGV[5 + 3 * j] == '1'
+  budget[rid] = tonumber(ARGV[5 + 3 * j])
+  can_length[rid] = ARGV[6 + 3 * j] == '1'
 end
-local qi = 6 + 3 * k
+local qi = 7 + 3 * k
 local tokens = 0
 if rate > 0 then
   local burst = math.max(1, rate / 10)
@@ -37,9 +42,10 @@ if rate > 0 then
 end
 local out = {}
 local pushed = 0
+local stored = 0
 local function emit(id, kind, content, a, rid)
   out[#out + 1] = id; out[#out + 1] = kind; out[#out + 1] = content
-  out[#out + 1] = a; out[#out + 1] = rid
+  out[#out + 1] = a; out[#out + 1] = rid; out[#out + 1] = stored
 end
 local function needs_length(content) return string.find(content, '[\r\n]') ~= nil end
 local function capable()
@@ -49,6 +55,7 @@ end
 local UNDELIVERABLE = 'undeliverable: content holds CR or LF and no recipient declared '
   .. 'the length capability'
 local function bury(id, msgid, crid, rid)
+  if not crid then advance(state, kq, ready, delayed, msgid, now) end
   note(state, msgid, crid, now .. ' attempt=0 recipient=' .. rid .. ' ' .. UNDELIVERABLE,
        UNDELIVERABLE)
   redis.call('ZADD', dead, now, id)
@@ -65,6 +72,16 @@ local function take(id)
   local msgid, crid = split(id)
   local m = redis.call('HGET', msgs, msgid)
   if not m then return end
+  stored = tonumber(string.sub(m, 2, 14))
+  local x = expiry(state, msgid)
+  if x and now >= x then
+    local a = tonumber(redis.call('HGET', state, field(msgid, 'n', crid)) or '0')
+    if not crid then advance(state, kq, ready, delayed, msgid, now) end
+    expire(msgs, state, dead, id, now, drop, 'attempt=' .. a .. ' recipient=' .. (crid or '')
+           .. ' expired: its ttl ran out before it was pushed')
+    emit(id, 'x', drop and 'drop' or 'dead', a, crid or '')
+    return
+  end
   local content = string.sub(m, 15)
   if crid then
     if budget[crid] and budget[crid] <= 0 then

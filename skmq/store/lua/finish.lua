@@ -1,13 +1,16 @@
 -- in flight (attempt n) -> acked. Only while in flight, and only the attempt named (a
 -- late ack for attempt 1 must not settle attempt 2, perhaps another broker's): a
 -- delayed, pending, retry-waiting or dead message cannot be acked.
--- KEYS: msgs, state, inflight, done:<current bucket>
--- ARGV: done ttl ms, then (delivery id, attempt or 0 for the current)*
+-- The next message of its ordering key (if any) may go.
+-- KEYS: msgs, state, inflight, ready, delayed, kq, done:<current bucket>
+-- ARGV: now, done ttl ms, then (delivery id, attempt or 0 for the current)*
 -- Returns (ok, attempt, stored ms, recipient)*.
-local msgs, state, inflight, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local msgs, state, inflight, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local kq, done = KEYS[6], KEYS[7]
+local now = tonumber(ARGV[1])
 local added = false
 local out = {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   local id = ARGV[i]
   local want = tonumber(ARGV[i + 1])
   local msgid, crid = split(id)
@@ -22,6 +25,7 @@ for i = 2, #ARGV, 2 do
     out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
   else
     if not crid or settle_copy(state, msgid, crid, 'o') then
+      advance(state, kq, ready, delayed, msgid, now)
       forget(msgs, state, msgid)
       redis.call('SADD', done, msgid)
       added = true
@@ -30,5 +34,5 @@ for i = 2, #ARGV, 2 do
     out[#out + 1] = crid or f[2] or ''
   end
 end
-if added then redis.call('PEXPIRE', done, tonumber(ARGV[1])) end
+if added then redis.call('PEXPIRE', done, tonumber(ARGV[2])) end
 return out

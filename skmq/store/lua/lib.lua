@@ -6,7 +6,16 @@
 --                   <msgid>\31<attr> or, for one recipient's copy of a topic message,
 --                   <msgid>\31<attr>\31<rid>; attrs: n attempts, r last recipient,
 --                   e last error, h history, o copies outstanding, dc copies dead,
---                   c the recipients a topic message was fanned out to (\31-joined)
+--                   c the recipients a topic message was fanned out to (\31-joined),
+--                   x when the message expires (unix ms; TTL, set when stored),
+--                   l lease extensions of the current attempt (<attempt>:<count>),
+--                   k its place in `kq` (an ordered message), d when a message
+--                   waiting for its key falls due; and one counter, \31kseq
+--   kq        ZSET  ordered messages (`key=`), all scored 0, member
+--                   <key>\31<16-digit sequence>\31<msgid>: by key, then in stored
+--                   order. A key's first member is the one message of that key in
+--                   ready, delayed, in flight or waiting for a retry; the others wait
+--                   here until it is acked or dead.
 --   ready     LIST  delivery ids ready to push, FIFO
 --   delayed   ZSET  delivery id -> due ms (delayed messages, retry waits, replays)
 --   inflight  ZSET  delivery id -> lease deadline ms (pushed, waiting for an answer)
@@ -32,13 +41,15 @@ end
 -- Drop a message and all its delivery state.
 local function forget(msgs, state, msgid)
   local f = {field(msgid, 'n'), field(msgid, 'r'), field(msgid, 'e'), field(msgid, 'h'),
-             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c')}
+             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x'),
+             field(msgid, 'l'), field(msgid, 'k'), field(msgid, 'd')}
   local copies = redis.call('HGET', state, field(msgid, 'c'))
   if copies then
     for rid in string.gmatch(copies, '[^\31]+') do
       f[#f + 1] = field(msgid, 'n', rid)
       f[#f + 1] = field(msgid, 'e', rid)
       f[#f + 1] = field(msgid, 'h', rid)
+      f[#f + 1] = field(msgid, 'l', rid)
     end
   end
   redis.call('HDEL', state, unpack(f))
@@ -50,10 +61,37 @@ end
 -- or dead, so that the message itself can go.
 local function settle_copy(state, msgid, crid, counter)
   redis.call('HDEL', state, field(msgid, 'n', crid), field(msgid, 'h', crid),
-             field(msgid, 'e', crid))
+             field(msgid, 'e', crid), field(msgid, 'l', crid))
   redis.call('HINCRBY', state, field(msgid, counter), -1)
   local c = redis.call('HMGET', state, field(msgid, 'o'), field(msgid, 'dc'))
   return tonumber(c[1] or '0') <= 0 and tonumber(c[2] or '0') <= 0
+end
+
+-- The first message of an ordering key (false: none).
+local function key_head(kq, key)
+  return redis.call('ZRANGEBYLEX', kq, '[' .. key .. SEP, '(' .. key .. '\32', 'LIMIT', 0, 1)[1]
+end
+
+-- msgid is over (acked or dead): the next message of its ordering key, if it has one,
+-- goes to the tail of `ready` (or `delayed`, when it falls due later), behind the other
+-- keys' messages, so that one hot key does not starve the others.
+local function advance(state, kq, ready, delayed, msgid, now)
+  local kf = field(msgid, 'k')
+  local member = redis.call('HGET', state, kf)
+  if not member then return end
+  redis.call('HDEL', state, kf)
+  redis.call('ZREM', kq, member)
+  local key = string.sub(member, 1, string.find(member, SEP, 1, true) - 1)
+  local nxt = key_head(kq, key)
+  if not nxt then
+    -- no ordered message left at all: the sequence may start again
+    if redis.call('ZCARD', kq) == 0 then redis.call('HDEL', state, SEP .. 'kseq') end
+    return
+  end
+  local id = string.sub(nxt, #key + 19)
+  local due = tonumber(redis.call('HGET', state, field(id, 'd')) or '0')
+  redis.call('HDEL', state, field(id, 'd'))
+  if due > now then redis.call('ZADD', delayed, due, id) else redis.call('RPUSH', ready, id) end
 end
 
 -- Append one line to a delivery's history (bounded) and set its last error.
@@ -67,6 +105,29 @@ local function note(state, msgid, crid, line, err)
     h = line
   end
   redis.call('HSET', state, hk, h, field(msgid, 'e', crid), err)
+end
+
+-- When msgid expires (unix ms), or nil: it never does.
+local function expiry(state, msgid)
+  local x = redis.call('HGET', state, field(msgid, 'x'))
+  if x then return tonumber(x) end
+  return nil
+end
+
+-- An expired delivery ends now: dead-lettered with the reason `expired`, or dropped when
+-- `drop` (EXPIRED=drop). A topic copy counts off its message's outstanding copies.
+local function expire(msgs, state, dead, id, now, drop, line)
+  local msgid, crid = split(id)
+  if drop then
+    if not crid or settle_copy(state, msgid, crid, 'o') then forget(msgs, state, msgid) end
+    return
+  end
+  note(state, msgid, crid, now .. ' ' .. line, 'expired')
+  redis.call('ZADD', dead, now, id)
+  if crid then
+    redis.call('HINCRBY', state, field(msgid, 'o'), -1)
+    redis.call('HINCRBY', state, field(msgid, 'dc'), 1)
+  end
 end
 
 -- fn(id) for each delivery id in ARGV from index `first` on: 1 where it did (returned

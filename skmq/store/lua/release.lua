@@ -9,6 +9,7 @@ return each_id(1, function(id)
   local msgid, crid = split(id)
   if redis.call('HEXISTS', msgs, msgid) == 1 then
     redis.call('HINCRBY', state, field(msgid, 'n', crid), -1)
+    redis.call('HDEL', state, field(msgid, 'l', crid))
     if crid then
       redis.call('ZADD', delayed, 0, id)
     else

@@ -1,0 +1,134 @@
+"""`skmq dlq replay|purge` filters, pace, dry run and `--to-app`, as an operator runs
+them (the CLI as a process) against a real Redis; `move` (the --to-app script) on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.store import AliveRecipient, NewMessage, Store
+from tests.test_cli_ops import one_line, skmq
+
+T0 = 1_700_000_000_000
+MIN = 60_000
+
+
+@pytest.fixture
+async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
+    client = aioredis.Redis(connection_pool=redis.connection_pool)
+    yield Store(client, prefix, retry_times=1)
+
+
+async def bury(store: Store, app: str, msgid: str, error: str, died: int) -> None:
+    """A dead letter of `app`, dead since `died` (unix ms), its last error `error`."""
+    assert (await store.store({app: [NewMessage(msgid, "queue", msgid.encode())]}, died))[app]
+    got, _, _ = await store.claim(app, died, 1, [_alive()], ["r"])
+    assert [c.msgid for c in got] == [msgid]
+    (f,) = await store.fail(app, [(msgid, "errored", error, "r", 1)], died)
+    assert f.code == f.DEAD
+
+
+def _alive() -> AliveRecipient:
+    return AliveRecipient("r", 10, True)
+
+
+Cli = Callable[..., Awaitable[tuple[int, str, str]]]
+
+
+@pytest.fixture
+def cli(redis_url: str, prefix: str, tmp_path: Path) -> Cli:
+    env = {"SKMQ_REDIS_URL": redis_url, "SKMQ_KEY_PREFIX": prefix,
+           "SKMQ_DATA_DIR": str(tmp_path / "cli")}  # fmt: skip
+
+    async def run(*args: str) -> tuple[int, str, str]:
+        return await asyncio.to_thread(skmq, "dlq", *args, env=env)
+
+    return run
+
+
+async def dead_ids(store: Store, app: str) -> list[str]:
+    return [d.msgid for d in await store.dead_letters(app)]
+
+
+async def test_filters_pick_by_reason_time_and_count(store: Store, cli: Cli) -> None:
+    for i, error in enumerate(["timeout A", "db down", "timeout B", "timeout C", "bad json"]):
+        await bury(store, "f", f"m{i}", error, T0 + i * MIN)
+    since, until = str(T0 + MIN), str(T0 + 4 * MIN)
+    code, out, err = await cli("purge", "--app", "f", "--reason", "TIMEOUT", "--since", since,
+                               "--until", until, "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out) == {"purge": 2, "selected": 2}  # m2 and m3: m0 is before since
+    assert await dead_ids(store, "f") == ["m0", "m1", "m4"]
+    code, out, err = await cli("replay", "--all", "--max", "2")
+    assert (code, out.strip()) == (0, "replay: 2 of 2 dead letter(s)"), err
+    assert await dead_ids(store, "f") == ["m4"]  # the oldest two went back to pending
+    ready = await store.redis.lrange(store.base("f") + "ready", 0, -1)
+    assert ready == []  # replayed into `delayed`, due now
+    assert await store.redis.zcard(store.base("f") + "delayed") == 2
+
+
+async def test_dry_run_says_what_and_changes_nothing(store: Store, cli: Cli) -> None:
+    await bury(store, "d", "x1", "expired", T0)
+    await bury(store, "d", "x2", "db down", T0)
+    code, out, err = await cli("purge", "--app", "d", "--reason", "expired", "--dry-run")
+    assert code == 0, err
+    assert out.splitlines() == [
+        "would purge: d x1 recipient=r error=errored: expired",
+        "dry run: would purge 1 dead letter(s); nothing done",
+    ]
+    code, out, err = await cli("replay", "--all", "--to-app", "e", "--dry-run", "--json")
+    assert code == 0, err
+    assert [s["msgid"] for s in json.loads(out)["selected"]] == ["x1", "x2"]
+    assert json.loads(out)["dry_run"] == "replay into e"
+    assert await dead_ids(store, "d") == ["x1", "x2"]
+    assert not await store.redis.exists(store.base("e") + "ready")
+
+
+async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> None:
+    await bury(store, "src", "a", "boom", T0)
+    await bury(store, "src", "b", "boom", T0)
+    await bury(store, "dst", "b", "elsewhere", T0)  # b is already held by the target app
+    code, out, err = await cli("replay", "--app", "src", "--to-app", "dst")
+    assert (code, out.strip()) == (1, "replay into dst: 1 of 2 dead letter(s)"), err
+    assert await dead_ids(store, "src") == ["b"]  # a duplicate there: left dead here
+    assert await store.redis.lrange(store.base("dst") + "ready", 0, -1) == [b"a"]
+    assert not await store.redis.hexists(store.base("src") + "msgs", "a")
+    assert "dst" in await store.apps()
+    got, _, _ = await store.claim("dst", T0 + MIN, 5, [_alive()], ["r"] * 5)
+    assert [(c.msgid, c.content, c.attempt) for c in got] == [("a", b"a", 1)]
+    logged = [
+        json.loads(line)
+        for path in (tmp_path / "cli" / "delivery-log").glob("delivery-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert [(e["event"], e["appid"], e["msgid"]) for e in logged] == [("stored", "dst", "a")]
+
+
+async def test_rate_paces_the_redrive(store: Store, cli: Cli) -> None:
+    for i in range(25):
+        await bury(store, "r", f"m{i}", "x", T0)
+    started = time.monotonic()
+    code, out, err = await cli("purge", "--app", "r", "--rate", "10/s")
+    took = time.monotonic() - started
+    assert (code, out.strip()) == (0, "purge: 25 of 25 dead letter(s)"), err
+    assert took >= 1.4  # 10 at once (the burst), 10 a second later, 5 half a second later
+    assert await dead_ids(store, "r") == []
+
+
+async def test_move_refuses_what_is_not_dead(store: Store) -> None:
+    assert await store.store({"s": [NewMessage("p", "queue", b"x")]}, T0)
+    assert await store.move("s", "t", ["p", "nope"], T0) == [0, 0]
+    assert await store.redis.lrange(store.base("s") + "ready", 0, -1) == [b"p"]
+
+
+async def test_bad_filter_values_are_one_line_errors(cli: Cli) -> None:
+    for flag, value in (("--since", "yesterday"), ("--max", "0"), ("--rate", "fast")):
+        code, _, err = await cli("purge", "--all", flag, value)
+        assert code == 2, err
+        assert flag in one_line(err), err
