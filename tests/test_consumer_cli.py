@@ -33,12 +33,15 @@ LIMIT = 30.0  # upper bound of a CLI command
 
 
 async def cli(env: dict[str, str], *args: str, stdin: bytes = b"") -> tuple[int, str, str]:
+    # No stdin to give: none at all (under uvloop, feeding a child that already exited
+    # raises RuntimeError on its closed pipe).
     proc = await asyncio.create_subprocess_exec(
-        *SKMQ, *args, env=env, stdin=asyncio.subprocess.PIPE,
+        *SKMQ, *args, env=env,
+        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin), LIMIT)
+        out, err = await asyncio.wait_for(proc.communicate(stdin or None), LIMIT)
     except TimeoutError:
         proc.kill()
         await proc.wait()
