@@ -507,11 +507,11 @@ async def run_cli(*args: str, stdin: bytes = b"") -> tuple[int, str, str]:
         "-c",
         RUN_CLI,
         *args,
-        stdin=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(stdin), 20)
+    out, err = await asyncio.wait_for(proc.communicate(stdin or None), 20)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
