@@ -431,6 +431,7 @@ class Producer(_Scoped):
         deliver_at_ms: int | None = None,
         ttl_ms: int | None = None,
         key: str | None = None,
+        traceparent: str | None = None,
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
@@ -441,7 +442,8 @@ class Producer(_Scoped):
         0: none, overriding the broker's default) its `ttl` extension
         (ExtensionUnsupported otherwise). A `key` (queue messages only, the `key`
         extension) orders delivery: one message of the app and key at a time, in stored
-        order.
+        order. A W3C `traceparent` (the `trace` extension) goes with the message to its
+        pushes (`Message.fields["traceparent"]`) and into the delivery log.
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -457,6 +459,9 @@ class Producer(_Scoped):
         if key is not None:
             await self.require("key")
             fields.append(("key", key))
+        if traceparent is not None:
+            await self.require("trace")
+            fields.append(("traceparent", traceparent))
         data = content.encode() if isinstance(content, str) else content
         return _named(await self.request("topic" if topic else "queue", fields, data), msgid)
 

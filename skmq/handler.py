@@ -54,7 +54,7 @@ MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
 BROKER_CAPS = (
     *("auth", "delay", "extend", "hello", "key", "length", "pipeline", "recipient"),
-    *("token", "ttl", "unregister"),
+    *("token", "trace", "ttl", "unregister"),
 )
 HELLO_BODY = json.dumps(
     {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
@@ -78,6 +78,9 @@ class Outcome:
     close: bool = False
 
 
+# W3C Trace Context, version 00 (https is not linked: docs/PROTOCOL.md names it); a
+# trace id or parent id of only zeros is invalid.
+TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -225,6 +228,11 @@ class FrameHandler:
             return self._resp(f"key {why}", msgid)
         if key and frame.type != "queue":
             return self._resp("key= (ordered delivery) applies to queue messages only", msgid)
+        trace = fields.get("traceparent") or ""
+        if trace and TRACEPARENT.fullmatch(trace) is None:
+            return self._resp(
+                "traceparent must be a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)", msgid
+            )
         try:
             delay = _int_field(frame, "delay")
             deliver_at = _int_field(frame, "deliver_at")
@@ -238,7 +246,9 @@ class FrameHandler:
         if ttl is None:
             ttl = self.settings.ttl_by_app.get(app, self.settings.default_ttl)
         expires = now + ttl if ttl else 0
-        return batch.add(app, NewMessage(msgid, frame.type, frame.content, due, expires, key))
+        return batch.add(
+            app, NewMessage(msgid, frame.type, frame.content, due, expires, key, trace)
+        )
 
     # -- recipients' answers and registrations ------------------------------
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:

@@ -41,6 +41,32 @@ async def test_original_peers_get_no_metadata(broker: Broker) -> None:
     assert set(push.fields) == {"appid", "msgid"}
 
 
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_a_traceparent_goes_from_producer_to_push_and_log(broker: Broker) -> None:
+    """The W3C trace context of a produced message reaches every push of it (capable
+    recipients only) and the delivery log's `stored` and `pushed` lines; a malformed one
+    is refused."""
+    app = "traced"
+    rec = await FakeRecipient(app, "r").start()
+    plain = await FakeRecipient(app, "o", caps=()).start()
+    await registered(broker.server.port, rec, plain)
+    client = await RawClient.connect(broker.server.port)
+    for bad in ("00-xyz", "01-" + TRACE[3:], "00-" + "0" * 32 + TRACE[35:]):
+        resp = await client.request("queue", b"x", appid=app, msgid="bad", traceparent=bad)
+        assert resp["status"] == "error" and "traceparent" in str(resp["content"]), resp
+    resp = await client.request("topic", b"x", appid=app, msgid="t1", traceparent=TRACE)
+    assert resp["status"] == "ack"
+    await client.close()
+    push, plain_push = await rec.next_push(), await plain.next_push()
+    assert push.fields["traceparent"] == TRACE
+    assert "traceparent" not in plain_push.fields  # original peers get no extension field
+    for event in ("stored", "pushed"):
+        (line, *_) = await logged(broker, event, "t1")
+        assert f"traceparent={TRACE}" in (line["detail"] or ""), line
+
+
 # --------------------------------------------------------------------------- jitter
 
 

@@ -103,6 +103,7 @@ class NewMessage:
     deliver_at: int = 0  # unix ms; 0: now
     expires_at: int = 0  # unix ms; 0: never (TTL)
     key: str = ""  # ordering key: one at a time, in stored order, per app and key
+    trace: str = ""  # W3C traceparent the producer gave, carried to the push and the log
 
 
 _KINDS = {b"q": "queue", b"t": "topic", b"d": "dead", b"x": "expired"}
@@ -126,6 +127,7 @@ class Claimed:
     attempt: int
     recipient: str
     stored_at: int = 0  # unix ms the message was first stored
+    trace: str = ""  # the producer's W3C traceparent, if any
 
 
 @dataclass(slots=True)
@@ -327,7 +329,7 @@ class Store:
             args: list[Any] = [now]
             for m in messages:
                 kind = "t" if m.kind == "topic" else "q"
-                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key)
+                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
             calls.append((app, args, done))
         replies = await self._call_each("store", calls, self.replica_acks)
         results, acked = replies[: len(calls)], replies[len(calls) :]
@@ -432,12 +434,12 @@ class Store:
         res = await self._call("claim", app, args)
         nxt = int(float(res[-2]))
         out = []
-        for i in range(0, len(res) - 2, 6):
+        for i in range(0, len(res) - 2, 7):
             did = _s(res[i])
             msgid, _ = split_delivery(did)
             kind = _KINDS[res[i + 1]]
             attempt, rid, stored = int(res[i + 3]), _s(res[i + 4]), int(res[i + 5])
-            out.append(Claimed(did, msgid, kind, res[i + 2], attempt, rid, stored))
+            out.append(Claimed(did, msgid, kind, res[i + 2], attempt, rid, stored, _s(res[i + 6])))
         return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:

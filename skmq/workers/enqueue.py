@@ -133,7 +133,9 @@ class Enqueuer:
             for m, ok in zip(msgs, results[app], strict=True):
                 event(Event.RECEIVED, m.msgid, app, m.kind, ts=received)
                 if ok:
-                    detail = f"deliver_at={m.deliver_at}" if m.deliver_at else None
+                    details = [f"deliver_at={m.deliver_at}"] if m.deliver_at else []
+                    details += [f"traceparent={m.trace}"] if m.trace else []
+                    detail = " ".join(details) or None
                     event(Event.STORED, m.msgid, app, m.kind, detail=detail, ts=stored_ts)
                 else:
                     event(Event.DUPLICATE, m.msgid, app, m.kind, ts=stored_ts)

@@ -292,6 +292,8 @@ class RecipientLink:
                 fields.append(("recipient", self.rid))
             if d.token and "token" in self.caps:
                 fields.append(("token", d.token))
+            if d.trace:
+                fields.append(("traceparent", d.trace))
         fields += self.owner.push_fields(self.app, d.msgid, d.content)
         return encode_frame("push", fields, d.content)
 

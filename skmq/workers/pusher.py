@@ -151,8 +151,9 @@ class Pusher:
                 self._expired(app, c)
                 continue
             d = Delivery(
-                c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient, c.stored_at, app
-            )
+                c.delivery_id, c.msgid, c.kind, c.content, c.attempt, c.recipient, c.stored_at,
+                c.trace, app,
+            )  # fmt: skip
             r = self.registry.get(app, c.recipient)
             if r is None:
                 unregistered.append(d)
@@ -164,7 +165,8 @@ class Pusher:
             if "token" in link.caps:
                 d.token = self.tokens.make(app, c.delivery_id, c.attempt)
             link.push(d)
-            self.dlog.event(Event.PUSHED, c.msgid, app, c.kind, c.recipient, c.attempt)
+            self.dlog.event(Event.PUSHED, c.msgid, app, c.kind, c.recipient, c.attempt,
+                            f"traceparent={c.trace}" if c.trace else None)  # fmt: skip
         if unregistered:
             self._hand_back(app, "", unregistered, "recipient no longer registered")
         for d in forbidden:

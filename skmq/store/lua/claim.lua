@@ -12,7 +12,7 @@
 -- its recipient has a free window slot (PUSH_WINDOW holds for topics too); the others
 -- wait in `delayed`. Content holding CR or LF needs `length=`: it goes only to a
 -- recipient that declared the `length` capability, else it is dead-lettered.
--- Returns (delivery id, kind q|t|d|x, content, attempt, rid, stored ms)* (kind d:
+-- Returns (delivery id, kind q|t|d|x, content, attempt, rid, stored ms, traceparent)* (kind d:
 -- dead-lettered here, the content then being the reason; x: expired here, the content
 -- then `dead` or `drop`), the next due ms (-1: none), and the ms until the
 -- bucket has a token again (0: not limited).
@@ -43,9 +43,10 @@ end
 local out = {}
 local pushed = 0
 local stored = 0
+local trace = ''
 local function emit(id, kind, content, a, rid)
   out[#out + 1] = id; out[#out + 1] = kind; out[#out + 1] = content
-  out[#out + 1] = a; out[#out + 1] = rid; out[#out + 1] = stored
+  out[#out + 1] = a; out[#out + 1] = rid; out[#out + 1] = stored; out[#out + 1] = trace
 end
 local function needs_length(content) return string.find(content, '[\r\n]') ~= nil end
 local function capable()
@@ -73,6 +74,7 @@ local function take(id)
   local m = redis.call('HGET', msgs, msgid)
   if not m then return end
   stored = tonumber(string.sub(m, 2, 14))
+  trace = redis.call('HGET', state, field(msgid, 'tp')) or ''
   local x = expiry(state, msgid)
   if x and now >= x then
     local a = tonumber(redis.call('HGET', state, field(msgid, 'n', crid)) or '0')

@@ -41,6 +41,7 @@ end
 -- Drop a message and all its delivery state.
 local function forget(msgs, state, msgid)
   local f = {field(msgid, 'n'), field(msgid, 'r'), field(msgid, 'e'), field(msgid, 'h'),
+             field(msgid, 'tp'),
              field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x'),
              field(msgid, 'l'), field(msgid, 'k'), field(msgid, 'd')}
   local copies = redis.call('HGET', state, field(msgid, 'c'))

@@ -12,7 +12,7 @@
 -- KEYS: msgs, ready, delayed, listed, groups, glog, gseen, recipients, state, kq,
 --       done:<current bucket>, done:<previous bucket>
 -- ARGV: now (13 digits), then (msgid, kind q|t, content, deliver_at ms,
---       expires_at ms (0: never), ordering key ('' : none))*
+--       expires_at ms (0: never), ordering key ('' : none), traceparent ('' : none))*
 -- Returns 1 if the mark is new (else 0), then 1 (stored) or 0 (duplicate) a message.
 local msgs, ready, delayed, listed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local groups, glog, gseen, recipients = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
@@ -46,7 +46,7 @@ local function queue(id, at, x, key)
   end
 end
 
-for i = 2, #ARGV, 6 do
+for i = 2, #ARGV, 7 do
   local id = ARGV[i]
   if redis.call('SISMEMBER', cur, id) == 1 or redis.call('SISMEMBER', prev, id) == 1
       or redis.call('HEXISTS', msgs, id) == 1
@@ -57,6 +57,7 @@ for i = 2, #ARGV, 6 do
     if not pull_only then
       redis.call('HSET', msgs, id, ARGV[i + 1] .. now .. ARGV[i + 2])
       queue(id, at, tonumber(ARGV[i + 4]), ARGV[i + 5])
+      if ARGV[i + 6] ~= '' then redis.call('HSET', state, field(id, 'tp'), ARGV[i + 6]) end
     end
     if pulled then
       local eid = redis.call('XADD', glog, '*', 'm', id, 'k', ARGV[i + 1], 'c', ARGV[i + 2],
