@@ -31,6 +31,9 @@ from urllib.parse import quote
 from skmq.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
+# What every server SKMQ starts runs with (the embedded one, the local cluster's nodes):
+# AOF, no RDB snapshots, protected mode, in the foreground as a child.
+SERVER_ARGS = ("--appendonly", "yes", "--save", "", "--protected-mode", "yes", "--daemonize", "no")
 CHECK_INTERVAL = 0.2  # how often a running broker looks whether its server still runs
 INFO_FILE = "redis.json"
 SECRET_FILE = "redis.secret"
@@ -190,16 +193,9 @@ class EmbeddedRedis:
             str(self.port),
             "--dir",
             str(redis_dir.resolve()),
-            "--appendonly",
-            "yes",
+            *SERVER_ARGS,
             "--appendfsync",
             self.appendfsync,
-            "--save",
-            "",
-            "--protected-mode",
-            "yes",
-            "--daemonize",
-            "no",
             "--logfile",
             str((redis_dir / "server.log").resolve()),
         ]

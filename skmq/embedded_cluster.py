@@ -24,7 +24,7 @@ from pathlib import Path
 
 import redis
 
-from skmq.embedded import _die_with_parent, _wait_port, free_port, server_binary
+from skmq.embedded import SERVER_ARGS, _die_with_parent, _wait_port, free_port, server_binary
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000
@@ -91,14 +91,7 @@ class LocalCluster:
             "nodes.conf",
             "--cluster-node-timeout",
             str(self.node_timeout_ms),
-            "--appendonly",
-            "yes",
-            "--save",
-            "",
-            "--protected-mode",
-            "yes",
-            "--daemonize",
-            "no",
+            *SERVER_ARGS,
             "--logfile",
             "server.log",
         ]  # fmt: skip (in --dir)
