@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -31,6 +32,40 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Every async test runs on uvloop, the loop the broker runs on."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+def test_timeout(item: pytest.Item) -> float:
+    """The test's `timeout` mark, else the ini's (pytest-timeout's own setting)."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None and mark.args:
+        return float(mark.args[0])
+    return float(item.config.getini("timeout"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Bound every async test inside its own loop. pytest-timeout's SIGALRM cannot stop
+    a test on uvloop (the loop's signal handling swallows the exception it raises, and
+    the test runs on), so a hung test is cancelled here, fails, and the session goes on;
+    pytest-timeout's thread method stays as the last resort for a hung teardown (it ends
+    the session, with every thread's stack)."""
+    function = getattr(item, "obj", None)
+    if not isinstance(item, pytest.Function) or not asyncio.iscoroutinefunction(function):
+        return
+    seconds = 0.8 * test_timeout(item)
+
+    @functools.wraps(function)
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        deadline = asyncio.timeout(seconds)
+        try:
+            async with deadline:
+                return await function(*args, **kwargs)
+        except TimeoutError:
+            if deadline.expired():
+                pytest.fail(f"the test ran past its {seconds:.0f} s and was cancelled")
+            raise
+
+    item.obj = bounded
 
 
 # Short timings, so that no test waits for seconds (the held-out suite uses the same).
@@ -230,7 +265,13 @@ def broker_process(broker_env: dict[str, str], tmp_path: Path) -> Iterator[Broke
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Await a condition that only Redis or the log can tell (no event to wait on), bounded."""
+    """Await a condition that only Redis or the log can tell (no event to wait on), bounded.
+    The deadline is also checked by hand: a cancellation swallowed inside `check` (a
+    client library's cleanup) must not turn the bound into a hang."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     async with asyncio.timeout(timeout):
         while not await check():
+            if loop.time() > deadline:
+                raise TimeoutError(f"not within {timeout} s")
             await asyncio.sleep(0.02)
