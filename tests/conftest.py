@@ -75,7 +75,7 @@ FAST: dict[str, Any] = {
     "retry_backoff": [0.2],
     "retry_times": 3,
     "heartbeat_interval": 0.5,
-    "heartbeat_timeout": 0.3,
+    "heartbeat_timeout": 1.0,  # a loaded machine (CI) lags the loop past 0.3 s
     "max_frame_bytes": 65536,
     "shutdown_timeout": 1.0,
     "http_port": 0,
@@ -247,7 +247,7 @@ def broker_env(tmp_path: Path) -> dict[str, str]:
         SKMQ_RETRY_BACKOFF="0.2",
         SKMQ_RETRY_TIMES="3",
         SKMQ_HEARTBEAT_INTERVAL="0.5",
-        SKMQ_HEARTBEAT_TIMEOUT="0.3",
+        SKMQ_HEARTBEAT_TIMEOUT="1.0",
         SKMQ_MAX_FRAME_BYTES="65536",
         SKMQ_LOG_LEVEL="warning",
         SKMQ_HTTP_PORT="0",
