@@ -6,6 +6,8 @@ DATA_DIR and embedded Redis persisting with AOF):
 - ingest:  4 pipelined producers, no recipients: producer to `resp ack`, msg/s.
 - e2e:     4 pipelined producers + 4 recipients: first send to last receipt,
            msg/s; lost and duplicated messages; latency under load.
+- ordered: e2e with `key=k<n % --keys>` on every message (per-key ordered
+           delivery, SKMQ only): what ordering costs against e2e.
 - latency: 1 producer paced at 1,000 msg/s, 4 recipients: send-to-receipt
            p50/p95/p99/max.
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
@@ -39,7 +41,9 @@ from bench.harness import BenchError, LoadPlan, LoadResult, run_load
 from bench.report import as_json, backlog_table, machine, results_table, targets
 from bench.systems import RABBIT_URL, RabbitSystem, SkmqBroker, port_open
 
-LOAD_SCENARIOS = ("ingest", "e2e", "latency")
+LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "latency")
+# SKMQ only: per-key ordered delivery (`key=`), against its unordered e2e run.
+SKMQ_ONLY = frozenset({"ordered"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
 ALL_SYSTEMS = ("skmq", "rabbitmq")
 
@@ -100,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--latency-time", type=float, default=10.0, help="duration of the latency run, s"
     )
     p.add_argument("--latency-recipients", type=int, default=4)
+    p.add_argument(
+        "--keys", type=int, default=1000, help="ordering keys of the ordered run (key=k<n %% keys>)"
+    )
     p.add_argument("--backlog-time", type=float, default=150.0, help="cap on backlog sending, s")
     p.add_argument(
         "--json",
@@ -173,6 +180,11 @@ class Runner:
                 scenario, a.producers, a.recipients, a.messages or 100_000, send_time=a.e2e_time
             )
             plan.ack_wait, plan.drain_time = 10.0, a.drain_time
+        elif scenario == "ordered":
+            plan = LoadPlan(
+                scenario, a.producers, a.recipients, a.messages or 100_000, send_time=a.e2e_time
+            )
+            plan.ack_wait, plan.drain_time, plan.keys = 10.0, a.drain_time, a.keys
         elif scenario == "latency":
             count = int(a.latency_rate * a.latency_time)
             plan = LoadPlan(scenario, 1, a.latency_recipients, count, rate=a.latency_rate)
@@ -213,6 +225,8 @@ class Runner:
         # sides of a comparison then run under about the same conditions.
         for scenario in load:
             for system in systems:
+                if scenario in SKMQ_ONLY and system != "skmq":
+                    continue
                 await self.one(system, scenario)
         if "backlog" in a.scenario_list and "skmq" in systems:
             await self.backlog()
@@ -288,6 +302,8 @@ class Runner:
                 extra["aof_bytes"] = broker.aof_bytes()
             extra["broker_rss_peak"] = max(peak[0], broker.rss())
             extra["delivery_log_bytes"] = broker.delivery_log_bytes()
+            if plan.keys:
+                extra["keys"] = plan.keys
             res.extra.update(extra)
             if not broker.alive():
                 rc = broker.proc.returncode if broker.proc else None

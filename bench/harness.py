@@ -175,6 +175,7 @@ class LoadPlan:
     drain_time: float = 30.0  # then wait this long for the recipients to get everything
     settle_time: float = 0.5  # and this long more, to catch late duplicates
     deadline: float = 0.0  # unix time: every child's hard exit
+    keys: int = 0  # ordering keys (SKMQ's key=): message n gets key k<n % keys>; 0: none
 
 
 @dataclass
@@ -293,6 +294,7 @@ async def _run_load(
             f"{plan.send_time:.1f}",
             "--ack-wait",
             f"{plan.ack_wait:.1f}",
+            *(["--keys", str(plan.keys)] if plan.keys else []),
             *common,
         ]
         child = Child(f"{plan.scenario}-producer{i}", module, args, workdir)

@@ -202,6 +202,15 @@ def targets(results: list[LoadResult]) -> tuple[list[str], dict[str, Any]]:
         )
     else:
         check("Redis <= 400 bytes/msg (backlog)", None, "not run")
+    ordered = _best(results, "skmq", "ordered")
+    if s_e2e and ordered and s_e2e.e2e_rate and ordered.e2e_rate:
+        cost = 1 - ordered.e2e_rate / s_e2e.e2e_rate
+        data["ordered_cost"] = cost
+        lines.append(
+            f"- ordered delivery (key=, {ordered.extra.get('keys', '?')} keys): "
+            f"{ordered.e2e_rate:,.0f} msg/s against {s_e2e.e2e_rate:,.0f} unordered "
+            f"({cost:+.0%} cost)"
+        )
     skmq_runs = [
         r
         for r in results

@@ -146,6 +146,7 @@ async def producer_main(args: argparse.Namespace) -> None:
     stop_at = time.monotonic() + args.send_time
     head = b"appid=" + appid + b"\r\nmsgid=" + prefix + b"-"
     tail_type = b"\r\ntype=queue\r\ncontent="
+    keys: int = args.keys
     seq = 0
     t_start = time.time_ns()
     t0 = time.monotonic()
@@ -177,7 +178,11 @@ async def producer_main(args: argparse.Namespace) -> None:
         n = min(room, count - seq, 500)
         content = make_content(time.time_ns(), args.size)
         tail = tail_type + content + SEP
-        transport.write(b"".join([head + b"%d" % i + tail for i in range(seq, seq + n)]))
+        if keys:
+            frames = [head + b"%d\r\nkey=k%d" % (i, i % keys) + tail for i in range(seq, seq + n)]
+        else:
+            frames = [head + b"%d" % i + tail for i in range(seq, seq + n)]
+        transport.write(b"".join(frames))
         seq += n
         if not proto.writable.is_set():
             await proto.writable.wait()
@@ -400,6 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1000)
     p.add_argument("--rate", type=float, default=0.0, help="messages/s, 0: as fast as possible")
     p.add_argument("--size", type=int, default=100)
+    p.add_argument("--keys", type=int, default=0, help="key=k<n %% keys> on message n; 0: none")
     p.add_argument("--send-time", type=float, default=60.0)
     p.add_argument("--ack-wait", type=float, default=30.0)
     # recipient
