@@ -63,6 +63,8 @@ class Settings(BaseSettings):
     max_partial_bytes: int = Field(64 << 20, ge=64)
     max_connections_per_host: int = Field(1000, ge=1)
     max_unanswered_frames: int = Field(4096, ge=1)
+    max_unanswered_total: int = Field(32768, ge=1)
+    max_peer_store_calls: int = Field(16, ge=1)
     max_store_calls_per_connection: int = Field(32, ge=1)
     max_registration_bytes: int = Field(4096, ge=64)
     redis_pool_size: int = Field(64, ge=1)

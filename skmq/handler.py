@@ -123,6 +123,11 @@ class FrameHandler:
         self._id_prefix = uuid.uuid4().hex[:16]
         self._id_counter = itertools.count(1)
         self._tasks: set[asyncio.Task[bytes]] = set()
+        # Answers and registrations of all connections at the store at once: a flood of
+        # them waits here, and the rest of the Redis pool stays for producers and delivery.
+        self.peer_store_calls = asyncio.Semaphore(
+            max(1, min(settings.max_peer_store_calls, settings.redis_pool_size // 2))
+        )
 
     async def store_room(self) -> None:
         """Backpressure: wait while too much producer content waits for the store."""
@@ -254,7 +259,7 @@ class FrameHandler:
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            async with peer.store_calls:
+            async with peer.store_calls, self.peer_store_calls:
                 status, content = await self.engine.answer(frame, peer)
         except (RedisError, OSError):
             status, content = "error", "store unavailable, answer again later"
@@ -272,7 +277,7 @@ class FrameHandler:
                     f"address {reg.host}:{reg.port} is one the broker uses itself "
                     "(its store or its own ports): never a recipient's"
                 )
-            async with peer.store_calls:
+            async with peer.store_calls, self.peer_store_calls:
                 await self.engine.registry.register(reg)
                 await self.engine.note_apps({reg.app})
         except RegistrationRefused as exc:
@@ -288,7 +293,7 @@ class FrameHandler:
             app, rid = parse_unregistration(frame.content, self.settings.max_registration_bytes)
             if (refused := self._refusal(peer, "consume", app)) is not None:
                 raise RegistrationRefused(refused)
-            async with peer.store_calls:
+            async with peer.store_calls, self.peer_store_calls:
                 removed = await self.engine.registry.unregister(app, rid)
         except RegistrationRefused as exc:
             return self._resp(str(exc), msgid, Status.REJECT)

@@ -9,10 +9,15 @@ into its connection's reply queue; a connection with replies pending has one rep
 writer (a task) that awaits them in order and writes them. Answers thus leave in frame
 order per connection, and no connection waits behind another connection's replies.
 
-Limits, each a setting: a connection is not read while it has MAX_UNANSWERED_FRAMES
-unanswered; a frame that has started must end within FRAME_TIMEOUT; incomplete frames
-of all connections hold at most MAX_PARTIAL_BYTES; MAX_CONNECTIONS and
-MAX_CONNECTIONS_PER_HOST bound connections. A connection over a limit is answered
+Limits, each a setting: a connection is not read while it has its share of unanswered
+frames: MAX_UNANSWERED_FRAMES, or less when MAX_UNANSWERED_TOTAL shared by every
+connection is smaller (never under MIN_SHARE). Every frame read may cost memory until
+it is answered, so a connection reads no more bytes than could hold the frames its
+share has room for (one frame is at least MIN_FRAME_BYTES), counting what it read and
+the decode stage has not decoded yet: the frames held in memory stay bounded however
+small the frames of a flood are. A frame that has started must end within FRAME_TIMEOUT;
+incomplete frames of all connections hold at most MAX_PARTIAL_BYTES; MAX_CONNECTIONS
+and MAX_CONNECTIONS_PER_HOST bound connections. A connection over a limit is answered
 `error` (after the answers to its earlier frames) and closed.
 """
 
@@ -37,6 +42,13 @@ from skmq.supervisor import Supervisor
 log = structlog.get_logger("skmq.server")
 
 READ_SIZE = 256 * 1024
+# The fewest bytes a frame that is answered later can take ("a\r\n\r\n" is 5; an answer
+# or a registration, which waits for the store, "type=ack\r\n\r\n", 13).
+MIN_FRAME_BYTES = 8
+# A connection's share of MAX_UNANSWERED_TOTAL is never below this many frames.
+MIN_SHARE = 16
+# Reading near the share reads at least this much (a large frame still makes progress).
+MIN_READ = 256
 MAX_BATCH = 4096
 # A peer that does not read its answers is cut off past this much unsent data.
 MAX_WRITE_BUFFER = 16 << 20
@@ -49,11 +61,13 @@ class LimitExceeded(CodecError):
 class Connection:
     __slots__ = (
         "broken",
+        "decoded",
         "decoder",
         "frame_started",
         "last_active",
         "partial",
         "peer",
+        "queued",
         "readable",
         "reader",
         "reading",
@@ -83,6 +97,10 @@ class Connection:
         self.unanswered = 0
         self.readable = asyncio.Event()
         self.readable.set()
+        # Bytes read and not decoded yet; `decoded` is set each time the decode stage
+        # took a chunk of this connection's.
+        self.queued = 0
+        self.decoded = asyncio.Event()
         # True while the broker waits for the peer's bytes: only that time counts
         # against FRAME_TIMEOUT (not the time the broker itself is behind).
         self.reading = False
@@ -188,12 +206,21 @@ class Server:
         try:
             while not conn.broken:
                 await conn.readable.wait()
+                room = self._read_room(conn)
+                if room <= 0:
+                    if conn.queued:  # the decode stage is behind: wait for it
+                        conn.decoded.clear()
+                        await conn.decoded.wait()
+                    else:  # at its share: its reply writer resumes reading
+                        conn.readable.clear()
+                    continue
                 conn.reading = True
-                data = await reader.read(READ_SIZE)
+                data = await reader.read(max(room, MIN_READ))
                 conn.reading = False
                 if not data:
                     break
                 conn.last_active = time.monotonic()
+                conn.queued += len(data)
                 await self.decode_q.put((conn, data))
         except (ConnectionError, OSError):
             pass
@@ -206,6 +233,16 @@ class Server:
                 # half-closes and still waits for its answers).
                 await self.decode_q.put((conn, None))
 
+    def share(self) -> int:
+        """The unanswered frames one connection may have now."""
+        fair = self.settings.max_unanswered_total // max(1, len(self.connections))
+        return min(self.settings.max_unanswered_frames, max(MIN_SHARE, fair))
+
+    def _read_room(self, conn: Connection) -> int:
+        """Bytes the connection may read now: no more than frames its share has room for."""
+        room = (self.share() - conn.unanswered) * MIN_FRAME_BYTES - conn.queued
+        return min(READ_SIZE, room)
+
     # -- decode stage -------------------------------------------------------
     async def _decode_stage(self) -> None:
         q = self.decode_q
@@ -215,6 +252,9 @@ class Server:
                 chunks.append(q.get_nowait())
             out: list[tuple[Connection, Item]] = []
             for conn, data in chunks:
+                if isinstance(data, bytes):
+                    conn.queued -= len(data)
+                    conn.decoded.set()
                 if conn.broken:
                     continue
                 if not isinstance(data, bytes):
@@ -232,10 +272,10 @@ class Server:
                 self._shed_partial(out)
             if not out:
                 continue
-            cap = self.settings.max_unanswered_frames
+            share = self.share()
             for conn, _ in out:
                 conn.unanswered += 1
-                if conn.unanswered >= cap:
+                if conn.unanswered >= share:
                     conn.readable.clear()
             if self.rate is not None:
                 await self.rate.acquire(len(out))
@@ -294,7 +334,6 @@ class Server:
     async def _write_replies(self, conn: Connection) -> None:
         """Await the connection's replies in order; write whatever is ready before each wait."""
         ready: list[bytes] = []
-        cap = self.settings.max_unanswered_frames
         closing = False
         try:
             while conn.replies and not closing:
@@ -308,7 +347,7 @@ class Server:
                 if reply:
                     ready.append(reply)
                 conn.unanswered -= 1
-                if conn.unanswered < cap and not conn.readable.is_set():
+                if not conn.readable.is_set() and conn.unanswered < self.share():
                     conn.readable.set()
                     if conn.frame_started is not None:  # the pause was the broker's
                         conn.frame_started = time.monotonic()
@@ -342,6 +381,7 @@ class Server:
         conn.broken = True
         self._release_partial(conn)
         conn.readable.set()  # let its connection stage see the end
+        conn.decoded.set()
         conn.writer.close()
         self.connections.discard(conn)
 

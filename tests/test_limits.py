@@ -193,6 +193,58 @@ async def test_a_burst_of_store_calls_waits_for_the_pool_instead_of_failing(
     assert all(a["status"] == "ack" and a["content"] == "stored" for a in produced)
 
 
+async def test_a_sustained_flood_from_many_connections_holds_bounded_frames(
+    make_broker: BrokerFactory,
+) -> None:
+    """100 connections each pipeline 1,000 answers for unknown messages (every one a store
+    look-up) while a producer sends one message at a time: every message is `ack`ed, and
+    the frames read but not yet answered stay within MAX_UNANSWERED_TOTAL's bound (each
+    connection at its share, plus at most one small read past it) instead of up to 100 x
+    MAX_UNANSWERED_FRAMES."""
+    total, conns, per_conn = 2000, 100, 1000
+    broker = await make_broker(max_unanswered_total=total, redis_pool_size=8)
+    port = broker.server.port
+    peak = 0
+
+    async def flood(i: int) -> int:
+        client = await RawClient.connect(port)
+        frames = [encode_frame("ack", {"appid": "j", "msgid": f"{i}-{j}"}) for j in range(per_conn)]
+        client.send_raw(b"".join(frames))
+        try:
+            for _ in range(per_conn):
+                await client.resp(timeout=60)
+            return per_conn
+        finally:
+            await client.close()
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, sum(c.unanswered for c in broker.server.connections))
+            await asyncio.sleep(0.005)
+
+    async def produce() -> list[tuple[object, object]]:
+        client = await RawClient.connect(port)
+        try:
+            answers = []
+            for i in range(50):
+                resp = await client.request("queue", b"x", appid="a", msgid=f"p{i}")
+                answers.append((resp["status"], resp["content"]))
+            return answers
+        finally:
+            await client.close()
+
+    sampler = asyncio.create_task(sample())
+    floods = [asyncio.create_task(flood(i)) for i in range(conns)]
+    produced = await produce()
+    answered = await asyncio.gather(*floods)
+    sampler.cancel()
+    assert produced == [("ack", "stored")] * 50
+    assert sum(answered) == conns * per_conn
+    one_read = 256 // 13 + 1  # MIN_READ bytes of the shortest answer frames
+    assert 0 < peak <= 2 * total + (conns + 1) * one_read, peak
+
+
 # -- hostile input ------------------------------------------------------------------
 HOSTILE_REGISTRATIONS = [
     (b"[" * 100_000, "MAX_REGISTRATION_BYTES"),
