@@ -27,6 +27,7 @@ from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured, UsageError
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
+from skmq.http.dlq import DlqRoutes
 from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
 from skmq.pull.groups import Groups
@@ -199,7 +200,8 @@ class Broker:
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
         pull = PullRoutes(s, self.groups, longpoll, self.tokens)
-        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, self.tokens)
+        dlq = DlqRoutes(self.store, self.dlog, self.tokens)
+        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens)
         self.server = Server(
             s, FrameHandler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
         )

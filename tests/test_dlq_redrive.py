@@ -1,5 +1,6 @@
 """`skmq dlq replay|purge` filters, pace, dry run and `--to-app`, as an operator runs
-them (the CLI as a process) against a real Redis; `move` (the --to-app script) on its own."""
+them (the CLI as a process) against a real Redis; `move` (the --to-app script) on its own;
+the same over the HTTP gateway."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
 from skmq.store import AliveRecipient, NewMessage, Store
+from tests.conftest import BrokerFactory, free_port
 from tests.test_cli_ops import one_line, skmq
+from tests.test_delivery import log_events
 
 T0 = 1_700_000_000_000
 MIN = 60_000
@@ -132,3 +137,60 @@ async def test_bad_filter_values_are_one_line_errors(cli: Cli) -> None:
         code, _, err = await cli("purge", "--all", flag, value)
         assert code == 2, err
         assert flag in one_line(err), err
+
+
+# -- the same over HTTP -------------------------------------------------------------
+DLQ_ADMIN = "dlq-admin-token-0123456789abcdef"
+DLQ_CONSUMER = "dlq-consumer-token-0123456789abcd"
+
+
+async def test_list_replay_and_purge_over_http(
+    store: Store, make_broker: BrokerFactory, redis: aioredis.Redis, tmp_path: Path
+) -> None:
+    """The gateway's DLQ routes, as an operator with curl would use them: list, a dry run,
+    replay by reason and count, purge by msgid, replay into another app; admin only."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f'[[tokens]]\nname = "ops"\ntoken = "{DLQ_ADMIN}"\napps = ["d"]\nroles = ["admin"]\n'
+        f'[[tokens]]\nname = "c"\ntoken = "{DLQ_CONSUMER}"\napps = ["d"]\nroles = ["consume"]\n'
+    )
+    broker = await make_broker(http_port=free_port(), auth_file=tokens)
+    base = f"http://127.0.0.1:{broker.gateway.port}/v1/apps"
+    for i, error in enumerate(["boom", "timeout", "boom", "boom"], start=1):
+        await bury(store, "d", f"m{i}", error, T0 + i * MIN)
+    admin = {"Authorization": f"Bearer {DLQ_ADMIN}"}
+    async with aiohttp.ClientSession(headers=admin) as http:
+
+        async def call(method: str, path: str, body: object = None) -> tuple[int, Any]:
+            async with http.request(method, f"{base}/{path}", json=body) as response:
+                return response.status, await response.json()
+
+        status, listed = await call("GET", "d/dlq")
+        assert status == 200
+        assert [d["msgid"] for d in listed["dead_letters"]] == ["m1", "m2", "m3", "m4"]
+        assert listed["dead_letters"][0]["last_error"] == "errored: boom"
+        dry = {"reason": "BOOM", "max": 2, "dry_run": True}
+        assert await call("POST", "d/dlq/replay", dry) == (
+            200, {"action": "replay", "dry_run": True, "selected": ["m1", "m3"], "done": 0}
+        )  # fmt: skip
+        assert await dead_ids(store, "d") == ["m1", "m2", "m3", "m4"]
+        status, result = await call("POST", "d/dlq/replay", {"reason": "boom", "max": 2})
+        assert (status, result["done"]) == (200, 2)
+        assert await dead_ids(store, "d") == ["m2", "m4"]
+        assert await redis.zrange(store.base("d") + "delayed", 0, -1) == [b"m1", b"m3"]
+        status, error = await call("POST", "d/dlq/purge", {"msgids": ["nope"]})
+        assert status == 404 and "nope" in error["error"]
+        assert (await call("POST", "d/dlq/purge", {"msgids": ["m2"]}))[1]["done"] == 1
+        assert (await call("POST", "d/dlq/purge", {"to_app": "e"}))[0] == 400
+        assert (await call("POST", "d/dlq/replay", {"to_app": "e"}))[0] == 403  # not its app
+        assert (await call("POST", "d/dlq/replay", {"since": "yesterday"}))[0] == 400
+        assert await dead_ids(store, "d") == ["m4"]
+    async with aiohttp.ClientSession() as anonymous:
+        async with anonymous.get(f"{base}/d/dlq") as response:
+            assert response.status == 401
+        consumer = {"Authorization": f"Bearer {DLQ_CONSUMER}"}
+        async with anonymous.post(f"{base}/d/dlq/purge", json={}, headers=consumer) as response:
+            assert response.status == 403
+    assert await dead_ids(store, "d") == ["m4"]
+    replayed = [e for e in log_events(broker, event="replayed") if e["appid"] == "d"]
+    assert sorted(e["msgid"] for e in replayed) == ["m1", "m3"]

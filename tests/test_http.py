@@ -193,6 +193,9 @@ async def test_openapi_document_is_valid_and_names_every_route(
         "/v1/apps/{app}/groups/{group}",
         *(f"/v1/apps/{{app}}/groups/{{group}}/{verb}"
           for verb in ("receive", "ack", "nack", "extend", "reset")),
+        "/v1/apps/{app}/dlq",
+        "/v1/apps/{app}/dlq/replay",
+        "/v1/apps/{app}/dlq/purge",
         "/metrics",
         "/healthz",
         "/openapi.json",

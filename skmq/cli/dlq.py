@@ -29,13 +29,11 @@ from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.dlq import CHUNK, Filters, Verb, redrive, select
 from skmq.errors import UsageError
-from skmq.events import Event
 from skmq.logs import configure_logging
 from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
-
-CHUNK = 500
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -106,18 +104,8 @@ def _rate(text: str) -> float:
     return rate
 
 
-def _filtered(letters: list[DeadLetter], args: argparse.Namespace) -> list[DeadLetter]:
-    """The dead letters that pass --reason, --since, --until; --max of them, oldest first."""
-    reason = args.reason.lower() if args.reason else None
-    kept = [
-        d
-        for d in letters
-        if (reason is None or reason in d.last_error.lower())
-        and (args.since is None or d.died_at >= args.since)
-        and (args.until is None or d.died_at < args.until)
-    ]
-    kept.sort(key=lambda d: d.died_at)
-    return kept[: args.max] if args.max else kept
+def _filters(args: argparse.Namespace) -> Filters:
+    return Filters(args.reason, args.since, args.until, args.max)
 
 
 async def _selected(
@@ -133,7 +121,7 @@ async def _selected(
     if args.verb != "list" and args.msgids:
         wanted = set(args.msgids)
         letters = [d for d in letters if d.msgid in wanted]
-    return letters if args.verb == "list" else _filtered(letters, args)
+    return letters if args.verb == "list" else select(letters, _filters(args))
 
 
 def printable(text: str, limit: int = 60) -> str:
@@ -169,7 +157,7 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"{len(letters)} dead letter(s)")
             return 0
         unknown = sorted(set(args.msgids) - {d.msgid for d in letters})
-        if unknown and not (args.reason or args.since or args.until or args.max):
+        if unknown and not _filters(args).any:
             raise UnknownDeadLetter(
                 f"no dead letter with msgid {', '.join(map(repr, unknown))}"
                 f"{' in app ' + repr(args.app) if args.app else ''}: nothing done"
@@ -220,55 +208,20 @@ class UnknownDeadLetter(LookupError):
 async def _apply(
     store: Store,
     log_dir: os.PathLike[str],
-    verb: str,
+    verb: Verb,
     letters: list[DeadLetter],
     to_app: str | None = None,
     pace: TokenBucket | None = None,
 ) -> int:
     dlog = DeliveryLog(log_dir, f"cli-{socket.gethostname()}-{os.getpid()}")  # type: ignore[arg-type]
-    done = 0
     try:
         with Progress(transient=True, disable=len(letters) <= CHUNK) as progress:
             task = progress.add_task(f"{verb}ing", total=len(letters))
-            size = CHUNK if pace is None else max(1, min(CHUNK, int(pace.rate)))
-            for i in range(0, len(letters), size):
-                chunk = letters[i : i + size]
-                if pace is not None:
-                    await pace.acquire(len(chunk))
-                by_app: dict[str, list[DeadLetter]] = {}
-                for d in chunk:
-                    by_app.setdefault(d.appid, []).append(d)
-                for app, items in by_app.items():
-                    ids = [d.delivery_id for d in items]
-                    if to_app is not None:
-                        moved = await store.move(app, to_app, ids, now_ms())
-                        results = [x == 1 for x in moved]
-                        for d, ok in zip(items, results, strict=True):
-                            if ok:
-                                detail = f"moved from the dead letters of app {app}"
-                                dlog.event(Event.STORED, d.msgid, to_app, d.kind, detail=detail)
-                        done += sum(results)
-                        continue
-                    if verb == "replay":
-                        results = await store.replay(app, ids, now_ms())
-                    else:
-                        results = await store.purge(app, ids)
-                    for d, ok in zip(items, results, strict=True):
-                        if ok:
-                            done += 1
-                            if verb == "replay":
-                                dlog.event(
-                                    Event.REPLAYED,
-                                    d.msgid,
-                                    app,
-                                    d.kind,
-                                    d.recipient,
-                                    detail="dead letter replayed by an operator",
-                                )
-                progress.advance(task, len(chunk))
+            return await redrive(
+                store, dlog, verb, letters, to_app, pace, lambda n: progress.advance(task, n)
+            )
     finally:
         dlog.close()
-    return done
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 
 from skmq.auth import Tokens
 from skmq.config import Settings
+from skmq.http.dlq import DlqRoutes
 from skmq.http.errors import json_errors
 from skmq.http.openapi import document
 from skmq.http.produce import Producer
@@ -28,12 +29,14 @@ class Gateway:
         metrics: Metrics,
         enqueuer: Enqueuer,
         pull: PullRoutes,
+        dlq: DlqRoutes,
         tokens: Tokens | None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.producer = Producer(settings, enqueuer, tokens)
         self.pull = pull
+        self.dlq = dlq
         self._openapi = document()
         self._runners: list[web.AppRunner] = []
         self.port: int | None = None
@@ -62,6 +65,7 @@ class Gateway:
             app.router.add_get("/openapi.json", self._openapi_json)
             app.router.add_post("/v1/apps/{app}/messages", self.producer.handle)
             self.pull.add_to(app)
+            self.dlq.add_to(app)
         return app
 
     # -- serving --------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from skmq import __version__
+from skmq.http.dlq import MODELS as DLQ_MODELS
 from skmq.http.produce import BatchResult, MessageBatch, OutgoingMessage, StoreResult
 from skmq.http.pull import MODELS as PULL_MODELS
 
@@ -27,7 +28,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         400: "invalid request (the error says which field)",
         401: "no token, or an unknown one (auth on)",
         403: "the token lacks the role for this app",
-        404: "no such group",
+        404: "no such group, or a msgid given that is no dead letter (nothing done)",
         413: "body, batch or content too large",
         415: "not application/json",
         503: "store unavailable (nothing stored or changed), or too many long polls: try again",
@@ -39,7 +40,14 @@ def document() -> dict[str, Any]:
     _, defs = models_json_schema(
         [
             (m, "validation")
-            for m in (OutgoingMessage, MessageBatch, StoreResult, BatchResult, *PULL_MODELS)
+            for m in (
+                OutgoingMessage,
+                MessageBatch,
+                StoreResult,
+                BatchResult,
+                *PULL_MODELS,
+                *DLQ_MODELS,
+            )
         ],
         ref_template=_REF,
     )
@@ -145,6 +153,31 @@ def document() -> dict[str, Any]:
                        "ExtendRequest", "ReceiptResults", "extended, or stale", *pull_codes),
         },
     }  # fmt: skip
+    limit_param = {
+        "name": "limit", "in": "query", "required": False,
+        "description": "at most this many, oldest first (default 1000)",
+        "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
+    }  # fmt: skip
+    dlq_codes = (400, 401, 403, 404, 415, 503)
+    dlq_paths: dict[str, Any] = {
+        "/v1/apps/{app}/dlq": {
+            "parameters": [app_param],
+            "get": {**op("listDeadLetters", "The app's dead letters (admin role)", None,
+                         "DeadLetterList", "oldest first", 400, 401, 403, 503),
+                    "parameters": [limit_param]},
+        },
+        "/v1/apps/{app}/dlq/replay": {
+            "parameters": [app_param],
+            "post": op("replayDeadLetters", "Replay dead letters (filters, dry run, into "
+                       "another app; admin role)", "DlqRequest", "DlqResult",
+                       "what was selected and done", *dlq_codes),
+        },
+        "/v1/apps/{app}/dlq/purge": {
+            "parameters": [app_param],
+            "post": op("purgeDeadLetters", "Delete dead letters (filters, dry run; admin role)",
+                       "DlqRequest", "DlqResult", "what was selected and done", *dlq_codes),
+        },
+    }  # fmt: skip
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
         "openapi": "3.1.0",
@@ -156,6 +189,7 @@ def document() -> dict[str, Any]:
         "paths": {
             "/v1/apps/{app}/messages": produce,
             **pull_paths,
+            **dlq_paths,
             "/metrics": {
                 "get": {
                     "operationId": "metrics",

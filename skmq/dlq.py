@@ -1,0 +1,101 @@
+"""Redriving the dead-letter queue, for operators, whichever way they ask: `skmq dlq`
+(skmq/cli/dlq.py) and the HTTP gateway (skmq/http/dlq.py) select and redrive with the
+same two calls. A replay or a move is written to the delivery log, so the audit sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.events import Event
+from skmq.ratelimit import TokenBucket
+from skmq.store import DeadLetter, Store
+
+CHUNK = 500
+Verb = Literal["replay", "purge"]
+
+
+@dataclass(slots=True, frozen=True)
+class Filters:
+    """Which dead letters: `reason` a text of the last error (any case), died in
+    [since, until) (unix ms), at most `max_count` of them, oldest first."""
+
+    reason: str | None = None
+    since: int | None = None
+    until: int | None = None
+    max_count: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.reason, self.since, self.until, self.max_count))
+
+
+def select(letters: list[DeadLetter], filters: Filters) -> list[DeadLetter]:
+    """The dead letters that pass the filters, oldest first."""
+    reason = filters.reason.lower() if filters.reason else None
+    kept = [
+        d
+        for d in letters
+        if (reason is None or reason in d.last_error.lower())
+        and (filters.since is None or d.died_at >= filters.since)
+        and (filters.until is None or d.died_at < filters.until)
+    ]
+    kept.sort(key=lambda d: d.died_at)
+    return kept[: filters.max_count] if filters.max_count else kept
+
+
+async def redrive(
+    store: Store,
+    dlog: DeliveryLog,
+    verb: Verb,
+    letters: list[DeadLetter],
+    to_app: str | None = None,
+    pace: TokenBucket | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Replay (into `to_app`: move) or purge `letters`, CHUNK at a time, at most `pace`'s
+    rate; returns how many were done (one that stopped being dead meanwhile is not)."""
+    done = 0
+    size = CHUNK if pace is None else max(1, min(CHUNK, int(pace.rate)))
+    for i in range(0, len(letters), size):
+        chunk = letters[i : i + size]
+        if pace is not None:
+            await pace.acquire(len(chunk))
+        by_app: dict[str, list[DeadLetter]] = {}
+        for d in chunk:
+            by_app.setdefault(d.appid, []).append(d)
+        for app, items in by_app.items():
+            done += await _redrive_app(store, dlog, verb, app, items, to_app)
+        if progress is not None:
+            progress(len(chunk))
+    return done
+
+
+async def _redrive_app(
+    store: Store,
+    dlog: DeliveryLog,
+    verb: Verb,
+    app: str,
+    items: list[DeadLetter],
+    to_app: str | None,
+) -> int:
+    ids = [d.delivery_id for d in items]
+    if to_app is not None:
+        moved = await store.move(app, to_app, ids, now_ms())
+        results = [x == 1 for x in moved]
+        for d, ok in zip(items, results, strict=True):
+            if ok:
+                detail = f"moved from the dead letters of app {app}"
+                dlog.event(Event.STORED, d.msgid, to_app, d.kind, detail=detail)
+        return sum(results)
+    if verb == "replay":
+        results = await store.replay(app, ids, now_ms())
+    else:
+        results = await store.purge(app, ids)
+    for d, ok in zip(items, results, strict=True):
+        if ok and verb == "replay":
+            detail = "dead letter replayed by an operator"
+            dlog.event(Event.REPLAYED, d.msgid, app, d.kind, d.recipient, detail=detail)
+    return sum(results)
