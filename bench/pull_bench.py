@@ -1,5 +1,6 @@
-"""Pull consumption over HTTP: cross-broker long-poll wake-up latency beside SQS-style
-short polling, Redis commands/s under idle long polls, and pull throughput.
+"""Pull consumption: cross-broker long-poll wake-up latency over HTTP beside SQS-style
+short polling, Redis commands/s under idle long polls, and pull throughput over HTTP and
+over TCP (`pull` frames).
 
 Two `skmq serve` processes share one embedded Redis; broker A takes the messages, the
 polls wait on broker B. Run: python -m bench.pull_bench [--rounds 200] [--idle 1000]
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -22,20 +24,22 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
+from skmq.client import Producer
 from skmq.embedded import EmbeddedRedis, free_port
 
 APP = "bench"
 
 
-def start_broker(name: str, redis_url: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def start_broker(name: str, redis_url: str, work: Path) -> tuple[subprocess.Popen[bytes], str, int]:
+    """A broker process: it, its HTTP base for the app, its TCP port."""
+    port, tcp = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
     env.update(
-        SKMQ_PORT=str(free_port()), SKMQ_HTTP_PORT=str(port), SKMQ_REDIS_URL=redis_url,
+        SKMQ_PORT=str(tcp), SKMQ_HTTP_PORT=str(port), SKMQ_REDIS_URL=redis_url,
         SKMQ_DATA_DIR=str(work / name), SKMQ_LOG_LEVEL="warning", SKMQ_RETRY_BACKOFF="0.2",
     )  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "skmq.cli", "serve"], env=env)
-    return proc, f"http://127.0.0.1:{port}/v1/apps/{APP}"
+    return proc, f"http://127.0.0.1:{port}/v1/apps/{APP}", tcp
 
 
 async def until_up(http: aiohttp.ClientSession, base: str) -> None:
@@ -125,25 +129,54 @@ async def idle(b: str, redis: aioredis.Redis, polls: int, seconds: float) -> tup
     return quiet, busy
 
 
-async def throughput(http: aiohttp.ClientSession, a: str, b: str, n: int, consumers: int) -> float:
-    await post(http, f"{a}/groups", {"group": "tp"})
+# One pull operation (create, receive, ack) of a consumer on broker 0 (A) or 1 (B).
+Call = Callable[[int, str, dict[str, Any]], Awaitable[Any]]
+
+
+async def throughput(
+    http: aiohttp.ClientSession, a: str, group: str, n: int, consumers: int, call: Call
+) -> float:
+    """n messages stored through A; `consumers` consumers, alternately on A and B, each
+    receiving up to 100 at a time and acking them in one call."""
+    await call(0, "create", {"group": group})
     for start in range(0, n, 100):
-        batch = [{"msgid": f"tp-{i}", "content": "x" * 100} for i in range(start, start + 100)]
+        batch = [{"msgid": f"{group}-{i}", "content": "x" * 100} for i in range(start, start + 100)]
         await post(http, f"{a}/messages", {"messages": batch})
     left = n
     began = time.perf_counter()
 
-    async def consume(base: str) -> None:
+    async def consume(i: int) -> None:
         nonlocal left
         while left > 0:
-            res = await post(http, f"{base}/groups/tp/receive", {"max": 100, "wait": 1})
+            res = await call(i, "receive", {"max": 100, "wait": 1})
             if res["messages"]:
                 left -= len(res["messages"])
-                receipts = [m["receipt"] for m in res["messages"]]
-                await post(http, f"{base}/groups/tp/ack", {"receipts": receipts})
+                await call(i, "ack", {"receipts": [m["receipt"] for m in res["messages"]]})
 
-    await asyncio.gather(*(consume(a if i % 2 else b) for i in range(consumers)))
+    await asyncio.gather(*(consume(i) for i in range(consumers)))
     return n / (time.perf_counter() - began)
+
+
+def http_calls(http: aiohttp.ClientSession, bases: list[str], group: str) -> Call:
+    async def call(i: int, op: str, body: dict[str, Any]) -> Any:
+        base = bases[i % 2]
+        url = f"{base}/groups" if op == "create" else f"{base}/groups/{group}/{op}"
+        return await post(http, url, body)
+
+    return call
+
+
+def tcp_calls(connections: list[Producer], group: str) -> Call:
+    """Consumer i on its own connection (a long poll holds a connection's answers)."""
+
+    async def call(i: int, op: str, body: dict[str, Any]) -> Any:
+        fields = (("appid", APP), ("group", group), ("op", op))
+        resp = await connections[i].request("pull", fields, json.dumps(body).encode())
+        if not resp.ok:
+            raise RuntimeError(f"pull {op}: {resp.status} {resp.content}")
+        return json.loads(resp.content)
+
+    return call
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -152,8 +185,8 @@ async def main(args: argparse.Namespace) -> None:
     redis_server.start()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        proc_a, a = start_broker("a", redis_server.url, work)
-        proc_b, b = start_broker("b", redis_server.url, work)
+        proc_a, a, tcp_a = start_broker("a", redis_server.url, work)
+        proc_b, b, tcp_b = start_broker("b", redis_server.url, work)
         procs += [proc_a, proc_b]
         redis = aioredis.Redis.from_url(redis_server.url)
         timeout = aiohttp.ClientTimeout(total=60)
@@ -179,11 +212,21 @@ async def main(args: argparse.Namespace) -> None:
                 f"Redis commands/s: {quiet:.1f} with no poll, {busy:.1f} with "
                 f"{args.idle} idle long polls on B"
             )
-            rate = await throughput(http, a, b, args.messages, args.consumers)
-            print(
-                f"pull throughput over HTTP: {rate:.0f} msg/s ({args.messages} messages, "
-                f"{args.consumers} consumers, receive max=100 + ack batch)"
-            )
+            how = f"{args.messages} messages, {args.consumers} consumers, receive max=100 + ack"
+            calls = http_calls(http, [a, b], "tp-http")
+            rate = await throughput(http, a, "tp-http", args.messages, args.consumers, calls)
+            print(f"pull throughput over HTTP: {rate:.0f} msg/s ({how})")
+            ports = [tcp_a if i % 2 == 0 else tcp_b for i in range(args.consumers)]
+            connections = [Producer("127.0.0.1", port) for port in ports]
+            for c in connections:
+                await c.connect()
+            try:
+                calls = tcp_calls(connections, "tp-tcp")
+                rate = await throughput(http, a, "tp-tcp", args.messages, args.consumers, calls)
+            finally:
+                for c in connections:
+                    await c.close()
+            print(f"pull throughput over TCP: {rate:.0f} msg/s ({how})")
         await redis.aclose()
     finally:
         for proc in procs:

@@ -28,7 +28,7 @@ from skmq.errors import Misconfigured, UsageError
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
 from skmq.http.dlq import DlqRoutes
-from skmq.http.pull import PullRoutes
+from skmq.http.pull import PullApi, PullRoutes
 from skmq.metrics import Metrics
 from skmq.pull.groups import Groups
 from skmq.pull.longpoll import LongPoll
@@ -199,11 +199,12 @@ class Broker:
         self.groups = Groups(self.store)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
-        pull = PullRoutes(s, self.groups, longpoll, self.tokens)
+        self.pull = PullApi(s, self.groups, longpoll)
+        pull = PullRoutes(self.pull, self.tokens)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
         self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens)
         self.server = Server(
-            s, FrameHandler(s, self.enqueuer, self.engine, self.tokens), self.supervisor
+            s, FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull), self.supervisor
         )
         with listening(s.host, s.port, "HOST/PORT"):
             await self.server.start()
@@ -235,7 +236,8 @@ class Broker:
             with listening(s.host, s.http_port, "HOST/HTTP_PORT"):
                 await self.gateway.serve(s.host, s.http_port)
             self.own.add(s.host, s.http_port)
-            self.supervisor.start("pull-wakeups", self.wakeups.run)
+        # Long polls wait for these, over HTTP and on the TCP port alike.
+        self.supervisor.start("pull-wakeups", self.wakeups.run)
         trimmer = Trimmer(self.groups, self.broker_id, s.group_log_trim_interval)
         self.supervisor.start("group-log-trim", trimmer.run)
         if s.metrics_port:

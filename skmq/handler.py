@@ -37,6 +37,7 @@ from skmq.codec import (
 )
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
+from skmq.errors import ApiError
 from skmq.peer import Peer
 from skmq.registry.registration import (
     RegistrationRefused,
@@ -53,7 +54,7 @@ log = structlog.get_logger("skmq.handler")
 MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
 BROKER_CAPS = (
-    *("auth", "delay", "extend", "hello", "key", "length", "pipeline", "recipient"),
+    *("auth", "delay", "extend", "hello", "key", "length", "pipeline", "pull", "recipient"),
     *("token", "trace", "ttl", "unregister"),
 )
 HELLO_BODY = json.dumps(
@@ -70,6 +71,13 @@ class PendingReply(Protocol):
 
 
 Reply = bytes | PendingReply
+
+
+class PullCalls(Protocol):
+    """Consumer groups and pull consumption (skmq/http/pull.py's PullApi): a JSON body in,
+    a JSON-able answer out, ApiError for a refusal."""
+
+    async def call(self, op: str, app: str, group: str, raw: Any) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -114,12 +122,14 @@ class FrameHandler:
         enqueuer: Enqueuer,
         engine: Engine,
         tokens: Tokens | None = None,
+        pull: PullCalls | None = None,
     ) -> None:
         self.settings = settings
         # None: auth is off, every connection may do everything (SECURITY.md).
         self.tokens = tokens
         self.enqueuer = enqueuer
         self.engine = engine
+        self.pull = pull
         self._id_prefix = uuid.uuid4().hex[:16]
         self._id_counter = itertools.count(1)
         self._tasks: set[asyncio.Task[bytes]] = set()
@@ -169,6 +179,8 @@ class FrameHandler:
             return Outcome(spawn(self._register(item, peer), self._tasks))
         if kind == FrameType.UNREGISTER:
             return Outcome(spawn(self._unregister(item, peer), self._tasks))
+        if kind == FrameType.PULL:
+            return Outcome(spawn(self._pull(item, peer), self._tasks))
         msgid = item.fields.get("msgid")
         if kind == FrameType.AUTH:
             if self.tokens is None:
@@ -286,6 +298,35 @@ class FrameHandler:
             log.warning("store unavailable for a registration", error=repr(exc))
             return self._resp("store unavailable, register again later", msgid)
         return self._resp("registered", msgid, Status.ACK)
+
+    async def _pull(self, frame: Frame, peer: Peer) -> bytes:
+        """A `pull` frame (extension, docs/PROTOCOL.md): one operation of a consumer group,
+        its JSON body the content, its JSON answer the resp's content; a refusal is
+        `reject` (`error`: try again) with the HTTP gateway's status first."""
+        fields = frame.fields
+        msgid = fields.get("msgid")
+        app = fields.get("appid") or ""
+        if self.pull is None:
+            return self._resp("pull consumption is not served here", msgid, Status.REJECT)
+        if (refused := self._refusal(peer, "consume", app)) is not None:
+            return self._resp(f"403 {refused}", msgid, Status.REJECT)
+        try:
+            raw = json.loads(frame.content) if frame.content else None
+        except (ValueError, RecursionError):
+            return self._resp("400 content is not valid JSON", msgid, Status.REJECT)
+        op, group = fields.get("op") or "", fields.get("group") or ""
+        try:
+            if op == "receive":  # a long poll: bounded by PULL_MAX_WAITING, not held here
+                answer = await self.pull.call(op, app, group, raw)
+            else:
+                async with peer.store_calls, self.peer_store_calls:
+                    answer = await self.pull.call(op, app, group, raw)
+        except ApiError as exc:
+            status = Status.ERROR if exc.status >= 500 else Status.REJECT
+            return self._resp(f"{exc.status} {exc.message}", msgid, status)
+        except (RedisError, OSError):
+            return self._resp("503 store unavailable, try again", msgid)
+        return self._resp(json.dumps(answer, separators=(",", ":")), msgid, Status.ACK)
 
     async def _unregister(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")

@@ -1,23 +1,36 @@
 """The Python pull consumer (skmq/pull/consumer.py) and `skmq consume --pull`, against a
-real broker's HTTP gateway."""
+real broker: over its HTTP gateway, and over its TCP port (the `pull` frame)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
 
 import aiohttp
+import pytest
 
 from skmq.broker import Broker
 from skmq.pull.consumer import PullConsumer, PullError
 from tests.conftest import BrokerFactory, free_port
+from tests.peers import RawClient
 
 
 async def gateway(make_broker: BrokerFactory) -> tuple[Broker, str]:
     broker = await make_broker(http_port=free_port())
     return broker, f"http://127.0.0.1:{broker.gateway.port}"
+
+
+@pytest.fixture(params=["http", "tcp"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def consumer_url(broker: Broker, url: str, transport: str) -> str:
+    """Where a pull consumer connects: the gateway, or the broker's TCP port."""
+    return url if transport == "http" else f"tcp://127.0.0.1:{broker.server.port}"
 
 
 async def produce(url: str, app: str, *msgids: str) -> None:
@@ -30,12 +43,13 @@ async def produce(url: str, app: str, *msgids: str) -> None:
 
 
 async def test_async_for_with_ack_nack_and_a_lease_kept_while_handling(
-    make_broker: BrokerFactory,
+    make_broker: BrokerFactory, transport: str
 ) -> None:
-    _, url = await gateway(make_broker)
+    broker, url = await gateway(make_broker)
+    where = consumer_url(broker, url, transport)
     async with (
-        PullConsumer(url, "shop", "g", wait=5, visibility=0.4, batch=1) as first,
-        PullConsumer(url, "shop", "g", wait=0.5, visibility=0.4, batch=1) as other,
+        PullConsumer(where, "shop", "g", wait=5, visibility=0.4, batch=1) as first,
+        PullConsumer(where, "shop", "g", wait=0.5, visibility=0.4, batch=1) as other,
     ):
         await produce(url, "shop", "m1", "m2")
         messages = aiter(first)
@@ -54,9 +68,10 @@ async def test_async_for_with_ack_nack_and_a_lease_kept_while_handling(
         assert await third.ack()
 
 
-async def test_refusals_are_pull_errors(make_broker: BrokerFactory) -> None:
-    _, url = await gateway(make_broker)
-    async with PullConsumer(url, "shop", "g", create_group=False) as consumer:
+async def test_refusals_are_pull_errors(make_broker: BrokerFactory, transport: str) -> None:
+    broker, url = await gateway(make_broker)
+    where = consumer_url(broker, url, transport)
+    async with PullConsumer(where, "shop", "g", create_group=False) as consumer:
         try:
             await consumer.receive()
         except PullError as exc:
@@ -66,13 +81,15 @@ async def test_refusals_are_pull_errors(make_broker: BrokerFactory) -> None:
 
 
 async def test_skmq_consume_pull_prints_and_acks_until_stopped(
-    make_broker: BrokerFactory,
+    make_broker: BrokerFactory, transport: str
 ) -> None:
     broker, url = await gateway(make_broker)
+    where = consumer_url(broker, url, transport)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "skmq.cli", "consume", "--pull", "--group", "cli", "--app", "shop",
-        "--gateway", url, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "--gateway", where, env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stderr is not None
     async with asyncio.timeout(30):
@@ -100,3 +117,35 @@ async def test_skmq_consume_needs_a_group_to_pull_and_an_id_to_be_pushed_to() ->
         )  # fmt: skip
         _, err = await proc.communicate()
         assert (proc.returncode, err) == (2, said)
+
+
+async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory) -> None:
+    """`pull` frames as a client in any language would write them (docs/PROTOCOL.md):
+    create, receive, ack by receipt; refusals carry the HTTP status first."""
+    broker, url = await gateway(make_broker)
+    client = await RawClient.connect(broker.server.port)
+    try:
+        created = await client.request("pull", b"", appid="shop", group="raw", op="create")
+        assert created["status"] == "ack", created
+        assert json.loads(created["content"]) == {"group": "raw", "created": True}
+        await produce(url, "shop", "t1")
+        got = await client.request("pull", b'{"max": 5, "wait": 1}', appid="shop", group="raw",
+                                   op="receive")  # fmt: skip
+        (msg,) = json.loads(got["content"])["messages"]
+        assert (msg["msgid"], msg["content"], msg["attempt"]) == ("t1", "body t1", 1)
+        body = json.dumps({"receipts": [msg["receipt"]]}).encode()
+        acked = await client.request("pull", body, appid="shop", group="raw", op="ack")
+        assert json.loads(acked["content"])["results"][0]["status"] == "acked"
+        for content, fields, said in (
+            (b"{", {"group": "raw", "op": "ack"}, "400 content is not valid JSON"),
+            (b"[" * 60_000, {"group": "raw", "op": "ack"}, "400 content is not valid JSON"),
+            (b"{}", {"group": "raw", "op": "reset"}, "400 op must be one of"),
+            (b"{}", {"group": "bad name", "op": "receive"}, "400 group must be"),
+            (b"{}", {"group": "none", "op": "receive"}, "404 no group 'none' for app 'shop'"),
+            (b'{"max": 100000}', {"group": "raw", "op": "receive"}, "400 max: at most"),
+        ):
+            refused = await client.request("pull", content, appid="shop", **fields)
+            assert refused["status"] == "reject", refused
+            assert refused["content"].startswith(said), refused
+    finally:
+        await client.close()

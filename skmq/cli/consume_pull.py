@@ -25,7 +25,8 @@ def add_pull_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gateway",
         default=os.environ.get("SKMQ_GATEWAY", "http://127.0.0.1:1735"),
-        help="the broker's HTTP gateway (default: $SKMQ_GATEWAY or http://127.0.0.1:1735)",
+        help="the HTTP gateway, or tcp://HOST:PORT for the broker port (default: "
+        "$SKMQ_GATEWAY or http://127.0.0.1:1735)",
     )
     p.add_argument("--visibility", type=float, default=30.0, help="lease seconds (pull)")
     p.add_argument("--batch", type=int, default=10, help="messages a receive (pull)")

@@ -27,6 +27,8 @@ class FrameType(enum.StrEnum):
     PONG = "pong"
     HELLO = "hello"  # extension
     AUTH = "auth"  # extension
+    # consumers that pull (extension)
+    PULL = "pull"
 
 
 class Status(enum.StrEnum):

@@ -9,15 +9,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import RedisError
 
+from skmq.errors import ApiError
 
-class ApiError(Exception):
-    """Answered as `status` with `{"error": message}` (and `headers`)."""
-
-    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = dict(headers or {})
+__all__ = ["ApiError", "error_response", "json_errors"]
 
 
 def error_response(

@@ -4,7 +4,7 @@ and delete groups; receive (with a long poll), ack, nack and extend by receipt."
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -129,43 +129,42 @@ def _pulled(p: Pulled) -> PulledMessage:
     )  # fmt: skip
 
 
-class PullRoutes:
-    def __init__(
-        self, settings: Settings, groups: Groups, longpoll: LongPoll, tokens: Tokens | None
-    ) -> None:
+class PullApi:
+    """The group and pull operations behind the HTTP routes (PullRoutes, below) and the
+    TCP protocol's `pull` frame (skmq/handler.py): a JSON body in, a JSON-able answer
+    out, ApiError (with the HTTP status that fits) for a refusal. Authorization is the
+    caller's: it knows how the peer proved who it is."""
+
+    #: The operations a `pull` frame may ask for (the consume role's; reset and delete
+    #: are the admin's, over HTTP and `skmq groups`).
+    FRAME_OPS = frozenset({"create", "receive", "ack", "nack", "extend"})
+
+    def __init__(self, settings: Settings, groups: Groups, longpoll: LongPoll) -> None:
         self.settings = settings
         self.groups = groups
         self.longpoll = longpoll
-        self.tokens = tokens
 
-    def add_to(self, app: web.Application) -> None:
-        r = app.router
-        r.add_get("/v1/apps/{app}/groups", self.list_groups)
-        r.add_post("/v1/apps/{app}/groups", self.create)
-        r.add_delete("/v1/apps/{app}/groups/{group}", self.delete)
-        r.add_post("/v1/apps/{app}/groups/{group}/reset", self.reset)
-        r.add_post("/v1/apps/{app}/groups/{group}/receive", self.receive)
-        r.add_post("/v1/apps/{app}/groups/{group}/ack", self.ack)
-        r.add_post("/v1/apps/{app}/groups/{group}/nack", self.nack)
-        r.add_post("/v1/apps/{app}/groups/{group}/extend", self.extend)
-
-    # -- request parts --------------------------------------------------------
-    def _app(self, request: web.Request, role: Role) -> str:
-        app = request.match_info["app"]
+    async def call(self, op: str, app: str, group: str, raw: Any) -> dict[str, Any]:
+        """One of FRAME_OPS for `app` and `group` (both checked here)."""
+        if op not in self.FRAME_OPS:
+            raise ApiError(400, f"op must be one of {', '.join(sorted(self.FRAME_OPS))}")
         if (why := bad_id(app)) is not None:
             raise ApiError(400, f"appid {why}")
-        authorize(self.tokens, request, role, app)
-        return app
+        group = self.group_name(group)
+        if op == "create":  # the frame's group field names it; a body is not needed
+            return (await self.create(app, {"group": group}))[1]
+        calls = {"receive": self.receive, "ack": self.ack, "nack": self.nack,
+                 "extend": self.extend}  # fmt: skip
+        return await calls[op](app, group, raw)
 
     @staticmethod
-    def _group(name: str) -> str:
+    def group_name(name: str) -> str:
         if (why := bad_group(name)) is not None:
             raise ApiError(400, f"group {why}")
         return name
 
     @staticmethod
-    async def _body(request: web.Request, model: type[M]) -> M:
-        raw = await read_json(request)
+    def _body(raw: Any, model: type[M]) -> M:
         try:
             return model.model_validate(raw)
         except ValidationError as exc:
@@ -188,50 +187,41 @@ class PullRoutes:
         return max(1, int(seconds * 1000))
 
     @staticmethod
-    def _results(receipts: list[str], statuses: list[str]) -> web.Response:
+    def _results(receipts: list[str], statuses: list[str]) -> dict[str, Any]:
         results = [ReceiptResult.model_validate({"receipt": r, "status": s})
                    for r, s in zip(receipts, statuses, strict=True)]  # fmt: skip
-        return web.json_response(ReceiptResults(results=results).model_dump())
+        return ReceiptResults(results=results).model_dump()
 
     # -- groups -------------------------------------------------------------
-    async def list_groups(self, request: web.Request) -> web.Response:
-        app = self._app(request, "consume")
+    async def list_groups(self, app: str) -> dict[str, Any]:
         infos = await self.groups.describe(app)
         states = [
             GroupState(group=i.name, backlog=i.backlog, in_flight=i.in_flight,
                        delayed=i.delayed, dead=i.dead)
             for i in infos
         ]  # fmt: skip
-        return web.json_response(GroupList(groups=states).model_dump())
+        return GroupList(groups=states).model_dump()
 
-    async def create(self, request: web.Request) -> web.Response:
-        app = self._app(request, "consume")
-        group = self._group((await self._body(request, NewGroup)).group)
+    async def create(self, app: str, raw: Any) -> tuple[bool, dict[str, Any]]:
+        """(created, answer): False when the group existed already."""
+        group = self.group_name(self._body(raw, NewGroup).group)
         created = await self.groups.create(app, group)
-        return web.json_response(
-            {"group": group, "created": created}, status=201 if created else 200
-        )
+        return created, {"group": group, "created": created}
 
-    async def delete(self, request: web.Request) -> web.Response:
-        app = self._app(request, "admin")
-        group = self._group(request.match_info["group"])
+    async def delete(self, app: str, group: str) -> dict[str, Any]:
         if not await self.groups.delete(app, group):
             raise ApiError(404, f"no group {group!r} for app {app!r}")
-        return web.json_response({"group": group, "deleted": True})
+        return {"group": group, "deleted": True}
 
-    async def reset(self, request: web.Request) -> web.Response:
-        app = self._app(request, "admin")
-        group = self._group(request.match_info["group"])
-        position = (await self._body(request, GroupReset)).position
+    async def reset(self, app: str, group: str, raw: Any) -> dict[str, Any]:
+        position = self._body(raw, GroupReset).position
         if not await self.groups.reset(app, group, position):
             raise ApiError(404, f"no group {group!r} for app {app!r}")
-        return web.json_response({"group": group, "position": position})
+        return {"group": group, "position": position}
 
     # -- pull ---------------------------------------------------------------
-    async def receive(self, request: web.Request) -> web.Response:
-        app = self._app(request, "consume")
-        group = self._group(request.match_info["group"])
-        body = await self._body(request, ReceiveRequest)
+    async def receive(self, app: str, group: str, raw: Any) -> dict[str, Any]:
+        body = self._body(raw, ReceiveRequest)
         s = self.settings
         if body.max > s.pull_max_messages:
             raise ApiError(400, f"max: at most {s.pull_max_messages} (PULL_MAX_MESSAGES)")
@@ -244,31 +234,75 @@ class PullRoutes:
             raise ApiError(404, f"no group {group!r} for app {app!r}") from None
         except TooManyWaiting as exc:
             raise ApiError(503, str(exc), {"Retry-After": "1"}) from None
-        result = ReceiveResult(messages=[_pulled(p) for p in got])
-        return web.json_response(result.model_dump())
+        return ReceiveResult(messages=[_pulled(p) for p in got]).model_dump()
 
-    async def ack(self, request: web.Request) -> web.Response:
-        app = self._app(request, "consume")
-        group = self._group(request.match_info["group"])
-        body = await self._body(request, AckRequest)
+    async def ack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
+        body = self._body(raw, AckRequest)
         done = await self.groups.ack(app, group, self._receipts(body.receipts), now_ms())
         return self._results(body.receipts, ["acked" if ok else "stale" for ok in done])
 
-    async def nack(self, request: web.Request) -> web.Response:
-        app = self._app(request, "consume")
-        group = self._group(request.match_info["group"])
-        body = await self._body(request, NackRequest)
+    async def nack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
+        body = self._body(raw, NackRequest)
         wait = -1 if body.delay is None else body.delay
         receipts = [(e, n, wait) for e, n in self._receipts(body.receipts)]
         codes = await self.groups.nack(app, group, receipts, now_ms())
         names = {0: "stale", 1: "retry", 2: "dead"}
         return self._results(body.receipts, [names[code] for code, _ in codes])
 
-    async def extend(self, request: web.Request) -> web.Response:
-        app = self._app(request, "consume")
-        group = self._group(request.match_info["group"])
-        body = await self._body(request, ExtendRequest)
+    async def extend(self, app: str, group: str, raw: Any) -> dict[str, Any]:
+        body = self._body(raw, ExtendRequest)
         lease = self._lease_ms(body.visibility)
         receipts = [(e, n, lease) for e, n in self._receipts(body.receipts)]
         done = await self.groups.extend(app, group, receipts, now_ms())
         return self._results(body.receipts, ["extended" if ok else "stale" for ok in done])
+
+
+class PullRoutes:
+    """The HTTP routes of PullApi: path parameters, Bearer tokens, JSON bodies."""
+
+    def __init__(self, api: PullApi, tokens: Tokens | None) -> None:
+        self.api = api
+        self.tokens = tokens
+
+    def add_to(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/v1/apps/{app}/groups", self.list_groups)
+        r.add_post("/v1/apps/{app}/groups", self.create)
+        r.add_delete("/v1/apps/{app}/groups/{group}", self.delete)
+        r.add_post("/v1/apps/{app}/groups/{group}/reset", self.reset)
+        for verb in ("receive", "ack", "nack", "extend"):
+            r.add_post(f"/v1/apps/{{app}}/groups/{{group}}/{verb}", self.pull)
+
+    def _app(self, request: web.Request, role: Role) -> str:
+        app = request.match_info["app"]
+        if (why := bad_id(app)) is not None:
+            raise ApiError(400, f"appid {why}")
+        authorize(self.tokens, request, role, app)
+        return app
+
+    def _group(self, request: web.Request) -> str:
+        return self.api.group_name(request.match_info["group"])
+
+    async def list_groups(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.api.list_groups(self._app(request, "consume")))
+
+    async def create(self, request: web.Request) -> web.Response:
+        app = self._app(request, "consume")
+        created, answer = await self.api.create(app, await read_json(request))
+        return web.json_response(answer, status=201 if created else 200)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        app = self._app(request, "admin")
+        return web.json_response(await self.api.delete(app, self._group(request)))
+
+    async def reset(self, request: web.Request) -> web.Response:
+        app = self._app(request, "admin")
+        group = self._group(request)
+        return web.json_response(await self.api.reset(app, group, await read_json(request)))
+
+    async def pull(self, request: web.Request) -> web.Response:
+        """receive, ack, nack and extend: the verb is the path's last part."""
+        app = self._app(request, "consume")
+        group = self._group(request)
+        verb = request.path.rsplit("/", 1)[1]
+        return web.json_response(await self.api.call(verb, app, group, await read_json(request)))

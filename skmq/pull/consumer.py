@@ -1,5 +1,5 @@
-"""A pull consumer over the HTTP gateway (docs/HTTP.md), for consumers that cannot listen
-on a port:
+"""A pull consumer, for consumers that cannot listen on a port: over the HTTP gateway
+(docs/HTTP.md), or over the broker's TCP port with the `pull` frame (docs/PROTOCOL.md):
 
     async with PullConsumer("http://127.0.0.1:1735", "orders", "billing") as consumer:
         async for msg in consumer:
@@ -7,23 +7,30 @@ on a port:
                 handle(msg.content)
             await msg.ack()               # or: await msg.nack(delay_ms=5000)
 
-Needs aiohttp (the `server` extra)."""
+`PullConsumer("tcp://127.0.0.1:1734", ...)` does the same over TCP (one connection; a
+long poll holds it, so it serves this consumer only). HTTP needs aiohttp (the `server`
+extra); TCP needs nothing more than the client."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import json
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-import aiohttp
+from skmq.client import Producer
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 class PullError(RuntimeError):
-    """The gateway refused a call: its status and one-line error."""
+    """The broker refused a call: the HTTP status that fits (over TCP too) and one line."""
 
     def __init__(self, status: int, error: str) -> None:
         super().__init__(f"{status}: {error}")
@@ -69,7 +76,7 @@ class PulledMessage:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, PullError):
+            with contextlib.suppress(asyncio.CancelledError, OSError, PullError):
                 await task
 
 
@@ -87,7 +94,13 @@ class PullConsumer:
         create_group: bool = True,
     ) -> None:
         self.base = f"{gateway.rstrip('/')}/v1/apps/{app}/groups"
+        self.app = app
         self.group = group
+        self.token = token
+        where = urlsplit(gateway)
+        self._tcp = where.scheme == "tcp"
+        self._address = (where.hostname or "127.0.0.1", where.port or 1734)
+        self._broker: Producer | None = None
         self.batch = batch
         self.wait = wait
         self.visibility = visibility
@@ -97,20 +110,41 @@ class PullConsumer:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> PullConsumer:
-        timeout = aiohttp.ClientTimeout(total=self.wait + 30)
-        self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
+        if self._tcp:
+            host, port = self._address
+            # settles and lease extensions wait behind a long poll on the same connection
+            self._broker = Producer(host, port, token=self.token)
+            await self._broker.connect()
+        else:
+            import aiohttp
+
+            timeout = aiohttp.ClientTimeout(total=self.wait + 30)
+            self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
         if self.create_group:
-            await self._post(self.base, {"group": self.group})
+            await self._call("create", {"group": self.group})
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._broker is not None:
+            await self._broker.close()
+            self._broker = None
 
-    async def _post(self, url: str, body: dict[str, Any]) -> Any:
+    async def _call(self, op: str, body: dict[str, Any]) -> Any:
+        """One operation (create, receive, ack, nack, extend) over HTTP or TCP."""
+        if self._broker is not None:
+            fields = (("appid", self.app), ("group", self.group), ("op", op))
+            resp = await self._broker.request("pull", fields, json.dumps(body).encode())
+            if resp.ok:
+                return json.loads(resp.content)
+            code, _, why = resp.content.partition(" ")
+            raise PullError(int(code) if code.isdigit() else 503, why if code.isdigit() else
+                            resp.content)  # fmt: skip
         if self._session is None:
             raise RuntimeError("use `async with PullConsumer(...)`")
+        url = self.base if op == "create" else f"{self.base}/{self.group}/{op}"
         async with self._session.post(url, json=body) as response:
             answer = await response.json(content_type=None)
             if response.status >= 300:
@@ -118,15 +152,14 @@ class PullConsumer:
             return answer
 
     async def settle(self, verb: str, receipt: str, **extra: Any) -> str:
-        url = f"{self.base}/{self.group}/{verb}"
-        answer = await self._post(url, {"receipts": [receipt], **extra})
+        answer = await self._call(verb, {"receipts": [receipt], **extra})
         status: str = answer["results"][0]["status"]
         return status
 
     async def receive(self) -> list[PulledMessage]:
         """One receive: up to `batch` messages, waiting up to `wait` seconds."""
         body = {"max": self.batch, "wait": self.wait, "visibility": self.visibility}
-        answer = await self._post(f"{self.base}/{self.group}/receive", body)
+        answer = await self._call("receive", body)
         out = []
         for m in answer["messages"]:
             text: str = m["content"]
