@@ -1,4 +1,5 @@
-"""`python -m bench`: SKMQ against RabbitMQ, end to end, from separate processes.
+"""`python -m bench`: SKMQ against NATS JetStream and RabbitMQ, end to end, from separate
+processes.
 
 Scenarios (each SKMQ scenario on a freshly started broker with its own
 DATA_DIR and embedded Redis persisting with AOF):
@@ -13,9 +14,11 @@ DATA_DIR and embedded Redis persisting with AOF):
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
            Redis `used_memory` growth per message (SKMQ only).
 
-The same ingest / e2e / latency scenarios run against RabbitMQ with aio-pika
-(durable queue, persistent messages, publisher confirms, manual acks,
-prefetch 100) when it listens on 127.0.0.1:5672. Everything is bounded in
+The same ingest / e2e / latency scenarios run against NATS JetStream with nats-py
+(file-stored stream, PubAck awaited, explicit acks, max_ack_pending 100) when it
+listens on 127.0.0.1:4222, and against RabbitMQ with aio-pika (durable queue,
+persistent messages, publisher confirms, manual acks, prefetch 100) when it listens
+on 127.0.0.1:5672. Everything is bounded in
 time: the run stops by itself, kills what it started and removes its files.
 """
 
@@ -39,13 +42,13 @@ import uvloop
 
 from bench.harness import BenchError, LoadPlan, LoadResult, run_load
 from bench.report import as_json, backlog_table, machine, results_table, targets
-from bench.systems import RABBIT_URL, RabbitSystem, SkmqBroker, port_open
+from bench.systems import NATS_URL, RABBIT_URL, NatsSystem, RabbitSystem, SkmqBroker, port_open
 
 LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "latency")
 # SKMQ only: per-key ordered delivery (`key=`), against its unordered e2e run.
 SKMQ_ONLY = frozenset({"ordered"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
-ALL_SYSTEMS = ("skmq", "rabbitmq")
+ALL_SYSTEMS = ("skmq", "nats", "rabbitmq")
 
 # Process groups of brokers still running: killed by the last-resort alarm.
 _LIVE_BROKER_PGIDS: set[int] = set()
@@ -70,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated subset of ingest,e2e,latency,backlog (default: all; backlog "
         "only if it fits the time limit, unless --backlog)",
     )
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="skmq,rabbitmq")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="skmq,nats,rabbitmq")
     p.add_argument("--broker-cmd", default="skmq serve", help="command starting the SKMQ broker")
     p.add_argument(
         "--broker-env",
@@ -80,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra environment for the broker (repeatable), e.g. SKMQ_PUSH_WINDOW=256",
     )
     p.add_argument("--rabbit-url", default=RABBIT_URL)
+    p.add_argument("--nats-url", default=NATS_URL, help="a NATS server with JetStream")
     p.add_argument(
         "--quiet-wait",
         type=float,
@@ -158,6 +162,7 @@ class Runner:
         self.results: list[LoadResult] = []
         self.notes: list[str] = []
         self.rabbit_version = "-"
+        self.nats_version = "-"
         self.workdir = Path(tempfile.mkdtemp(prefix="skmq-bench-run-"))
 
     def log(self, text: str) -> None:
@@ -220,6 +225,11 @@ class Runner:
             systems.remove("rabbitmq")
             self.notes.append("RabbitMQ: nothing listens on 127.0.0.1:5672, not measured")
             self.log("RabbitMQ not listening on 127.0.0.1:5672: skipped")
+        nats_host, _, nats_port = a.nats_url.rpartition("//")[2].partition(":")
+        if "nats" in systems and not await port_open(nats_host, int(nats_port or 4222), 2.0):
+            systems.remove("nats")
+            self.notes.append(f"NATS: nothing listens at {a.nats_url}, not measured")
+            self.log(f"NATS not listening at {a.nats_url}: skipped")
         load = [s for s in a.scenario_list if s in LOAD_SCENARIOS]
         # Scenario by scenario, the systems back to back: on a shared machine both
         # sides of a comparison then run under about the same conditions.
@@ -256,6 +266,8 @@ class Runner:
         )
         if system == "skmq":
             res = await self.skmq(plan)
+        elif system == "nats":
+            res = await self.nats(plan)
         else:
             res = await self.rabbit(plan)
         self.results.append(res)
@@ -331,6 +343,23 @@ class Runner:
             self.notes.append(f"SKMQ: Redis INFO memory failed: {exc!r}")
             return {}
 
+    async def nats(self, plan: LoadPlan) -> LoadResult:
+        system = NatsSystem(self.args.nats_url, f"skmqbench{plan.scenario}{os.getpid()}")
+        try:
+            await system.reset_stream()
+        except Exception as exc:
+            return LoadResult(system="nats", scenario=plan.scenario, error=f"NATS setup: {exc!r}")
+        self.nats_version = system.version
+        if not system.procs:
+            self.notes.append("NATS: no nats-server process visible: broker CPU not measured")
+        try:
+            return await run_load(system, plan, self.workdir)
+        finally:
+            try:
+                await system.reset_stream(delete=True)
+            except Exception as exc:
+                self.notes.append(f"NATS: deleting the stream failed: {exc!r}")
+
     async def rabbit(self, plan: LoadPlan) -> LoadResult:
         queue = f"skmq-bench-{plan.scenario}-{os.getpid()}"
         system = RabbitSystem(self.args.rabbit_url, queue)
@@ -399,6 +428,9 @@ class Runner:
             + (f", env {self.args.extra_env}" if self.args.extra_env else ""),
             f"- RabbitMQ: {self.rabbit_version} via aio-pika: durable queue, persistent messages, "
             "publisher confirms, manual acks, prefetch 100",
+            f"- NATS JetStream: {self.nats_version} via nats-py: file-stored stream, every "
+            "publish awaited for its PubAck, one durable consumer (queue group), explicit acks, "
+            "max_ack_pending 100",
             f"- load: {self.args.producers} producers ({self.args.window} unanswered each) and "
             f"{self.args.recipients} recipients, one process each; 100-byte bodies; latency run "
             f"{self.args.latency_rate:,.0f} msg/s for {self.args.latency_time:.0f}s, "
@@ -522,6 +554,7 @@ async def amain(args: argparse.Namespace, argv: list[str]) -> int:
                 "broker_cmd": args.broker_cmd,
                 "broker_env": args.extra_env,
                 "rabbitmq_version": runner.rabbit_version,
+                "nats_version": runner.nats_version,
                 "results": as_json(runner.results),
                 "targets": checks,
                 "notes": runner.notes,

@@ -176,6 +176,17 @@ def targets(results: list[LoadResult]) -> tuple[list[str], dict[str, Any]]:
         )
     else:
         check("e2e >= 5x RabbitMQ", None, "needs both e2e runs")
+    n_e2e = _best(results, "nats", "e2e")
+    if s_e2e and n_e2e and s_e2e.e2e_rate and n_e2e.e2e_rate:
+        ratio = s_e2e.e2e_rate / n_e2e.e2e_rate
+        data["e2e_ratio_nats"] = ratio
+        check(
+            "e2e >= 1.0x NATS JetStream",
+            ratio >= 1.0,
+            f"SKMQ {s_e2e.e2e_rate:,.0f} / NATS {n_e2e.e2e_rate:,.0f} msg/s = {ratio:.2f}x",
+        )
+    else:
+        check("e2e >= 1.0x NATS JetStream", None, "needs both e2e runs")
     ingest = _best(results, "skmq", "ingest")
     if ingest and ingest.ingest_rate:
         check(

@@ -20,6 +20,7 @@ import psutil
 from bench.harness import BenchError
 
 RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+NATS_URL = "nats://127.0.0.1:4222"
 
 
 def free_port() -> int:
@@ -335,3 +336,62 @@ class RabbitSystem:
                     await queue.purge()
             finally:
                 await connection.close()
+
+
+class NatsSystem:
+    """A NATS server with JetStream already listening (127.0.0.1:4222), driven with nats-py:
+    a file-stored stream of its own for each scenario, deleted afterwards."""
+
+    def __init__(self, url: str, stream: str) -> None:
+        self.url = url
+        self.stream = stream
+        self.subject = f"{stream}.msgs"
+        self.name = "nats"
+        self.version = "?"
+        self.procs = [
+            p for p in psutil.process_iter(["name"]) if p.info.get("name") == "nats-server"
+        ]
+
+    def producer_cmd(
+        self, index: int, count: int, rate: float, prefix: str
+    ) -> tuple[str, list[str]]:
+        args = ["producer", "--url", self.url, "--subject", self.subject, "--count", str(count)]
+        args += ["--rate", f"{rate:.3f}", "--prefix", prefix]
+        return "bench.nats_load", args
+
+    def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
+        args = ["consumer", "--url", self.url, "--subject", self.subject]
+        args += ["--durable", self.stream, "--rid", f"c{index + 1}"]
+        return "bench.nats_load", args
+
+    def alive(self) -> bool:
+        return True
+
+    def cpu(self) -> dict[str, float | None]:
+        if not self.procs:
+            return {"broker": None, "redis": None}
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                total += _cpu_of(p)
+        return {"broker": total, "redis": None}
+
+    async def reset_stream(self, delete: bool = False) -> None:
+        """Delete the scenario's stream if it is there; then (unless `delete`) create it."""
+        import nats
+        from nats.js.api import StorageType
+        from nats.js.errors import NotFoundError
+
+        async with asyncio.timeout(20):
+            nc = await nats.connect(self.url, connect_timeout=10)
+            try:
+                self.version = str(nc.connected_server_version) or "?"
+                js = nc.jetstream(timeout=10)
+                with contextlib.suppress(NotFoundError):
+                    await js.delete_stream(self.stream)
+                if not delete:
+                    await js.add_stream(
+                        name=self.stream, subjects=[self.subject], storage=StorageType.FILE
+                    )
+            finally:
+                await nc.close()
