@@ -8,9 +8,9 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
-from bench.childio import Control, cpu_seconds, emit
+from bench.childio import Control, cpu_seconds, emit, write_result
 
 # Publish one message (msgid, body); returns once the broker confirmed it, raises if not.
 Publish = Callable[[str, bytes], Awaitable[None]]
@@ -122,17 +122,14 @@ class Tally:
         self.t_first = self.t_first or now
         self.t_last = now
 
-    async def report_until_stopped(self, control: Control, interval: float) -> float:
-        """Progress lines until the harness says stop; returns the CPU seconds used."""
-        cpu0 = cpu_seconds()
-        last_reported = -1
-        while not control.pending("stop"):
-            n = len(self.msgids)
-            if n != last_reported:
-                emit("progress", received=n, unique=len(self.seen), t_last=self.t_last)
-                last_reported = n
-            await asyncio.sleep(interval)
-        return cpu_seconds() - cpu0
+    async def serve(
+        self, control: Control, args: argparse.Namespace, close: Callable[[], Awaitable[Any]]
+    ) -> None:
+        """Ready; progress until the harness says stop; then close and write the result."""
+        emit("ready")
+        cpu_s = await report_until_stopped(control, args.progress_interval, self)
+        await close_quietly(close)
+        write_result(args.result, self.result(args.rid, cpu_s))
 
     def result(self, rid: str, cpu_s: float) -> dict[str, Any]:
         return {
@@ -147,6 +144,25 @@ class Tally:
             "t_last": self.t_last,
             "cpu_s": cpu_s,
         }
+
+
+class Received(Protocol):
+    msgids: list[Any]
+    seen: set[Any]
+    t_last: int
+
+
+async def report_until_stopped(control: Control, interval: float, got: Received) -> float:
+    """Progress lines of a consumer until the harness says stop; the CPU seconds used."""
+    cpu0 = cpu_seconds()
+    last_reported = -1
+    while not control.pending("stop"):
+        n = len(got.msgids)
+        if n != last_reported:
+            emit("progress", received=n, unique=len(got.seen), t_last=got.t_last)
+            last_reported = n
+        await asyncio.sleep(interval)
+    return cpu_seconds() - cpu0
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:

@@ -52,11 +52,7 @@ async def consumer_main(args: argparse.Namespace) -> None:
     config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=args.max_pending)
     await js.subscribe(args.subject, queue=args.durable, durable=args.durable, cb=on_message,
                        manual_ack=True, config=config)  # fmt: skip
-    emit("ready")
-    cpu_s = await tally.report_until_stopped(control, args.progress_interval)
-    result = tally.result(args.rid, cpu_s)
-    await close_quietly(nc.close)
-    write_result(args.result, result)
+    await tally.serve(control, args, nc.close)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -57,11 +57,7 @@ async def consumer_main(args: argparse.Namespace) -> None:
         await message.ack()
 
     await queue.consume(on_message, no_ack=False)
-    emit("ready")
-    cpu_s = await tally.report_until_stopped(control, args.progress_interval)
-    result = tally.result(args.rid, cpu_s)
-    await close_quietly(connection.close)
-    write_result(args.result, result)
+    await tally.serve(control, args, connection.close)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

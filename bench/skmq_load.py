@@ -24,6 +24,7 @@ from typing import Any, cast
 import uvloop
 
 from bench.childio import Control, cpu_seconds, emit, write_result
+from bench.confirmed import report_until_stopped
 
 SEP = b"\r\n\r\n"
 # With the broker's auth on (SKMQ_AUTH_TOKEN), the harness gives the load the token.
@@ -359,14 +360,7 @@ async def recipient_main(args: argparse.Namespace) -> None:
     answer = await register(args, port)
     ok = ACK_RE.search(answer.encode()) is not None
     emit("ready", port=port, registered=ok, answer=answer[:300])
-    cpu0 = cpu_seconds()
-    last_reported = -1
-    while not control.pending("stop"):
-        n = len(state.msgids)
-        if n != last_reported:
-            emit("progress", received=n, unique=len(state.seen), t_last=state.t_last)
-            last_reported = n
-        await asyncio.sleep(args.progress_interval)
+    cpu_s = await report_until_stopped(control, args.progress_interval, state)
     server.close()
     result: dict[str, Any] = {
         "role": "recipient",
@@ -383,7 +377,7 @@ async def recipient_main(args: argparse.Namespace) -> None:
         "connections": state.connections,
         "other_frames": state.other_frames,
         "other_samples": state.other_samples,
-        "cpu_s": cpu_seconds() - cpu0,
+        "cpu_s": cpu_s,
     }
     write_result(args.result, result)
 
