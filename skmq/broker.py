@@ -199,7 +199,7 @@ class Broker:
         self.groups = Groups(self.store)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
-        self.pull = PullApi(s, self.groups, longpoll)
+        self.pull = PullApi(s, self.groups, longpoll, self.dlog)
         pull = PullRoutes(self.pull, self.tokens)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
         self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens)

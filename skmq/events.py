@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["LOG_FIELDS", "MESSAGE_EVENTS", "RECIPIENT_EVENTS", "Event", "Kind"]
+__all__ = ["GROUP_PREFIX", "LOG_FIELDS", "MESSAGE_EVENTS", "RECIPIENT_EVENTS", "Event", "Kind"]
 
 
 # str + Enum, not StrEnum: the official Spark images run the audit on Python 3.10.
@@ -55,6 +55,10 @@ RECIPIENT_EVENTS = frozenset(
     {Event.RECIPIENT_REGISTERED, Event.RECIPIENT_LOST, Event.RECIPIENT_ALIVE}
 )
 MESSAGE_EVENTS = frozenset(Event) - RECIPIENT_EVENTS
+
+# The `recipient` of a delivery pulled by a consumer group: `group:<name>`. Each group
+# gets its own copy of every message, as each recipient of a topic message does.
+GROUP_PREFIX = "group:"
 
 # The fields of one line, in the order the broker writes them.
 LOG_FIELDS = ("ts", "event", "msgid", "appid", "kind", "recipient", "attempt", "broker", "detail")

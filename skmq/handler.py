@@ -77,7 +77,9 @@ class PullCalls(Protocol):
     """Consumer groups and pull consumption (skmq/http/pull.py's PullApi): a JSON body in,
     a JSON-able answer out, ApiError for a refusal."""
 
-    async def call(self, op: str, app: str, group: str, raw: Any) -> dict[str, Any]: ...
+    async def call(
+        self, op: str, app: str, group: str, raw: Any, who: str = ""
+    ) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -317,10 +319,10 @@ class FrameHandler:
         op, group = fields.get("op") or "", fields.get("group") or ""
         try:
             if op == "receive":  # a long poll: bounded by PULL_MAX_WAITING, not held here
-                answer = await self.pull.call(op, app, group, raw)
+                answer = await self.pull.call(op, app, group, raw, peer.host)
             else:
                 async with peer.store_calls, self.peer_store_calls:
-                    answer = await self.pull.call(op, app, group, raw)
+                    answer = await self.pull.call(op, app, group, raw, peer.host)
         except ApiError as exc:
             status = Status.ERROR if exc.status >= 500 else Status.REJECT
             return self._resp(f"{exc.status} {exc.message}", msgid, status)

@@ -11,13 +11,14 @@ from __future__ import annotations
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from skmq.events import RECIPIENT_EVENTS, Event, Kind
+from skmq.events import GROUP_PREFIX, RECIPIENT_EVENTS, Event, Kind
 
 __all__ = [
     "FAILURES",
     "ack_attempt",
     "ack_key",
     "ack_ts",
+    "copy_key",
     "count_if",
     "delivery_table",
     "is_event",
@@ -100,10 +101,19 @@ _DELIVERY_FIELDS = (
 )
 
 
+def copy_key() -> Column:
+    """A delivery's own key beside its message's: a topic copy's recipient, and a pull
+    consumer group's (`group:<name>`) whatever the kind; null for a queue message's
+    pushes, which go to one recipient or another."""
+    recipient = F.col("recipient")
+    is_copy = (F.col("kind") == Kind.TOPIC.value) | recipient.startswith(GROUP_PREFIX)
+    return F.when(is_copy, recipient)
+
+
 def _units(events: DataFrame) -> DataFrame:
-    """One row per (appid, msgid, rkey): rkey is a topic copy's recipient, else null."""
+    """One row per (appid, msgid, rkey): rkey is a copy's key (copy_key), else null."""
     ts = F.col("ts")
-    rkey = F.when(F.col("kind") == Kind.TOPIC.value, F.col("recipient"))
+    rkey = copy_key()
     messages = events.where(~F.col("event").isin(*[e.value for e in RECIPIENT_EVENTS]))
     return messages.groupBy("appid", "msgid", rkey.alias("rkey")).agg(
         count_if(is_event(Event.STORED)).alias("n_stored"),
@@ -136,35 +146,43 @@ def _units(events: DataFrame) -> DataFrame:
 
 
 def _joined_deliveries(units: DataFrame) -> DataFrame:
-    """Deliveries with their message's fields: queue rows as they are; topic copies
-    joined to their message's row (a topic message without copies is one delivery)."""
+    """Deliveries with their message's fields: every copy (a topic message's recipient, a
+    consumer group) joined to its message's row; a message's own row is a delivery when it
+    has no copy, or, for a queue message, when it was pushed too."""
     rkey = F.col("rkey")
-    queue = units.where(rkey.isNull() & ~F.col("topic")).select(
+    message_rows = units.where(rkey.isNull()).select(
         "appid",
         "msgid",
-        F.lit(None).cast("string").alias("recipient"),
-        F.lit(False).alias("topic"),
-        *_MESSAGE_FIELDS,
-        *_DELIVERY_FIELDS,
-    )
-    message_rows = units.where(rkey.isNull() & F.col("topic")).select(
-        "appid",
-        "msgid",
+        F.col("topic").alias("m_topic"),
         *_MESSAGE_FIELDS,
         *(F.col(f).alias("m_" + f) for f in _DELIVERY_FIELDS),
     )
-    copies = units.where(rkey.isNotNull()).select("appid", "msgid", "rkey", *_DELIVERY_FIELDS)
-    joined = message_rows.join(copies, ["appid", "msgid"], "full_outer")
-    own = rkey.isNull()  # a topic message without any copy: its own row is the delivery
-    topic = joined.select(
+    copies = units.where(rkey.isNotNull()).select(
+        "appid", "msgid", "rkey", F.col("topic").alias("c_topic"), *_DELIVERY_FIELDS
+    )
+    copy_rows = message_rows.join(copies, ["appid", "msgid"], "right").select(
         "appid",
         "msgid",
         rkey.alias("recipient"),
-        F.lit(True).alias("topic"),
+        F.coalesce(F.col("m_topic"), F.col("c_topic")).alias("topic"),
         *_MESSAGE_FIELDS,
-        *(F.when(own, F.col("m_" + f)).otherwise(F.col(f)).alias(f) for f in _DELIVERY_FIELDS),
+        *_DELIVERY_FIELDS,
     )
-    return queue.unionByName(topic)
+    copied = copies.select("appid", "msgid").distinct().withColumn("copied", F.lit(True))
+    pushed = F.col("m_first_push").isNotNull() | (F.col("m_n_acked") > 0) | (F.col("m_n_dl") > 0)
+    own_rows = (
+        message_rows.join(copied, ["appid", "msgid"], "left")
+        .where(F.col("copied").isNull() | (~F.col("m_topic") & pushed))
+        .select(
+            "appid",
+            "msgid",
+            F.lit(None).cast("string").alias("recipient"),
+            F.col("m_topic").alias("topic"),
+            *_MESSAGE_FIELDS,
+            *(F.col("m_" + f).alias(f) for f in _DELIVERY_FIELDS),
+        )
+    )
+    return own_rows.unionByName(copy_rows)
 
 
 def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFrame:
@@ -221,21 +239,19 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
 
 def message_table(deliveries: DataFrame) -> DataFrame:
     """One row per message: ``status`` dead_lettered if any delivery is dead, else
-    unresolved if any is not acked, else acked (a queue message: its delivery's)."""
+    unresolved if any is not acked, else acked."""
     status = F.col("status")
     rank = F.when(status == "dead", F.lit(2)).when(status == "acked", F.lit(0)).otherwise(1)
-    queue = deliveries.where(~F.col("topic")).select("appid", "msgid", "stored", rank.alias("rank"))
-    topic = (
-        deliveries.where(F.col("topic"))
-        .groupBy("appid", "msgid")
+    return (
+        deliveries.groupBy("appid", "msgid")
         .agg(F.max("stored").alias("stored"), F.max(rank).alias("rank"))
-    )
-    return queue.unionByName(topic).select(
-        "appid",
-        "msgid",
-        "stored",
-        F.when(F.col("rank") == 2, F.lit("dead_lettered"))
-        .when(F.col("rank") == 1, F.lit("unresolved"))
-        .otherwise(F.lit("acked"))
-        .alias("status"),
+        .select(
+            "appid",
+            "msgid",
+            "stored",
+            F.when(F.col("rank") == 2, F.lit("dead_lettered"))
+            .when(F.col("rank") == 1, F.lit("unresolved"))
+            .otherwise(F.lit("acked"))
+            .alias("status"),
+        )
     )

@@ -18,11 +18,12 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from skmq.events import Event, Kind
+from skmq.events import Event
 
 from .arguments import DEFAULT_SAMPLE, DEFAULT_STUCK_AFTER_MS
 from .deliveries import (
     FAILURES,
+    copy_key,
     count_if,
     delivery_table,
     is_event,
@@ -206,14 +207,14 @@ _KEYS = "k_appid string, k_msgid string, k_recipient string"
 
 def _delivery_events(events: DataFrame, keys: DataFrame) -> DataFrame:
     """The events of the deliveries in ``keys`` (k_appid, k_msgid, k_recipient): a
-    topic copy's own events and its message's events without recipient; a queue
-    message's events."""
-    topic_copy = (F.col("kind") == Kind.TOPIC.value) & F.col("recipient").isNotNull()
+    copy's own events (a topic recipient's, a consumer group's) and its message's events
+    without recipient; a queue message's events."""
+    of_copy = copy_key().isNotNull()
     return events.join(
         F.broadcast(keys),
         (events["appid"] == keys["k_appid"])
         & (events["msgid"] == keys["k_msgid"])
-        & (~topic_copy | (events["recipient"] == keys["k_recipient"])),
+        & (~of_copy | (events["recipient"] == keys["k_recipient"])),
     )
 
 

@@ -363,6 +363,59 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
 
 
 @needs_java
+def test_pulled_deliveries_are_one_copy_a_group(spark: SparkSession, tmp_path: Path) -> None:
+    """Deliveries pulled by consumer groups (recipient `group:<name>`): each group's copy
+    is a delivery of its own, as a topic recipient's is, beside the message's pushes."""
+    t = BASE_TS
+    a, b = {"recipient": "group:a"}, {"recipient": "group:b"}
+    lines = [
+        # p1: group a acks attempt 1; group b nacks attempt 1 and acks attempt 2
+        _line(t, "stored", "p1", "g"),
+        _line(t + 10, "pushed", "p1", "g", attempt=1, detail="pulled", **a),
+        _line(t + 20, "acked", "p1", "g", attempt=1, **a),
+        _line(t + 11, "pushed", "p1", "g", attempt=1, detail="pulled", **b),
+        _line(t + 21, "errored", "p1", "g", attempt=1, detail="nack", **b),
+        _line(t + 22, "retry_scheduled", "p1", "g", attempt=1,
+              detail=f"next attempt at {t + 30}", **b),
+        _line(t + 31, "pushed", "p1", "g", attempt=2, detail="pulled", **b),
+        _line(t + 40, "acked", "p1", "g", attempt=2, **b),
+        # p2: dead for group a
+        _line(t, "stored", "p2", "g"),
+        _line(t + 10, "pushed", "p2", "g", attempt=1, detail="pulled", **a),
+        _line(t + 20, "dead_lettered", "p2", "g", attempt=1,
+              detail="after 1 attempts; last: errored", **a),
+        # p3: pushed to a recipient and acked, and pulled and acked by group a
+        _line(t, "stored", "p3", "g"),
+        _line(t + 5, "pushed", "p3", "g", recipient="r", attempt=1),
+        _line(t + 6, "acked", "p3", "g", recipient="r", attempt=1),
+        _line(t + 10, "pushed", "p3", "g", attempt=1, detail="pulled", **a),
+        _line(t + 50, "acked", "p3", "g", attempt=1, **a),
+        # p4: stored, nobody took it yet
+        _line(t + 59_000, "stored", "p4", "g"),
+    ]  # fmt: skip
+    (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    report = _audit(spark, tmp_path, tmp_path / "out", stuck_after_ms=60_000)
+    assert report["totals"] == {
+        "messages": 4,
+        "acked": 2,
+        "dead_lettered": 1,
+        "unresolved": 1,
+        "deliveries": 6,
+        "dead_letter_entries": 1,
+        "duplicates": 0,
+        "pushes": 6,
+    }
+    assert report["attempts"] == {"1": 3, "2": 1}
+    assert report["anomalies"]["acked_more_than_once"] == 0
+    assert report["anomalies"]["pushed_after_ack"] == 0
+    dlq = report["dead_letters"]
+    assert [(e["msgid"], e["recipient"]) for e in dlq["oldest"]] == [("p2", "group:a")]
+    assert [h["event"] for h in dlq["oldest"][0]["history"]] == [
+        "stored", "pushed", "dead_lettered"
+    ]  # fmt: skip
+
+
+@needs_java
 def test_nothing_acked(spark: SparkSession, tmp_path: Path) -> None:
     (tmp_path / "delivery-x-0.jsonl").write_text(
         _line(BASE_TS, "stored", "m", "a")

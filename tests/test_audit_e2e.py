@@ -1,4 +1,5 @@
-"""The audit of a real broker's delivery log: every message acked, none unresolved."""
+"""The audit of a real broker's delivery log: every message acked, none unresolved;
+pushed and pulled."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from skmq.audit_job.audit import run_audit
 
+from skmq.pull.consumer import PullConsumer, PulledMessage
 from tests.conftest import BrokerFactory
 from tests.peers import FakeRecipient, RawClient
 
@@ -70,3 +72,49 @@ async def _any_push(*recipients: FakeRecipient) -> None:
         p.cancel()
     for d in done:
         d.result()
+
+
+async def test_audit_of_deliveries_pulled_by_two_groups(
+    make_broker: BrokerFactory, spark: Any, tmp_path: Path
+) -> None:
+    """Two consumer groups pull an app's messages over TCP; one fails some attempts. The
+    log has every pull, ack and retry (recipient `group:<name>`), and the audit counts
+    each group's copy as a delivery."""
+    broker = await make_broker(data_dir=tmp_path / "data")
+    where = f"tcp://127.0.0.1:{broker.server.port}"
+    async with (
+        PullConsumer(where, "pulls", "g1", wait=2, batch=10) as g1,
+        PullConsumer(where, "pulls", "g2", wait=2, batch=10) as g2,
+    ):
+        client = await RawClient.connect(broker.server.port)
+        for i in range(10):
+            assert (await client.request("queue", b"x", appid="pulls", msgid=f"p{i}"))[
+                "status"
+            ] == "ack"
+        await client.close()
+        for consumer, failing in ((g1, 0), (g2, 3)):
+            got: list[PulledMessage] = []
+            while len(got) < 10:
+                got += await consumer.receive()
+            for msg in got[:failing]:
+                assert await msg.nack(delay_ms=0) == "retry"
+            for msg in got[failing:]:
+                assert await msg.ack()
+            again: list[PulledMessage] = []
+            while len(again) < failing:
+                again += await consumer.receive()
+            assert [m.attempt for m in again] == [2] * failing
+            for msg in again:
+                assert await msg.ack()
+    broker.stopping.set()
+    await broker.stop()  # flushes the delivery log
+
+    report = run_audit(str(broker.settings.delivery_log_dir), str(tmp_path / "out"),
+                       spark=spark, progress=False)  # fmt: skip
+    totals = report["totals"]
+    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (10, 10, 0)
+    assert (totals["deliveries"], totals["pushes"]) == (20, 23)
+    assert report["attempts"] == {"1": 17, "2": 3}
+    assert report["anomalies"]["acked_more_than_once"] == 0
+    by_recipient = {r["recipient"]: r for r in report["by_recipient"]}
+    assert by_recipient["group:g1"]["acked"] == by_recipient["group:g2"]["acked"] == 10

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Role, Tokens
 from skmq.config import Settings
-from skmq.deliverylog import now_ms
+from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.events import GROUP_PREFIX, Event
 from skmq.handler import bad_id
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
@@ -139,13 +140,17 @@ class PullApi:
     #: are the admin's, over HTTP and `skmq groups`).
     FRAME_OPS = frozenset({"create", "receive", "ack", "nack", "extend"})
 
-    def __init__(self, settings: Settings, groups: Groups, longpoll: LongPoll) -> None:
+    def __init__(
+        self, settings: Settings, groups: Groups, longpoll: LongPoll, dlog: DeliveryLog
+    ) -> None:
         self.settings = settings
         self.groups = groups
         self.longpoll = longpoll
+        self.dlog = dlog
 
-    async def call(self, op: str, app: str, group: str, raw: Any) -> dict[str, Any]:
-        """One of FRAME_OPS for `app` and `group` (both checked here)."""
+    async def call(self, op: str, app: str, group: str, raw: Any, who: str = "") -> dict[str, Any]:
+        """One of FRAME_OPS for `app` and `group` (both checked here), for consumer `who`
+        (its token's name or its address: in the delivery log)."""
         if op not in self.FRAME_OPS:
             raise ApiError(400, f"op must be one of {', '.join(sorted(self.FRAME_OPS))}")
         if (why := bad_id(app)) is not None:
@@ -153,8 +158,9 @@ class PullApi:
         group = self.group_name(group)
         if op == "create":  # the frame's group field names it; a body is not needed
             return (await self.create(app, {"group": group}))[1]
-        calls = {"receive": self.receive, "ack": self.ack, "nack": self.nack,
-                 "extend": self.extend}  # fmt: skip
+        if op == "receive":
+            return await self.receive(app, group, raw, who)
+        calls = {"ack": self.ack, "nack": self.nack, "extend": self.extend}
         return await calls[op](app, group, raw)
 
     @staticmethod
@@ -185,6 +191,26 @@ class PullApi:
         if seconds > self.settings.pull_max_visibility:
             raise ApiError(400, f"visibility: at most {self.settings.pull_max_visibility:g} s")
         return max(1, int(seconds * 1000))
+
+    async def _log_settled(
+        self,
+        app: str,
+        group: str,
+        receipts: list[str],
+        parsed: list[tuple[str, int]],
+        outcomes: list[list[tuple[Event, str]]],
+    ) -> None:
+        """The delivery log's lines of settled receipts: outcomes[i], (event, detail) each,
+        for receipt i (none: refused). The msgids come from the group log."""
+        if not any(outcomes):
+            return
+        entries = await self.groups.entries(app, [e for e, _ in parsed])
+        who = GROUP_PREFIX + group
+        for receipt, (_, attempt), (msgid, kind), lines in zip(
+            receipts, parsed, entries, outcomes, strict=True
+        ):
+            for event, detail in lines:
+                self.dlog.event(event, msgid, app, kind, who, attempt, f"{detail}receipt {receipt}")
 
     @staticmethod
     def _results(receipts: list[str], statuses: list[str]) -> dict[str, Any]:
@@ -220,7 +246,7 @@ class PullApi:
         return {"group": group, "position": position}
 
     # -- pull ---------------------------------------------------------------
-    async def receive(self, app: str, group: str, raw: Any) -> dict[str, Any]:
+    async def receive(self, app: str, group: str, raw: Any, who: str = "") -> dict[str, Any]:
         body = self._body(raw, ReceiveRequest)
         s = self.settings
         if body.max > s.pull_max_messages:
@@ -234,26 +260,43 @@ class PullApi:
             raise ApiError(404, f"no group {group!r} for app {app!r}") from None
         except TooManyWaiting as exc:
             raise ApiError(503, str(exc), {"Retry-After": "1"}) from None
+        by = f"pulled by {who}; " if who else "pulled; "
+        for p in got:
+            self.dlog.event(Event.PUSHED, p.msgid, app, p.kind, GROUP_PREFIX + group, p.attempt,
+                            f"{by}receipt {p.receipt}")  # fmt: skip
         return ReceiveResult(messages=[_pulled(p) for p in got]).model_dump()
 
     async def ack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, AckRequest)
-        done = await self.groups.ack(app, group, self._receipts(body.receipts), now_ms())
+        parsed = self._receipts(body.receipts)
+        done = await self.groups.ack(app, group, parsed, now_ms())
+        logged = [[(Event.ACKED, "")] if ok else [] for ok in done]
+        await self._log_settled(app, group, body.receipts, parsed, logged)
         return self._results(body.receipts, ["acked" if ok else "stale" for ok in done])
 
     async def nack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, NackRequest)
         wait = -1 if body.delay is None else body.delay
-        receipts = [(e, n, wait) for e, n in self._receipts(body.receipts)]
-        codes = await self.groups.nack(app, group, receipts, now_ms())
+        parsed = self._receipts(body.receipts)
+        codes = await self.groups.nack(app, group, [(e, n, wait) for e, n in parsed], now_ms())
+        logged: list[list[tuple[Event, str]]] = []
+        for (code, due), (_, attempt) in zip(codes, parsed, strict=True):
+            then = {
+                1: (Event.RETRY_SCHEDULED, f"next attempt at {due}; "),
+                2: (Event.DEAD_LETTERED, f"after {attempt} attempts; last: errored; "),
+            }
+            logged.append([(Event.ERRORED, "nack; "), then[code]] if code else [])
+        await self._log_settled(app, group, body.receipts, parsed, logged)
         names = {0: "stale", 1: "retry", 2: "dead"}
         return self._results(body.receipts, [names[code] for code, _ in codes])
 
     async def extend(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, ExtendRequest)
         lease = self._lease_ms(body.visibility)
-        receipts = [(e, n, lease) for e, n in self._receipts(body.receipts)]
-        done = await self.groups.extend(app, group, receipts, now_ms())
+        parsed = self._receipts(body.receipts)
+        done = await self.groups.extend(app, group, [(e, n, lease) for e, n in parsed], now_ms())
+        logged = [[(Event.EXTENDED, f"lease {lease} ms; ")] if ok else [] for ok in done]
+        await self._log_settled(app, group, body.receipts, parsed, logged)
         return self._results(body.receipts, ["extended" if ok else "stale" for ok in done])
 
 
@@ -274,11 +317,16 @@ class PullRoutes:
             r.add_post(f"/v1/apps/{{app}}/groups/{{group}}/{verb}", self.pull)
 
     def _app(self, request: web.Request, role: Role) -> str:
+        return self._caller(request, role)[0]
+
+    def _caller(self, request: web.Request, role: Role) -> tuple[str, str]:
+        """The app of the path, and who asks (its token's name, else its address: for the
+        delivery log); ApiError unless it may act as `role` for the app."""
         app = request.match_info["app"]
         if (why := bad_id(app)) is not None:
             raise ApiError(400, f"appid {why}")
-        authorize(self.tokens, request, role, app)
-        return app
+        who = authorize(self.tokens, request, role, app)
+        return app, who or str(request.remote or "")
 
     def _group(self, request: web.Request) -> str:
         return self.api.group_name(request.match_info["group"])
@@ -302,7 +350,8 @@ class PullRoutes:
 
     async def pull(self, request: web.Request) -> web.Response:
         """receive, ack, nack and extend: the verb is the path's last part."""
-        app = self._app(request, "consume")
+        app, who = self._caller(request, "consume")
         group = self._group(request)
         verb = request.path.rsplit("/", 1)[1]
-        return web.json_response(await self.api.call(verb, app, group, await read_json(request)))
+        raw = await read_json(request)
+        return web.json_response(await self.api.call(verb, app, group, raw, who))

@@ -165,6 +165,19 @@ class Groups:
         nxt = int(res[-1])
         return Received(out, None if nxt < 0 else nxt)
 
+    async def entries(self, app: str, ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(msgid, kind) of group-log entries, in one round trip (for the delivery log);
+        ("", "queue") for one the log no longer holds."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for entry in ids:
+            pipe.xrange(self.log_key(app), entry, entry)
+        out = []
+        for found in await pipe.execute():
+            fields = found[0][1] if found else {}
+            msgid = fields.get(b"m", b"").decode("utf-8", "surrogateescape")
+            out.append((msgid, _KINDS.get(fields.get(b"k", b"q"), "queue")))
+        return out
+
     async def ack(
         self, app: str, group: str, receipts: Sequence[tuple[str, int]], now: int
     ) -> list[bool]:
