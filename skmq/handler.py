@@ -317,12 +317,13 @@ class FrameHandler:
         except (ValueError, RecursionError):
             return self._resp("400 content is not valid JSON", msgid, Status.REJECT)
         op, group = fields.get("op") or "", fields.get("group") or ""
+        who = peer.principal or peer.host
         try:
             if op == "receive":  # a long poll: bounded by PULL_MAX_WAITING, not held here
-                answer = await self.pull.call(op, app, group, raw, peer.host)
+                answer = await self.pull.call(op, app, group, raw, who)
             else:
                 async with peer.store_calls, self.peer_store_calls:
-                    answer = await self.pull.call(op, app, group, raw, peer.host)
+                    answer = await self.pull.call(op, app, group, raw, who)
         except ApiError as exc:
             status = Status.ERROR if exc.status >= 500 else Status.REJECT
             return self._resp(f"{exc.status} {exc.message}", msgid, status)

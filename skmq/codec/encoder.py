@@ -64,7 +64,8 @@ def encode_resp(status: str, content: str, msgid: str | None = None) -> bytes:
     echoed back) makes the JSON fall back to ``\\uXXXX`` escapes, so the content is
     always valid JSON.
     """
-    tail = _resp_tail(status, content)
+    # The same few short answers recur; a long one (a pull's messages) is not kept.
+    tail = _resp_tail(status, content) if len(content) <= 256 else _tail(status, content)
     if msgid is None:
         return b"type=resp" + tail
     if "\r" in msgid or "\n" in msgid:
@@ -72,12 +73,14 @@ def encode_resp(status: str, content: str, msgid: str | None = None) -> bytes:
     return b"".join((b"msgid=", msgid.encode("utf-8", "surrogateescape"), b"\r\ntype=resp", tail))
 
 
-@functools.lru_cache(maxsize=1024)
-def _resp_tail(status: str, content: str) -> bytes:
-    """`\r\ncontent={json}\r\n\r\n`: the same few answers recur, so they are cached."""
+def _tail(status: str, content: str) -> bytes:
+    """`\r\ncontent={json}\r\n\r\n`."""
     obj = {"status": status, "content": content}
     try:
         body = _json_compact(obj).encode("utf-8")
     except UnicodeEncodeError:
         body = _json_ascii(obj).encode("ascii")
     return b"\r\ncontent=" + body + b"\r\n\r\n"
+
+
+_resp_tail = functools.lru_cache(maxsize=1024)(_tail)
