@@ -128,6 +128,8 @@ async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory
         created = await client.request("pull", b"", appid="shop", group="raw", op="create")
         assert created["status"] == "ack", created
         assert json.loads(created["content"]) == {"group": "raw", "created": True}
+        none = await client.request("pull", None, appid="shop", group="raw", op="receive")
+        assert json.loads(none["content"]) == {"messages": []}  # no content: the defaults
         await produce(url, "shop", "t1")
         got = await client.request("pull", b'{"max": 5, "wait": 1}', appid="shop", group="raw",
                                    op="receive")  # fmt: skip

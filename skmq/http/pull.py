@@ -158,8 +158,8 @@ class PullApi:
         group = self.group_name(group)
         if op == "create":  # the frame's group field names it; a body is not needed
             return (await self.create(app, {"group": group}))[1]
-        if op == "receive":
-            return await self.receive(app, group, raw, who)
+        if op == "receive":  # no content: every field of ReceiveRequest as its default
+            return await self.receive(app, group, {} if raw is None else raw, who)
         calls = {"ack": self.ack, "nack": self.nack, "extend": self.extend}
         return await calls[op](app, group, raw)
 
