@@ -42,7 +42,15 @@ import uvloop
 
 from bench.harness import BenchError, LoadPlan, LoadResult, run_load
 from bench.report import as_json, backlog_table, machine, results_table, targets
-from bench.systems import NATS_URL, RABBIT_URL, NatsSystem, RabbitSystem, SkmqBroker, port_open
+from bench.systems import (
+    NATS_URL,
+    RABBIT_URL,
+    ExternalSystem,
+    NatsSystem,
+    RabbitSystem,
+    SkmqBroker,
+    port_open,
+)
 
 LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "latency")
 # SKMQ only: per-key ordered delivery (`key=`), against its unordered e2e run.
@@ -161,8 +169,7 @@ class Runner:
         self.deadline: float = self.t0 + float(args.time_limit)
         self.results: list[LoadResult] = []
         self.notes: list[str] = []
-        self.rabbit_version = "-"
-        self.nats_version = "-"
+        self.versions = {"rabbitmq": "-", "nats": "-"}
         self.workdir = Path(tempfile.mkdtemp(prefix="skmq-bench-run-"))
 
     def log(self, text: str) -> None:
@@ -267,9 +274,11 @@ class Runner:
         if system == "skmq":
             res = await self.skmq(plan)
         elif system == "nats":
-            res = await self.nats(plan)
+            stream = f"skmqbench{plan.scenario}{os.getpid()}"
+            res = await self.external(NatsSystem(self.args.nats_url, stream), plan)
         else:
-            res = await self.rabbit(plan)
+            queue = f"skmq-bench-{plan.scenario}-{os.getpid()}"
+            res = await self.external(RabbitSystem(self.args.rabbit_url, queue), plan)
         self.results.append(res)
         self.log(f"{system} {scenario}: {summary(res)}")
 
@@ -343,42 +352,24 @@ class Runner:
             self.notes.append(f"SKMQ: Redis INFO memory failed: {exc!r}")
             return {}
 
-    async def nats(self, plan: LoadPlan) -> LoadResult:
-        system = NatsSystem(self.args.nats_url, f"skmqbench{plan.scenario}{os.getpid()}")
+    async def external(self, system: ExternalSystem, plan: LoadPlan) -> LoadResult:
+        """A scenario on RabbitMQ or NATS: its queue or stream made, the load, then dropped."""
         try:
-            await system.reset_stream()
+            await system.reset()
         except Exception as exc:
-            return LoadResult(system="nats", scenario=plan.scenario, error=f"NATS setup: {exc!r}")
-        self.nats_version = system.version
+            error = f"{system.label} setup: {exc!r}"
+            return LoadResult(system=system.name, scenario=plan.scenario, error=error)
+        self.versions[system.name] = system.version
         if not system.procs:
-            self.notes.append("NATS: no nats-server process visible: broker CPU not measured")
+            self.notes.append(f"{system.label}: no {system.process_name} process visible: "
+                              "broker CPU not measured")  # fmt: skip
         try:
             return await run_load(system, plan, self.workdir)
         finally:
             try:
-                await system.reset_stream(delete=True)
+                await system.reset(delete=True)
             except Exception as exc:
-                self.notes.append(f"NATS: deleting the stream failed: {exc!r}")
-
-    async def rabbit(self, plan: LoadPlan) -> LoadResult:
-        queue = f"skmq-bench-{plan.scenario}-{os.getpid()}"
-        system = RabbitSystem(self.args.rabbit_url, queue)
-        try:
-            await system.reset_queue()
-        except Exception as exc:
-            return LoadResult(
-                system="rabbitmq", scenario=plan.scenario, error=f"RabbitMQ setup: {exc!r}"
-            )
-        self.rabbit_version = system.version
-        if not system.beam:
-            self.notes.append("RabbitMQ: no beam.smp process visible: broker CPU not measured")
-        try:
-            return await run_load(system, plan, self.workdir)
-        finally:
-            try:
-                await system.reset_queue(delete=True)
-            except Exception as exc:
-                self.notes.append(f"RabbitMQ: could not delete queue {queue}: {exc!r}")
+                self.notes.append(f"{system.label}: dropping the scenario's queue failed: {exc!r}")
 
     async def backlog(self) -> None:
         a = self.args
@@ -426,9 +417,9 @@ class Runner:
             f"- SKMQ broker: `{self.args.broker_cmd}` (fresh DATA_DIR per scenario, "
             "embedded Redis, AOF)"
             + (f", env {self.args.extra_env}" if self.args.extra_env else ""),
-            f"- RabbitMQ: {self.rabbit_version} via aio-pika: durable queue, persistent messages, "
-            "publisher confirms, manual acks, prefetch 100",
-            f"- NATS JetStream: {self.nats_version} via nats-py: file-stored stream, every "
+            f"- RabbitMQ: {self.versions['rabbitmq']} via aio-pika: durable queue, persistent "
+            "messages, publisher confirms, manual acks, prefetch 100",
+            f"- NATS JetStream: {self.versions['nats']} via nats-py: file-stored stream, every "
             "publish awaited for its PubAck, one durable consumer (queue group), explicit acks, "
             "max_ack_pending 100",
             f"- load: {self.args.producers} producers ({self.args.window} unanswered each) and "
@@ -553,8 +544,8 @@ async def amain(args: argparse.Namespace, argv: list[str]) -> int:
                 "command": ["python", "-m", "bench", *argv],
                 "broker_cmd": args.broker_cmd,
                 "broker_env": args.extra_env,
-                "rabbitmq_version": runner.rabbit_version,
-                "nats_version": runner.nats_version,
+                "rabbitmq_version": runner.versions["rabbitmq"],
+                "nats_version": runner.versions["nats"],
                 "results": as_json(runner.results),
                 "targets": checks,
                 "notes": runner.notes,

@@ -276,21 +276,59 @@ class SkmqBroker:
                 self.log_path.unlink()
 
 
-# --------------------------------------------------------------------------- RabbitMQ
+# ------------------------------------------------------------------ RabbitMQ and NATS
 
 
-class RabbitSystem:
+class ExternalSystem:
+    """A broker the benchmark does not start (RabbitMQ, NATS): found on the machine, its
+    processes' CPU measured, its queue or stream made before a scenario and dropped after."""
+
+    name = "?"
+    label = "?"
+    process_name = "?"
+
+    def __init__(self) -> None:
+        self.version = "?"
+        self.procs = [
+            p for p in psutil.process_iter(["name"]) if p.info.get("name") == self.process_name
+        ]
+
+    def alive(self) -> bool:
+        return True
+
+    def cpu(self) -> dict[str, float | None]:
+        if not self.procs:
+            return {"broker": None, "redis": None}
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                total += _cpu_of(p)
+        return {"broker": total, "redis": None}
+
+    def producer_cmd(
+        self, index: int, count: int, rate: float, prefix: str
+    ) -> tuple[str, list[str]]:
+        raise NotImplementedError
+
+    def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
+        raise NotImplementedError
+
+    async def reset(self, delete: bool = False) -> None:
+        """Make the scenario's queue or stream empty (`delete`: drop it)."""
+        raise NotImplementedError
+
+
+class RabbitSystem(ExternalSystem):
     """A RabbitMQ already listening on 127.0.0.1:5672, driven with aio-pika."""
 
+    name = "rabbitmq"
+    label = "RabbitMQ"
+    process_name = "beam.smp"
+
     def __init__(self, url: str, queue: str) -> None:
+        super().__init__()
         self.url = url
         self.queue = queue
-        self.name = "rabbitmq"
-        self.beam: list[psutil.Process] = []
-        self.version = "?"
-        for p in psutil.process_iter(["name"]):
-            if p.info.get("name") == "beam.smp":
-                self.beam.append(p)
 
     def producer_cmd(
         self, index: int, count: int, rate: float, prefix: str
@@ -303,19 +341,7 @@ class RabbitSystem:
         args = ["consumer", "--url", self.url, "--queue", self.queue, "--rid", f"c{index + 1}"]
         return "bench.rabbit_load", args
 
-    def alive(self) -> bool:
-        return True
-
-    def cpu(self) -> dict[str, float | None]:
-        if not self.beam:
-            return {"broker": None, "redis": None}
-        total = 0.0
-        for p in self.beam:
-            with contextlib.suppress(psutil.Error):
-                total += _cpu_of(p)
-        return {"broker": total, "redis": None}
-
-    async def reset_queue(self, delete: bool = False) -> None:
+    async def reset(self, delete: bool = False) -> None:
         """Declare the durable queue and purge it (or delete it)."""
         import aio_pika
 
@@ -338,19 +364,19 @@ class RabbitSystem:
                 await connection.close()
 
 
-class NatsSystem:
+class NatsSystem(ExternalSystem):
     """A NATS server with JetStream already listening (127.0.0.1:4222), driven with nats-py:
     a file-stored stream of its own for each scenario, deleted afterwards."""
 
+    name = "nats"
+    label = "NATS"
+    process_name = "nats-server"
+
     def __init__(self, url: str, stream: str) -> None:
+        super().__init__()
         self.url = url
         self.stream = stream
         self.subject = f"{stream}.msgs"
-        self.name = "nats"
-        self.version = "?"
-        self.procs = [
-            p for p in psutil.process_iter(["name"]) if p.info.get("name") == "nats-server"
-        ]
 
     def producer_cmd(
         self, index: int, count: int, rate: float, prefix: str
@@ -364,19 +390,7 @@ class NatsSystem:
         args += ["--durable", self.stream, "--rid", f"c{index + 1}"]
         return "bench.nats_load", args
 
-    def alive(self) -> bool:
-        return True
-
-    def cpu(self) -> dict[str, float | None]:
-        if not self.procs:
-            return {"broker": None, "redis": None}
-        total = 0.0
-        for p in self.procs:
-            with contextlib.suppress(psutil.Error):
-                total += _cpu_of(p)
-        return {"broker": total, "redis": None}
-
-    async def reset_stream(self, delete: bool = False) -> None:
+    async def reset(self, delete: bool = False) -> None:
         """Delete the scenario's stream if it is there; then (unless `delete`) create it."""
         import nats
         from nats.js.api import StorageType
@@ -385,7 +399,8 @@ class NatsSystem:
         async with asyncio.timeout(20):
             nc = await nats.connect(self.url, connect_timeout=10)
             try:
-                self.version = str(nc.connected_server_version) or "?"
+                server = nc.connected_server_version  # printed as <nats server v2.9.10>
+                self.version = f"{server.major}.{server.minor}.{server.patch}"
                 js = nc.jetstream(timeout=10)
                 with contextlib.suppress(NotFoundError):
                     await js.delete_stream(self.stream)
