@@ -25,6 +25,7 @@ from skmq.broker import Broker
 from skmq.codec import PONG, encode_frame
 from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis
+from skmq.errors import Misconfigured
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
@@ -128,10 +129,26 @@ async def make_broker(redis_url: str, prefix: str, tmp_path: Path) -> AsyncItera
             **FAST,
         }
         values.update(overrides)
-        broker = Broker(Settings(**values))
-        await broker.start()
-        brokers.append(broker)
-        return broker
+        for attempt in range(3):
+            broker = Broker(Settings(**values))
+            try:
+                await broker.start()
+            except Misconfigured as exc:
+                # A free port the test picked (HTTP_PORT, METRICS_PORT) was taken meanwhile
+                # by another process of this machine: stop what started, pick others. The
+                # test reads the port the broker got from broker.settings / broker.gateway.
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                if hasattr(broker, "server"):
+                    broker.stopping.set()
+                    await broker.stop()
+                values.update(
+                    {k: free_port() for k in ("http_port", "metrics_port") if values.get(k)}
+                )
+                continue
+            brokers.append(broker)
+            return broker
+        raise AssertionError("unreachable")
 
     yield factory
     for broker in brokers:

@@ -29,8 +29,8 @@ def sample(text: str, name: str, app: str) -> float | None:
 
 
 async def test_metrics_count_per_app_and_health(make_broker: BrokerFactory) -> None:
-    port = free_port()
-    broker = await make_broker(metrics_port=port)
+    broker = await make_broker(metrics_port=free_port())
+    port = broker.settings.metrics_port
     rec = await FakeRecipient("shop", "r1").start()
     await rec.register(broker.server.port)
     client = await RawClient.connect(broker.server.port)
@@ -68,8 +68,7 @@ async def test_healthz_is_503_while_redis_is_down(
 ) -> None:
     redis = EmbeddedRedis(tmp_path / "own-redis")
     redis.start()
-    port = free_port()
-    await make_broker(metrics_port=port, redis_url=redis.url)
+    port = (await make_broker(metrics_port=free_port(), redis_url=redis.url)).settings.metrics_port
     assert (await http_get(port, "/healthz"))[0] == 200
     redis.stop()
     assert (await http_get(port, "/healthz"))[0] == 503

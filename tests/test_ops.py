@@ -206,8 +206,8 @@ async def test_a_full_log_disk_never_blocks_delivery_and_recovers(
     log_dir.mkdir()
     log_file = log_dir / "delivery-b1-000000.jsonl"
     log_file.symlink_to("/dev/full")  # every write: ENOSPC
-    mport = free_port()
-    broker = await make_broker(broker_id="b1", log_dir=log_dir, metrics_port=mport)
+    broker = await make_broker(broker_id="b1", log_dir=log_dir, metrics_port=free_port())
+    mport = broker.settings.metrics_port
     rec = await FakeRecipient("full", "r").start()
     assert (await rec.register(broker.server.port))["status"] == "ack"
     client = await RawClient.connect(broker.server.port)
@@ -242,10 +242,10 @@ async def test_log_lines_past_the_backlog_bound_are_dropped_and_counted(
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     (log_dir / "delivery-b2-000000.jsonl").symlink_to("/dev/full")
-    mport = free_port()
     broker = await make_broker(
-        broker_id="b2", log_dir=log_dir, metrics_port=mport, log_backlog_bytes=0
+        broker_id="b2", log_dir=log_dir, metrics_port=free_port(), log_backlog_bytes=0
     )
+    mport = broker.settings.metrics_port
     client = await RawClient.connect(broker.server.port)
     for i in range(20):
         assert (await client.request("queue", b"x", appid="drop", msgid=f"m{i}"))["status"] == (
@@ -362,8 +362,8 @@ async def test_a_redis_that_evicts_keys_is_refused(
 async def test_healthz_and_metrics_answer_within_a_second_while_redis_is_stalled(
     make_broker: BrokerFactory, own_redis: EmbeddedRedis
 ) -> None:
-    mport = free_port()
-    await make_broker(metrics_port=mport, redis_url=own_redis.url)
+    broker = await make_broker(metrics_port=free_port(), redis_url=own_redis.url)
+    mport = broker.settings.metrics_port
     assert (await http_get(mport, "/healthz"))[0] == 200
     _, text = await http_get(mport, "/metrics")
     assert (metric(text, "skmq_redis_roundtrip_seconds") or 1) < 0.5
@@ -389,8 +389,7 @@ async def test_healthz_and_metrics_answer_within_a_second_while_redis_is_stalled
 
 
 async def test_metrics_users_expect(make_broker: BrokerFactory) -> None:
-    mport = free_port()
-    await make_broker(metrics_port=mport)
+    mport = (await make_broker(metrics_port=free_port())).settings.metrics_port
     _, text = await http_get(mport, "/metrics")
     from skmq import __version__
 
@@ -410,8 +409,8 @@ async def test_metrics_users_expect(make_broker: BrokerFactory) -> None:
 
 
 async def test_task_restarts_are_counted_per_task_in_metrics(make_broker: BrokerFactory) -> None:
-    mport = free_port()
-    broker = await make_broker(metrics_port=mport)
+    broker = await make_broker(metrics_port=free_port())
+    mport = broker.settings.metrics_port
     failures = 0
     recovered = asyncio.Event()
 
