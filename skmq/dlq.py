@@ -4,7 +4,7 @@ same two calls. A replay or a move is written to the delivery log, so the audit 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +30,28 @@ class Filters:
     @property
     def any(self) -> bool:
         return any(v is not None for v in (self.reason, self.since, self.until, self.max_count))
+
+
+class UnknownDeadLetter(LookupError):
+    """A msgid given that is not a dead letter (nothing is done)."""
+
+
+def choose(
+    letters: list[DeadLetter], msgids: Collection[str], filters: Filters, app: str | None = None
+) -> list[DeadLetter]:
+    """The dead letters of `msgids` (none given: all of `letters`) that pass the filters,
+    oldest first. A msgid that is no dead letter, with no filter given, is an error: the
+    operator named something that is not there (UnknownDeadLetter)."""
+    if msgids:
+        wanted = set(msgids)
+        letters = [d for d in letters if d.msgid in wanted]
+        unknown = sorted(wanted - {d.msgid for d in letters})
+        if unknown and not filters.any:
+            raise UnknownDeadLetter(
+                f"no dead letter with msgid {', '.join(map(repr, unknown))}"
+                f"{' in app ' + repr(app) if app else ''}: nothing done"
+            )
+    return select(letters, filters)
 
 
 def select(letters: list[DeadLetter], filters: Filters) -> list[DeadLetter]:

@@ -29,7 +29,7 @@ from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
-from skmq.dlq import CHUNK, Filters, Verb, redrive, select
+from skmq.dlq import CHUNK, Filters, Verb, choose, redrive
 from skmq.errors import UsageError
 from skmq.logs import configure_logging
 from skmq.ratelimit import TokenBucket
@@ -118,10 +118,9 @@ async def _selected(
         for app in apps
         for d in await store.dead_letters(app, args.limit if args.verb == "list" else None)
     ]
-    if args.verb != "list" and args.msgids:
-        wanted = set(args.msgids)
-        letters = [d for d in letters if d.msgid in wanted]
-    return letters if args.verb == "list" else select(letters, _filters(args))
+    if args.verb == "list":
+        return letters
+    return choose(letters, args.msgids, _filters(args), args.app)
 
 
 def printable(text: str, limit: int = 60) -> str:
@@ -156,12 +155,6 @@ async def _run(args: argparse.Namespace) -> int:
                     )
                 print(f"{len(letters)} dead letter(s)")
             return 0
-        unknown = sorted(set(args.msgids) - {d.msgid for d in letters})
-        if unknown and not _filters(args).any:
-            raise UnknownDeadLetter(
-                f"no dead letter with msgid {', '.join(map(repr, unknown))}"
-                f"{' in app ' + repr(args.app) if args.app else ''}: nothing done"
-            )
         verb = f"{args.verb} into {to_app}" if to_app else args.verb
         if args.dry_run:
             return _dry_run(verb, letters, args.json)
@@ -199,10 +192,6 @@ def _user() -> str:
         return getpass.getuser()
     except (OSError, KeyError):
         return str(os.getuid())
-
-
-class UnknownDeadLetter(LookupError):
-    """A MSGID given that is not a dead letter (nothing is done)."""
 
 
 async def _apply(

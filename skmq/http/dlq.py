@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Tokens
 from skmq.deliverylog import DeliveryLog
-from skmq.dlq import Filters, Verb, redrive, select
+from skmq.dlq import Filters, UnknownDeadLetter, Verb, choose, redrive
 from skmq.handler import bad_id
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
@@ -26,7 +26,10 @@ Ms = Annotated[int, Field(ge=0, description="unix ms")]
 class DlqRequest(BaseModel):
     model_config = ConfigDict(title="DlqRequest", extra="forbid", strict=True)
     msgids: list[Annotated[str, Field(max_length=256)]] | None = Field(
-        None, max_length=10_000, description="only these (none: every dead letter of the app)"
+        None,
+        min_length=1,
+        max_length=10_000,
+        description="only these (absent: every dead letter of the app)",
     )
     reason: str | None = Field(None, max_length=256, description="text of the last error")
     since: Ms | None = Field(None, description="died at or after (unix ms)")
@@ -105,16 +108,11 @@ class DlqRoutes:
             if verb != "replay":
                 raise ApiError(400, "to_app: replay only")
             self._app(request, body.to_app)
-        letters = await self.store.dead_letters(app)
-        if body.msgids is not None:
-            wanted = set(body.msgids)
-            letters = [d for d in letters if d.msgid in wanted]
         filters = Filters(body.reason, body.since, body.until, body.max)
-        if body.msgids and not filters.any:
-            unknown = sorted(set(body.msgids) - {d.msgid for d in letters})
-            if unknown:
-                raise ApiError(404, f"no dead letter with msgid {unknown[0]!r}: nothing done")
-        chosen = select(letters, filters)
+        try:
+            chosen = choose(await self.store.dead_letters(app), body.msgids or (), filters, app)
+        except UnknownDeadLetter as exc:
+            raise ApiError(404, str(exc)) from None
         done = 0
         if not body.dry_run:
             done = await redrive(self.store, self.dlog, verb, chosen, body.to_app)
