@@ -76,7 +76,7 @@ class PulledMessage:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError, PullError):
+            with contextlib.suppress(asyncio.CancelledError, PullError, *self.consumer.errors):
                 await task
 
 
@@ -108,6 +108,8 @@ class PullConsumer:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._buffer: deque[PulledMessage] = deque()
         self._session: aiohttp.ClientSession | None = None
+        # What a call may raise when the broker cannot be reached (HTTP adds aiohttp's).
+        self.errors: tuple[type[Exception], ...] = (OSError,)
 
     async def __aenter__(self) -> PullConsumer:
         if self._tcp:
@@ -120,6 +122,7 @@ class PullConsumer:
 
             timeout = aiohttp.ClientTimeout(total=self.wait + 30)
             self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
+            self.errors = (OSError, aiohttp.ClientError)
         if self.create_group:
             await self._call("create", {"group": self.group})
         return self
@@ -140,8 +143,9 @@ class PullConsumer:
             if resp.ok:
                 return json.loads(resp.content)
             code, _, why = resp.content.partition(" ")
-            raise PullError(int(code) if code.isdigit() else 503, why if code.isdigit() else
-                            resp.content)  # fmt: skip
+            if not code.isdigit():  # a refusal without the gateway's status first
+                code, why = "503", resp.content
+            raise PullError(int(code), why)
         if self._session is None:
             raise RuntimeError("use `async with PullConsumer(...)`")
         url = self.base if op == "create" else f"{self.base}/{self.group}/{op}"
