@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from skmq.client import Producer
+from skmq.logarchive import log_files, read_lines
 
 RECIPIENT_CMD = (
     "{bin}/sikong-demo -mode recipient -id {id} -app {app} -port {port} -broker {broker}"
@@ -66,12 +67,7 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 30
 
 
 def read_log(log_dir: Path) -> list[dict[str, Any]]:
-    events = []
-    for path in sorted(log_dir.glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.strip():
-                events.append(json.loads(line))
-    return events
+    return [json.loads(line) for path in log_files(log_dir) for line in read_lines(path)]
 
 
 def summarize(events: list[dict[str, Any]], plain: set[str], crlf: set[str]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from skmq.handler import FrameHandler
 from skmq.http import Gateway
 from skmq.http.dlq import DlqRoutes
 from skmq.http.pull import PullApi, PullRoutes
+from skmq.logarchive import LogArchive
 from skmq.metrics import Metrics
 from skmq.pull.groups import Groups
 from skmq.pull.longpoll import LongPoll
@@ -153,7 +154,10 @@ class Broker:
         self.dlog = DeliveryLog(
             s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
         )
-        self.metrics = Metrics(self.store, self.dlog, self.supervisor)
+        self.archive = LogArchive(s.delivery_log_dir, s.log_retention_bytes, s.log_retention_age)
+        self.dlog.on_rotate = self.archive.wake
+        self.supervisor.start("log-archive", self.archive.run)
+        self.metrics = Metrics(self.store, self.dlog, self.archive, self.supervisor)
         self.dlog.listener = self.metrics.observe
         self.own = OwnAddresses()
         self.own.add_redis_url(url)
@@ -260,6 +264,12 @@ class Broker:
         await self.gateway.close()
         await cancel_and_wait(self.supervisor.tasks)
         self.dlog.close()
+        # Its last file too: closed now, compressed unless that takes too long (the next
+        # sweep, of any broker sharing LOG_DIR, finishes it then).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.to_thread(self.archive.sweep), self.settings.shutdown_timeout
+            )
         await self.redis.aclose()
         if self.embedded is not None:
             self.embedded.stop()

@@ -80,7 +80,9 @@ class Settings(BaseSettings):
     replica_ack_timeout: float = Field(1.0, gt=0, le=60)
     shutdown_timeout: float = Field(5.0, ge=0)
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
-    log_rotate_bytes: int = Field(64 << 20, ge=4096)
+    log_rotate_bytes: int = Field(16 << 20, ge=4096)
+    log_retention_bytes: int = Field(1 << 30, ge=0)
+    log_retention_age: float = Field(7 * 86400.0, ge=0)
     log_backlog_bytes: int = Field(16 << 20, ge=0)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535)

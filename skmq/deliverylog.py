@@ -2,11 +2,14 @@
 
 Files are `LOG_DIR/delivery-<broker>-<n>.jsonl`, one set a broker instance, so that
 several brokers can log into one shared directory (a broker restarted with the same
-BROKER_ID appends to its last file). Events are buffered and written
-with one `os.write` a batch (at the end of each event-loop turn that produced any):
-no fsync, but nothing waits in user space, so a `kill -9` of the broker loses no
-event already handed to the kernel. Lines are formatted by hand: the log is on the
-hot path, and `json.dumps` of a dict costs several times more.
+BROKER_ID appends to its last file). The file being written is held with an exclusive
+`flock`; one that nobody holds is closed, and skmq/logarchive.py compresses it.
+
+Events are buffered and written with one `os.write` a batch (at the end of each
+event-loop turn that produced any): no fsync, but nothing waits in user space, so a
+`kill -9` of the broker loses no event already handed to the kernel. Lines are
+formatted by hand: the log is on the hot path, and `json.dumps` of a dict costs
+several times more.
 
 A write error (a full disk) never blocks or fails delivery: unwritten lines are kept
 in a bounded backlog (LOG_BACKLOG_BYTES) and retried; once the backlog is full the
@@ -28,6 +31,7 @@ import structlog
 
 from skmq.coalesce import Coalescer
 from skmq.events import Event
+from skmq.logarchive import try_lock
 
 log = structlog.get_logger("skmq.deliverylog")
 
@@ -53,16 +57,13 @@ class DeliveryLog:
         self,
         log_dir: Path,
         broker_id: str,
-        rotate_bytes: int = 64 << 20,
+        rotate_bytes: int = 16 << 20,
         backlog_bytes: int = 64 << 20,
     ) -> None:
         self.dir = log_dir
         self.broker = _q(broker_id)
         self.rotate_bytes = rotate_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
-        # A broker with a fixed BROKER_ID goes on with its last file (rotating as usual).
-        existing = sorted(self.dir.glob(f"delivery-{broker_id}-*.jsonl"))
-        self._index = max(0, len(existing) - 1)
         self._prefix = f"delivery-{broker_id}-"
         self._fd = -1
         self._size = 0
@@ -76,19 +77,49 @@ class DeliveryLog:
         self.errors = 0
         self.dropped = 0
         self.listener: Callable[[str, str], None] | None = None
-        self._open_next()
+        # Called when a file is closed for good (skmq/logarchive.py compresses it).
+        self.on_rotate: Callable[[], None] | None = None
+        # A broker with a fixed BROKER_ID goes on with its last file (rotating as usual).
+        self._index = self._last_index()
+        self._open(self._index)
         if self._size >= self.rotate_bytes:
-            self._open_next()
+            self._rotate()
 
-    def _open_next(self) -> None:
-        """The next file; the current one stays open until the new one is."""
-        path = self.dir / f"{self._prefix}{self._index:06d}.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._index += 1
+    def _last_index(self) -> int:
+        """This broker's last file if it is not compressed yet, else the one after it."""
+        compressed: dict[int, bool] = {}
+        for path in self.dir.glob(f"{self._prefix}*.jsonl*"):
+            number, _, suffix = path.name.removeprefix(self._prefix).partition(".")
+            if number.isdigit() and suffix in ("jsonl", "jsonl.gz"):
+                index = int(number)
+                compressed[index] = compressed.get(index, False) or suffix == "jsonl.gz"
+        if not compressed:
+            return 0
+        last = max(compressed)
+        return last + 1 if compressed[last] else last
+
+    def _open(self, index: int) -> None:
+        """Write to file `index`, or the next one that no sweep holds or has compressed
+        (a restart with the same BROKER_ID); the current file stays open until the new
+        one is."""
+        while True:
+            path = self.dir / f"{self._prefix}{index:06d}.jsonl"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            compressed = path.with_name(path.name + ".gz").exists()
+            if try_lock(fd) and os.fstat(fd).st_nlink > 0 and not compressed:
+                break
+            os.close(fd)
+            index += 1
+        self._index = index
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = fd
         self._size = os.fstat(fd).st_size
+
+    def _rotate(self) -> None:
+        self._open(self._index + 1)
+        if self.on_rotate is not None:
+            self.on_rotate()
 
     def event(
         self,
@@ -143,7 +174,7 @@ class DeliveryLog:
             self.error = None
         if self._size >= self.rotate_bytes:
             try:
-                self._open_next()
+                self._rotate()
             except OSError as exc:
                 self._write_failed(exc)
 
@@ -163,14 +194,15 @@ class DeliveryLog:
                 self._retry = loop.call_later(RETRY_INTERVAL, self._retry_flush)
 
     def _retry_flush(self) -> None:
-        """Retry the backlog on a freshly opened file (the old descriptor may be what
+        """Retry the backlog on the file opened again (the old descriptor may be what
         fails: a file removed or replaced by an operator making room)."""
         self._retry = None
-        self._index -= 1
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
         try:
-            self._open_next()
+            self._open(self._index)
         except OSError as exc:
-            self._index += 1
             self._write_failed(exc)
             return
         self.flush()

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from skmq import __version__
 from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.logarchive import LogArchive
 from skmq.pull.groups import GroupInfo, Groups
 from skmq.store import AppCounts, Store
 from skmq.supervisor import Supervisor
@@ -74,9 +75,12 @@ PROBE_INTERVAL = 1.0
 
 
 class Metrics(Collector):
-    def __init__(self, store: Store, dlog: DeliveryLog, supervisor: Supervisor) -> None:
+    def __init__(
+        self, store: Store, dlog: DeliveryLog, archive: LogArchive, supervisor: Supervisor
+    ) -> None:
         self.store = store
         self.dlog = dlog
+        self.archive = archive
         self.supervisor = supervisor
         self.redis_restarts = 0
         self.redis_rtt: float | None = None
@@ -176,6 +180,16 @@ class Metrics(Collector):
             "skmq_delivery_log_dropped_lines",
             "Delivery-log lines dropped (backlog full while writes failed)",
             value=self.dlog.dropped,
+        )
+        yield CounterMetricFamily(
+            "skmq_delivery_log_files_compressed",
+            "Closed delivery-log files compressed (by this broker)",
+            value=self.archive.compressed,
+        )
+        yield CounterMetricFamily(
+            "skmq_delivery_log_files_pruned",
+            "Delivery-log files removed by LOG_RETENTION_BYTES or LOG_RETENTION_AGE",
+            value=self.archive.pruned,
         )
         yield GaugeMetricFamily(
             "skmq_delivery_log_backlog_lines",

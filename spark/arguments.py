@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         nargs="+",
         metavar="PATH",
-        help="log directory (searched for *.jsonl), glob, file or URI; several allowed",
+        help="log directory (searched for *.jsonl, .jsonl.gz, .jsonl.bz2), glob, file or URI; "
+        "several allowed",
     )
     parser.add_argument(
         "--out", required=True, metavar="DIR", help="directory or URI for the reports"

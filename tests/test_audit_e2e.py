@@ -10,7 +10,7 @@ from typing import Any
 from skmq.audit_job.audit import run_audit
 
 from skmq.pull.consumer import PullConsumer, PulledMessage
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 
 
@@ -118,3 +118,37 @@ async def test_audit_of_deliveries_pulled_by_two_groups(
     assert report["anomalies"]["acked_more_than_once"] == 0
     by_recipient = {r["recipient"]: r for r in report["by_recipient"]}
     assert by_recipient["group:g1"]["acked"] == by_recipient["group:g2"]["acked"] == 10
+
+
+async def test_audit_of_a_rotated_compressed_log(
+    make_broker: BrokerFactory, spark: Any, tmp_path: Path
+) -> None:
+    """Issue 19: with small files (LOG_ROTATE_BYTES) the broker compresses each closed
+    file while it runs, and its last one when it stops; the audit reads the .gz files."""
+    broker = await make_broker(data_dir=tmp_path / "data", log_rotate_bytes=4096)
+    log_dir = broker.settings.delivery_log_dir
+    rec = await FakeRecipient("zip", "r1").start()
+    assert (await rec.register(broker.server.port))["status"] == "ack"
+    client = await RawClient.connect(broker.server.port)
+    for i in range(200):
+        client.send("queue", b"x", appid="zip", msgid=f"z{i}")
+    assert {(await client.resp())["status"] for _ in range(200)} == {"ack"}
+    async with asyncio.timeout(15):
+        for _ in range(200):
+            await rec.next_push()
+
+    async def compressed_while_running() -> bool:
+        return len(list(log_dir.glob("*.jsonl.gz"))) >= 5
+
+    await eventually(compressed_while_running, 10)
+    await client.close()
+    await rec.stop()
+    broker.stopping.set()
+    await broker.stop()
+    assert all(p.name.endswith(".jsonl.gz") for p in log_dir.iterdir())
+
+    report = run_audit(str(log_dir), str(tmp_path / "out"), spark=spark, progress=False)
+    totals = report["totals"]
+    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (200, 200, 0)
+    assert report["input"]["bad_lines"]["total"] == 0
+    assert report["input"]["files"] == len(list(log_dir.iterdir())) > 5

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from skmq.broker import Broker
 from skmq.codec import PONG, Decoder, Frame, InvalidFrame, encode_frame
 from skmq.deliverylog import now_ms
+from skmq.logarchive import log_files, read_lines
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import WAIT, FakeRecipient, RawClient
 
@@ -40,10 +41,8 @@ def log_events(
     else:
         directory = where
     out = []
-    for path in sorted(directory.glob("delivery-*.jsonl")):
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
+    for path in log_files(directory):
+        for line in read_lines(path):
             rec = json.loads(line)
             if msgid is not None and rec["msgid"] != msgid:
                 continue

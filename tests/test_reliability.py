@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 
 from skmq.codec import Frame, encode_frame
 from skmq.embedded import EmbeddedRedis, read_info
+from skmq.logarchive import log_files, read_lines
 from skmq.store import Store
 from tests.conftest import (
     BrokerFactory,
@@ -342,8 +343,8 @@ async def all_in(
 def log_events(*dirs: Path) -> list[dict[str, Any]]:
     out = []
     for d in dirs:
-        for path in sorted(d.glob("**/delivery-*.jsonl")):
-            for line in path.read_text().splitlines():
+        for path in log_files(d):
+            for line in read_lines(path):
                 with contextlib.suppress(ValueError):
                     out.append(json.loads(line))
     return out
