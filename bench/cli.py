@@ -9,12 +9,15 @@ DATA_DIR and embedded Redis persisting with AOF):
            msg/s; lost and duplicated messages; latency under load.
 - ordered: e2e with `key=k<n % --keys>` on every message (per-key ordered
            delivery, SKMQ only): what ordering costs against e2e.
-- latency: 1 producer paced at 1,000 msg/s, 4 recipients: send-to-receipt
-           p50/p95/p99/max.
+- latency: paced runs, one a rate of --latency-rates (default 1,000, 2,000 and
+           10,000 msg/s; results paced-1k, paced-2k, paced-10k), 1 producer and
+           1 recipient, --latency-time s each: send-to-receipt p50/p99/max, the rate
+           the producer achieved, CPU per delivered message of the broker (and of
+           SKMQ's Redis).
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
            Redis `used_memory` growth per message (SKMQ only).
 
-The same ingest / e2e / latency scenarios run against NATS JetStream with nats-py
+The same ingest / e2e / paced scenarios run against NATS JetStream with nats-py
 (file-stored stream, PubAck awaited, explicit acks, max_ack_pending 100) when it
 listens on 127.0.0.1:4222, and against RabbitMQ with aio-pika (durable queue,
 persistent messages, publisher confirms, manual acks, prefetch 100) when it listens
@@ -41,7 +44,15 @@ from typing import Any
 import uvloop
 
 from bench.harness import BenchError, LoadPlan, LoadResult, run_load
-from bench.report import as_json, backlog_table, machine, results_table, targets
+from bench.report import (
+    as_json,
+    backlog_table,
+    machine,
+    paced_name,
+    paced_table,
+    results_table,
+    targets,
+)
 from bench.systems import (
     NATS_URL,
     RABBIT_URL,
@@ -78,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--scenarios",
         default=",".join(ALL_SCENARIOS),
-        help="comma-separated subset of ingest,e2e,latency,backlog (default: all; backlog "
-        "only if it fits the time limit, unless --backlog)",
+        help="comma-separated subset of ingest,e2e,ordered,latency,backlog (default: all; "
+        "latency: the paced runs of --latency-rates; backlog only if it fits the time limit, "
+        "unless --backlog)",
     )
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="skmq,nats,rabbitmq")
     p.add_argument("--broker-cmd", default="skmq serve", help="command starting the SKMQ broker")
@@ -100,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="before each scenario, wait up to this long for the machine to be idle "
         "(other processes under 15%% CPU); for shared machines (default: 0, off)",
     )
-    p.add_argument("--time-limit", type=float, default=330.0, help="seconds for the whole run")
+    p.add_argument("--time-limit", type=float, default=450.0, help="seconds for the whole run")
     p.add_argument(
         "--backlog", action="store_true", help="run the backlog scenario even if it may not fit"
     )
@@ -111,11 +123,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ingest-time", type=float, default=20.0, help="cap on ingest sending, s")
     p.add_argument("--e2e-time", type=float, default=25.0, help="cap on e2e sending, s")
     p.add_argument("--drain-time", type=float, default=30.0, help="wait for the last deliveries, s")
-    p.add_argument("--latency-rate", type=float, default=1000.0, help="msg/s of the latency run")
     p.add_argument(
-        "--latency-time", type=float, default=10.0, help="duration of the latency run, s"
+        "--latency-rates",
+        default="1000,2000,10000",
+        help="msg/s of the paced runs (scenario latency), comma-separated: one run each, "
+        "named paced-1k, paced-2k, ... (default: 1000,2000,10000)",
     )
-    p.add_argument("--latency-recipients", type=int, default=4)
+    p.add_argument(
+        "--latency-rate",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="a single paced run at RATE msg/s (same as --latency-rates RATE)",
+    )
+    p.add_argument("--latency-time", type=float, default=10.0, help="duration of each paced run, s")
+    p.add_argument("--latency-recipients", type=int, default=1, help="recipients of the paced runs")
     p.add_argument(
         "--keys", type=int, default=1000, help="ordering keys of the ordered run (key=k<n %% keys>)"
     )
@@ -142,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for s in args.system_list:
         if s not in ALL_SYSTEMS:
             p.error(f"unknown system {s!r}")
+    rates = args.latency_rates if args.latency_rate is None else str(args.latency_rate)
+    try:
+        args.rate_list = list(dict.fromkeys(float(x) for x in rates.split(",") if x.strip()))
+    except ValueError:
+        p.error(f"--latency-rates needs numbers, got {rates!r}")
+    if not args.rate_list or any(r <= 0 for r in args.rate_list):
+        p.error(f"--latency-rates needs rates above 0, got {rates!r}")
     if args.no_backlog and "backlog" in args.scenario_list:
         args.scenario_list.remove("backlog")
     args.backlog_explicit = args.backlog or (
@@ -178,8 +207,11 @@ class Runner:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def plan(self, scenario: str, send_time: float | None = None) -> LoadPlan | None:
-        """The scenario's load, capped to the time left (None: no time left)."""
+    def plan(
+        self, scenario: str, send_time: float | None = None, rate: float = 0.0
+    ) -> LoadPlan | None:
+        """The scenario's load, capped to the time left (None: no time left); `latency`:
+        the paced run at `rate` msg/s (named paced-<rate>)."""
         a = self.args
         remaining = self.remaining()
         if scenario == "ingest":
@@ -198,8 +230,8 @@ class Runner:
             )
             plan.ack_wait, plan.drain_time, plan.keys = 10.0, a.drain_time, a.keys
         elif scenario == "latency":
-            count = int(a.latency_rate * a.latency_time)
-            plan = LoadPlan(scenario, 1, a.latency_recipients, count, rate=a.latency_rate)
+            count = int(rate * a.latency_time)
+            plan = LoadPlan(paced_name(rate), 1, a.latency_recipients, count, rate=rate)
             plan.send_time, plan.ack_wait, plan.drain_time = a.latency_time + 5.0, 10.0, 10.0
         else:
             plan = LoadPlan(scenario, a.producers, 0, a.backlog_messages, send_time=a.backlog_time)
@@ -220,8 +252,10 @@ class Runner:
         plan.deadline = time.time() + plan.send_time + plan.ack_wait + plan.drain_time + 90.0
         return plan
 
-    def skipped(self, system: str, scenario: str, why: str) -> None:
-        res = LoadResult(system=system, scenario=scenario, error=f"skipped: {why}")
+    def skipped(self, system: str, scenario: str, why: str, rate: float = 0.0) -> None:
+        res = LoadResult(
+            system=system, scenario=scenario, target_rate=rate, error=f"skipped: {why}"
+        )
         self.results.append(res)
         self.log(f"{system} {scenario}: skipped ({why})")
 
@@ -240,11 +274,17 @@ class Runner:
         load = [s for s in a.scenario_list if s in LOAD_SCENARIOS]
         # Scenario by scenario, the systems back to back: on a shared machine both
         # sides of a comparison then run under about the same conditions.
-        for scenario in load:
+        # `latency` is one paced run a rate, each with every system back to back.
+        runs = [
+            (scenario, rate)
+            for scenario in load
+            for rate in (a.rate_list if scenario == "latency" else [0.0])
+        ]
+        for scenario, rate in runs:
             for system in systems:
                 if scenario in SKMQ_ONLY and system != "skmq":
                     continue
-                await self.one(system, scenario)
+                await self.one(system, scenario, rate)
         if "backlog" in a.scenario_list and "skmq" in systems:
             await self.backlog()
 
@@ -261,12 +301,14 @@ class Runner:
                 return
         self.log(f"machine still {busy:.0f}% busy after {limit:.0f}s: going on")
 
-    async def one(self, system: str, scenario: str) -> None:
+    async def one(self, system: str, scenario: str, rate: float = 0.0) -> None:
         await self.wait_quiet()
-        plan = self.plan(scenario)
+        plan = self.plan(scenario, rate=rate)
         if plan is None:
-            self.skipped(system, scenario, "time limit")
+            name = paced_name(rate) if scenario == "latency" else scenario
+            self.skipped(system, name, "time limit", rate)
             return
+        scenario = plan.scenario
         self.log(
             f"{system} {scenario}: {plan.messages:,} messages, {plan.producers} producers, "
             f"{plan.recipients} recipients" + (f", {plan.rate:,.0f} msg/s" if plan.rate else "")
@@ -274,7 +316,7 @@ class Runner:
         if system == "skmq":
             res = await self.skmq(plan)
         elif system == "nats":
-            stream = f"skmqbench{plan.scenario}{os.getpid()}"
+            stream = f"skmqbench{plan.scenario.replace('-', '')}{os.getpid()}"
             res = await self.external(NatsSystem(self.args.nats_url, stream), plan)
         else:
             queue = f"skmq-bench-{plan.scenario}-{os.getpid()}"
@@ -423,19 +465,41 @@ class Runner:
             "publish awaited for its PubAck, one durable consumer (queue group), explicit acks, "
             "max_ack_pending 100",
             f"- load: {self.args.producers} producers ({self.args.window} unanswered each) and "
-            f"{self.args.recipients} recipients, one process each; 100-byte bodies; latency run "
-            f"{self.args.latency_rate:,.0f} msg/s for {self.args.latency_time:.0f}s, "
-            f"{self.args.latency_recipients} recipients",
+            f"{self.args.recipients} recipients, one process each; 100-byte bodies; paced runs "
+            + ", ".join(f"{r:,.0f}" for r in self.args.rate_list)
+            + f" msg/s for {self.args.latency_time:.0f}s each, 1 producer, "
+            f"{self.args.latency_recipients} recipient(s)",
             f"- total time: {time.monotonic() - self.t0:.0f}s",
             "",
-            results_table(self.results),
-            "",
-            "ingest msg/s: producer to `resp ack` (publisher confirm for RabbitMQ); e2e msg/s: "
-            "first send to last receipt; latency: send to recipient receipt (wall clock across "
-            "processes); CPU: user+system of the broker process (beam.smp for RabbitMQ) and of "
-            "its Redis, per acked (ingest) or delivered message; clients: the load processes; "
-            "other CPU %: CPU used by the rest of the machine meanwhile (of all cores).",
         ]
+        rt = results_table(self.results)
+        if rt:
+            lines += [
+                rt,
+                "",
+                "ingest msg/s: producer to `resp ack` (publisher confirm for RabbitMQ); e2e "
+                "msg/s: first send to last receipt; latency: send to recipient receipt (wall "
+                "clock across processes); CPU: user+system of the broker process (beam.smp for "
+                "RabbitMQ, nats-server for NATS) and of its Redis, per acked (ingest) or "
+                "delivered message; clients: the load processes; other CPU %: CPU used by the "
+                "rest of the machine meanwhile (of all cores).",
+            ]
+        pt = paced_table(self.results)
+        if pt:
+            lines += [
+                *([""] if rt else []),
+                "Paced runs:",
+                "",
+                pt,
+                "",
+                "target/achieved msg/s: the producer's schedule and the rate it held (messages "
+                "sent over the schedule's span); behind ms: how far its sends fell behind the "
+                "schedule at worst (latency counts from the actual send); p50/p99/max: send to "
+                "receipt; CPU µs per delivered message, user+system, from the producer's start "
+                "to 0.5 s after the last delivery: broker = `skmq serve` (Redis apart), "
+                "nats-server or beam.smp; B+R: broker + Redis; other CPU %: the rest of the "
+                "machine.",
+            ]
         bt = backlog_table(self.results)
         if bt:
             lines += ["", bt]
@@ -487,6 +551,8 @@ def summary(r: LoadResult) -> str:
     if r.error and not r.acked:
         return f"FAILED: {r.error.splitlines()[0] if r.error else ''}"
     parts = [f"sent {r.sent:,}", f"acked {r.acked:,}", f"ingest {r.ingest_rate or 0:,.0f} msg/s"]
+    if r.target_rate and r.achieved_rate is not None:
+        parts.append(f"achieved {r.achieved_rate:,.0f} of {r.target_rate:,.0f} msg/s")
     if r.recipients:
         parts += [f"received {r.unique:,}", f"e2e {r.e2e_rate or 0:,.0f} msg/s"]
         if r.latency_ms:

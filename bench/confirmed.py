@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from bench.childio import Control, cpu_seconds, emit, write_result
+from bench.pacing import Pacer
 
 # Publish one message (msgid, body); returns once the broker confirmed it, raises if not.
 Publish = Callable[[str, bytes], Awaitable[None]]
@@ -22,9 +23,9 @@ def make_content(ts: int, size: int) -> bytes:
 
 
 async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str, Any]:
-    """Send `--count` messages (`--rate` msg/s, 0: at once) for at most `--send-time`
-    seconds, `--window` unconfirmed at most; then wait `--ack-wait` for the last
-    confirmations. The producer's result, but `connection_lost`."""
+    """Send `--count` messages (`--rate` msg/s paced by `bench.pacing`, 0: at once) for at
+    most `--send-time` seconds, `--window` unconfirmed at most; then wait `--ack-wait` for
+    the last confirmations. The producer's result, but `connection_lost`."""
     cpu0 = cpu_seconds()
     window = asyncio.Semaphore(args.window)
     acked = 0
@@ -34,10 +35,11 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
     pending: set[asyncio.Task[None]] = set()
     outstanding: set[str] = set()
 
-    async def one(msgid: str, body: bytes) -> None:
+    async def one(msgid: str) -> None:
         nonlocal acked, t_last_confirm
         try:
-            await publish(msgid, body)
+            # stamped when the publish starts (not when the batch was scheduled)
+            await publish(msgid, make_content(time.time_ns(), args.size))
             acked += 1
         except Exception as exc:
             failed.append(msgid)
@@ -48,33 +50,39 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
             t_last_confirm = time.time_ns()
             window.release()
 
-    seq = 0
+    pacer = Pacer(args.rate, args.count)
     stop_at = time.monotonic() + args.send_time
     stopped_early = False
     t_start = time.time_ns()
-    t0 = time.monotonic()
-    while seq < args.count:
+    pacer.start()
+    while pacer.sent < args.count and not stopped_early:
         now = time.monotonic()
         if now >= stop_at:
             stopped_early = True
             break
-        if args.rate > 0:
-            due_at = t0 + seq / args.rate
-            if due_at > now:
-                await asyncio.sleep(due_at - now)
-                continue
-        try:
-            async with asyncio.timeout(max(stop_at - now, 0.01)):
-                await window.acquire()
-        except TimeoutError:
-            stopped_early = True
-            break
-        msgid = f"{args.prefix}-{seq}"
-        outstanding.add(msgid)
-        task = asyncio.create_task(one(msgid, make_content(time.time_ns(), args.size)))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-        seq += 1
+        due = pacer.due(now)
+        if due <= 0:
+            await pacer.wait()
+            continue
+        # Everything due (500 at most before looking at the clock again): one publish
+        # task each, `--window` unconfirmed at most.
+        for _ in range(min(due, 500)):
+            if window.locked():
+                try:
+                    async with asyncio.timeout(max(stop_at - time.monotonic(), 0.01)):
+                        await window.acquire()
+                except TimeoutError:
+                    stopped_early = True
+                    break
+            else:
+                await window.acquire()  # free: returns at once
+            msgid = f"{args.prefix}-{pacer.sent}"
+            outstanding.add(msgid)
+            task = asyncio.create_task(one(msgid))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            pacer.record(1)
+    seq = pacer.sent
     t_sent = time.time_ns()
     if pending:
         await asyncio.wait(set(pending), timeout=args.ack_wait)
@@ -93,6 +101,7 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
         "t_sent": t_sent,
         "t_end": t_last_confirm or t_sent,
         "stopped_early": stopped_early,
+        **pacer.summary(),
         "cpu_s": cpu_seconds() - cpu0,
     }
 

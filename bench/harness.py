@@ -204,6 +204,11 @@ class LoadResult:
     clients_cpu_us: float | None = None
     cpu_basis: int = 0
     stopped_early: bool = False
+    # paced runs (plan.rate > 0): the schedule's rate, the rate the producers achieved
+    # (msg/s, summed) and how far their sends fell behind the schedule at worst (ms)
+    target_rate: float = 0.0
+    achieved_rate: float | None = None
+    lag_max_ms: float | None = None
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
@@ -244,7 +249,7 @@ async def run_load(
     on_sample: Callable[[], None] | None = None,
 ) -> LoadResult:
     """Run one scenario; never raises for a load problem (see `LoadResult.error`)."""
-    res = LoadResult(system=system.name, scenario=plan.scenario)
+    res = LoadResult(system=system.name, scenario=plan.scenario, target_rate=plan.rate)
     res.producers, res.recipients, res.planned = plan.producers, plan.recipients, plan.messages
     children: list[Child] = []
     try:
@@ -326,6 +331,10 @@ async def _run_load(
             res.notes.append(f"{r['prefix']}: {int(r['sent']) - int(r['responses'])} unanswered")
     res.failed = len(failed_ids)
     res.stopped_early = any(bool(r.get("stopped_early")) for r in producer_results)
+    if plan.rate > 0:
+        # Producers run in parallel, each at its share of the rate: the rates add up.
+        res.achieved_rate = sum(float(r.get("achieved_rate", 0.0)) for r in producer_results)
+        res.lag_max_ms = max(float(r.get("lag_max_ms", 0.0)) for r in producer_results)
     t_start = min(int(r["t_start"]) for r in producer_results)
     t_end = max(int(r["t_end"]) for r in producer_results)
     res.send_seconds = max((t_end - t_start) / 1e9, 1e-9)

@@ -25,6 +25,7 @@ import uvloop
 
 from bench.childio import Control, cpu_seconds, emit, write_result
 from bench.confirmed import report_until_stopped
+from bench.pacing import Pacer
 
 SEP = b"\r\n\r\n"
 # With the broker's auth on (SKMQ_AUTH_TOKEN), the harness gives the load the token.
@@ -143,31 +144,29 @@ async def producer_main(args: argparse.Namespace) -> None:
     prefix = args.prefix.encode()
     count: int = args.count
     window: int = args.window
-    rate: float = args.rate
     stop_at = time.monotonic() + args.send_time
     head = b"appid=" + appid + b"\r\nmsgid=" + prefix + b"-"
     tail_type = b"\r\ntype=queue\r\ncontent="
     keys: int = args.keys
-    seq = 0
+    pacer = Pacer(args.rate, count)
     t_start = time.time_ns()
-    t0 = time.monotonic()
+    pacer.start()
     transport = proto.transport
     assert transport is not None
     stopped_early = False
-    while seq < count:
+    while pacer.sent < count:
         if proto.closed.is_set():
             break
         now = time.monotonic()
         if now >= stop_at:
             stopped_early = True
             break
+        due = pacer.due(now)
+        if due <= 0:
+            await pacer.wait()
+            continue
+        seq = pacer.sent
         room = window - (seq - proto.responses)
-        if rate > 0:
-            due = min(int((now - t0) * rate) + 1, count)
-            if due <= seq:
-                await asyncio.sleep(max(t0 + seq / rate - now, 0.0))
-                continue
-            room = min(room, due - seq)
         if room <= 0:
             proto.progress.clear()
             try:
@@ -176,7 +175,8 @@ async def producer_main(args: argparse.Namespace) -> None:
             except TimeoutError:
                 pass
             continue
-        n = min(room, count - seq, 500)
+        # Everything due (up to the window and 500 a write), stamped now, in one write.
+        n = min(room, due, 500)
         content = make_content(time.time_ns(), args.size)
         tail = tail_type + content + SEP
         if keys:
@@ -184,11 +184,12 @@ async def producer_main(args: argparse.Namespace) -> None:
         else:
             frames = [head + b"%d" % i + tail for i in range(seq, seq + n)]
         transport.write(b"".join(frames))
-        seq += n
+        pacer.record(n)
         if not proto.writable.is_set():
             await proto.writable.wait()
         else:
             await asyncio.sleep(0)
+    seq = pacer.sent
     t_sent = time.time_ns()
     # Wait for the answers to everything sent (bounded).
     ack_deadline = time.monotonic() + args.ack_wait
@@ -214,6 +215,7 @@ async def producer_main(args: argparse.Namespace) -> None:
         "t_sent": t_sent,
         "t_end": proto.t_last_resp or t_sent,
         "stopped_early": stopped_early,
+        **pacer.summary(),
         "connection_lost": proto.closed.is_set(),
         "cpu_s": cpu_seconds() - cpu0,
     }
