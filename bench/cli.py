@@ -329,6 +329,7 @@ class Runner:
         broker = SkmqBroker(
             a.broker_cmd, a.extra_env, appid=f"bench-{plan.scenario}", keep=a.keep_logs
         )
+        res: LoadResult | None = None
         try:
             try:
                 await broker.start(timeout=min(60.0, max(self.remaining(), 5.0)))
@@ -383,6 +384,8 @@ class Runner:
             return res
         finally:
             await broker.stop()
+            if res is not None:  # its last file compressed by the broker as it stopped
+                res.extra["delivery_log_bytes_stopped"] = broker.log_bytes_stopped
             if broker.proc is not None:
                 _LIVE_BROKER_PGIDS.discard(broker.proc.pid)
 

@@ -18,7 +18,9 @@ TARGET_PACED_P99_MS = {1000.0: 1.0, 2000.0: 0.6, 10000.0: 5.0}
 CPU_RATE = 2000.0
 # Below this share of its target rate a paced run did not hold the rate: no verdict.
 RATE_HELD = 0.95
-TARGET_BYTES_PER_MSG = 400.0
+TARGET_BYTES_PER_MSG = 200.0
+TARGET_RSS_MIB = 200.0
+TARGET_LOG_BYTES = 150.0
 
 
 def machine() -> dict[str, Any]:
@@ -141,6 +143,7 @@ def paced_table(results: list[LoadResult]) -> str:
         "Redis CPU µs/msg",
         "B+R CPU µs/msg",
         "clients CPU µs/msg",
+        "log B/msg",
         "lost",
         "dup",
         "other CPU %",
@@ -170,12 +173,19 @@ def paced_table(results: list[LoadResult]) -> str:
                 _num(r.redis_cpu_us, 1),
                 _num(_sum(r.broker_cpu_us, r.redis_cpu_us) if r.system == "skmq" else None, 1),
                 _num(r.clients_cpu_us, 1),
+                _num(log_bytes_per_msg(r), 1),
                 _num(r.lost),
                 _num(r.duplicates),
                 _num(r.extra.get("background_cpu_pct")),
             ]
         )
     return _table(headers, rows) if rows else ""
+
+
+def log_bytes_per_msg(r: LoadResult) -> float | None:
+    """SKMQ's delivery log on disk once the broker stopped, per delivered message."""
+    stopped = r.extra.get("delivery_log_bytes_stopped")
+    return stopped / r.unique if stopped and r.unique else None
 
 
 def backlog_table(results: list[LoadResult]) -> str:
@@ -273,16 +283,28 @@ def targets(results: list[LoadResult]) -> tuple[list[str], dict[str, Any]]:
         _paced_p99(results, rate, bound, check)
     _paced_cpu(results, CPU_RATE, check)
     backlog = _best(results, "skmq", "backlog")
+    memory = "Redis <= 200 bytes/msg, broker RSS < 200 MiB (backlog)"
     if backlog and backlog.extra.get("redis_bytes_per_msg") is not None:
         bpm = float(backlog.extra["redis_bytes_per_msg"])
         rss = backlog.extra.get("broker_rss_peak", 0) / 2**20
         check(
-            "Redis <= 400 bytes/msg (backlog)",
-            bpm <= TARGET_BYTES_PER_MSG,
+            memory,
+            bpm <= TARGET_BYTES_PER_MSG and rss < TARGET_RSS_MIB,
             f"{bpm:,.1f} bytes/msg over {backlog.acked:,} messages; broker RSS peak {rss:,.1f} MiB",
         )
     else:
-        check("Redis <= 400 bytes/msg (backlog)", None, "not run")
+        check(memory, None, "not run")
+    logged = [r for r in results if r.system == "skmq" and log_bytes_per_msg(r) is not None]
+    if logged:
+        most = max(logged, key=lambda r: r.unique)
+        bpm = log_bytes_per_msg(most) or 0.0
+        check(
+            "delivery log <= 150 B/msg on disk",
+            bpm <= TARGET_LOG_BYTES,
+            f"{bpm:,.1f} B/msg over {most.unique:,} messages ({most.scenario}, once stopped)",
+        )
+    else:
+        check("delivery log <= 150 B/msg on disk", None, "no SKMQ delivery run")
     ordered = _best(results, "skmq", "ordered")
     if s_e2e and ordered and s_e2e.e2e_rate and ordered.e2e_rate:
         cost = 1 - ordered.e2e_rate / s_e2e.e2e_rate

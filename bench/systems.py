@@ -75,6 +75,7 @@ class SkmqBroker:
         self.host = "127.0.0.1"
         self.port = 0
         self.data_dir: Path | None = None
+        self.log_bytes_stopped = 0  # the delivery log on disk once the broker stopped
         self.log_path: Path | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.ps: psutil.Process | None = None
@@ -267,6 +268,7 @@ class SkmqBroker:
             with contextlib.suppress(psutil.Error):
                 if self.redis_ps.is_running():  # is_running() also checks the pid's start time
                     self.redis_ps.kill()
+        self.log_bytes_stopped = self.delivery_log_bytes()
         if self.keep:
             return
         if self.data_dir is not None:
