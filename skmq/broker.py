@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import gc
 import os
 import re
 import signal
@@ -280,6 +281,21 @@ class BrokerFailed(RuntimeError):
     """The broker stopped by itself: the message says why, in one line."""
 
 
+# Allocations between collections of young objects (CPython's default: 700).
+GC_THRESHOLD = 100_000
+
+
+def tune_gc() -> None:
+    """Fewer cyclic collections: at the default threshold (700 allocations) a busy broker
+    spent about 11% of its CPU in the collector (issue 19's profile), walking the same
+    long-lived objects again and again. What exists once the broker started (modules,
+    settings, connections) is frozen out of collections; young objects are collected
+    every GC_THRESHOLD allocations. Reference counting still frees everything that is
+    not in a cycle at once; cycles wait a little longer."""
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 50, 1000)
+
+
 async def serve(settings: Settings) -> None:
     """Run a broker until SIGTERM/SIGINT; raises BrokerFailed if it had to stop itself."""
     broker = Broker(settings)
@@ -288,6 +304,7 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, broker.stopping.set)
     try:
         await broker.start()
+        tune_gc()
         await broker.stopping.wait()
     finally:
         if hasattr(broker, "server"):

@@ -48,6 +48,12 @@ def _q(value: str | None) -> str:
     return json.dumps(value.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
 
 
+# An event's field and the start of the next, formatted once (not by Enum.__format__).
+_EVENTS = {e: f',"event":"{e.value}","msgid":' for e in Event}
+# Quoted names remembered by a log (app ids are bounded by the store, not here).
+MAX_NAMES = 4096
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -77,6 +83,7 @@ class DeliveryLog:
         self.errors = 0
         self.dropped = 0
         self.listener: Callable[[str, str], None] | None = None
+        self._names: dict[str | None, str] = {}
         # Called when a file is closed for good (skmq/logarchive.py compresses it).
         self.on_rotate: Callable[[], None] | None = None
         # A broker with a fixed BROKER_ID goes on with its last file (rotating as usual).
@@ -132,14 +139,24 @@ class DeliveryLog:
         detail: str | None = None,
         ts: int | None = None,
     ) -> None:
+        names = self._names
         self._lines.add(
-            f'{{"ts":{ts if ts is not None else now_ms()},"event":"{event}","msgid":{_q(msgid)},'
-            f'"appid":{_q(appid)},"kind":{_q(kind)},"recipient":{_q(recipient)},'
+            f'{{"ts":{ts if ts is not None else now_ms()}{_EVENTS[event]}{_q(msgid)},'
+            f'"appid":{names.get(appid) or self._name(appid)},'
+            f'"kind":{names.get(kind) or self._name(kind)},'
+            f'"recipient":{names.get(recipient) or self._name(recipient)},'
             f'"attempt":{"null" if attempt is None else attempt},"broker":{self.broker},'
             f'"detail":{_q(detail)}}}\n'
         )
         if self.listener is not None:
             self.listener(event, appid)
+
+    def _name(self, value: str | None) -> str:
+        """`value` quoted, remembered: app ids, kinds and recipients recur in most lines."""
+        if len(self._names) >= MAX_NAMES:
+            self._names.clear()
+        quoted = self._names[value] = _q(value)
+        return quoted
 
     def flush(self) -> None:
         """Hand the buffered lines to the kernel. A write error (ENOSPC, EIO) never reaches

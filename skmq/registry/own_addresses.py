@@ -48,12 +48,18 @@ def resolve(host: str) -> list[Address]:
     return [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in infos]
 
 
+# Verdicts of used_by_broker kept (it is asked on every push); past this, forgotten.
+MAX_VERDICTS = 4096
+
+
 class OwnAddresses:
     def __init__(self) -> None:
         self._local_ports: set[int] = set()
         self._remote: set[tuple[Address, int]] = set()
+        self._verdicts: dict[tuple[str, int], bool] = {}
 
     def add(self, host: str, port: int) -> None:
+        self._verdicts.clear()
         for ip in resolve(host):
             if is_local(ip):
                 self._local_ports.add(port)
@@ -77,10 +83,15 @@ class OwnAddresses:
 
     def used_by_broker(self, host: str, port: int) -> bool:
         """True when host:port is (or reaches) an address this broker uses itself."""
-        for ip in resolve(host):
-            if (ip, port) in self._remote or (port in self._local_ports and is_local(ip)):
-                return True
-        return False
+        verdict = self._verdicts.get((host, port))
+        if verdict is None:
+            if len(self._verdicts) >= MAX_VERDICTS:
+                self._verdicts.clear()
+            verdict = self._verdicts[host, port] = any(
+                (ip, port) in self._remote or (port in self._local_ports and is_local(ip))
+                for ip in resolve(host)
+            )
+        return verdict
 
 
 def _plain(ip: Address) -> Address:

@@ -25,7 +25,13 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 from skmq.store import scripts
-from skmq.store.client import CLUSTER_SCHEME, ENC, RedisClient, connect_cluster
+from skmq.store.client import (
+    CLUSTER_SCHEME,
+    ENC,
+    RedisClient,
+    connect_cluster,
+    hiredis_packing,
+)
 from skmq.store.client import text as _s
 from skmq.store.directory import AppDirectory
 
@@ -75,7 +81,9 @@ def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> RedisClie
     if url.startswith(f"{CLUSTER_SCHEME}://"):
         return connect_cluster(url, options)
     if not url.startswith("redis+sentinel://"):
-        return aioredis.Redis.from_pool(BlockingConnectionPool.from_url(url, **options))
+        pool = BlockingConnectionPool.from_url(url, **options)
+        pool.connection_class = hiredis_packing(pool.connection_class)
+        return aioredis.Redis.from_pool(pool)
     parsed = urlsplit(url)
     hosts = []
     for part in parsed.netloc.rpartition("@")[2].split(","):
@@ -92,6 +100,8 @@ def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> RedisClie
         password=unquote(parsed.password) if parsed.password else None,
         **options,
     )
+    pool = master.connection_pool
+    pool.connection_class = hiredis_packing(pool.connection_class)
     return master
 
 
