@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any, Self, cast
 
 from skmq.coalesce import Coalescer, transport_sink
-from skmq.codec import PONG, CodecError, Decoder, Frame, InvalidFrame, encode_frame
+from skmq.codec import PONG, CodecError, Frame, FrameProtocol, InvalidFrame, encode_frame
 from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
 
 __all__ = [
@@ -211,13 +211,13 @@ class _Scoped:
 # --------------------------------------------------------------------------- producer
 
 
-class _RespProtocol(asyncio.Protocol):
+class _RespProtocol(FrameProtocol):
     """Client side of a broker connection: resps are matched FIFO to futures."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, peer: str, max_frame_bytes: int) -> None:
+        super().__init__(max_frame_bytes)
         self.loop = loop
         self._peer = peer
-        self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
         self.pending: collections.deque[asyncio.Future[Resp]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.writer: Coalescer[bytes] | None = None
@@ -254,12 +254,10 @@ class _RespProtocol(asyncio.Protocol):
         if not self._writable.is_set():
             await self._writable.wait()
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            self._fatal(f"undecodable data from broker: {exc}")
-            return
+    def stream_broken(self, exc: CodecError) -> None:
+        self._fatal(f"undecodable data from broker: {exc}")
+
+    def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if isinstance(frame, InvalidFrame):
                 # A mangled resp would shift every later answer onto the wrong
@@ -501,7 +499,7 @@ def _error_reason(exc: BaseException) -> str:
     return reason.replace("\r", " ").replace("\n", " ")
 
 
-class _PushProtocol(asyncio.Protocol):
+class _PushProtocol(FrameProtocol):
     """One connection the broker opened to a consumer: pushes in, answers out.
 
     Up to `concurrency` handlers run at once; further pushes wait in a backlog.
@@ -510,8 +508,8 @@ class _PushProtocol(asyncio.Protocol):
     """
 
     def __init__(self, consumer: Consumer) -> None:
+        super().__init__(consumer.max_frame_bytes)
         self._consumer = consumer
-        self._decoder = Decoder(max_frame_bytes=consumer.max_frame_bytes)
         self._transport: asyncio.Transport | None = None
         self._writer: Coalescer[bytes] | None = None
         self._active = 0
@@ -542,13 +540,11 @@ class _PushProtocol(asyncio.Protocol):
         self._backlog.clear()
         self._consumer._connections.discard(self)
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            log.warning("closing push connection: %s", exc)
-            self.close()
-            return
+    def stream_broken(self, exc: CodecError) -> None:
+        log.warning("closing push connection: %s", exc)
+        self.close()
+
+    def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if isinstance(frame, InvalidFrame):
                 log.debug("ignoring invalid frame: %s", frame.reason)

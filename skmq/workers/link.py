@@ -28,7 +28,16 @@ from typing import Protocol, cast
 import structlog
 
 from skmq.coalesce import Coalescer
-from skmq.codec import PING, CodecError, Decoder, Frame, Status, encode_frame, encode_resp
+from skmq.codec import (
+    PING,
+    CodecError,
+    Frame,
+    FrameProtocol,
+    InvalidFrame,
+    Status,
+    encode_frame,
+    encode_resp,
+)
 from skmq.events import Event
 from skmq.store import Claimed
 
@@ -82,10 +91,11 @@ class LinkTimeouts:
     legacy_answer: float  # an original peer's push with no answer at all
 
 
-class PushConnection(asyncio.Protocol):
+class PushConnection(FrameProtocol):
     """One TCP connection to the recipient: handshake, then pushes and their answers."""
 
     def __init__(self, link: RecipientLink, single_use: bool) -> None:
+        super().__init__(link.max_frame_bytes)
         self.link = link
         self.single_use = single_use
         self.transport: asyncio.Transport | None = None
@@ -95,7 +105,6 @@ class PushConnection(asyncio.Protocol):
         self.pushed: dict[str, Delivery] = {}  # written, not finally answered
         self.last_write = 0.0
         self._failure = "connection to recipient lost"
-        self._decoder = Decoder(max_frame_bytes=link.max_frame_bytes)
         self._timer: asyncio.TimerHandle | None = None
         self._out: Coalescer[bytes] = Coalescer(self._write_out)
         self._task = asyncio.get_running_loop().create_task(self._connect())
@@ -190,12 +199,10 @@ class PushConnection(asyncio.Protocol):
         self.transport.write(PING)
         self._arm(self.link.timeouts.handshake, "no pong within handshake_timeout")
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            self.abort(f"recipient sent an invalid stream: {exc}")
-            return
+    def stream_broken(self, exc: CodecError) -> None:
+        self.abort(f"recipient sent an invalid stream: {exc}")
+
+    def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if not isinstance(frame, Frame):
                 continue
