@@ -20,7 +20,7 @@ import logging
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, InitVar, dataclass, field, replace
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -676,6 +676,7 @@ def _answer_fields(msg: Message, consumer_id: str) -> list[tuple[str, str]]:
     return fields
 
 
+@dataclass(eq=False, repr=False)  # a repr would show the token
 class Consumer(_Scoped):
     """A recipient: listens for the broker's pushes and calls `handler` on each.
 
@@ -683,57 +684,44 @@ class Consumer(_Scoped):
     `reject`; any other exception answers `error` with its text as reason.
     """
 
-    def __init__(
-        self,
-        app: str,
-        id: str,
-        handler: Handler,
-        *,
-        host: str = DEFAULT_HOST,
-        port: int = 0,
-        weight: int = 0,
-        broker_host: str = DEFAULT_HOST,
-        broker_port: int = DEFAULT_PORT,
-        send_arrived: bool = False,
-        concurrency: int = 64,
-        advertise_host: str | None = None,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        token: str | None = None,
-        signing_secret: str | None = None,
-        signing_tolerance: float = DEFAULT_TOLERANCE,
-    ) -> None:
-        if concurrency < 1:
+    app: str
+    id: str
+    handler: Handler
+    _: KW_ONLY
+    host: str = DEFAULT_HOST
+    port: int = 0
+    weight: int = 0
+    broker_host: str = DEFAULT_HOST
+    broker_port: int = DEFAULT_PORT
+    send_arrived: bool = False
+    concurrency: int = 64
+    #: The host put in the registration; default `host`, or for a wildcard
+    #: `host` our address as seen on the connection to the broker.
+    advertise_host: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    #: Sent in an `auth` frame on our own connection to the broker.
+    token: str | None = None
+    signing_secret: InitVar[str | None] = None
+    signing_tolerance: InitVar[float] = DEFAULT_TOLERANCE
+    #: With the broker's SIGNING_SECRET: a push not signed by it, or stale, is rejected.
+    verifier: PushVerifier | None = field(init=False)
+    received: int = field(init=False, default=0)
+    acked: int = field(init=False, default=0)
+    rejected: int = field(init=False, default=0)
+    errored: int = field(init=False, default=0)
+    _server: asyncio.Server | None = field(init=False, default=None)
+    _connections: set[_PushProtocol] = field(init=False, default_factory=set)
+    _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    _broker_conn: Producer | None = field(init=False, default=None)
+    _broker_conn_lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    _stopping: bool = field(init=False, default=False)
+
+    def __post_init__(self, signing_secret: str | None, signing_tolerance: float) -> None:
+        if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        self.app = app
-        self.id = id
-        self.handler = handler
-        self.host = host
-        self.port = port
-        self.weight = weight
-        self.broker_host = broker_host
-        self.broker_port = broker_port
-        self.send_arrived = send_arrived
-        self.concurrency = concurrency
-        #: The host put in the registration; default `host`, or for a wildcard
-        #: `host` our address as seen on the connection to the broker.
-        self.advertise_host = advertise_host
-        self.max_frame_bytes = max_frame_bytes
-        #: Sent in an `auth` frame on our own connection to the broker.
-        self.token = token
-        #: With the broker's SIGNING_SECRET: a push not signed by it, or stale, is rejected.
         self.verifier = (
             PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
         )
-        self.received = 0
-        self.acked = 0
-        self.rejected = 0
-        self.errored = 0
-        self._server: asyncio.Server | None = None
-        self._connections: set[_PushProtocol] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._broker_conn: Producer | None = None
-        self._broker_conn_lock = asyncio.Lock()
-        self._stopping = False
 
     @property
     def stats(self) -> dict[str, int]:

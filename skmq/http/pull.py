@@ -4,6 +4,7 @@ and delete groups; receive (with a long poll), ack, nack and extend by receipt."
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
@@ -130,6 +131,7 @@ def _pulled(p: Pulled) -> PulledMessage:
     )  # fmt: skip
 
 
+@dataclass(eq=False)
 class PullApi:
     """The group and pull operations behind the HTTP routes (PullRoutes, below) and the
     TCP protocol's `pull` frame (skmq/handler.py): a JSON body in, a JSON-able answer
@@ -140,13 +142,10 @@ class PullApi:
     #: are the admin's, over HTTP and `skmq groups`).
     FRAME_OPS = frozenset({"create", "receive", "ack", "nack", "extend"})
 
-    def __init__(
-        self, settings: Settings, groups: Groups, longpoll: LongPoll, dlog: DeliveryLog
-    ) -> None:
-        self.settings = settings
-        self.groups = groups
-        self.longpoll = longpoll
-        self.dlog = dlog
+    settings: Settings
+    groups: Groups
+    longpoll: LongPoll
+    dlog: DeliveryLog
 
     async def call(self, op: str, app: str, group: str, raw: Any, who: str = "") -> dict[str, Any]:
         """One of FRAME_OPS for `app` and `group` (both checked here), for consumer `who`

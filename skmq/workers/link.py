@@ -22,7 +22,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol, cast
 
 import structlog
@@ -239,40 +239,29 @@ class PushConnection(FrameProtocol):
         self.pushed.pop(d.msgid, None)
 
 
+@dataclass(eq=False)
 class RecipientLink:
     """Everything this broker has pushed to one recipient and not yet heard the end of."""
 
-    def __init__(
-        self,
-        owner: LinkOwner,
-        app: str,
-        rid: str,
-        host: str,
-        port: int,
-        caps: frozenset[str],
-        *,
-        window: int,
-        timeouts: LinkTimeouts,
-        max_frame_bytes: int,
-    ) -> None:
-        self.owner = owner
-        self.app = app
-        self.rid = rid
-        self.host = host
-        self.port = port
-        self.caps = caps
-        self.window = window
-        self.timeouts = timeouts
-        self.max_frame_bytes = max_frame_bytes
-        self.inflight: dict[str, Delivery] = {}
-        # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
-        # elsewhere). An answer from it lifts the bench.
-        self.benched_until = 0.0
-        # Pushes given up on, kept (bounded) so that a late answer still names its attempt:
-        # that attempt fences it off from a newer one, perhaps another broker's.
-        self.expired: OrderedDict[str, Delivery] = OrderedDict()
-        self.connections: set[PushConnection] = set()
-        self._shared: PushConnection | None = None
+    owner: LinkOwner
+    app: str
+    rid: str
+    host: str
+    port: int
+    caps: frozenset[str]
+    _: KW_ONLY
+    window: int
+    timeouts: LinkTimeouts
+    max_frame_bytes: int
+    inflight: dict[str, Delivery] = field(init=False, default_factory=dict)
+    # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
+    # elsewhere). An answer from it lifts the bench.
+    benched_until: float = field(init=False, default=0.0)
+    # Pushes given up on, kept (bounded) so that a late answer still names its attempt:
+    # that attempt fences it off from a newer one, perhaps another broker's.
+    expired: OrderedDict[str, Delivery] = field(init=False, default_factory=OrderedDict)
+    connections: set[PushConnection] = field(init=False, default_factory=set)
+    _shared: PushConnection | None = field(init=False, default=None)
 
     @property
     def free(self) -> int:
