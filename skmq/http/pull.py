@@ -32,19 +32,16 @@ class _Body(BaseModel):
 
 
 class NewGroup(_Body):
-    model_config = ConfigDict(title="NewGroup")
     group: str = Field(description="1 to 64 letters, digits, '_', '.' or '-'")
 
 
 class GroupReset(_Body):
-    model_config = ConfigDict(title="GroupReset")
     position: Literal["latest", "earliest"] = Field(
         description="latest: only what is stored from now on; earliest: all the log holds"
     )
 
 
 class ReceiveRequest(_Body):
-    model_config = ConfigDict(title="ReceiveRequest")
     max: Annotated[int, Field(ge=1)] = Field(1, description="most messages (PULL_MAX_MESSAGES)")
     wait: Annotated[float, Field(ge=0)] = Field(
         0, description="seconds to wait for a message (long poll; PULL_MAX_WAIT)"
@@ -55,12 +52,10 @@ class ReceiveRequest(_Body):
 
 
 class AckRequest(_Body):
-    model_config = ConfigDict(title="AckRequest")
     receipts: Receipts
 
 
 class NackRequest(_Body):
-    model_config = ConfigDict(title="NackRequest")
     receipts: Receipts
     delay: Annotated[int, Field(ge=0)] | None = Field(
         None, description="ms before the retry; the retry backoff (RETRY_BACKOFF) if absent"
@@ -68,13 +63,11 @@ class NackRequest(_Body):
 
 
 class ExtendRequest(_Body):
-    model_config = ConfigDict(title="ExtendRequest")
     receipts: Receipts
     visibility: Annotated[float, Field(gt=0)] = Field(description="seconds from now")
 
 
 class PulledMessage(BaseModel):
-    model_config = ConfigDict(title="PulledMessage")
     receipt: str
     msgid: str
     kind: Literal["queue", "topic"]
@@ -84,23 +77,19 @@ class PulledMessage(BaseModel):
 
 
 class ReceiveResult(BaseModel):
-    model_config = ConfigDict(title="ReceiveResult")
     messages: list[PulledMessage]
 
 
 class ReceiptResult(BaseModel):
-    model_config = ConfigDict(title="ReceiptResult")
     receipt: str
     status: Literal["acked", "retry", "dead", "extended", "stale"]
 
 
 class ReceiptResults(BaseModel):
-    model_config = ConfigDict(title="ReceiptResults")
     results: list[ReceiptResult]
 
 
 class GroupState(BaseModel):
-    model_config = ConfigDict(title="GroupState")
     group: str
     backlog: int = Field(description="messages not yet received (at most 10001 counted)")
     in_flight: int
@@ -109,7 +98,6 @@ class GroupState(BaseModel):
 
 
 class GroupList(BaseModel):
-    model_config = ConfigDict(title="GroupList")
     groups: list[GroupState]
 
 
