@@ -41,6 +41,12 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def fail(command: str, message: str, status: int) -> int:
+    """Say why `skmq COMMAND` failed, one line on stderr; returns its exit status."""
+    print(f"skmq {command}: {message}", file=sys.stderr)
+    return status
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line (status 2) instead of the whole usage."""
 
@@ -76,6 +82,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"skmq {args.subcommand}: {describe(exc)}\n")
-        return 2 if isinstance(exc, UsageError) else 1
+        return fail(args.subcommand, describe(exc), 2 if isinstance(exc, UsageError) else 1)
     return result
