@@ -20,12 +20,12 @@ import logging
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, InitVar, dataclass, field, replace
 from types import TracebackType
 from typing import Any, Self, cast
 
 from skmq.coalesce import Coalescer, transport_sink
-from skmq.codec import PONG, CodecError, Decoder, Frame, InvalidFrame, encode_frame
+from skmq.codec import PONG, CodecError, Frame, FrameProtocol, InvalidFrame, encode_frame
 from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
 
 __all__ = [
@@ -211,13 +211,13 @@ class _Scoped:
 # --------------------------------------------------------------------------- producer
 
 
-class _RespProtocol(asyncio.Protocol):
+class _RespProtocol(FrameProtocol):
     """Client side of a broker connection: resps are matched FIFO to futures."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, peer: str, max_frame_bytes: int) -> None:
+        super().__init__(max_frame_bytes)
         self.loop = loop
         self._peer = peer
-        self._decoder = Decoder(max_frame_bytes=max_frame_bytes)
         self.pending: collections.deque[asyncio.Future[Resp]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.writer: Coalescer[bytes] | None = None
@@ -254,12 +254,10 @@ class _RespProtocol(asyncio.Protocol):
         if not self._writable.is_set():
             await self._writable.wait()
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            self._fatal(f"undecodable data from broker: {exc}")
-            return
+    def stream_broken(self, exc: CodecError) -> None:
+        self._fatal(f"undecodable data from broker: {exc}")
+
+    def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if isinstance(frame, InvalidFrame):
                 # A mangled resp would shift every later answer onto the wrong
@@ -501,7 +499,7 @@ def _error_reason(exc: BaseException) -> str:
     return reason.replace("\r", " ").replace("\n", " ")
 
 
-class _PushProtocol(asyncio.Protocol):
+class _PushProtocol(FrameProtocol):
     """One connection the broker opened to a consumer: pushes in, answers out.
 
     Up to `concurrency` handlers run at once; further pushes wait in a backlog.
@@ -510,8 +508,8 @@ class _PushProtocol(asyncio.Protocol):
     """
 
     def __init__(self, consumer: Consumer) -> None:
+        super().__init__(consumer.max_frame_bytes)
         self._consumer = consumer
-        self._decoder = Decoder(max_frame_bytes=consumer.max_frame_bytes)
         self._transport: asyncio.Transport | None = None
         self._writer: Coalescer[bytes] | None = None
         self._active = 0
@@ -542,13 +540,11 @@ class _PushProtocol(asyncio.Protocol):
         self._backlog.clear()
         self._consumer._connections.discard(self)
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            log.warning("closing push connection: %s", exc)
-            self.close()
-            return
+    def stream_broken(self, exc: CodecError) -> None:
+        log.warning("closing push connection: %s", exc)
+        self.close()
+
+    def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if isinstance(frame, InvalidFrame):
                 log.debug("ignoring invalid frame: %s", frame.reason)
@@ -680,6 +676,7 @@ def _answer_fields(msg: Message, consumer_id: str) -> list[tuple[str, str]]:
     return fields
 
 
+@dataclass(eq=False, repr=False)  # a repr would show the token
 class Consumer(_Scoped):
     """A recipient: listens for the broker's pushes and calls `handler` on each.
 
@@ -687,57 +684,44 @@ class Consumer(_Scoped):
     `reject`; any other exception answers `error` with its text as reason.
     """
 
-    def __init__(
-        self,
-        app: str,
-        id: str,
-        handler: Handler,
-        *,
-        host: str = DEFAULT_HOST,
-        port: int = 0,
-        weight: int = 0,
-        broker_host: str = DEFAULT_HOST,
-        broker_port: int = DEFAULT_PORT,
-        send_arrived: bool = False,
-        concurrency: int = 64,
-        advertise_host: str | None = None,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        token: str | None = None,
-        signing_secret: str | None = None,
-        signing_tolerance: float = DEFAULT_TOLERANCE,
-    ) -> None:
-        if concurrency < 1:
+    app: str
+    id: str
+    handler: Handler
+    _: KW_ONLY
+    host: str = DEFAULT_HOST
+    port: int = 0
+    weight: int = 0
+    broker_host: str = DEFAULT_HOST
+    broker_port: int = DEFAULT_PORT
+    send_arrived: bool = False
+    concurrency: int = 64
+    #: The host put in the registration; default `host`, or for a wildcard
+    #: `host` our address as seen on the connection to the broker.
+    advertise_host: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    #: Sent in an `auth` frame on our own connection to the broker.
+    token: str | None = None
+    signing_secret: InitVar[str | None] = None
+    signing_tolerance: InitVar[float] = DEFAULT_TOLERANCE
+    #: With the broker's SIGNING_SECRET: a push not signed by it, or stale, is rejected.
+    verifier: PushVerifier | None = field(init=False)
+    received: int = field(init=False, default=0)
+    acked: int = field(init=False, default=0)
+    rejected: int = field(init=False, default=0)
+    errored: int = field(init=False, default=0)
+    _server: asyncio.Server | None = field(init=False, default=None)
+    _connections: set[_PushProtocol] = field(init=False, default_factory=set)
+    _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    _broker_conn: Producer | None = field(init=False, default=None)
+    _broker_conn_lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    _stopping: bool = field(init=False, default=False)
+
+    def __post_init__(self, signing_secret: str | None, signing_tolerance: float) -> None:
+        if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        self.app = app
-        self.id = id
-        self.handler = handler
-        self.host = host
-        self.port = port
-        self.weight = weight
-        self.broker_host = broker_host
-        self.broker_port = broker_port
-        self.send_arrived = send_arrived
-        self.concurrency = concurrency
-        #: The host put in the registration; default `host`, or for a wildcard
-        #: `host` our address as seen on the connection to the broker.
-        self.advertise_host = advertise_host
-        self.max_frame_bytes = max_frame_bytes
-        #: Sent in an `auth` frame on our own connection to the broker.
-        self.token = token
-        #: With the broker's SIGNING_SECRET: a push not signed by it, or stale, is rejected.
         self.verifier = (
             PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
         )
-        self.received = 0
-        self.acked = 0
-        self.rejected = 0
-        self.errored = 0
-        self._server: asyncio.Server | None = None
-        self._connections: set[_PushProtocol] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._broker_conn: Producer | None = None
-        self._broker_conn_lock = asyncio.Lock()
-        self._stopping = False
 
     @property
     def stats(self) -> dict[str, int]:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, NonNegativeInt, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -26,6 +26,13 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 # RocketMQ's delay levels, in seconds (the last one repeats).
 ROCKETMQ_BACKOFF = [1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600]
 
+# The constraint families the settings share (a bad value is refused with the setting's name).
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, Field(gt=0)]  # a timeout or an interval
+Wait = Annotated[float, Field(ge=0)]  # how long to wait; 0: not at all
+PerSecond = Annotated[float, Field(ge=0)]  # a rate limit; 0: unlimited
+Count = Annotated[int, Field(ge=1)]  # a size or limit of at least one
+
 
 def _split_csv(value: Any) -> Any:
     if isinstance(value, str):
@@ -38,66 +45,66 @@ class Settings(BaseSettings):
     _toml_file: ClassVar[Path | None] = None
 
     host: str = "127.0.0.1"
-    port: int = Field(1734, ge=0, le=65535)
+    port: Port = 1734
     redis_url: str = ""
-    redis_wait: float = Field(30.0, ge=0)
+    redis_wait: Wait = 30.0
     data_dir: Path = Path("./skmq-data")
     log_dir: Path | None = None
     key_prefix: str = "skmq"
     broker_id: str = ""
-    retry_times: int = Field(5, ge=1)
+    retry_times: Count = 5
     retry_backoff: Annotated[list[float], NoDecode] = Field(
         default_factory=lambda: [float(s) for s in ROCKETMQ_BACKOFF]
     )
-    ack_timeout: float = Field(60.0, gt=0)
-    ack_wait: float = Field(5.0, ge=0)
-    heartbeat_interval: float = Field(10.0, gt=0)
-    heartbeat_timeout: float = Field(3.0, gt=0)
-    rate: float = Field(0.0, ge=0)
-    delivery_rate: float = Field(0.0, ge=0)
+    ack_timeout: Seconds = 60.0
+    ack_wait: Wait = 5.0
+    heartbeat_interval: Seconds = 10.0
+    heartbeat_timeout: Seconds = 3.0
+    rate: PerSecond = 0.0
+    delivery_rate: PerSecond = 0.0
     max_frame_bytes: int = Field(1 << 20, ge=64)
     max_line_bytes: int = Field(4096, ge=64)
-    max_connections: int = Field(10_000, ge=1)
-    idle_timeout: float = Field(300.0, gt=0)
-    frame_timeout: float = Field(30.0, gt=0)
+    max_connections: Count = 10_000
+    idle_timeout: Seconds = 300.0
+    frame_timeout: Seconds = 30.0
     max_partial_bytes: int = Field(64 << 20, ge=64)
-    max_connections_per_host: int = Field(1000, ge=1)
-    max_unanswered_frames: int = Field(4096, ge=1)
-    max_unanswered_total: int = Field(32768, ge=1)
-    max_peer_store_calls: int = Field(16, ge=1)
-    max_store_calls_per_connection: int = Field(32, ge=1)
+    max_connections_per_host: Count = 1000
+    max_unanswered_frames: Count = 4096
+    max_unanswered_total: Count = 32768
+    max_peer_store_calls: Count = 16
+    max_store_calls_per_connection: Count = 32
     max_registration_bytes: int = Field(4096, ge=64)
-    redis_pool_size: int = Field(64, ge=1)
-    store_timeout: float = Field(5.0, gt=0)
+    redis_pool_size: Count = 64
+    store_timeout: Seconds = 5.0
     max_store_pending_bytes: int = Field(64 << 20, ge=1024)
     recipient_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    push_window: int = Field(128, ge=1)
-    legacy_window: int = Field(8, ge=1)
-    legacy_answer_timeout: float = Field(10.0, gt=0)
-    handshake_timeout: float = Field(3.0, gt=0)
-    dedupe_window: float = Field(3600.0, gt=0)
+    push_window: Count = 128
+    legacy_window: Count = 8
+    legacy_answer_timeout: Seconds = 10.0
+    handshake_timeout: Seconds = 3.0
+    dedupe_window: Seconds = 3600.0
     replica_acks: int = Field(0, ge=0, le=16)
     replica_ack_timeout: float = Field(1.0, gt=0, le=60)
-    shutdown_timeout: float = Field(5.0, ge=0)
+    shutdown_timeout: Wait = 5.0
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
     log_rotate_bytes: int = Field(16 << 20, ge=4096)
     log_retention_bytes: int = Field(1 << 30, ge=0)
     log_retention_age: float = Field(7 * 86400.0, ge=0)
     log_backlog_bytes: int = Field(16 << 20, ge=0)
     metrics_host: str = "127.0.0.1"
-    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_port: Port = 0
     # The HTTP gateway (docs/HTTP.md) on HOST; 0: off.
-    http_port: int = Field(1735, ge=0, le=65535)
+    http_port: Port = 1735
     http_max_body_bytes: int = Field(8 << 20, ge=1024)
-    http_max_batch: int = Field(1000, ge=1)
+    http_max_batch: Count = 1000
     # Pull consumption (docs/HTTP.md).
-    pull_max_messages: int = Field(100, ge=1)
-    pull_max_wait: float = Field(20.0, ge=0)
-    pull_max_visibility: float = Field(43200.0, gt=0)
-    pull_visibility: float = Field(30.0, gt=0)
-    pull_max_waiting: int = Field(10_000, ge=1)
-    group_log_trim_interval: float = Field(5.0, gt=0)
-    task_max_restarts: int = Field(10, ge=0)
+    pull_max_messages: Count = 100
+    pull_max_wait: Wait = 20.0
+    pull_max_visibility: Seconds = 43200.0
+    pull_visibility: Seconds = 30.0
+    pull_max_waiting: Count = 10_000
+    group_log_trim_interval: Seconds = 5.0
+    task_max_restarts: NonNegativeInt = 10
     log_level: str = "info"
     log_format: Literal["console", "json"] = "console"
     # Security (docs/SECURITY.md). SecretStr: a secret never shows in a repr or a log.
@@ -106,20 +113,15 @@ class Settings(BaseSettings):
     allow_unauthenticated: bool = False
     signing_secret: SecretStr | None = None
     # Delivery semantics (docs/PROTOCOL.md extensions).
-    default_ttl: int = Field(0, ge=0)
+    default_ttl: NonNegativeInt = 0
     ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     expired: Literal["dead", "drop"] = "dead"
     retry_jitter: float = Field(0.1, ge=0, le=1)
-    max_lease_extensions: int = Field(10, ge=0)
+    max_lease_extensions: NonNegativeInt = 10
 
-    @field_validator("retry_backoff", mode="before")
+    @field_validator("retry_backoff", "recipient_networks", mode="before")
     @classmethod
-    def _backoff(cls, value: Any) -> Any:
-        return _split_csv(value)
-
-    @field_validator("recipient_networks", mode="before")
-    @classmethod
-    def _networks(cls, value: Any) -> Any:
+    def _csv(cls, value: Any) -> Any:
         return _split_csv(value)
 
     @field_validator("ttl_by_app", mode="before")

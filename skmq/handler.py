@@ -14,8 +14,8 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import Generator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -117,28 +117,25 @@ def _int_field(frame: Frame, key: str) -> int | None:
     return value
 
 
+@dataclass(eq=False)
 class FrameHandler:
-    def __init__(
-        self,
-        settings: Settings,
-        enqueuer: Enqueuer,
-        engine: Engine,
-        tokens: Tokens | None = None,
-        pull: PullCalls | None = None,
-    ) -> None:
-        self.settings = settings
-        # None: auth is off, every connection may do everything (SECURITY.md).
-        self.tokens = tokens
-        self.enqueuer = enqueuer
-        self.engine = engine
-        self.pull = pull
-        self._id_prefix = uuid.uuid4().hex[:16]
-        self._id_counter = itertools.count(1)
-        self._tasks: set[asyncio.Task[bytes]] = set()
-        # Answers and registrations of all connections at the store at once: a flood of
-        # them waits here, and the rest of the Redis pool stays for producers and delivery.
+    settings: Settings
+    enqueuer: Enqueuer
+    engine: Engine
+    # None: auth is off, every connection may do everything (SECURITY.md).
+    tokens: Tokens | None = None
+    pull: PullCalls | None = None
+    _id_prefix: str = field(init=False, default_factory=lambda: uuid.uuid4().hex[:16])
+    _id_counter: Iterator[int] = field(init=False, default_factory=lambda: itertools.count(1))
+    _tasks: set[asyncio.Task[bytes]] = field(init=False, default_factory=set)
+    # Answers and registrations of all connections at the store at once: a flood of
+    # them waits here, and the rest of the Redis pool stays for producers and delivery.
+    peer_store_calls: asyncio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
         self.peer_store_calls = asyncio.Semaphore(
-            max(1, min(settings.max_peer_store_calls, settings.redis_pool_size // 2))
+            max(1, min(s.max_peer_store_calls, s.redis_pool_size // 2))
         )
 
     async def store_room(self) -> None:

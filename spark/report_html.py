@@ -7,7 +7,7 @@ fonts or CDN).  Used by ``spark/audit.py``; imports nothing from ``skmq`` or pys
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from html import escape
 from typing import Any
@@ -592,11 +592,20 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
     )
 
 
-def _refs_table(title: str, refs: Sequence[dict[str, Any]]) -> list[list[Any]]:
-    return [
+def _panels(*panels: str) -> str:
+    """Panels side by side."""
+    inner = "".join(f'<div class="panel">{p}</div>' for p in panels)
+    return f'<div class="grid">{inner}</div>'
+
+
+def _samples(samples: Iterable[tuple[str, Sequence[dict[str, Any]]]]) -> str:
+    """A table of sample deliveries: (what they are a sample of, the deliveries) in turn."""
+    rows = [
         [title, r["appid"], r["msgid"], r["recipient"] if r["recipient"] is not None else DASH]
+        for title, refs in samples
         for r in refs
     ]
+    return _table(["sample of", "app", "msgid", "recipient"], rows, left=4)
 
 
 def _when(ts: Any) -> str:
@@ -657,16 +666,9 @@ def _unresolved_section(unresolved: dict[str, Any]) -> str:
         [[text, _num(unresolved[key])] for key, text in described],
         warn=lambda row: row[0].startswith("no event") and row[1] != "0",
     )
-    sample = _table(
-        ["sample of", "app", "msgid", "recipient"],
-        _refs_table("stuck", unresolved["stuck_sample"]),
-        left=4,
-    )
-    return (
-        f"<h2>Unresolved at {_esc(_when(unresolved['as_of']))} UTC</h2>"
-        f'<div class="grid"><div class="panel">{counts}</div>'
-        f'<div class="panel">{sample}</div></div>'
-    )
+    sample = _samples([("stuck", unresolved["stuck_sample"])])
+    heading = f"<h2>Unresolved at {_esc(_when(unresolved['as_of']))} UTC</h2>"
+    return heading + _panels(counts, sample)
 
 
 def _anomaly_section(anomalies: dict[str, Any]) -> str:
@@ -678,20 +680,13 @@ def _anomaly_section(anomalies: dict[str, Any]) -> str:
         ("unstored_messages", "message ids with events but no stored event"),
     ]
     rows = [[text, _num(anomalies.get(key, 0))] for key, text in described]
-    samples = [
-        row
-        for key, _ in described
-        for row in _refs_table(key, anomalies.get("samples", {}).get(key, []))
-    ]
-    return (
-        '<h2>Anomalies</h2><div class="grid"><div class="panel">'
-        + _table(["", "count"], rows, warn=lambda row: row[1] not in ("0", DASH))
-        + '<p class="note">A queue message is one delivery; a topic message one delivery per '
-        "recipient.</p></div>"
-        + '<div class="panel">'
-        + _table(["sample of", "app", "msgid", "recipient"], samples, left=4)
-        + "</div></div>"
+    counts = _table(["", "count"], rows, warn=lambda row: row[1] not in ("0", DASH))
+    note = (
+        '<p class="note">A queue message is one delivery; a topic message one delivery per '
+        "recipient.</p>"
     )
+    samples = _samples((key, anomalies.get("samples", {}).get(key, [])) for key, _ in described)
+    return "<h2>Anomalies</h2>" + _panels(counts + note, samples)
 
 
 def _bad_line_section(source: dict[str, Any]) -> str:
@@ -713,7 +708,6 @@ def _bad_line_section(source: dict[str, Any]) -> str:
     )
     return (
         f"<h2>Bad lines: {_num(bad['total'])} (not counted anywhere above)</h2>"
-        f'<div class="grid"><div class="panel">{counts}</div>'
-        f'<div class="panel">{skipped}</div></div>'
-        f'<div class="panel">{samples}</div>'
+        + _panels(counts, skipped)
+        + f'<div class="panel">{samples}</div>'
     )

@@ -17,15 +17,15 @@ from typing import NoReturn
 from skmq import __version__
 from skmq.errors import UsageError
 
-# name -> (one-line help, module)
+# name -> one-line help; the command is the module skmq.cli.<name>
 COMMANDS = {
-    "serve": ("run the broker", "skmq.cli.serve"),
-    "send": ("send one message to the broker", "skmq.cli.send"),
-    "consume": ("receive pushed messages", "skmq.cli.consume"),
-    "status": ("apps, depths and recipients", "skmq.cli.status"),
-    "dlq": ("list, replay or purge dead letters", "skmq.cli.dlq"),
-    "groups": ("list, create, reset or delete consumer groups", "skmq.cli.groups"),
-    "audit": ("audit delivery logs with Spark (report.json, report.html, CSV)", "skmq.cli.audit"),
+    "serve": "run the broker",
+    "send": "send one message to the broker",
+    "consume": "receive pushed messages",
+    "status": "apps, depths and recipients",
+    "dlq": "list, replay or purge dead letters",
+    "groups": "list, create, reset or delete consumer groups",
+    "audit": "audit delivery logs with Spark (report.json, report.html, CSV)",
 }
 
 
@@ -41,6 +41,12 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def fail(command: str, message: str, status: int) -> int:
+    """Say why `skmq COMMAND` failed, one line on stderr; returns its exit status."""
+    print(f"skmq {command}: {message}", file=sys.stderr)
+    return status
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line (status 2) instead of the whole usage."""
 
@@ -54,11 +60,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, (text, module) in COMMANDS.items():
+    for name, text in COMMANDS.items():
         command = sub.add_parser(name, help=text, description=text)
         if name == wanted:
             try:
-                importlib.import_module(module).configure(command)
+                importlib.import_module(f"skmq.cli.{name}").configure(command)
             except ModuleNotFoundError as exc:  # a client-only install (docs: pyproject)
                 extra = "audit" if exc.name and "spark" in exc.name else "server"
                 parser.exit(2, f"skmq {name}: needs `pip install 'skmq[{extra}]'` "
@@ -76,6 +82,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"skmq {args.subcommand}: {describe(exc)}\n")
-        return 2 if isinstance(exc, UsageError) else 1
+        return fail(args.subcommand, describe(exc), 2 if isinstance(exc, UsageError) else 1)
     return result

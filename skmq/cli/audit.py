@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from skmq.audit_job.arguments import add_arguments
+from skmq.cli import fail
 
 SUPPORTED_JAVA = (17, 21)
 JAVA_HELP = (
@@ -87,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     java, version, problem = find_java()
     if java is None:
-        print(f"skmq audit: {problem}\n{JAVA_HELP}", file=sys.stderr)
-        return 2
+        return fail("audit", f"{problem}\n{JAVA_HELP}", 2)
     if version is not None and version not in SUPPORTED_JAVA:
         print(
             f"skmq audit: warning: {java} is Java {version}; Spark 4 supports Java 17 and 21.",

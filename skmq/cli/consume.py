@@ -18,6 +18,7 @@ import sys
 
 import uvloop
 
+from skmq.cli import fail
 from skmq.cli.consume_pull import add_pull_flags, consume_pull
 from skmq.cli.send import broker_address, port_number
 from skmq.cli.tokens import add_token_flag
@@ -159,17 +160,12 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
     try:
         await consumer.start()
     except (RegistrationError, AuthenticationError) as exc:
-        print(f"skmq consume: refused: {exc.resp.content}", file=sys.stderr)
-        return 1
+        return fail("consume", f"refused: {exc.resp.content}", 1)
     except ConnectionRefusedError:
-        print(
-            f"skmq consume: cannot reach broker at {broker_host}:{broker_port}: connection refused",
-            file=sys.stderr,
-        )
-        return 2
+        where = f"{broker_host}:{broker_port}"
+        return fail("consume", f"cannot reach broker at {where}: connection refused", 2)
     except (OSError, TimeoutError) as exc:
-        print(f"skmq consume: cannot start: {exc or type(exc).__name__}", file=sys.stderr)
-        return 2
+        return fail("consume", f"cannot start: {exc or type(exc).__name__}", 2)
     print(
         f"skmq consume: {args.app}/{args.id} listening on {args.host}:{consumer.port}, "
         f"registered with {broker_host}:{broker_port}",
@@ -189,14 +185,11 @@ async def _unregister(consumer: Consumer) -> int:
     try:
         resp = await consumer.unregister()
     except ExtensionUnsupported as exc:
-        print(f"skmq consume: not unregistered: {exc}", file=sys.stderr)
-        return 1
+        return fail("consume", f"not unregistered: {exc}", 1)
     except (OSError, TimeoutError) as exc:
-        print(f"skmq consume: unregister failed: {exc or type(exc).__name__}", file=sys.stderr)
-        return 1
+        return fail("consume", f"unregister failed: {exc or type(exc).__name__}", 1)
     if not resp.ok:
-        print(f"skmq consume: unregister refused: {resp.content}", file=sys.stderr)
-        return 1
+        return fail("consume", f"unregister refused: {resp.content}", 1)
     return 0
 
 
@@ -207,18 +200,15 @@ def run(args: argparse.Namespace) -> int:
     if args.pull:
         return consume_pull(args, exec_handler, print_message)
     if args.id is None or args.port is None:
-        print("skmq consume: --id and --port are required (or --pull --group G)", file=sys.stderr)
-        return 2
+        return fail("consume", "--id and --port are required (or --pull --group G)", 2)
     try:
         broker_host, broker_port = broker_address(args.broker_host, args.broker_port)
     except ValueError:
-        print(f"skmq consume: invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", file=sys.stderr)
-        return 2
+        return fail("consume", f"invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", 2)
     try:
         if args.signing_secret is not None:
             secret_key(args.signing_secret)
     except ValueError as exc:  # says what is wrong, never the secret
-        print(f"skmq consume: signing secret: {exc}", file=sys.stderr)
-        return 2
+        return fail("consume", f"signing secret: {exc}", 2)
     code: int = uvloop.run(_consume(args, broker_host, broker_port))
     return code

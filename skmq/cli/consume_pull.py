@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import uvloop
 
+from skmq.cli import fail
 from skmq.client import Handler, Message
 
 ExecHandler = Callable[[str, int | None, float], Handler]
@@ -67,11 +68,9 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
                     await msg.ack()
                     done["acked"] += 1
     except PullError as exc:
-        print(f"skmq consume: refused: {exc}", file=sys.stderr)
-        return 1
+        return fail("consume", f"refused: {exc}", 1)
     except OSError as exc:
-        print(f"skmq consume: cannot reach {args.gateway}: {exc}", file=sys.stderr)
-        return 2
+        return fail("consume", f"cannot reach {args.gateway}: {exc}", 2)
     stats = " ".join(f"{k}={v}" for k, v in done.items())
     print(f"skmq consume: stopped ({stats})", file=sys.stderr, flush=True)
     return 0
@@ -83,8 +82,7 @@ def consume_pull(
     print_message: Callable[[Message], Awaitable[None]],
 ) -> int:
     if not args.group:
-        print("skmq consume: --pull needs --group G", file=sys.stderr)
-        return 2
+        return fail("consume", "--pull needs --group G", 2)
     handler = (
         print_message
         if args.command is None

@@ -15,6 +15,7 @@ import sys
 
 import uvloop
 
+from skmq.cli import fail
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_HOST,
@@ -83,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         host, port = broker_address(args.host, args.port)
     except ValueError:
-        print(f"skmq send: invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", file=sys.stderr)
-        return 2
+        return fail("send", f"invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", 2)
     # os.fsencode gives back exactly the bytes of the argument, even non-UTF-8 ones.
     content = sys.stdin.buffer.read() if args.content == "-" else os.fsencode(args.content)
     try:
@@ -92,14 +92,11 @@ def run(args: argparse.Namespace) -> int:
     except AuthenticationError as exc:
         resp = exc.resp
     except TimeoutError:
-        print(f"skmq send: no answer from {host}:{port} in {args.timeout:g}s", file=sys.stderr)
-        return 2
+        return fail("send", f"no answer from {host}:{port} in {args.timeout:g}s", 2)
     except OSError as exc:
-        print(f"skmq send: cannot reach broker at {host}:{port}: {_why(exc)}", file=sys.stderr)
-        return 2
+        return fail("send", f"cannot reach broker at {host}:{port}: {_why(exc)}", 2)
     except ExtensionUnsupported as exc:
-        print(f"skmq send: not sent: {exc}", file=sys.stderr)
-        return 1
+        return fail("send", f"not sent: {exc}", 1)
     print(json.dumps(resp.to_dict()), flush=True)
     return 0 if resp.ok else 1
 

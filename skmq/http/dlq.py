@@ -24,7 +24,7 @@ Ms = Annotated[int, Field(ge=0, description="unix ms")]
 
 
 class DlqRequest(BaseModel):
-    model_config = ConfigDict(title="DlqRequest", extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     msgids: list[Annotated[str, Field(max_length=256)]] | None = Field(
         None,
         min_length=1,
@@ -40,7 +40,6 @@ class DlqRequest(BaseModel):
 
 
 class DlqResult(BaseModel):
-    model_config = ConfigDict(title="DlqResult")
     action: Literal["replay", "purge"]
     dry_run: bool
     selected: list[str] = Field(description="msgids selected by the request, oldest first")
@@ -48,7 +47,6 @@ class DlqResult(BaseModel):
 
 
 class DeadLetterInfo(BaseModel):
-    model_config = ConfigDict(title="DeadLetterInfo")
     appid: str
     msgid: str
     kind: Literal["queue", "topic"]
@@ -62,7 +60,6 @@ class DeadLetterInfo(BaseModel):
 
 
 class DeadLetterList(BaseModel):
-    model_config = ConfigDict(title="DeadLetterList")
     dead_letters: list[DeadLetterInfo]
 
 

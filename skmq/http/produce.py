@@ -26,7 +26,7 @@ from skmq.workers.enqueue import EnqueueBatch, Enqueuer
 class OutgoingMessage(BaseModel):
     """One message to store."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, title="OutgoingMessage")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     content: str = Field(description="the content, as text or (encoding base64) base64")
     encoding: Literal["text", "base64"] = "text"
@@ -42,7 +42,7 @@ class OutgoingMessage(BaseModel):
 class MessageBatch(BaseModel):
     """Several messages stored in one step (HTTP_MAX_BATCH at most)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, title="MessageBatch")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     messages: Annotated[list[OutgoingMessage], Field(min_length=1)]
 
@@ -50,15 +50,11 @@ class MessageBatch(BaseModel):
 class StoreResult(BaseModel):
     """What became of one message: stored, or refused as a duplicate of a stored msgid."""
 
-    model_config = ConfigDict(title="StoreResult")
-
     msgid: str
     status: Literal["stored", "duplicate"]
 
 
 class BatchResult(BaseModel):
-    model_config = ConfigDict(title="BatchResult")
-
     results: list[StoreResult]
 
 

@@ -4,6 +4,7 @@ and delete groups; receive (with a long poll), ack, nack and extend by receipt."
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
@@ -31,19 +32,16 @@ class _Body(BaseModel):
 
 
 class NewGroup(_Body):
-    model_config = ConfigDict(title="NewGroup")
     group: str = Field(description="1 to 64 letters, digits, '_', '.' or '-'")
 
 
 class GroupReset(_Body):
-    model_config = ConfigDict(title="GroupReset")
     position: Literal["latest", "earliest"] = Field(
         description="latest: only what is stored from now on; earliest: all the log holds"
     )
 
 
 class ReceiveRequest(_Body):
-    model_config = ConfigDict(title="ReceiveRequest")
     max: Annotated[int, Field(ge=1)] = Field(1, description="most messages (PULL_MAX_MESSAGES)")
     wait: Annotated[float, Field(ge=0)] = Field(
         0, description="seconds to wait for a message (long poll; PULL_MAX_WAIT)"
@@ -54,12 +52,10 @@ class ReceiveRequest(_Body):
 
 
 class AckRequest(_Body):
-    model_config = ConfigDict(title="AckRequest")
     receipts: Receipts
 
 
 class NackRequest(_Body):
-    model_config = ConfigDict(title="NackRequest")
     receipts: Receipts
     delay: Annotated[int, Field(ge=0)] | None = Field(
         None, description="ms before the retry; the retry backoff (RETRY_BACKOFF) if absent"
@@ -67,13 +63,11 @@ class NackRequest(_Body):
 
 
 class ExtendRequest(_Body):
-    model_config = ConfigDict(title="ExtendRequest")
     receipts: Receipts
     visibility: Annotated[float, Field(gt=0)] = Field(description="seconds from now")
 
 
 class PulledMessage(BaseModel):
-    model_config = ConfigDict(title="PulledMessage")
     receipt: str
     msgid: str
     kind: Literal["queue", "topic"]
@@ -83,23 +77,19 @@ class PulledMessage(BaseModel):
 
 
 class ReceiveResult(BaseModel):
-    model_config = ConfigDict(title="ReceiveResult")
     messages: list[PulledMessage]
 
 
 class ReceiptResult(BaseModel):
-    model_config = ConfigDict(title="ReceiptResult")
     receipt: str
     status: Literal["acked", "retry", "dead", "extended", "stale"]
 
 
 class ReceiptResults(BaseModel):
-    model_config = ConfigDict(title="ReceiptResults")
     results: list[ReceiptResult]
 
 
 class GroupState(BaseModel):
-    model_config = ConfigDict(title="GroupState")
     group: str
     backlog: int = Field(description="messages not yet received (at most 10001 counted)")
     in_flight: int
@@ -108,7 +98,6 @@ class GroupState(BaseModel):
 
 
 class GroupList(BaseModel):
-    model_config = ConfigDict(title="GroupList")
     groups: list[GroupState]
 
 
@@ -130,6 +119,7 @@ def _pulled(p: Pulled) -> PulledMessage:
     )  # fmt: skip
 
 
+@dataclass(eq=False)
 class PullApi:
     """The group and pull operations behind the HTTP routes (PullRoutes, below) and the
     TCP protocol's `pull` frame (skmq/handler.py): a JSON body in, a JSON-able answer
@@ -140,13 +130,10 @@ class PullApi:
     #: are the admin's, over HTTP and `skmq groups`).
     FRAME_OPS = frozenset({"create", "receive", "ack", "nack", "extend"})
 
-    def __init__(
-        self, settings: Settings, groups: Groups, longpoll: LongPoll, dlog: DeliveryLog
-    ) -> None:
-        self.settings = settings
-        self.groups = groups
-        self.longpoll = longpoll
-        self.dlog = dlog
+    settings: Settings
+    groups: Groups
+    longpoll: LongPoll
+    dlog: DeliveryLog
 
     async def call(self, op: str, app: str, group: str, raw: Any, who: str = "") -> dict[str, Any]:
         """One of FRAME_OPS for `app` and `group` (both checked here), for consumer `who`

@@ -13,7 +13,7 @@ import json
 import random
 import secrets
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -202,18 +202,11 @@ class DeadLetter:
     stored_at: int
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "appid": self.appid,
-            "msgid": self.msgid,
-            "kind": self.kind,
-            "recipient": self.recipient,
-            "content": self.content.decode("utf-8", "replace"),
-            "attempts": self.attempts,
-            "last_error": self.last_error,
-            "history": self.history,
-            "died_at": self.died_at,
-            "stored_at": self.stored_at,
-        }
+        """Every field but the delivery id, in order; the content as text."""
+        out = asdict(self)
+        del out["delivery_id"]
+        out["content"] = self.content.decode("utf-8", "replace")
+        return out
 
 
 class Store:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from skmq.codec import Frame, Status
 from skmq.events import Event
@@ -24,14 +25,12 @@ from skmq.workers.pusher import Pusher
 InFlight = tuple[str, str, int]  # delivery id, recipient, attempt
 
 
+@dataclass(eq=False)
 class AnswerRouter:
-    def __init__(
-        self, store: Store, registry: Registry, pusher: Pusher, answers: AnswerBatcher
-    ) -> None:
-        self.store = store
-        self.registry = registry
-        self.pusher = pusher
-        self.answers = answers
+    store: Store
+    registry: Registry
+    pusher: Pusher
+    answers: AnswerBatcher
 
     async def answer(
         self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import structlog
 from redis.exceptions import RedisError
@@ -34,36 +35,27 @@ IDLE_POLL = 5.0
 NO_RECIPIENT_POLL = 60.0
 
 
+@dataclass(eq=False)
 class Dispatcher:
-    def __init__(
-        self,
-        app: str,
-        store: Store,
-        alive: Callable[[str], list[Recipient]],
-        free_slots: Callable[[str, list[Recipient]], dict[str, int]],
-        deliver: Callable[[str, list[Claimed]], None],
-        delivery_rate: float = 0.0,
-        claims: asyncio.Semaphore | None = None,
-    ) -> None:
-        self.app = app
-        self.store = store
-        self.alive = alive
-        self.free_slots = free_slots
-        self.deliver = deliver
-        self.wake = asyncio.Event()
-        self.balancer = Balancer()
-        self.delivery_rate = delivery_rate
-        self.claims = claims if claims is not None else asyncio.Semaphore(1)
-        self.paused = False
-        # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
-        self.starved = False
-        # Claims start small and double while they come back full: a lone message does
-        # not pay for a batch of 512 picks and arguments.
-        self.batch = FIRST_CLAIM
-        # When the last claim took something (monotonic): the engine reaps this app's
-        # leases often only while it has been claiming.
-        self.last_claim = float("-inf")
-        self.idle_wait = POLL
+    app: str
+    store: Store
+    alive: Callable[[str], list[Recipient]]
+    free_slots: Callable[[str, list[Recipient]], dict[str, int]]
+    deliver: Callable[[str, list[Claimed]], None]
+    delivery_rate: float = 0.0
+    claims: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    balancer: Balancer = field(init=False, default_factory=Balancer)
+    paused: bool = field(init=False, default=False)
+    # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
+    starved: bool = field(init=False, default=False)
+    # Claims start small and double while they come back full: a lone message does
+    # not pay for a batch of 512 picks and arguments.
+    batch: int = field(init=False, default=FIRST_CLAIM)
+    # When the last claim took something (monotonic): the engine reaps this app's
+    # leases often only while it has been claiming.
+    last_claim: float = field(init=False, default=float("-inf"))
+    idle_wait: float = field(init=False, default=POLL)
 
     async def run(self) -> None:
         backoff = 0.05

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Generator
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import structlog
@@ -72,27 +73,21 @@ class EnqueueBatch:
         return StoreReply(self, app, len(msgs) - 1, message.msgid)
 
 
+@dataclass(eq=False)
 class Enqueuer:
-    def __init__(
-        self,
-        store: Store,
-        dlog: DeliveryLog,
-        on_stored: Callable[[set[str]], None],
-        note_apps: Callable[[set[str]], Any],
-        *,
-        max_pending_bytes: int = 64 << 20,
-        timeout: float = 5.0,
-    ) -> None:
-        self.store = store
-        self.dlog = dlog
-        self.on_stored = on_stored
-        self.note_apps = note_apps
-        self.max_pending_bytes = max_pending_bytes
-        self.timeout = timeout
-        self.pending_bytes = 0
-        self._room = asyncio.Event()
+    store: Store
+    dlog: DeliveryLog
+    on_stored: Callable[[set[str]], None]
+    note_apps: Callable[[set[str]], Any]
+    _: KW_ONLY
+    max_pending_bytes: int = 64 << 20
+    timeout: float = 5.0
+    pending_bytes: int = field(init=False, default=0)
+    _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
         self._room.set()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     async def room(self) -> None:
         """Return once less than MAX_STORE_PENDING_BYTES of content waits for the store

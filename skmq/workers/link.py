@@ -22,13 +22,22 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol, cast
 
 import structlog
 
 from skmq.coalesce import Coalescer
-from skmq.codec import PING, CodecError, Decoder, Frame, Status, encode_frame, encode_resp
+from skmq.codec import (
+    PING,
+    CodecError,
+    Frame,
+    FrameProtocol,
+    InvalidFrame,
+    Status,
+    encode_frame,
+    encode_resp,
+)
 from skmq.events import Event
 from skmq.store import Claimed
 
@@ -82,10 +91,11 @@ class LinkTimeouts:
     legacy_answer: float  # an original peer's push with no answer at all
 
 
-class PushConnection(asyncio.Protocol):
+class PushConnection(FrameProtocol):
     """One TCP connection to the recipient: handshake, then pushes and their answers."""
 
     def __init__(self, link: RecipientLink, single_use: bool) -> None:
+        super().__init__(link.max_frame_bytes)
         self.link = link
         self.single_use = single_use
         self.transport: asyncio.Transport | None = None
@@ -95,7 +105,6 @@ class PushConnection(asyncio.Protocol):
         self.pushed: dict[str, Delivery] = {}  # written, not finally answered
         self.last_write = 0.0
         self._failure = "connection to recipient lost"
-        self._decoder = Decoder(max_frame_bytes=link.max_frame_bytes)
         self._timer: asyncio.TimerHandle | None = None
         self._out: Coalescer[bytes] = Coalescer(self._write_out)
         self._task = asyncio.get_running_loop().create_task(self._connect())
@@ -190,12 +199,10 @@ class PushConnection(asyncio.Protocol):
         self.transport.write(PING)
         self._arm(self.link.timeouts.handshake, "no pong within handshake_timeout")
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self._decoder.feed(data)
-        except CodecError as exc:
-            self.abort(f"recipient sent an invalid stream: {exc}")
-            return
+    def stream_broken(self, exc: CodecError) -> None:
+        self.abort(f"recipient sent an invalid stream: {exc}")
+
+    def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if not isinstance(frame, Frame):
                 continue
@@ -232,40 +239,29 @@ class PushConnection(asyncio.Protocol):
         self.pushed.pop(d.msgid, None)
 
 
+@dataclass(eq=False)
 class RecipientLink:
     """Everything this broker has pushed to one recipient and not yet heard the end of."""
 
-    def __init__(
-        self,
-        owner: LinkOwner,
-        app: str,
-        rid: str,
-        host: str,
-        port: int,
-        caps: frozenset[str],
-        *,
-        window: int,
-        timeouts: LinkTimeouts,
-        max_frame_bytes: int,
-    ) -> None:
-        self.owner = owner
-        self.app = app
-        self.rid = rid
-        self.host = host
-        self.port = port
-        self.caps = caps
-        self.window = window
-        self.timeouts = timeouts
-        self.max_frame_bytes = max_frame_bytes
-        self.inflight: dict[str, Delivery] = {}
-        # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
-        # elsewhere). An answer from it lifts the bench.
-        self.benched_until = 0.0
-        # Pushes given up on, kept (bounded) so that a late answer still names its attempt:
-        # that attempt fences it off from a newer one, perhaps another broker's.
-        self.expired: OrderedDict[str, Delivery] = OrderedDict()
-        self.connections: set[PushConnection] = set()
-        self._shared: PushConnection | None = None
+    owner: LinkOwner
+    app: str
+    rid: str
+    host: str
+    port: int
+    caps: frozenset[str]
+    _: KW_ONLY
+    window: int
+    timeouts: LinkTimeouts
+    max_frame_bytes: int
+    inflight: dict[str, Delivery] = field(init=False, default_factory=dict)
+    # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
+    # elsewhere). An answer from it lifts the bench.
+    benched_until: float = field(init=False, default=0.0)
+    # Pushes given up on, kept (bounded) so that a late answer still names its attempt:
+    # that attempt fences it off from a newer one, perhaps another broker's.
+    expired: OrderedDict[str, Delivery] = field(init=False, default_factory=OrderedDict)
+    connections: set[PushConnection] = field(init=False, default_factory=set)
+    _shared: PushConnection | None = field(init=False, default=None)
 
     @property
     def free(self) -> int:

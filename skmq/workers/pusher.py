@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 
 import structlog
 from redis.exceptions import RedisError
@@ -30,31 +31,22 @@ log = structlog.get_logger("skmq.pusher")
 LateAnswer = Callable[[Frame, tuple[str, str]], Awaitable[Verdict]]
 
 
+@dataclass(eq=False)
 class Pusher:
-    def __init__(
-        self,
-        settings: Settings,
-        store: Store,
-        dlog: DeliveryLog,
-        registry: Registry,
-        answers: AnswerBatcher,
-        notify: Callable[[str], None],
-        own: OwnAddresses,
-        signer: PushSigner | None = None,
-    ) -> None:
-        self.settings = settings
-        self.store = store
-        self.dlog = dlog
-        self.registry = registry
-        self.answers = answers
-        self.notify = notify
-        # Addresses this broker uses itself: never a recipient's (docs/SECURITY.md).
-        self.own = own
-        self.signer = signer  # None: pushes are not signed
-        self.tokens = DeliveryTokens(b"")  # keyed once the store's secret is read
-        self.late_answer: LateAnswer | None = None
-        self.links: dict[tuple[str, str], RecipientLink] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
+    settings: Settings
+    store: Store
+    dlog: DeliveryLog
+    registry: Registry
+    answers: AnswerBatcher
+    notify: Callable[[str], None]
+    # Addresses this broker uses itself: never a recipient's (docs/SECURITY.md).
+    own: OwnAddresses
+    signer: PushSigner | None = None  # None: pushes are not signed
+    # Keyed once the store's secret is read.
+    tokens: DeliveryTokens = field(init=False, default_factory=lambda: DeliveryTokens(b""))
+    late_answer: LateAnswer | None = field(init=False, default=None)
+    links: dict[tuple[str, str], RecipientLink] = field(init=False, default_factory=dict)
+    tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     # -- links --------------------------------------------------------------
     def link(self, app: str, r: Recipient) -> RecipientLink:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from skmq.deliverylog import now_ms
 from skmq.events import Event
@@ -15,23 +16,15 @@ from skmq.workers.pusher import Pusher
 from skmq.workers.rotation import APPS_A_ROUND, Rotation
 
 
+@dataclass(eq=False)
 class Reaper:
-    def __init__(
-        self,
-        store: Store,
-        dispatchers: dict[str, Dispatcher],
-        pusher: Pusher,
-        answers: AnswerBatcher,
-        notify: Callable[[str], None],
-        ack_timeout: float,
-    ) -> None:
-        self.store = store
-        self.dispatchers = dispatchers
-        self.pusher = pusher
-        self.answers = answers
-        self.notify = notify
-        self.ack_timeout = ack_timeout
-        self._turns = Rotation(APPS_A_ROUND)
+    store: Store
+    dispatchers: dict[str, Dispatcher]
+    pusher: Pusher
+    answers: AnswerBatcher
+    notify: Callable[[str], None]
+    ack_timeout: float
+    _turns: Rotation = field(init=False, default_factory=lambda: Rotation(APPS_A_ROUND))
 
     async def step(self) -> None:
         """One round trip a round: the apps this broker claimed for lately, and the next

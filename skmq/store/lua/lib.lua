@@ -131,6 +131,15 @@ local function expire(msgs, state, dead, id, now, drop, line)
   end
 end
 
+-- A retry backoff in ARGV from index `at`: its length nb, then nb waits (ms). Returns the
+-- waits, and the index of the argument after them.
+local function backoff_args(at)
+  local nb = tonumber(ARGV[at])
+  local backoff = {}
+  for j = 1, nb do backoff[j] = tonumber(ARGV[at + j]) end
+  return backoff, at + 1 + nb
+end
+
 -- fn(id) for each delivery id in ARGV from index `first` on: 1 where it did (returned
 -- true), 0 where its source state did not hold.
 local function each_id(first, fn)

@@ -15,10 +15,7 @@ local groups, glog, inflight, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local held, gstate, dead = KEYS[5], KEYS[6], KEYS[7]
 local now = tonumber(ARGV[1])
 local retry_times = tonumber(ARGV[2])
-local nb = tonumber(ARGV[3])
-local backoff = {}
-for j = 1, nb do backoff[j] = tonumber(ARGV[3 + j]) end
-local rest = 4 + nb
+local backoff, rest = backoff_args(3)
 
 local function nfield(id) return id .. '\31n' end
 local function efield(id) return id .. '\31e' end
@@ -40,7 +37,24 @@ local function fail_attempt(id, why, wait)
     redis.call('ZADD', dead, now, id)
     return {2, now}
   end
-  if wait < 0 then wait = backoff[math.max(1, math.min(n, nb))] end
+  if wait < 0 then wait = backoff[math.max(1, math.min(n, #backoff))] end
   redis.call('ZADD', delayed, now + wait, id)
   return {1, now + wait}
+end
+
+-- For each receipt in ARGV from `rest` on, `width` arguments a receipt (entry id,
+-- attempt n, then the script's own): fn(entry id, the script's own arguments) where
+-- attempt n is live. Returns 1 for each receipt it ran for, 0 for the others.
+local function each_live(width, fn)
+  local out = {}
+  for i = rest, #ARGV, width do
+    local id = ARGV[i]
+    if live(id, tonumber(ARGV[i + 1])) then
+      fn(id, unpack(ARGV, i + 2, i + width - 1))
+      out[#out + 1] = 1
+    else
+      out[#out + 1] = 0
+    end
+  end
+  return out
 end

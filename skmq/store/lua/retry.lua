@@ -16,10 +16,7 @@ local retry_times = tonumber(ARGV[3])
 local drop = ARGV[4] == '1'
 local jitter = tonumber(ARGV[5])
 local spread = tonumber(ARGV[6])
-local nb = tonumber(ARGV[7])
-local backoff = {}
-for j = 1, nb do backoff[j] = tonumber(ARGV[7 + j]) end
-local rest = 8 + nb
+local backoff, rest = backoff_args(7)
 -- `attempt` fences the answer: a failure reported for attempt 1 must not end attempt 2,
 -- which another broker may hold by now (0: whichever attempt is current).
 -- Returns {code, attempt, due, rid}: code 0 not in flight (stale), 1 retry, 2 dead,
