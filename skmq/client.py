@@ -585,10 +585,10 @@ class _PushProtocol(FrameProtocol):
         verifier = consumer.verifier
         if verifier is not None and (why := verifier.refusal(frame.fields, msg.content)):
             log.warning("refusing push %s: %s", msgid, why)
-            consumer.rejected += 1
+            consumer.stats["rejected"] += 1
             self._answer(msg, "reject", why)
             return
-        consumer.received += 1
+        consumer.stats["received"] += 1
         if consumer.send_arrived:
             self._answer(msg, "arrived")
         if self._active < consumer.concurrency:
@@ -610,10 +610,10 @@ class _PushProtocol(FrameProtocol):
             try:
                 await consumer.handler(msg)
             except Reject:
-                consumer.rejected += 1
+                consumer.stats["rejected"] += 1
                 self._answer(msg, "reject")
             except Exception as exc:
-                consumer.errored += 1
+                consumer.stats["errored"] += 1
                 reason = _error_reason(exc)
                 log.warning(
                     "handler failed for %s: %s",
@@ -623,7 +623,7 @@ class _PushProtocol(FrameProtocol):
                 )
                 self._answer(msg, "error", reason)
             else:
-                consumer.acked += 1
+                consumer.stats["acked"] += 1
                 self._answer(msg, "ack")
         finally:
             self._active -= 1
@@ -676,6 +676,9 @@ def _answer_fields(msg: Message, consumer_id: str) -> list[tuple[str, str]]:
     return fields
 
 
+CONSUMER_STATS = ("received", "acked", "rejected", "errored")
+
+
 @dataclass(eq=False, repr=False)  # a repr would show the token
 class Consumer(_Scoped):
     """A recipient: listens for the broker's pushes and calls `handler` on each.
@@ -705,10 +708,10 @@ class Consumer(_Scoped):
     signing_tolerance: InitVar[float] = DEFAULT_TOLERANCE
     #: With the broker's SIGNING_SECRET: a push not signed by it, or stale, is rejected.
     verifier: PushVerifier | None = field(init=False)
-    received: int = field(init=False, default=0)
-    acked: int = field(init=False, default=0)
-    rejected: int = field(init=False, default=0)
-    errored: int = field(init=False, default=0)
+    # Pushes received, and how they were answered (`skmq consume` prints them).
+    stats: collections.Counter[str] = field(
+        init=False, default_factory=lambda: collections.Counter(dict.fromkeys(CONSUMER_STATS, 0))
+    )
     _server: asyncio.Server | None = field(init=False, default=None)
     _connections: set[_PushProtocol] = field(init=False, default_factory=set)
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
@@ -722,15 +725,6 @@ class Consumer(_Scoped):
         self.verifier = (
             PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
         )
-
-    @property
-    def stats(self) -> dict[str, int]:
-        return {
-            "received": self.received,
-            "acked": self.acked,
-            "rejected": self.rejected,
-            "errored": self.errored,
-        }
 
     async def start(self) -> None:
         """Listen on host:port (port 0: any free port), then register."""

@@ -32,6 +32,7 @@ Seconds = Annotated[float, Field(gt=0)]  # a timeout or an interval
 Wait = Annotated[float, Field(ge=0)]  # how long to wait; 0: not at all
 PerSecond = Annotated[float, Field(ge=0)]  # a rate limit; 0: unlimited
 Count = Annotated[int, Field(ge=1)]  # a size or limit of at least one
+Bytes = Annotated[int, Field(ge=64)]  # a size in bytes; less than 64 holds no frame
 
 
 def _split_csv(value: Any) -> Any:
@@ -62,18 +63,18 @@ class Settings(BaseSettings):
     heartbeat_timeout: Seconds = 3.0
     rate: PerSecond = 0.0
     delivery_rate: PerSecond = 0.0
-    max_frame_bytes: int = Field(1 << 20, ge=64)
-    max_line_bytes: int = Field(4096, ge=64)
+    max_frame_bytes: Bytes = 1 << 20
+    max_line_bytes: Bytes = 4096
     max_connections: Count = 10_000
     idle_timeout: Seconds = 300.0
     frame_timeout: Seconds = 30.0
-    max_partial_bytes: int = Field(64 << 20, ge=64)
+    max_partial_bytes: Bytes = 64 << 20
     max_connections_per_host: Count = 1000
     max_unanswered_frames: Count = 4096
     max_unanswered_total: Count = 32768
     max_peer_store_calls: Count = 16
     max_store_calls_per_connection: Count = 32
-    max_registration_bytes: int = Field(4096, ge=64)
+    max_registration_bytes: Bytes = 4096
     redis_pool_size: Count = 64
     store_timeout: Seconds = 5.0
     max_store_pending_bytes: int = Field(64 << 20, ge=1024)
@@ -88,9 +89,9 @@ class Settings(BaseSettings):
     shutdown_timeout: Wait = 5.0
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
     log_rotate_bytes: int = Field(16 << 20, ge=4096)
-    log_retention_bytes: int = Field(1 << 30, ge=0)
-    log_retention_age: float = Field(7 * 86400.0, ge=0)
-    log_backlog_bytes: int = Field(16 << 20, ge=0)
+    log_retention_bytes: NonNegativeInt = 1 << 30
+    log_retention_age: Wait = 7 * 86400.0
+    log_backlog_bytes: NonNegativeInt = 16 << 20
     metrics_host: str = "127.0.0.1"
     metrics_port: Port = 0
     # The HTTP gateway (docs/HTTP.md) on HOST; 0: off.

@@ -42,6 +42,7 @@ COUNTERS = {
     "stored": ("skmq_messages_stored_total", "Messages stored in Redis"),
     "duplicate": ("skmq_messages_duplicate_total", "Producer messages refused as duplicates"),
     "pushed": ("skmq_pushes_total", "Pushes to recipients"),
+    "arrived": ("skmq_messages_arrived_total", "Deliveries a recipient said had arrived"),
     "acked": ("skmq_messages_acked_total", "Deliveries acked by a recipient"),
     "rejected": ("skmq_messages_rejected_total", "Deliveries rejected by a recipient"),
     "errored": ("skmq_messages_errored_total", "Deliveries that failed at the recipient"),
@@ -50,6 +51,8 @@ COUNTERS = {
     "retry_scheduled": ("skmq_retries_total", "Retries scheduled"),
     "dead_lettered": ("skmq_messages_dead_lettered_total", "Deliveries moved to the DLQ"),
     "replayed": ("skmq_messages_replayed_total", "Dead letters replayed"),
+    "expired": ("skmq_messages_expired_total", "Messages whose TTL ran out before an ack"),
+    "extended": ("skmq_lease_extensions_total", "Leases extended by a recipient or consumer"),
 }
 LATENCY_BUCKETS = (
     0.001,
@@ -170,27 +173,19 @@ class Metrics(Collector):
         for task, n in sorted(self.supervisor.restarts.items()):
             restarts.add_metric([task], n)
         yield restarts
-        yield CounterMetricFamily(
-            "skmq_embedded_redis_restarts", "Embedded Redis restarts", value=self.redis_restarts
-        )
-        yield CounterMetricFamily(
-            "skmq_delivery_log_errors", "Delivery-log write errors", value=self.dlog.errors
-        )
-        yield CounterMetricFamily(
-            "skmq_delivery_log_dropped_lines",
-            "Delivery-log lines dropped (backlog full while writes failed)",
-            value=self.dlog.dropped,
-        )
-        yield CounterMetricFamily(
-            "skmq_delivery_log_files_compressed",
-            "Closed delivery-log files compressed (by this broker)",
-            value=self.archive.compressed,
-        )
-        yield CounterMetricFamily(
-            "skmq_delivery_log_files_pruned",
-            "Delivery-log files removed by LOG_RETENTION_BYTES or LOG_RETENTION_AGE",
-            value=self.archive.pruned,
-        )
+        counters = (
+            ("skmq_embedded_redis_restarts", "Embedded Redis restarts", self.redis_restarts),
+            ("skmq_delivery_log_errors", "Delivery-log write errors", self.dlog.errors),
+            ("skmq_delivery_log_dropped_lines",
+             "Delivery-log lines dropped (backlog full while writes failed)", self.dlog.dropped),
+            ("skmq_delivery_log_files_compressed",
+             "Closed delivery-log files compressed (by this broker)", self.archive.compressed),
+            ("skmq_delivery_log_files_pruned",
+             "Delivery-log files removed by LOG_RETENTION_BYTES or LOG_RETENTION_AGE",
+             self.archive.pruned),
+        )  # fmt: skip
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(name, documentation, value=value)
         yield GaugeMetricFamily(
             "skmq_delivery_log_backlog_lines",
             "Delivery-log lines waiting for a write to succeed",

@@ -382,7 +382,7 @@ async def test_concurrency_is_bounded_per_connection(fake_broker: FakeBroker) ->
     for i in range(6):
         pusher.push(f"m{i}", b"x")
     await pusher.ping()
-    assert consumer.received == 6 and running == 2
+    assert consumer.stats["received"] == 6 and running == 2
     gate.set()
     assert {f.type for f in await pusher.read(6)} == {"ack"}
     assert most == 2

@@ -85,7 +85,7 @@ async def test_consumer_verifies_signed_pushes_from_the_broker(make_broker: Brok
             assert (await producer.send("app", b"line1\nline2", msgid="s1")).ok
         msg = await asyncio.wait_for(got.get(), 10)
         assert (msg.msgid, msg.content) == ("s1", b"line1\nline2")
-        assert consumer.rejected == 0
+        assert consumer.stats["rejected"] == 0
 
 
 class PushSender:
@@ -136,5 +136,5 @@ async def test_consumer_rejects_forged_stale_and_unsigned_pushes(
         good = dict(PushSigner(SECRET).fields("app", "g1", b"x"))
         answer = await sender.push("g1", b"x", good)
         assert (answer.type, answer.fields["msgid"]) == ("ack", "g1")
-        assert handled == ["g1"] and consumer.rejected == 4
+        assert handled == ["g1"] and consumer.stats["rejected"] == 4
         sender.writer.close()
