@@ -38,7 +38,7 @@ from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
-from skmq.store import Store, check_eviction_policy, connect_redis, redacted
+from skmq.store import Retries, Store, check_eviction_policy, connect_redis, redacted
 from skmq.store.client import RedisClient
 from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
@@ -56,14 +56,12 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
     return Store(
         redis,
         settings.key_prefix,
-        retry_times=settings.retry_times,
-        backoff=settings.retry_backoff,
+        retries=Retries(settings.retry_times, settings.retry_backoff, settings.retry_jitter),
         ack_timeout=settings.ack_timeout,
         dedupe_window=settings.dedupe_window,
         replica_acks=settings.replica_acks,
         replica_ack_timeout=settings.replica_ack_timeout,
         expired_drop=settings.expired == "drop",
-        retry_jitter=settings.retry_jitter,
         max_lease_extensions=settings.max_lease_extensions,
     )
 

@@ -33,6 +33,7 @@ Wait = Annotated[float, Field(ge=0)]  # how long to wait; 0: not at all
 PerSecond = Annotated[float, Field(ge=0)]  # a rate limit; 0: unlimited
 Count = Annotated[int, Field(ge=1)]  # a size or limit of at least one
 Bytes = Annotated[int, Field(ge=64)]  # a size in bytes; less than 64 holds no frame
+BufferBytes = Annotated[int, Field(ge=1024)]  # bytes held at once (bodies, pending content)
 
 
 def _split_csv(value: Any) -> Any:
@@ -45,80 +46,85 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKMQ_", extra="ignore")
     _toml_file: ClassVar[Path | None] = None
 
+    # Where: the listener, the store, files.
     host: str = "127.0.0.1"
     port: Port = 1734
     redis_url: str = ""
     redis_wait: Wait = 30.0
+    redis_pool_size: Count = 64
+    redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
     data_dir: Path = Path("./skmq-data")
-    log_dir: Path | None = None
     key_prefix: str = "skmq"
     broker_id: str = ""
+    # Delivery: retries, leases, heartbeats, rates (docs/PROTOCOL.md).
     retry_times: Count = 5
     retry_backoff: Annotated[list[float], NoDecode] = Field(
         default_factory=lambda: [float(s) for s in ROCKETMQ_BACKOFF]
     )
+    retry_jitter: float = Field(0.1, ge=0, le=1)
     ack_timeout: Seconds = 60.0
     ack_wait: Wait = 5.0
+    max_lease_extensions: NonNegativeInt = 10
     heartbeat_interval: Seconds = 10.0
     heartbeat_timeout: Seconds = 3.0
-    rate: PerSecond = 0.0
-    delivery_rate: PerSecond = 0.0
-    max_frame_bytes: Bytes = 1 << 20
-    max_line_bytes: Bytes = 4096
-    max_connections: Count = 10_000
-    idle_timeout: Seconds = 300.0
-    frame_timeout: Seconds = 30.0
-    max_partial_bytes: Bytes = 64 << 20
-    max_connections_per_host: Count = 1000
-    max_unanswered_frames: Count = 4096
-    max_unanswered_total: Count = 32768
-    max_peer_store_calls: Count = 16
-    max_store_calls_per_connection: Count = 32
-    max_registration_bytes: Bytes = 4096
-    redis_pool_size: Count = 64
-    store_timeout: Seconds = 5.0
-    max_store_pending_bytes: int = Field(64 << 20, ge=1024)
     recipient_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     push_window: Count = 128
     legacy_window: Count = 8
     legacy_answer_timeout: Seconds = 10.0
     handshake_timeout: Seconds = 3.0
+    rate: PerSecond = 0.0
+    delivery_rate: PerSecond = 0.0
     dedupe_window: Seconds = 3600.0
+    default_ttl: NonNegativeInt = 0
+    ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
+    expired: Literal["dead", "drop"] = "dead"
+    # Bounds on what peers may send and hold (docs/PROTOCOL.md, limits).
+    max_connections: Count = 10_000
+    max_connections_per_host: Count = 1000
+    max_frame_bytes: Bytes = 1 << 20
+    max_line_bytes: Bytes = 4 << 10
+    max_partial_bytes: Bytes = 64 << 20
+    max_registration_bytes: Bytes = 4 << 10
+    max_store_pending_bytes: BufferBytes = 64 << 20
+    max_unanswered_frames: Count = 4096
+    max_unanswered_total: Count = 32768
+    max_peer_store_calls: Count = 16
+    max_store_calls_per_connection: Count = 32
+    idle_timeout: Seconds = 5 * 60.0
+    frame_timeout: Seconds = 30.0
+    store_timeout: Seconds = 5.0
+    # Replicas a stored message waits for before its `ack`.
     replica_acks: int = Field(0, ge=0, le=16)
     replica_ack_timeout: float = Field(1.0, gt=0, le=60)
+    # The broker's own health: shutdown, supervision, its log, /metrics.
     shutdown_timeout: Wait = 5.0
-    redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    task_max_restarts: NonNegativeInt = 10
+    log_level: str = "info"
+    log_format: Literal["console", "json"] = "console"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: Port = 0
+    # The delivery log (SPEC 7): files, compression, retention, a full disk.
+    log_dir: Path | None = None
     log_rotate_bytes: int = Field(16 << 20, ge=4096)
     log_retention_bytes: NonNegativeInt = 1 << 30
     log_retention_age: Wait = 7 * 86400.0
     log_backlog_bytes: NonNegativeInt = 16 << 20
-    metrics_host: str = "127.0.0.1"
-    metrics_port: Port = 0
     # The HTTP gateway (docs/HTTP.md) on HOST; 0: off.
     http_port: Port = 1735
-    http_max_body_bytes: int = Field(8 << 20, ge=1024)
+    http_max_body_bytes: BufferBytes = 8 << 20
     http_max_batch: Count = 1000
     # Pull consumption (docs/HTTP.md).
     pull_max_messages: Count = 100
     pull_max_wait: Wait = 20.0
-    pull_max_visibility: Seconds = 43200.0
+    pull_max_visibility: Seconds = 12 * 60 * 60.0
     pull_visibility: Seconds = 30.0
     pull_max_waiting: Count = 10_000
     group_log_trim_interval: Seconds = 5.0
-    task_max_restarts: NonNegativeInt = 10
-    log_level: str = "info"
-    log_format: Literal["console", "json"] = "console"
     # Security (docs/SECURITY.md). SecretStr: a secret never shows in a repr or a log.
     auth_token: SecretStr | None = None
     auth_file: Path | None = None
     allow_unauthenticated: bool = False
     signing_secret: SecretStr | None = None
-    # Delivery semantics (docs/PROTOCOL.md extensions).
-    default_ttl: NonNegativeInt = 0
-    ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
-    expired: Literal["dead", "drop"] = "dead"
-    retry_jitter: float = Field(0.1, ge=0, le=1)
-    max_lease_extensions: NonNegativeInt = 10
 
     @field_validator("retry_backoff", "recipient_networks", mode="before")
     @classmethod

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from skmq.store import AliveRecipient, NewMessage, Store
+from skmq.store import AliveRecipient, NewMessage, Retries, Store
 from tests.conftest import BrokerFactory, free_port
 from tests.test_cli_ops import one_line, skmq
 from tests.test_delivery import log_events
@@ -27,7 +27,7 @@ MIN = 60_000
 @pytest.fixture
 async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    yield Store(client, prefix, retry_times=1)
+    yield Store(client, prefix, retries=Retries(times=1))
 
 
 async def bury(store: Store, app: str, msgid: str, error: str, died: int) -> None:

@@ -13,7 +13,7 @@ from skmq.client import Producer
 from skmq.config import Settings, SettingsError
 from skmq.deliverylog import now_ms
 from skmq.lifecycle import State
-from skmq.store import Failed, NewMessage, Store
+from skmq.store import Failed, NewMessage, Retries, Store
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import base, log_events, logged, produce, registered
@@ -27,7 +27,7 @@ def make_store(
 ) -> Store:
     client = aioredis.Redis(connection_pool=redis.connection_pool)
     return Store(
-        client, prefix, retry_times=retry_times, backoff=[1.0], ack_timeout=10.0,
+        client, prefix, retries=Retries(retry_times, [1.0]), ack_timeout=10.0,
         expired_drop=drop,
     )  # fmt: skip
 

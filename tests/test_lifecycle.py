@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from skmq.lifecycle import TRANSITIONS, State
 from skmq.pull.groups import Groups, parse_receipt
-from skmq.store import AliveRecipient, NewMessage, Store, scripts
+from skmq.store import AliveRecipient, NewMessage, Retries, Store, scripts
 
 APP = "life"
 NOW = 1_700_000_000_000
@@ -22,7 +22,7 @@ NOW = 1_700_000_000_000
 @pytest.fixture
 async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    yield Store(client, prefix, retry_times=2, backoff=[1.0], ack_timeout=10.0)
+    yield Store(client, prefix, retries=Retries(2, [1.0]), ack_timeout=10.0)
 
 
 def alive(*rids: str, free: int = 10, length: bool = True) -> list[AliveRecipient]:

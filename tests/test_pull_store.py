@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from skmq.pull.groups import Groups, NoSuchGroup, Pulled, parse_receipt
 from skmq.pull.trimmer import Trimmer
-from skmq.store import NewMessage, Store
+from skmq.store import NewMessage, Retries, Store
 
 APP = "pull"
 NOW = 1_700_000_000_000
@@ -20,7 +20,7 @@ VIS = 10_000
 @pytest.fixture
 async def groups(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Groups]:
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    yield Groups(Store(client, prefix, retry_times=2, backoff=[1.0], ack_timeout=10.0))
+    yield Groups(Store(client, prefix, retries=Retries(2, [1.0]), ack_timeout=10.0))
 
 
 async def stored(groups: Groups, *msgids: str, at: int = 0) -> list[bool]:

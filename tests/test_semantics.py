@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from skmq.broker import Broker
 from skmq.client import Consumer, Message, Resp
 from skmq.deliverylog import now_ms
-from skmq.store import Extended, Failed, NewMessage, Store
+from skmq.store import Extended, Failed, NewMessage, Retries, Store
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import Peer, attempts, base, logged, produce, registered
@@ -86,7 +86,7 @@ async def failed_dues(store: Store, n: int) -> list[int]:
 
 
 async def test_retry_waits_spread_by_the_jitter(client: aioredis.Redis, prefix: str) -> None:
-    store = Store(client, prefix, backoff=[10.0], retry_jitter=0.5)
+    store = Store(client, prefix, retries=Retries(backoff=[10.0], jitter=0.5))
     waits = await failed_dues(store, 40)
     assert all(5_000 <= w <= 15_000 for w in waits), waits
     assert len(set(waits)) == 40  # a burst of failures does not come back in lockstep
@@ -94,13 +94,13 @@ async def test_retry_waits_spread_by_the_jitter(client: aioredis.Redis, prefix: 
 
 
 async def test_no_jitter_waits_exactly_the_backoff(client: aioredis.Redis, prefix: str) -> None:
-    store = Store(client, prefix, backoff=[10.0], retry_jitter=0.0)
+    store = Store(client, prefix, retries=Retries(backoff=[10.0]))
     assert set(await failed_dues(store, 5)) == {10_000}
 
 
 async def test_the_broker_applies_retry_jitter(make_broker: BrokerFactory) -> None:
     broker = await make_broker(retry_backoff=[10.0], retry_jitter=1.0)
-    assert broker.store.retry_jitter == 1.0
+    assert broker.store.retries.jitter == 1.0
 
 
 # --------------------------------------------------------------------------- lease extension

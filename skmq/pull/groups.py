@@ -75,7 +75,7 @@ class Groups:
         return self.store.base(app) + "glog"
 
     def _retry_args(self) -> list[Any]:
-        return [self.store.retry_times, len(self.store.backoff_ms), *self.store.backoff_ms]
+        return [self.store.retries.times, *self.store.retries.backoff_args()]
 
     async def _pull(self, name: str, app: str, group: str, now: int, args: Sequence[Any]) -> Any:
         keys = self._group_keys(group)

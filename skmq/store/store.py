@@ -209,20 +209,33 @@ class DeadLetter:
         return out
 
 
+@dataclass(frozen=True)
+class Retries:
+    """How failed attempts are retried (RETRY_TIMES, RETRY_BACKOFF, RETRY_JITTER): at most
+    `times` attempts in all; after attempt n, a wait of `backoff[n - 1]` seconds (the last
+    repeats), spread by up to +-`jitter` of itself."""
+
+    times: int = 5
+    backoff: Sequence[float] = (1.0,)
+    jitter: float = 0.0
+
+    def backoff_args(self) -> list[int]:
+        """The waits as the scripts read them (lib.lua's backoff_args): count, then ms."""
+        return [len(self.backoff), *(int(b * 1000) for b in self.backoff)]
+
+
 class Store:
     def __init__(
         self,
         redis: RedisClient,
         prefix: str = "skmq",
         *,
-        retry_times: int = 5,
-        backoff: Sequence[float] = (1.0,),
+        retries: Retries = Retries(),
         ack_timeout: float = 60.0,
         dedupe_window: float = 3600.0,
         replica_acks: int = 0,
         replica_ack_timeout: float = 1.0,
         expired_drop: bool = False,
-        retry_jitter: float = 0.0,
         max_lease_extensions: int = 10,
     ) -> None:
         self.redis = redis
@@ -230,12 +243,10 @@ class Store:
         self.directory = AppDirectory(redis, prefix)
         self.replica_acks = replica_acks
         self.replica_ack_ms = max(1, int(replica_ack_timeout * 1000))
-        self.retry_times = retry_times
-        self.backoff_ms = [int(b * 1000) for b in backoff]
+        self.retries = retries
         self.lease_ms = int(ack_timeout * 1000)
         self.dedupe_ms = max(1, int(dedupe_window * 1000))
         self.expired_drop = expired_drop
-        self.retry_jitter = retry_jitter
         self.max_lease_extensions = max_lease_extensions
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(scripts.source(name)) for name in scripts.KEYS
@@ -470,10 +481,7 @@ class Store:
     def _retry_args(self) -> list[Any]:
         drop = 1 if self.expired_drop else 0
         spread = random.random()  # spreads retry waits: no secret
-        return [
-            *(self.retry_times, drop, self.retry_jitter, spread),
-            *(len(self.backoff_ms), *self.backoff_ms),
-        ]
+        return [self.retries.times, drop, self.retries.jitter, spread, *self.retries.backoff_args()]
 
     async def fail(
         self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
