@@ -14,7 +14,7 @@ store, `room()` holds the handle stage back (backpressure down to TCP).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import structlog
@@ -24,7 +24,7 @@ from skmq.aio import spawn
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
-from skmq.store import NewMessage, Store
+from skmq.store import ClaimArgs, NewMessage, Store
 
 log = structlog.get_logger("skmq.enqueue")
 
@@ -82,11 +82,15 @@ class Enqueuer:
         *,
         max_pending_bytes: int = 64 << 20,
         timeout: float = 5.0,
+        carry_claims: Callable[[Iterable[str], int], list[ClaimArgs]] | None = None,
     ) -> None:
         self.store = store
         self.dlog = dlog
         self.on_stored = on_stored
         self.note_apps = note_apps
+        # The claims of idle dispatchers of the batch's apps, carried by its round trip
+        # (skmq/workers/dispatch.py: carry_claim); the other apps are woken (on_stored).
+        self.carry_claims = carry_claims if store.carries_claims else None
         self.max_pending_bytes = max_pending_bytes
         self.timeout = timeout
         self.pending_bytes = 0
@@ -142,11 +146,15 @@ class Enqueuer:
 
     async def _store_and_log(self, batch: EnqueueBatch) -> None:
         received = now_ms()
+        carried: set[str] = set()
         try:
             async with asyncio.timeout(self.timeout):
                 await self.note_apps(set(batch.messages))
+                # (made right before the store: it hands each its end, whatever happens)
+                claims = self.carry_claims(batch.messages, received) if self.carry_claims else []
+                carried = {c.app for c in claims}
                 results = await self.store.store(
-                    batch.messages, received, lambda res: self._log(batch, received, res)
+                    batch.messages, received, lambda res: self._log(batch, received, res), claims
                 )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store unavailable", error=repr(exc))
@@ -155,4 +163,4 @@ class Enqueuer:
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
         batch.future.set_result(results)
-        self.on_stored({app for app, res in results.items() if any(res)})
+        self.on_stored({app for app, res in results.items() if any(res)} - carried)
