@@ -110,13 +110,14 @@ class Dispatcher:
             self.claiming = False
         return self._claimed(n, result)
 
-    def _plan(self) -> tuple[int, list[AliveRecipient], list[str]] | float:
-        """How many to claim, for which recipients; or how long to sleep (nothing to do)."""
+    def _plan(self, at_least: int = 0) -> tuple[int, list[AliveRecipient], list[str]] | float:
+        """How many to claim (the batch, or `at_least` up to CLAIM_BATCH), for which
+        recipients; or how long to sleep (nothing to do)."""
         recipients = [] if self.paused else self.alive(self.app)
         if not recipients:
             return NO_RECIPIENT_POLL
         free = self.free_slots(self.app, recipients)
-        n = min(sum(free.values()), self.batch)
+        n = min(sum(free.values()), max(self.batch, min(at_least, CLAIM_BATCH)))
         self.starved = n <= 0
         if n <= 0:
             return POLL
@@ -148,14 +149,16 @@ class Dispatcher:
         return POLL if claimed else self._idle()
 
     # -- a claim carried by a store's round trip (skmq/workers/enqueue.py) ----------
-    def carry_claim(self, now: int) -> ClaimArgs | None:
-        """The claim a wake-up would make now, for the round trip storing this app's new
-        messages to carry (run after the store, it sees them): one round trip a message
-        less at a low rate. None while this dispatcher claims itself (or its wake-up is
-        due anyway), or has nothing to claim for: then the store wakes it as before."""
+    def carry_claim(self, now: int, stored: int) -> ClaimArgs | None:
+        """The claim a wake-up would make now, for the round trip storing `stored` new
+        messages of this app to carry (run after the store, it sees them): one round trip
+        a message less at a low rate. It asks for one more than were stored, so that it
+        comes back full (and the dispatcher claims again) only if more were waiting.
+        None while this dispatcher claims itself (or its wake-up is due anyway), or has
+        nothing to claim for: then the store wakes it as before."""
         if self.carried or self.claiming or self.paused or self.wake.is_set():
             return None
-        plan = self._plan()
+        plan = self._plan(at_least=stored + 1)
         if isinstance(plan, float):
             return None
         n, alive, assignment = plan

@@ -5,7 +5,7 @@ and dropped when the app is forgotten (no recipients, no messages)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sized
 
 import structlog
 
@@ -63,15 +63,16 @@ class Dispatchers:
             self._tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
 
-    def carry_claims(self, apps: Iterable[str], now: int) -> list[ClaimArgs]:
-        """The claims of the idle dispatchers of `apps`, for a store's round trip to carry
-        (skmq/workers/enqueue.py); the others are woken once the store is done."""
+    def carry_claims(self, stored: Mapping[str, Sized], now: int) -> list[ClaimArgs]:
+        """The claims of the idle dispatchers of the apps of `stored` (each app's new
+        messages), for a store's round trip to carry (skmq/workers/enqueue.py); the
+        others are woken once the store is done."""
         if self.stopping:
             return []
         claims = []
-        for app in apps:
+        for app, messages in stored.items():
             d = self.by_app.get(app)
-            c = d.carry_claim(now) if d is not None else None
+            c = d.carry_claim(now, len(messages)) if d is not None else None
             if c is not None:
                 claims.append(c)
         return claims

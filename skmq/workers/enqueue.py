@@ -14,7 +14,7 @@ store, `room()` holds the handle stage back (backpressure down to TCP).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Mapping, Sized
 from typing import Any
 
 import structlog
@@ -82,7 +82,7 @@ class Enqueuer:
         *,
         max_pending_bytes: int = 64 << 20,
         timeout: float = 5.0,
-        carry_claims: Callable[[Iterable[str], int], list[ClaimArgs]] | None = None,
+        carry_claims: Callable[[Mapping[str, Sized], int], list[ClaimArgs]] | None = None,
     ) -> None:
         self.store = store
         self.dlog = dlog
