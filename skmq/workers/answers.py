@@ -73,9 +73,6 @@ class AnswerBatcher:
         try:
             while self._pending:
                 batch, self._pending = self._pending, {}
-                if len(batch) == 1:  # the common case: no task of gather's to make
-                    await self._flush(*next(iter(batch.items())))
-                    continue
                 await asyncio.gather(*(self._flush(app, answers) for app, answers in batch.items()))
         finally:
             self._task = None
