@@ -197,6 +197,7 @@ class Broker:
             self.engine.note_apps,
             max_pending_bytes=s.max_store_pending_bytes,
             timeout=s.store_timeout,
+            carry_claims=self.engine.apps.carry_claims,
         )
         self.metrics.attach(self.engine)
         self.groups = Groups(self.store)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from skmq.lifecycle import TRANSITIONS, State
 from skmq.pull.groups import Groups, parse_receipt
-from skmq.store import AliveRecipient, NewMessage, Retries, Store, scripts
+from skmq.store import AliveRecipient, ClaimArgs, NewMessage, Retries, Store, scripts
 
 APP = "life"
 NOW = 1_700_000_000_000
@@ -218,3 +219,28 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     assert len(touched) > 50
     wrong = [(cmd, key) for keys, cmd, key in touched if key not in keys]
     assert wrong == []
+
+
+async def test_a_claim_carried_by_a_store_sees_its_messages(store: Store) -> None:
+    """Store.store(claims=...): the claim runs after the store, in the same round trip,
+    and hears its result after the store's `stored` callback."""
+    heard: list[Any] = []
+    args = store.claim_args(NOW, 4, alive("r1"), ["r1"] * 4)
+    claim = ClaimArgs(APP, args, heard.append)
+    messages = {APP: [NewMessage("c1", "queue", b"x"), NewMessage("c2", "queue", b"y")]}
+    res = await store.store(messages, NOW, lambda out: heard.append(out), [claim])
+    assert res == {APP: [True, True]}
+    assert heard[0] == {APP: [True, True]}
+    got, next_due, rate_wait = heard[1]
+    assert [(c.msgid, c.recipient, c.attempt) for c in got] == [("c1", "r1", 1), ("c2", "r1", 1)]
+    assert next_due is None and rate_wait == 0
+
+
+async def test_a_failing_carried_claim_never_fails_the_store(store: Store) -> None:
+    heard: list[object] = []
+    claim = ClaimArgs(APP, ["not a number"], heard.append)
+    res = await store.store({APP: [NewMessage("c3", "queue", b"x")]}, NOW, None, [claim])
+    assert res == {APP: [True]}
+    assert len(heard) == 1 and isinstance(heard[0], Exception)
+    got, _, _ = await store.claim(APP, NOW, 4, alive("r1"), ["r1"] * 4)
+    assert [c.msgid for c in got] == ["c3"]

@@ -28,6 +28,7 @@ from skmq.store import scripts
 from skmq.store.client import (
     CLUSTER_SCHEME,
     ENC,
+    QuickPool,
     RedisClient,
     connect_cluster,
     hiredis_packing,
@@ -81,7 +82,7 @@ def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> RedisClie
     if url.startswith(f"{CLUSTER_SCHEME}://"):
         return connect_cluster(url, options)
     if not url.startswith("redis+sentinel://"):
-        pool = BlockingConnectionPool.from_url(url, **options)
+        pool = QuickPool.from_url(url, **options)
         pool.connection_class = hiredis_packing(pool.connection_class)
         return aioredis.Redis.from_pool(pool)
     parsed = urlsplit(url)
@@ -138,6 +139,20 @@ class Claimed:
     recipient: str
     stored_at: int = 0  # unix ms the message was first stored
     trace: str = ""  # the producer's W3C traceparent, if any
+
+
+# What a claim returns: the deliveries, when the next delayed one falls due (unix ms),
+# how long the app's DELIVERY_RATE bucket needs before the next push (s).
+ClaimResult = tuple[list[Claimed], int | None, float]
+
+
+@dataclass(slots=True)
+class ClaimArgs:
+    """A claim to run in a store's round trip (`Store.store(claims=...)`)."""
+
+    app: str
+    args: list[Any]  # Store.claim_args
+    done: Callable[[ClaimResult | BaseException], None]
 
 
 @dataclass(slots=True)
@@ -326,16 +341,27 @@ class Store:
         return now // self.dedupe_ms
 
     # -- producers ----------------------------------------------------------
+    @property
+    def carries_claims(self) -> bool:
+        """Whether a store's round trip can carry claims (`store(claims=...)`): one Redis,
+        no REPLICA_ACKS wait (a cluster splits the pipeline by node)."""
+        return not self.replica_acks and not isinstance(self.redis, RedisCluster)
+
     async def store(
         self,
         batches: dict[str, list[NewMessage]],
         now: int,
         stored: Callable[[dict[str, list[bool]]], None] | None = None,
+        claims: Sequence[ClaimArgs] = (),
     ) -> dict[str, list[bool]]:
         """Store the messages of several apps in one round trip; True stored, False duplicate.
         `stored` hears the results as soon as the scripts ran, before anything else is
         awaited: from then on a dispatcher may push them, so what must come first (the
-        delivery log's `stored` lines) goes there."""
+        delivery log's `stored` lines) goes there.
+
+        `claims` (only where `carries_claims`) ride in the same round trip, each run
+        after the stores: each hears its result (or the error) with `ClaimArgs.done`,
+        after `stored`; a claim that fails never fails the store."""
         bucket = self._bucket(now)
         done = (self._done(bucket), self._done(bucket - 1))
         calls = []
@@ -345,13 +371,25 @@ class Store:
                 kind = "t" if m.kind == "topic" else "q"
                 args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
             calls.append((app, args, done))
-        replies = await self._call_each("store", calls, self.replica_acks)
+        try:
+            if claims:
+                replies, claimed = await self._store_claiming(calls, claims)
+            else:
+                replies, claimed = await self._call_each("store", calls, self.replica_acks), []
+        except BaseException as exc:
+            for c in claims:
+                c.done(exc)
+            raise
         results, acked = replies[: len(calls)], replies[len(calls) :]
-        outcome = {
-            app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)
-        }
-        if stored is not None:
-            stored(outcome)
+        try:
+            outcome = {
+                app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)
+            }
+            if stored is not None:
+                stored(outcome)
+        finally:  # every claim hears its end, whatever happens here
+            for c, res in zip(claims, claimed, strict=True):
+                c.done(res if isinstance(res, Exception) else self._claimed(res))
         # A new `listed` mark, or a duplicate (perhaps the retry of a store whose broker
         # died before listing the app): list the app (skmq/store/directory.py). Even if
         # too few replicas acknowledged: the messages are stored on their masters.
@@ -361,6 +399,33 @@ class Store:
         if any(int(n) < self.replica_acks for n in acked):
             raise ReplicasMissing(f"{min(acked)} of {self.replica_acks} replicas acknowledged")
         return outcome
+
+    async def _store_claiming(
+        self,
+        calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]],
+        claims: Sequence[ClaimArgs],
+    ) -> tuple[list[Any], list[Any]]:
+        """The store calls, then the claims, pipelined in one round trip; an error of a
+        store call raises (NOSCRIPT: the scripts loaded and everything sent again), one
+        of a claim is returned in its place."""
+        store, claim = self._scripts["store"], self._scripts["claim"]
+        for attempt in (1, 2):
+            pipe = self.redis.pipeline(transaction=False)
+            for app, args, extra in calls:
+                keys = self._keys("store", app, *extra)
+                pipe.execute_command("EVALSHA", store.sha, len(keys), *keys, *args)
+            for c in claims:
+                keys = self._keys("claim", c.app)
+                pipe.execute_command("EVALSHA", claim.sha, len(keys), *keys, *c.args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+            errors = [r for r in replies[: len(calls)] if isinstance(r, Exception)]
+            if not errors:
+                return replies[: len(calls)], replies[len(calls) :]
+            if attempt == 2 or not isinstance(errors[0], NoScriptError):
+                raise errors[0]
+            await self.redis.script_load(store.script)
+            await self.redis.script_load(claim.script)
+        raise AssertionError("unreachable")
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
         """Record that a broker is alive (for `skmq status`)."""
@@ -432,7 +497,7 @@ class Store:
         alive: Sequence[AliveRecipient],
         assignment: Sequence[str],
         rate: float = 0.0,
-    ) -> tuple[list[Claimed], int | None, float]:
+    ) -> ClaimResult:
         """Take up to n deliveries in flight; queue ones go to `assignment` in order, topic
         copies only to recipients with free slots (the others wait).
 
@@ -440,12 +505,27 @@ class Store:
         reason; kind `expired` for one whose TTL ran out, its content `dead` or `drop`),
         when the next delayed one falls due (unix ms), and how long the app's
         DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
+        res = await self._call("claim", app, self.claim_args(now, n, alive, assignment, rate))
+        return self._claimed(res)
+
+    def claim_args(
+        self,
+        now: int,
+        n: int,
+        alive: Sequence[AliveRecipient],
+        assignment: Sequence[str],
+        rate: float = 0.0,
+    ) -> list[Any]:
+        """The arguments of `claim` (lua/claim.lua)."""
         drop = 1 if self.expired_drop else 0
         args: list[Any] = [now, self.lease_ms, n, len(alive), rate, drop]
         for r in alive:
             args += (r.rid, r.free, 1 if r.takes_length else 0)
         args += assignment
-        res = await self._call("claim", app, args)
+        return args
+
+    @staticmethod
+    def _claimed(res: list[Any]) -> ClaimResult:
         nxt = int(float(res[-2]))
         out = []
         for i in range(0, len(res) - 2, 7):

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from skmq.deliverylog import now_ms
 from skmq.registry.balance import Balancer
 from skmq.registry.recipients import Recipient
-from skmq.store import AliveRecipient, Claimed, Store
+from skmq.store import AliveRecipient, ClaimArgs, Claimed, ClaimResult, Store
 
 log = structlog.get_logger("skmq.dispatch")
 
@@ -56,6 +56,10 @@ class Dispatcher:
     # leases often only while it has been claiming.
     last_claim: float = field(init=False, default=float("-inf"))
     idle_wait: float = field(init=False, default=POLL)
+    # A claim in flight: this dispatcher's own, or one a store's round trip carries.
+    claiming: bool = field(init=False, default=False)
+    carried: bool = field(init=False, default=False)
+    missed: bool = field(init=False, default=False)  # woken while a store carried its claim
 
     async def run(self) -> None:
         backoff = 0.05
@@ -80,11 +84,32 @@ class Dispatcher:
     async def step(self) -> float:
         """Claim and push once; returns how long to sleep unless woken (0: go on now)."""
         self.wake.clear()
+        if self.carried:  # a store's round trip carries a claim: it wakes us again
+            self.missed = True
+            return POLL
+        plan = self._plan()
+        if isinstance(plan, float):
+            return plan
+        n, alive, assignment = plan
+        self.claiming = True
+        try:
+            async with self.claims:
+                now = now_ms()
+                result = await self.store.claim(
+                    self.app, now, n, alive, assignment, self.delivery_rate
+                )
+        finally:
+            self.claiming = False
+        return self._claimed(n, result)
+
+    def _plan(self, at_least: int = 0) -> tuple[int, list[AliveRecipient], list[str]] | float:
+        """How many to claim (the batch, or `at_least` up to CLAIM_BATCH), for which
+        recipients; or how long to sleep (nothing to do)."""
         recipients = [] if self.paused else self.alive(self.app)
         if not recipients:
             return NO_RECIPIENT_POLL
         free = self.free_slots(self.app, recipients)
-        n = min(sum(free.values()), self.batch)
+        n = min(sum(free.values()), max(self.batch, min(at_least, CLAIM_BATCH)))
         self.starved = n <= 0
         if n <= 0:
             return POLL
@@ -95,11 +120,11 @@ class Dispatcher:
             self.starved = True
             return POLL
         alive = [AliveRecipient(r.id, free.get(r.id, 0), "length" in r.caps) for r in recipients]
-        async with self.claims:
-            now = now_ms()
-            claimed, next_due, rate_wait = await self.store.claim(
-                self.app, now, n, alive, assignment, self.delivery_rate
-            )
+        return n, alive, assignment
+
+    def _claimed(self, n: int, result: ClaimResult) -> float:
+        """Push what a claim of n took; returns how long to sleep unless woken."""
+        claimed, next_due, rate_wait = result
         self.balancer.commit(sum(1 for c in claimed if c.kind == "queue"))
         if claimed:
             self.last_claim = time.monotonic()
@@ -114,3 +139,32 @@ class Dispatcher:
         if next_due is not None:
             return min(POLL, max(0.0, (next_due - now_ms()) / 1000))
         return POLL if claimed else self._idle()
+
+    # -- a claim carried by a store's round trip (skmq/workers/enqueue.py) ----------
+    def carry_claim(self, now: int, stored: int) -> ClaimArgs | None:
+        """The claim a wake-up would make now, for the round trip storing `stored` new
+        messages of this app to carry (run after the store, it sees them): one round trip
+        a message less at a low rate. It asks for one more than were stored, so that it
+        comes back full (and the dispatcher claims again) only if more were waiting.
+        None while this dispatcher claims itself (or its wake-up is due anyway), or has
+        nothing to claim for: then the store wakes it as before."""
+        if self.carried or self.claiming or self.paused or self.wake.is_set():
+            return None
+        plan = self._plan(at_least=stored + 1)
+        if isinstance(plan, float):
+            return None
+        n, alive, assignment = plan
+        self.carried = True
+        args = self.store.claim_args(now, n, alive, assignment, self.delivery_rate)
+
+        def done(result: ClaimResult | BaseException) -> None:
+            self.carried = False
+            again, self.missed = self.missed, False
+            if isinstance(result, BaseException):
+                again = True  # it claims again itself
+            elif self._claimed(n, result) < POLL:
+                again = True  # more to take now, or soon: its own loop times that
+            if again or self.paused:
+                self.wake.set()
+
+        return ClaimArgs(self.app, args, done)

@@ -5,12 +5,12 @@ and dropped when the app is forgotten (no recipients, no messages)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sized
 
 import structlog
 
 from skmq.registry.recipients import Recipient, Registry
-from skmq.store import Claimed, Store
+from skmq.store import ClaimArgs, Claimed, Store
 from skmq.supervisor import Supervisor
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.rotation import APPS_A_ROUND, Rotation
@@ -62,6 +62,20 @@ class Dispatchers:
             )
             self._tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
+
+    def carry_claims(self, stored: Mapping[str, Sized], now: int) -> list[ClaimArgs]:
+        """The claims of the idle dispatchers of the apps of `stored` (each app's new
+        messages), for a store's round trip to carry (skmq/workers/enqueue.py); the
+        others are woken once the store is done."""
+        if self.stopping:
+            return []
+        claims = []
+        for app, messages in stored.items():
+            d = self.by_app.get(app)
+            c = d.carry_claim(now, len(messages)) if d is not None else None
+            if c is not None:
+                claims.append(c)
+        return claims
 
     def answered(self, app: str, failed: bool) -> None:
         """Answers free window slots; failures also schedule retries whose due time the

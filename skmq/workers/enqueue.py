@@ -14,7 +14,7 @@ store, `room()` holds the handle stage back (backpressure down to TCP).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping, Sized
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from skmq.aio import spawn
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
-from skmq.store import NewMessage, Store
+from skmq.store import ClaimArgs, NewMessage, Store
 
 log = structlog.get_logger("skmq.enqueue")
 
@@ -82,11 +82,16 @@ class Enqueuer:
     _: KW_ONLY
     max_pending_bytes: int = 64 << 20
     timeout: float = 5.0
+    # The claims of idle dispatchers of the batch's apps, carried by its round trip
+    # (skmq/workers/dispatch.py: carry_claim); the other apps are woken (on_stored).
+    carry_claims: Callable[[Mapping[str, Sized], int], list[ClaimArgs]] | None = None
     pending_bytes: int = field(init=False, default=0)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
+        if not self.store.carries_claims:
+            self.carry_claims = None
         self._room.set()
 
     async def room(self) -> None:
@@ -137,11 +142,15 @@ class Enqueuer:
 
     async def _store_and_log(self, batch: EnqueueBatch) -> None:
         received = now_ms()
+        carried: set[str] = set()
         try:
             async with asyncio.timeout(self.timeout):
                 await self.note_apps(set(batch.messages))
+                # (made right before the store: it hands each its end, whatever happens)
+                claims = self.carry_claims(batch.messages, received) if self.carry_claims else []
+                carried = {c.app for c in claims}
                 results = await self.store.store(
-                    batch.messages, received, lambda res: self._log(batch, received, res)
+                    batch.messages, received, lambda res: self._log(batch, received, res), claims
                 )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store unavailable", error=repr(exc))
@@ -150,4 +159,4 @@ class Enqueuer:
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
         batch.future.set_result(results)
-        self.on_stored({app for app, res in results.items() if any(res)})
+        self.on_stored({app for app, res in results.items() if any(res)} - carried)
