@@ -201,16 +201,12 @@ class SkmqBroker:
 
     async def redis_memory(self) -> dict[str, int]:
         """`INFO memory` figures of the broker's Redis (empty if unknown)."""
-        if not self.redis_info:
+        if not self.redis_info or "url" not in self.redis_info:
             return {}
         import redis.asyncio as aioredis
 
-        client = aioredis.Redis(
-            host=str(self.redis_info.get("host", "127.0.0.1")),
-            port=int(self.redis_info.get("port", 6379)),
-            password=self.redis_info.get("password"),
-            socket_timeout=10,
-        )
+        # redis.json's URL carries the embedded server's password.
+        client = aioredis.Redis.from_url(str(self.redis_info["url"]), socket_timeout=10)
         try:
             info = await client.info("memory")
             keyspace = await client.dbsize()
