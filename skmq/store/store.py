@@ -18,6 +18,7 @@ from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
@@ -35,6 +36,8 @@ from skmq.store.client import (
 )
 from skmq.store.client import text as _s
 from skmq.store.directory import AppDirectory
+
+log = structlog.get_logger("skmq.store")
 
 SEP = "\x1f"
 
@@ -153,6 +156,20 @@ class ClaimArgs:
     app: str
     args: list[Any]  # Store.claim_args
     done: Callable[[ClaimResult | BaseException], None]
+
+
+def _hand_over(claim: ClaimArgs, reply: Any) -> None:
+    """A carried claim's reply to its dispatcher. Its trouble (a reply that does not
+    parse, a push that raises) is its own: logged, never the store's, which succeeded."""
+    result: ClaimResult | BaseException
+    try:
+        result = reply if isinstance(reply, Exception) else Store.parse_claim(reply)
+    except Exception as exc:  # the dispatcher claims again itself
+        result = exc
+    try:
+        claim.done(result)
+    except Exception:
+        log.exception("pushing a carried claim failed", app=claim.app)
 
 
 @dataclass(slots=True)
@@ -389,7 +406,7 @@ class Store:
                 stored(outcome)
         finally:  # every claim hears its end, whatever happens here
             for c, res in zip(claims, claimed, strict=True):
-                c.done(res if isinstance(res, Exception) else self._claimed(res))
+                _hand_over(c, res)
         # A new `listed` mark, or a duplicate (perhaps the retry of a store whose broker
         # died before listing the app): list the app (skmq/store/directory.py). Even if
         # too few replicas acknowledged: the messages are stored on their masters.
@@ -506,7 +523,7 @@ class Store:
         when the next delayed one falls due (unix ms), and how long the app's
         DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
         res = await self._call("claim", app, self.claim_args(now, n, alive, assignment, rate))
-        return self._claimed(res)
+        return self.parse_claim(res)
 
     def claim_args(
         self,
@@ -525,7 +542,7 @@ class Store:
         return args
 
     @staticmethod
-    def _claimed(res: list[Any]) -> ClaimResult:
+    def parse_claim(res: list[Any]) -> ClaimResult:
         nxt = int(float(res[-2]))
         out = []
         for i in range(0, len(res) - 2, 7):
