@@ -15,7 +15,9 @@ DATA_DIR and embedded Redis persisting with AOF):
            the producer achieved, CPU per delivered message of the broker (and of
            SKMQ's Redis).
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
-           Redis `used_memory` growth per message (SKMQ only).
+           Redis `used_memory` growth per message (SKMQ only); then --recipients
+           recipients drain it (capped at --drain-backlog-time): drain msg/s, the
+           broker's RSS peak meanwhile, lost and duplicated.
 
 The same ingest / e2e / paced scenarios run against NATS JetStream with nats-py
 (file-stored stream, PubAck awaited, explicit acks, max_ack_pending 100) when it
@@ -143,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--backlog-time", type=float, default=150.0, help="cap on backlog sending, s")
     p.add_argument(
+        "--drain-backlog-time",
+        type=float,
+        default=120.0,
+        help="cap on the backlog's drain by --recipients recipients, s (0: no drain)",
+    )
+    p.add_argument(
         "--json",
         nargs="?",
         const="",
@@ -234,8 +242,17 @@ class Runner:
             plan = LoadPlan(paced_name(rate), 1, a.latency_recipients, count, rate=rate)
             plan.send_time, plan.ack_wait, plan.drain_time = a.latency_time + 5.0, 10.0, 10.0
         else:
-            plan = LoadPlan(scenario, a.producers, 0, a.backlog_messages, send_time=a.backlog_time)
-            plan.ack_wait, plan.drain_time = 15.0, 0.0
+            # Stored with no recipient; then the recipients start and drain it.
+            drain = a.drain_backlog_time > 0 and a.recipients > 0
+            plan = LoadPlan(
+                scenario,
+                a.producers,
+                a.recipients if drain else 0,
+                a.backlog_messages,
+                send_time=a.backlog_time,
+            )
+            plan.ack_wait, plan.drain_time = 15.0, a.drain_backlog_time if drain else 0.0
+            plan.recipients_late = drain
         if send_time is not None:
             plan.send_time = send_time
         plan.window = a.window
@@ -345,12 +362,13 @@ class Runner:
             def sample() -> None:
                 peak[0] = max(peak[0], broker.rss())
 
-            if backlog:
-                mem0 = await self._redis_memory(broker)
-                extra["broker_rss_before"] = broker.rss()
-                extra["redis_used_memory_before"] = mem0.get("used_memory")
-            res = await run_load(broker, plan, self.workdir, on_sample=sample)
-            if backlog and res.acked:
+            mem0: dict[str, int] = {}
+
+            async def stored(res: LoadResult) -> None:
+                """The backlog's memory figures, once every producer is done (and before
+                a drain: then `peak` restarts, to hold the drain's RSS peak)."""
+                if not res.acked:
+                    return
                 await asyncio.sleep(1.0)
                 sample()
                 mem1 = await self._redis_memory(broker)
@@ -364,7 +382,26 @@ class Runner:
                     extra["redis_used_memory_delta"] = delta
                     extra["redis_bytes_per_msg"] = delta / res.acked
                 extra["aof_bytes"] = broker.aof_bytes()
-            extra["broker_rss_peak"] = max(peak[0], broker.rss())
+                peak[0] = broker.rss()
+
+            if backlog:
+                mem0 = await self._redis_memory(broker)
+                extra["broker_rss_before"] = broker.rss()
+                extra["redis_used_memory_before"] = mem0.get("used_memory")
+            res = await run_load(
+                broker,
+                plan,
+                self.workdir,
+                on_sample=sample,
+                before_drain=stored if backlog else None,
+            )
+            if backlog and not plan.recipients_late:
+                await stored(res)
+            if backlog and plan.recipients_late and "broker_rss_after" in extra:
+                # the drain's peak (the stored backlog's is broker_rss_peak)
+                extra["drain_broker_rss_peak"] = max(peak[0], broker.rss())
+            else:
+                extra["broker_rss_peak"] = max(peak[0], broker.rss())
             extra["delivery_log_bytes"] = broker.delivery_log_bytes()
             if plan.keys:
                 extra["keys"] = plan.keys
@@ -423,6 +460,12 @@ class Runner:
         )
         rate = ingest.ingest_rate if ingest is not None and ingest.ingest_rate else 20_000.0
         needed = a.backlog_messages / rate * 1.2 + 20.0
+        if a.drain_backlog_time > 0 and a.recipients > 0:
+            # at about SKMQ's e2e rate, if measured; else the cap
+            e2e = [r for r in self.results if r.system == "skmq" and r.scenario == "e2e"]
+            drain_rate = e2e[0].e2e_rate or 0.0 if e2e else 0.0
+            drain = a.backlog_messages / drain_rate * 1.2 if drain_rate else a.drain_backlog_time
+            needed += min(drain, a.drain_backlog_time) + 5.0
         if not a.backlog_explicit and needed > self.remaining():
             self.skipped(
                 "skmq",
@@ -436,8 +479,14 @@ class Runner:
         if plan is None:
             self.skipped("skmq", "backlog", "time limit")
             return
+        then = (
+            f", then {plan.recipients} recipients drain it (cap {plan.drain_time:.0f}s)"
+            if plan.recipients_late
+            else ""
+        )
         self.log(
-            f"skmq backlog: {plan.messages:,} messages, {plan.producers} producers, no recipients"
+            f"skmq backlog: {plan.messages:,} messages, {plan.producers} producers, "
+            f"no recipients{then}"
         )
         res = await self.skmq(plan, backlog=True)
         self.results.append(res)
@@ -556,7 +605,11 @@ def summary(r: LoadResult) -> str:
     parts = [f"sent {r.sent:,}", f"acked {r.acked:,}", f"ingest {r.ingest_rate or 0:,.0f} msg/s"]
     if r.target_rate and r.achieved_rate is not None:
         parts.append(f"achieved {r.achieved_rate:,.0f} of {r.target_rate:,.0f} msg/s")
-    if r.recipients:
+    if r.recipients_late:
+        rate = r.extra.get("drain_rate")
+        parts += [f"drained {r.unique:,}", f"drain {rate or 0:,.0f} msg/s"]
+        parts += [f"lost {r.lost}", f"dup {r.duplicates}"]
+    elif r.recipients:
         parts += [f"received {r.unique:,}", f"e2e {r.e2e_rate or 0:,.0f} msg/s"]
         if r.latency_ms:
             parts.append(f"p99 {r.latency_ms['p99']:.2f} ms")

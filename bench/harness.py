@@ -3,7 +3,9 @@
 `Child` starts one load process (`python -m bench.<module> ...`) and follows its
 JSON event lines; `run_load` runs one scenario (recipients, then producers,
 then the drain wait) against a `System` and computes the figures: rates,
-latency percentiles, lost and duplicated messages, CPU per message.
+latency percentiles, lost and duplicated messages, CPU per message. With
+`LoadPlan.recipients_late` (the backlog's drain) the recipients start only once
+every producer is done: the stored backlog's drain rate, lost and duplicated.
 Every wait is bounded; every child is killed when the scenario ends.
 """
 
@@ -17,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -176,6 +178,9 @@ class LoadPlan:
     settle_time: float = 0.5  # and this long more, to catch late duplicates
     deadline: float = 0.0  # unix time: every child's hard exit
     keys: int = 0  # ordering keys (SKMQ's key=): message n gets key k<n % keys>; 0: none
+    # Start the recipients only after the producers are done (and `before_drain` ran):
+    # they drain a stored backlog; `drain_time` caps the drain.
+    recipients_late: bool = False
 
 
 @dataclass
@@ -209,6 +214,8 @@ class LoadResult:
     target_rate: float = 0.0
     achieved_rate: float | None = None
     lag_max_ms: float | None = None
+    # recipients started after ingest (the backlog's drain): figures in extra["drain_*"]
+    recipients_late: bool = False
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
@@ -247,13 +254,18 @@ async def run_load(
     plan: LoadPlan,
     workdir: Path,
     on_sample: Callable[[], None] | None = None,
+    before_drain: Callable[[LoadResult], Awaitable[None]] | None = None,
 ) -> LoadResult:
-    """Run one scenario; never raises for a load problem (see `LoadResult.error`)."""
+    """Run one scenario; never raises for a load problem (see `LoadResult.error`).
+
+    `before_drain` (with `plan.recipients_late`): awaited once the producers are done,
+    before the recipients start (the backlog's memory figures)."""
     res = LoadResult(system=system.name, scenario=plan.scenario, target_rate=plan.rate)
     res.producers, res.recipients, res.planned = plan.producers, plan.recipients, plan.messages
+    res.recipients_late = plan.recipients_late
     children: list[Child] = []
     try:
-        await _run_load(system, plan, workdir, res, children, on_sample)
+        await _run_load(system, plan, workdir, res, children, on_sample, before_drain)
     except BenchError as exc:
         res.error = str(exc)
     finally:
@@ -268,19 +280,12 @@ async def _run_load(
     res: LoadResult,
     children: list[Child],
     on_sample: Callable[[], None] | None,
+    before_drain: Callable[[LoadResult], Awaitable[None]] | None,
 ) -> None:
     common = ["--deadline", f"{plan.deadline:.3f}"]
     recipients: list[Child] = []
-    for i in range(plan.recipients):
-        module, args = system.recipient_cmd(i)
-        child = Child(f"{plan.scenario}-recipient{i}", module, [*args, *common], workdir)
-        children.append(child)
-        recipients.append(child)
-        await child.start()
-    for child in recipients:
-        ready = await child.wait_event("ready", 30)
-        if ready.get("registered") is False:
-            raise BenchError(f"{child.name}: registration refused: {ready.get('answer')}")
+    if not plan.recipients_late:
+        recipients = await _start_recipients(system, plan, workdir, children)
 
     producers: list[Child] = []
     per = plan.messages // plan.producers
@@ -341,14 +346,31 @@ async def _run_load(
     res.ingest_rate = res.acked / res.send_seconds
     clients_cpu = sum(float(r.get("cpu_s", 0.0)) for r in producer_results)
 
-    if not recipients:
+    if plan.recipients_late or not recipients:
+        # Ingest CPU, per acked message (a late drain's CPU goes to extra["drain_*"]).
         res.cpu_basis = res.acked
         _set_cpu(res, cpu0, cpu_after_ingest, clients_cpu)
+        clients_cpu = 0.0
+    cpu_drain0, t_drain0 = cpu_after_ingest, 0
+    if plan.recipients_late and plan.recipients and res.acked:
+        if before_drain is not None:
+            await before_drain(res)
+        if not system.alive():
+            raise BenchError("the system under test is gone before the drain")
+        cpu_drain0 = _sample(system)
+        t_drain0 = time.time_ns()
+        recipients = await _start_recipients(system, plan, workdir, children)
+    if not recipients:
         return
 
     # Drain: wait until the recipients hold every acked message (bounded).
-    deadline = time.monotonic() + plan.drain_time
-    while time.monotonic() < deadline:
+    t_wait0 = time.monotonic()
+    deadline = t_wait0 + plan.drain_time
+    capped = False  # the wait ended at its cap, not everything received
+    while True:
+        if time.monotonic() >= deadline:
+            capped = True
+            break
         if any("exit" in c.events for c in recipients) or not system.alive():
             break
         unique = sum(int(c.progress.get("unique", 0)) for c in recipients)
@@ -357,6 +379,7 @@ async def _run_load(
         if on_sample is not None:
             on_sample()
         await asyncio.sleep(0.1)
+    waited = time.monotonic() - t_wait0
     await asyncio.sleep(plan.settle_time)
     cpu1 = _sample(system)
     for child in recipients:
@@ -390,12 +413,55 @@ async def _run_load(
     res.lost = len(acked_ids - received)
     res.unexpected = len(received - sent_ids)
     res.unconfirmed_received = len((received & sent_ids) - acked_ids)
+    if plan.recipients_late:
+        # The drain of the stored backlog: from the recipients' start to the last receipt.
+        # Latency (send to receipt) would only count the time spent stored: not reported.
+        delivered = len(received & acked_ids)
+        seconds = max((t_last - t_drain0) / 1e9, 1e-9) if t_last else None
+        t_first = min((int(r["t_first"]) for r in recipient_results if r["t_first"]), default=0)
+        res.extra["drain_delivered"] = delivered
+        res.extra["drain_seconds"] = seconds
+        res.extra["drain_rate"] = delivered / seconds if seconds else None
+        res.extra["drain_first_receipt_s"] = (t_first - t_drain0) / 1e9 if t_first else None
+        res.extra["drain_cap_s"] = plan.drain_time
+        res.extra["drain_capped"] = capped
+        res.extra["drain_waited_s"] = round(waited, 3)
+        cpu_basis = max(res.unique, 1)
+        for key in ("broker", "redis"):
+            spent = _cpu_delta(cpu_drain0, cpu1, key)
+            res.extra[f"drain_{key}_cpu_us"] = spent * 1e6 / cpu_basis if spent else None
+        res.extra["drain_clients_cpu_us"] = clients_cpu * 1e6 / cpu_basis
+        if capped:
+            res.notes.append(
+                f"backlog drain stopped at its cap ({plan.drain_time:.0f}s): "
+                f"{delivered:,} of {res.acked:,} stored messages received"
+            )
+        return
     if t_last:
         res.e2e_seconds = max((t_last - t_start) / 1e9, 1e-9)
         res.e2e_rate = res.unique / res.e2e_seconds
     res.latency_ms = latency_summary(latencies)
     res.cpu_basis = res.unique
     _set_cpu(res, cpu0, cpu1, clients_cpu)
+
+
+async def _start_recipients(
+    system: System, plan: LoadPlan, workdir: Path, children: list[Child]
+) -> list[Child]:
+    """Start the plan's recipients and wait (bounded) until each one is registered."""
+    common = ["--deadline", f"{plan.deadline:.3f}"]
+    recipients: list[Child] = []
+    for i in range(plan.recipients):
+        module, args = system.recipient_cmd(i)
+        child = Child(f"{plan.scenario}-recipient{i}", module, [*args, *common], workdir)
+        children.append(child)
+        recipients.append(child)
+        await child.start()
+    for child in recipients:
+        ready = await child.wait_event("ready", 30)
+        if ready.get("registered") is False:
+            raise BenchError(f"{child.name}: registration refused: {ready.get('answer')}")
+    return recipients
 
 
 def _set_cpu(

@@ -48,15 +48,24 @@ def _cpu_of(proc: psutil.Process) -> float:
 
 
 def _tree(proc: psutil.Process, exclude: psutil.Process | None) -> list[psutil.Process]:
-    """`proc` and its descendants, less `exclude` and its own descendants."""
-    skip: set[int] = set()
-    if exclude is not None:
-        skip.add(exclude.pid)
-        with contextlib.suppress(psutil.Error):
-            skip.update(c.pid for c in exclude.children(recursive=True))
+    """`proc` and its descendants, less `exclude` and its own descendants.
+
+    Each descendant's ancestry is checked after it was listed: a fork of `exclude`
+    (Redis's AOF rewrite) made meanwhile is never counted as `proc`'s (a list of
+    `exclude`'s children taken first would miss it, and its copy-on-write RSS and
+    CPU would count as the broker's)."""
     procs = [proc]
+    children: list[psutil.Process] = []
     with contextlib.suppress(psutil.Error):
-        procs.extend(c for c in proc.children(recursive=True) if c.pid not in skip)
+        children = proc.children(recursive=True)
+    for child in children:
+        if exclude is not None:
+            try:
+                if child.pid == exclude.pid or any(a.pid == exclude.pid for a in child.parents()):
+                    continue
+            except psutil.Error:  # gone meanwhile: nothing to count
+                continue
+        procs.append(child)
     return procs
 
 
