@@ -244,3 +244,15 @@ async def test_a_failing_carried_claim_never_fails_the_store(store: Store) -> No
     assert len(heard) == 1 and isinstance(heard[0], Exception)
     got, _, _ = await store.claim(APP, NOW, 4, alive("r1"), ["r1"] * 4)
     assert [c.msgid for c in got] == ["c3"]
+
+
+async def test_a_carried_claim_survives_a_script_flush(store: Store) -> None:
+    """NOSCRIPT (a Redis restarted without its scripts): the store and the claim it
+    carries are both loaded again and sent again, once."""
+    await store.redis.script_flush()
+    heard: list[Any] = []
+    claim = ClaimArgs(APP, store.claim_args(NOW, 4, alive("r1"), ["r1"] * 4), heard.append)
+    res = await store.store({APP: [NewMessage("f1", "queue", b"x")]}, NOW, None, [claim])
+    assert res == {APP: [True]}
+    got, _, _ = heard[0]
+    assert [c.msgid for c in got] == ["f1"]

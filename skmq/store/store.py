@@ -316,12 +316,16 @@ class Store:
         name: str,
         calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]],
         replicas: int = 0,
+        riders: Sequence[tuple[str, str, Sequence[Any]]] = (),
     ) -> list[Any]:
         """Script `name` once per (app, args, extra keys), pipelined in one round trip (a
         cluster pipeline sends each node its calls). With `replicas`, each node then
         runs WAIT on the connection that ran its scripts (how many of its replicas have
         the writes, waiting up to REPLICA_ACK_TIMEOUT for `replicas`): their answers
-        follow the scripts' in the list returned."""
+        follow the scripts' in the list returned. `riders`, (script, app, args) calls
+        that ride last in the same round trip (a carried claim), answer last; an error
+        of theirs is returned in its place, never raised."""
+        names = {name, *(rider for rider, _, _ in riders)}
         script = self._scripts[name]
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=False)
@@ -337,13 +341,21 @@ class Store:
                 for node in nodes.values() or (None,):
                     options = {"target_nodes": node} if node is not None else {}
                     pipe.execute_command("WAIT", replicas, self.replica_ack_ms, **options)
+            for rider, app, args in riders:
+                keys = self._keys(rider, app)
+                pipe.execute_command("EVALSHA", self._scripts[rider].sha, len(keys), *keys, *args)
             try:
-                results: list[Any] = await pipe.execute()
+                results: list[Any] = await pipe.execute(raise_on_error=not riders)
+                own = results[: len(results) - len(riders)]
+                error = next((r for r in own if isinstance(r, Exception)), None)
+                if error is not None:
+                    raise error
                 return results
             except NoScriptError:
                 if attempt == 2:
                     raise
-                await self.redis.script_load(script.script)
+                for n in names:
+                    await self.redis.script_load(self._scripts[n].script)
         raise AssertionError("unreachable")
 
     async def load_scripts(self) -> None:
@@ -388,16 +400,15 @@ class Store:
                 kind = "t" if m.kind == "topic" else "q"
                 args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
             calls.append((app, args, done))
+        riders = [("claim", c.app, c.args) for c in claims]
         try:
-            if claims:
-                replies, claimed = await self._store_claiming(calls, claims)
-            else:
-                replies, claimed = await self._call_each("store", calls, self.replica_acks), []
+            replies = await self._call_each("store", calls, self.replica_acks, riders)
         except BaseException as exc:
             for c in claims:
                 c.done(exc)
             raise
-        results, acked = replies[: len(calls)], replies[len(calls) :]
+        own = len(replies) - len(riders)
+        results, acked, claimed = replies[: len(calls)], replies[len(calls) : own], replies[own:]
         try:
             outcome = {
                 app: [bool(x) for x in res[1:]] for app, res in zip(batches, results, strict=True)
@@ -416,33 +427,6 @@ class Store:
         if any(int(n) < self.replica_acks for n in acked):
             raise ReplicasMissing(f"{min(acked)} of {self.replica_acks} replicas acknowledged")
         return outcome
-
-    async def _store_claiming(
-        self,
-        calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]],
-        claims: Sequence[ClaimArgs],
-    ) -> tuple[list[Any], list[Any]]:
-        """The store calls, then the claims, pipelined in one round trip; an error of a
-        store call raises (NOSCRIPT: the scripts loaded and everything sent again), one
-        of a claim is returned in its place."""
-        store, claim = self._scripts["store"], self._scripts["claim"]
-        for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=False)
-            for app, args, extra in calls:
-                keys = self._keys("store", app, *extra)
-                pipe.execute_command("EVALSHA", store.sha, len(keys), *keys, *args)
-            for c in claims:
-                keys = self._keys("claim", c.app)
-                pipe.execute_command("EVALSHA", claim.sha, len(keys), *keys, *c.args)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-            errors = [r for r in replies[: len(calls)] if isinstance(r, Exception)]
-            if not errors:
-                return replies[: len(calls)], replies[len(calls) :]
-            if attempt == 2 or not isinstance(errors[0], NoScriptError):
-                raise errors[0]
-            await self.redis.script_load(store.script)
-            await self.redis.script_load(claim.script)
-        raise AssertionError("unreachable")
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
         """Record that a broker is alive (for `skmq status`)."""
