@@ -52,18 +52,10 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
 
     pacer = Pacer(args.rate, args.count)
     stop_at = time.monotonic() + args.send_time
-    stopped_early = False
+    stopped_early = False  # the window stayed full up to the time cap
     t_start = time.time_ns()
     pacer.start()
-    while pacer.sent < args.count and not stopped_early:
-        now = time.monotonic()
-        if now >= stop_at:
-            stopped_early = True
-            break
-        due = pacer.due(now)
-        if due <= 0:
-            await pacer.wait()
-            continue
+    while not stopped_early and (due := await pacer.next_batch(stop_at)):
         # Everything due (500 at most before looking at the clock again): one publish
         # task each, `--window` unconfirmed at most.
         for _ in range(min(due, 500)):
@@ -100,7 +92,7 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
         "t_start": t_start,
         "t_sent": t_sent,
         "t_end": t_last_confirm or t_sent,
-        "stopped_early": stopped_early,
+        "stopped_early": stopped_early or pacer.capped,
         **pacer.summary(),
         "cpu_s": cpu_seconds() - cpu0,
     }

@@ -36,6 +36,7 @@ class Pacer:
         self.sent = 0
         self.writes = 0
         self.lag_max = 0.0
+        self.capped = False  # the time cap came before the last message
 
     def start(self) -> None:
         """Message 0 is due now."""
@@ -54,6 +55,20 @@ class Pacer:
             return
         delay = self.t0 + self.sent / self.rate - time.monotonic()
         await asyncio.sleep(max(delay, self.tick))
+
+    async def next_batch(self, stop_at: float) -> int:
+        """Wait until a message is due; how many are due now. 0: all sent, or `stop_at`
+        (monotonic seconds) passed first (then `capped`)."""
+        while self.sent < self.count:
+            now = time.monotonic()
+            if now >= stop_at:
+                self.capped = True
+                return 0
+            due = self.due(now)
+            if due > 0:
+                return due
+            await self.wait()
+        return 0
 
     def record(self, n: int) -> None:
         """`n` messages (the next ones of the schedule) were written just now."""

@@ -153,24 +153,13 @@ async def producer_main(args: argparse.Namespace) -> None:
     pacer.start()
     transport = proto.transport
     assert transport is not None
-    stopped_early = False
-    while pacer.sent < count:
-        if proto.closed.is_set():
-            break
-        now = time.monotonic()
-        if now >= stop_at:
-            stopped_early = True
-            break
-        due = pacer.due(now)
-        if due <= 0:
-            await pacer.wait()
-            continue
+    while not proto.closed.is_set() and (due := await pacer.next_batch(stop_at)):
         seq = pacer.sent
         room = window - (seq - proto.responses)
         if room <= 0:
             proto.progress.clear()
             try:
-                async with asyncio.timeout(max(stop_at - now, 0.01)):
+                async with asyncio.timeout(max(stop_at - time.monotonic(), 0.01)):
                     await proto.progress.wait()
             except TimeoutError:
                 pass
@@ -214,7 +203,7 @@ async def producer_main(args: argparse.Namespace) -> None:
         "t_start": t_start,
         "t_sent": t_sent,
         "t_end": proto.t_last_resp or t_sent,
-        "stopped_early": stopped_early,
+        "stopped_early": pacer.capped,
         **pacer.summary(),
         "connection_lost": proto.closed.is_set(),
         "cpu_s": cpu_seconds() - cpu0,

@@ -312,13 +312,24 @@ class ExternalSystem:
                 total += _cpu_of(p)
         return {"broker": total, "redis": None}
 
+    module = "?"  # its load process (bench.confirmed's flags, plus its target's)
+
+    def target(self) -> list[str]:
+        """The load process's flags naming the server and the queue or stream."""
+        raise NotImplementedError
+
+    def consumer_flags(self) -> list[str]:
+        return []
+
     def producer_cmd(
         self, index: int, count: int, rate: float, prefix: str
     ) -> tuple[str, list[str]]:
-        raise NotImplementedError
+        args = ["producer", *self.target(), "--count", str(count)]
+        return self.module, [*args, "--rate", f"{rate:.3f}", "--prefix", prefix]
 
     def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
-        raise NotImplementedError
+        args = ["consumer", *self.target(), *self.consumer_flags(), "--rid", f"c{index + 1}"]
+        return self.module, args
 
     async def reset(self, delete: bool = False) -> None:
         """Make the scenario's queue or stream empty (`delete`: drop it)."""
@@ -331,22 +342,15 @@ class RabbitSystem(ExternalSystem):
     name = "rabbitmq"
     label = "RabbitMQ"
     process_name = "beam.smp"
+    module = "bench.rabbit_load"
 
     def __init__(self, url: str, queue: str) -> None:
         super().__init__()
         self.url = url
         self.queue = queue
 
-    def producer_cmd(
-        self, index: int, count: int, rate: float, prefix: str
-    ) -> tuple[str, list[str]]:
-        args = ["producer", "--url", self.url, "--queue", self.queue, "--count", str(count)]
-        args += ["--rate", f"{rate:.3f}", "--prefix", prefix]
-        return "bench.rabbit_load", args
-
-    def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
-        args = ["consumer", "--url", self.url, "--queue", self.queue, "--rid", f"c{index + 1}"]
-        return "bench.rabbit_load", args
+    def target(self) -> list[str]:
+        return ["--url", self.url, "--queue", self.queue]
 
     async def reset(self, delete: bool = False) -> None:
         """Declare the durable queue and purge it (or delete it)."""
@@ -378,6 +382,7 @@ class NatsSystem(ExternalSystem):
     name = "nats"
     label = "NATS"
     process_name = "nats-server"
+    module = "bench.nats_load"
 
     def __init__(self, url: str, stream: str) -> None:
         super().__init__()
@@ -385,17 +390,11 @@ class NatsSystem(ExternalSystem):
         self.stream = stream
         self.subject = f"{stream}.msgs"
 
-    def producer_cmd(
-        self, index: int, count: int, rate: float, prefix: str
-    ) -> tuple[str, list[str]]:
-        args = ["producer", "--url", self.url, "--subject", self.subject, "--count", str(count)]
-        args += ["--rate", f"{rate:.3f}", "--prefix", prefix]
-        return "bench.nats_load", args
+    def target(self) -> list[str]:
+        return ["--url", self.url, "--subject", self.subject]
 
-    def recipient_cmd(self, index: int) -> tuple[str, list[str]]:
-        args = ["consumer", "--url", self.url, "--subject", self.subject]
-        args += ["--durable", self.stream, "--rid", f"c{index + 1}"]
-        return "bench.nats_load", args
+    def consumer_flags(self) -> list[str]:
+        return ["--durable", self.stream]
 
     async def reset(self, delete: bool = False) -> None:
         """Delete the scenario's stream if it is there; then (unless `delete`) create it."""
