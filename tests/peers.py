@@ -56,6 +56,12 @@ class RawClient:
         self.send(type, content, **fields)
         return await self.resp()
 
+    async def produce(self, appid: str, msgids: list[str]) -> list[dict[str, Any]]:
+        """A queue message (content `x`) for each msgid, pipelined; then their answers."""
+        for msgid in msgids:
+            self.send("queue", b"x", appid=appid, msgid=msgid)
+        return [await self.resp() for _ in msgids]
+
     async def closed(self, timeout: float = WAIT) -> bool:
         """True once the broker has closed the connection (reads drained)."""
         async with asyncio.timeout(timeout):

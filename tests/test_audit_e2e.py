@@ -130,9 +130,8 @@ async def test_audit_of_a_rotated_compressed_log(
     rec = await FakeRecipient("zip", "r1").start()
     assert (await rec.register(broker.server.port))["status"] == "ack"
     client = await RawClient.connect(broker.server.port)
-    for i in range(200):
-        client.send("queue", b"x", appid="zip", msgid=f"z{i}")
-    assert {(await client.resp())["status"] for _ in range(200)} == {"ack"}
+    answers = await client.produce("zip", [f"z{i}" for i in range(200)])
+    assert {a["status"] for a in answers} == {"ack"}
     async with asyncio.timeout(15):
         for _ in range(200):
             await rec.next_push()
