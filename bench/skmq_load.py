@@ -24,7 +24,7 @@ from typing import Any, cast
 import uvloop
 
 from bench.childio import Control, cpu_seconds, emit, write_result
-from bench.confirmed import report_until_stopped
+from bench.confirmed import Tally, report_until_stopped
 from bench.pacing import Pacer
 
 SEP = b"\r\n\r\n"
@@ -215,15 +215,12 @@ async def producer_main(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- recipient
 
 
-class RecipientState:
+class RecipientState(Tally):
+    """The tally of bench.confirmed's consumers, and what only SKMQ's protocol has."""
+
     def __init__(self, appid: bytes) -> None:
+        super().__init__()
         self.appid = appid
-        self.msgids: list[bytes] = []
-        self.seen: set[bytes] = set()
-        self.duplicates = 0
-        self.latencies_us: list[int] = []
-        self.t_first = 0
-        self.t_last = 0
         self.pings = 0
         self.connections = 0
         self.other_frames = 0
@@ -253,7 +250,6 @@ class RecipientProtocol(asyncio.Protocol):
             return
         st = self.state
         out: list[bytes] = []
-        now = time.time_ns()
         for frame in frames:
             if frame == b"ping":
                 st.pings += 1
@@ -279,19 +275,7 @@ class RecipientProtocol(asyncio.Protocol):
                     if len(st.other_samples) < 5:
                         st.other_samples.append(frame.decode(errors="replace")[:300])
                 continue
-            if msgid in st.seen:
-                st.duplicates += 1
-            else:
-                st.seen.add(msgid)
-            st.msgids.append(msgid)
-            try:
-                ts = int(content.split(b"|", 1)[0])
-                st.latencies_us.append((now - ts) // 1000)
-            except ValueError:
-                pass
-            if not st.t_first:
-                st.t_first = now
-            st.t_last = now
+            st.note(msgid.decode(errors="replace"), content)
             out.append(
                 b"msgid=" + msgid + b"\r\nappid=" + (appid or st.appid) + b"\r\ntype=ack" + SEP
             )
@@ -354,21 +338,12 @@ async def recipient_main(args: argparse.Namespace) -> None:
     cpu_s = await report_until_stopped(control, args.progress_interval, state)
     server.close()
     result: dict[str, Any] = {
-        "role": "recipient",
-        "rid": args.rid,
+        **state.result(args.rid, cpu_s),
         "port": port,
-        "received": len(state.msgids),
-        "unique": len(state.seen),
-        "duplicates": state.duplicates,
-        "msgids": [m.decode(errors="replace") for m in state.msgids],
-        "latencies_us": state.latencies_us,
-        "t_first": state.t_first,
-        "t_last": state.t_last,
         "pings": state.pings,
         "connections": state.connections,
         "other_frames": state.other_frames,
         "other_samples": state.other_samples,
-        "cpu_s": cpu_s,
     }
     write_result(args.result, result)
 
