@@ -15,7 +15,9 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
+import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
@@ -38,7 +40,14 @@ from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
-from skmq.store import Retries, Store, check_eviction_policy, connect_redis, redacted
+from skmq.store import (
+    Retries,
+    Store,
+    check_eviction_policy,
+    connect_redis,
+    redacted,
+    tcp_port,
+)
 from skmq.store.client import RedisClient
 from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
@@ -160,6 +169,8 @@ class Broker:
         self.dlog.listener = self.metrics.observe
         self.own = OwnAddresses()
         self.own.add_redis_url(url)
+        if isinstance(self.redis, aioredis.Redis) and urlsplit(url).scheme == "unix":
+            self.own.add("localhost", await tcp_port(self.redis))
         if isinstance(self.redis, RedisCluster):  # the nodes it found, not only the seeds
             for node in self.redis.get_nodes():
                 self.own.add(node.host, node.port)
@@ -270,6 +281,7 @@ class Broker:
             await asyncio.wait_for(
                 asyncio.to_thread(self.archive.sweep), self.settings.shutdown_timeout
             )
+        self.store.close()
         await self.redis.aclose()
         if self.embedded is not None:
             self.embedded.stop()

@@ -245,10 +245,12 @@ async def start_refused(settings: Settings) -> str:
 
 @pytest.mark.parametrize("clash", ["port", "redis"])
 async def test_a_gateway_port_the_broker_uses_already_is_refused(
-    redis_url: str, prefix: str, tmp_path: Path, clash: str
+    redis_server: EmbeddedRedis, redis_url: str, prefix: str, tmp_path: Path, clash: str
 ) -> None:
+    """(The broker reaches the session's Redis by its unix socket: the server's TCP port
+    counts as an address it uses too.)"""
     tcp = free_port()
-    http_port = tcp if clash == "port" else int(redis_url.rpartition(":")[2].partition("/")[0])
+    http_port = tcp if clash == "port" else redis_server.port
     settings = Settings(
         **{**FAST, "port": tcp, "http_port": http_port},
         redis_url=redis_url,

@@ -1,6 +1,6 @@
 """The one module that owns every Redis key and every state change of SKMQ."""
 
-from skmq.store.checks import check_eviction_policy, redacted
+from skmq.store.checks import check_eviction_policy, redacted, tcp_port
 from skmq.store.store import (
     SEP,
     AliveRecipient,
@@ -39,4 +39,5 @@ __all__ = [
     "connect_redis",
     "redacted",
     "split_delivery",
+    "tcp_port",
 ]

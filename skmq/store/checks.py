@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
@@ -47,3 +48,18 @@ async def check_eviction_policy(redis: RedisClient) -> None:
                 f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
                 "set maxmemory-policy noeviction"
             )
+
+
+async def tcp_port(redis: aioredis.Redis) -> int:
+    """The TCP port the server listens on (0: none, or CONFIG not allowed). A broker that
+    reaches its Redis by a unix socket must still know it: that server runs on this
+    machine, and a push to 127.0.0.1 on that port would be read as Redis commands."""
+    try:
+        reply = await redis.config_get("port")
+    except ResponseError as exc:
+        log.warning("cannot read the port of the Redis on the unix socket (CONFIG not "
+                    "allowed): make sure RECIPIENT_NETWORKS keeps recipients off it",
+                    error=str(exc))  # fmt: skip
+        return 0
+    raw = next(iter(reply.values()), b"0")
+    return int(raw)

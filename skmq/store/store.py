@@ -36,10 +36,13 @@ from skmq.store.client import (
 )
 from skmq.store.client import text as _s
 from skmq.store.directory import AppDirectory
+from skmq.store.multiplex import multiplexed
 
 log = structlog.get_logger("skmq.store")
 
 SEP = "\x1f"
+# A command's arguments and redis-py's options for it (a cluster's `target_nodes`).
+Routed = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def split_delivery(delivery_id: str) -> tuple[str, str | None]:
@@ -284,6 +287,12 @@ class Store:
             name: redis.register_script(scripts.source(name)) for name in scripts.KEYS
         }
         self._bases: dict[str, str] = {}
+        self._lane = multiplexed(redis)
+
+    def close(self) -> None:
+        """Close the store's own connection (the client passed in is the caller's)."""
+        if self._lane is not None:
+            self._lane.close()
 
     # -- keys ---------------------------------------------------------------
     def base(self, app: str) -> str:
@@ -309,7 +318,10 @@ class Store:
         return [base + key for key in (*scripts.KEYS[name], *extra)]
 
     async def _call(self, name: str, app: str, args: Sequence[Any], *extra_keys: str) -> Any:
-        return await self._scripts[name](self._keys(name, app, *extra_keys), args)
+        if self._lane is None:
+            return await self._scripts[name](self._keys(name, app, *extra_keys), args)
+        [reply] = await self._call_each(name, [(app, args, extra_keys)])
+        return reply
 
     async def _call_each(
         self,
@@ -327,25 +339,24 @@ class Store:
         of theirs is returned in its place, never raised."""
         names = {name, *(rider for rider, _, _ in riders)}
         script = self._scripts[name]
+        commands: list[Routed] = []
+        nodes: dict[str, Any] = {}
+        for app, args, extra in calls:
+            keys = self._keys(name, app, *extra)
+            commands.append((("EVALSHA", script.sha, len(keys), *keys, *args), {}))
+            if replicas and isinstance(self.redis, RedisCluster):
+                node = self.redis.get_node_from_key(keys[0])
+                nodes[node.name] = node
+        if replicas:
+            for node in nodes.values() or (None,):
+                options = {"target_nodes": node} if node is not None else {}
+                commands.append((("WAIT", replicas, self.replica_ack_ms), options))
+        for rider, app, args in riders:
+            keys = self._keys(rider, app)
+            commands.append((("EVALSHA", self._scripts[rider].sha, len(keys), *keys, *args), {}))
         for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=False)
-            nodes: dict[str, Any] = {}
-            for app, args, extra in calls:
-                keys = self._keys(name, app, *extra)
-                # (not pipe.evalsha: a cluster pipeline refuses the method, not the command)
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                if replicas and isinstance(self.redis, RedisCluster):
-                    node = self.redis.get_node_from_key(keys[0])
-                    nodes[node.name] = node
-            if replicas:
-                for node in nodes.values() or (None,):
-                    options = {"target_nodes": node} if node is not None else {}
-                    pipe.execute_command("WAIT", replicas, self.replica_ack_ms, **options)
-            for rider, app, args in riders:
-                keys = self._keys(rider, app)
-                pipe.execute_command("EVALSHA", self._scripts[rider].sha, len(keys), *keys, *args)
             try:
-                results: list[Any] = await pipe.execute(raise_on_error=not riders)
+                results = await self._round_trip(commands)
                 own = results[: len(results) - len(riders)]
                 error = next((r for r in own if isinstance(r, Exception)), None)
                 if error is not None:
@@ -357,6 +368,20 @@ class Store:
                 for n in names:
                     await self.redis.script_load(self._scripts[n].script)
         raise AssertionError("unreachable")
+
+    async def _round_trip(self, commands: list[Routed]) -> list[Any]:
+        """The replies of `commands` (each its arguments and redis-py's options), sent in
+        one round trip, an error reply in its place: on the store's own multiplexed
+        connection (skmq/store/multiplex.py), or else in a redis-py pipeline (a cluster
+        pipeline sends each node its calls)."""
+        if self._lane is not None:
+            return await self._lane.pipeline([args for args, _ in commands])
+        pipe = self.redis.pipeline(transaction=False)
+        for args, options in commands:
+            # (not pipe.evalsha: a cluster pipeline refuses the method, not the command)
+            pipe.execute_command(*args, **options)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
 
     async def load_scripts(self) -> None:
         """Load every script at start-up: a Redis that refuses scripting fails now."""

@@ -1,0 +1,198 @@
+"""One connection to one Redis that carries the scripts of every caller, pipelined.
+
+Every message makes at least two round trips to the store (its store, its finish), each
+a pipeline of script calls. redis-py's asyncio pipeline costs about 38 µs of the
+broker's CPU a round trip on top of the socket work (a Pipeline object, a pooled
+connection lent and taken back, a timer and a retry wrapper per reply): about half of
+a round trip's CPU (`python -m bench.roundtrip_bench`). Here a round trip
+is the packed commands (hiredis, C) written at once, a future, and the replies parsed
+by hiredis as they arrive: callers share the connection, each one's replies come in
+the order it was sent (Redis answers a connection in order), so no caller waits for
+another's turn to write. Scripts block Redis while they run, so one connection is as
+fast as many.
+
+Only for `redis://` and `unix://` URLs (no TLS, no Sentinel, no cluster: those keep
+redis-py's pipeline). Each call is bounded by the pool's `socket_timeout`: a call that
+times out closes the connection (the replies still due on it would be out of step) and
+fails every call waiting on it, as a dropped connection does; the next call connects
+again. Nothing is sent twice: a caller that sees an error decides (a producer is
+answered `error` and sends again, deduplicated by msgid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import hiredis
+from redis._parsers.base import BaseParser
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.sentinel import SentinelManagedConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from skmq.store.client import ENC, RedisClient
+
+Command = tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class _Call:
+    future: asyncio.Future[list[Any]]
+    expected: int
+    replies: list[Any] = field(default_factory=list)
+
+
+def _reply(value: Any) -> Any:
+    """A reply as redis-py would return it: an error as its exception class."""
+    if isinstance(value, hiredis.ReplyError):
+        return BaseParser.parse_error(str(value))
+    return value
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = hiredis.Reader()
+        self.waiting: deque[_Call] = deque()
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed(data)
+            while (reply := self.parser.gets()) is not False:
+                call = self.waiting[0]
+                call.replies.append(_reply(reply))
+                if len(call.replies) == call.expected:
+                    self.waiting.popleft()
+                    if not call.future.done():  # (a caller cancelled meanwhile)
+                        call.future.set_result(call.replies)
+        except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply unasked for
+            self.close(RedisConnectionError(f"Redis protocol out of step: {exc!r}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close(RedisConnectionError(f"Connection closed by Redis: {exc!r}"))
+
+    def close(self, error: Exception) -> None:
+        """Fail every call waiting here with `error`; the connection is not used again."""
+        if self.lost is None:
+            self.lost = error
+        if self.transport is not None:
+            self.transport.close()
+        while self.waiting:
+            call = self.waiting.popleft()
+            if not call.future.done():
+                call.future.set_exception(error)
+
+    def send(self, commands: list[Command]) -> asyncio.Future[list[Any]]:
+        assert self.transport is not None
+        if self.lost is not None:
+            raise self.lost
+        future = asyncio.get_running_loop().create_future()
+        try:
+            data = b"".join([hiredis.pack_command(c) for c in commands])
+        except UnicodeEncodeError:  # a str UTF-8 cannot encode: as the pool's ENC would
+            data = b"".join([hiredis.pack_command(tuple(_encoded(a) for a in c)) for c in commands])
+        self.transport.write(data)
+        self.waiting.append(_Call(future, len(commands)))
+        return future
+
+
+def _encoded(value: Any) -> Any:
+    return value.encode("utf-8", ENC) if isinstance(value, str) else value
+
+
+class MultiplexedConnection:
+    """Pipelines of any number of callers on one lazily (re)connected connection.
+
+    `options` are a redis-py pool's `connection_kwargs` for a plain TCP or unix socket
+    connection: host and port or path, username, password, db, socket_timeout,
+    socket_connect_timeout."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.timeout: float | None = options.get("socket_timeout")
+        self.connect_timeout: float | None = options.get("socket_connect_timeout") or self.timeout
+        self._protocol: _Protocol | None = None
+        self._connecting = asyncio.Lock()
+
+    async def pipeline(self, commands: list[Command]) -> list[Any]:
+        """The replies of `commands`, sent in one write; an error reply is returned in its
+        place as redis-py's exception, never raised. A lost or stalled connection raises
+        redis-py's ConnectionError or TimeoutError."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost is not None:
+            protocol = await self._connect()
+        future = protocol.send(commands)
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await future
+        except TimeoutError:
+            error = RedisTimeoutError(f"Timeout reading from Redis after {self.timeout} s")
+            protocol.close(error)
+            raise error from None
+
+    async def _connect(self) -> _Protocol:
+        async with self._connecting:
+            protocol = self._protocol
+            if protocol is not None and protocol.lost is None:
+                return protocol
+            loop = asyncio.get_running_loop()
+            o = self.options
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    if o.get("path"):
+                        _, protocol = await loop.create_unix_connection(_Protocol, o["path"])
+                    else:
+                        host, port = o.get("host", "localhost"), o.get("port", 6379)
+                        _, protocol = await loop.create_connection(_Protocol, host, port)
+            except (OSError, TimeoutError) as exc:
+                raise RedisConnectionError(f"Error connecting to Redis: {exc!r}") from exc
+            self._protocol = protocol
+            await self._handshake(protocol)
+            return protocol
+
+    async def _handshake(self, protocol: _Protocol) -> None:
+        o = self.options
+        commands: list[Command] = []
+        if o.get("password"):
+            who = (o["username"],) if o.get("username") else ()
+            commands.append(("AUTH", *who, o["password"]))
+        if o.get("db"):
+            commands.append(("SELECT", o["db"]))
+        if not commands:
+            return
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                replies = await protocol.send(commands)
+        except TimeoutError:
+            protocol.close(RedisTimeoutError("Timeout authenticating to Redis"))
+            raise RedisTimeoutError("Timeout authenticating to Redis") from None
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:
+            protocol.close(RedisConnectionError(str(error)))
+            raise error
+
+    def close(self) -> None:
+        if self._protocol is not None:
+            self._protocol.close(RedisConnectionError("Connection closed by the store"))
+
+
+def multiplexed(redis: RedisClient) -> MultiplexedConnection | None:
+    """A multiplexed connection to the Redis of `redis`, if it is one server reached by
+    plain TCP or a unix socket (not TLS, Sentinel or a cluster)."""
+    if isinstance(redis, RedisCluster):
+        return None
+    pool = redis.connection_pool
+    kind = pool.connection_class
+    if issubclass(kind, (SSLConnection, SentinelManagedConnection)) or not issubclass(
+        kind, (Connection, UnixDomainSocketConnection)
+    ):
+        return None
+    return MultiplexedConnection(dict(pool.connection_kwargs))
