@@ -160,13 +160,15 @@ class EmbeddedRedis:
         """The URL the broker uses: the unix socket's, or else the TCP port's."""
         if self.socket_path is None:
             return self.tcp_url
-        who = f":{quote(self._password, safe='')}@" if self._password else ""
-        return f"unix://{who}{quote(str(self.socket_path))}?db=0"
+        return f"unix://{self._credentials}{quote(str(self.socket_path))}?db=0"
 
     @property
     def tcp_url(self) -> str:
-        who = f":{quote(self._password, safe='')}@" if self._password else ""
-        return f"redis://{who}{self.host}:{self.port}/0"
+        return f"redis://{self._credentials}{self.host}:{self.port}/0"
+
+    @property
+    def _credentials(self) -> str:
+        return f":{quote(self._password, safe='')}@" if self._password else ""
 
     def start(self, timeout: float = 10.0) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:

@@ -28,12 +28,21 @@ def text(value: bytes | str) -> str:
     return value.decode("utf-8", ENC) if isinstance(value, bytes) else value
 
 
+def hiredis_pack(args: tuple[Any, ...]) -> bytes:
+    """One command in RESP, packed by hiredis (C). A str that UTF-8 cannot encode (an
+    app id of raw bytes) is encoded as the pool's `encoding_errors` would, with ENC."""
+    try:
+        packed: bytes = hiredis.pack_command(args)
+    except UnicodeEncodeError:
+        encoded = tuple(a.encode("utf-8", ENC) if isinstance(a, str) else a for a in args)
+        packed = hiredis.pack_command(encoded)  # type: ignore[arg-type]
+    return packed
+
+
 class _HiredisPacking(AbstractConnection):  # type: ignore[misc]
     """Commands packed by hiredis (C) instead of redis-py's asyncio connection, which
     encodes and joins every argument in Python: about 10% of the broker's CPU in issue
-    19's profile (redis-py's sync client packs with hiredis already). A str that UTF-8
-    cannot encode (an app id of raw bytes) is encoded as the pool's `encoding_errors`
-    would, with ENC."""
+    19's profile (redis-py's sync client packs with hiredis already)."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         if isinstance(args[0], str):  # "CONFIG GET" and the like: words sent apart
@@ -41,10 +50,7 @@ class _HiredisPacking(AbstractConnection):  # type: ignore[misc]
         elif b" " in args[0]:
             args = (*args[0].split(), *args[1:])
         try:
-            return [hiredis.pack_command(args)]
-        except UnicodeEncodeError:
-            encoded = tuple(a.encode("utf-8", ENC) if isinstance(a, str) else a for a in args)
-            return [hiredis.pack_command(encoded)]  # type: ignore[arg-type]
+            return [hiredis_pack(args)]
         except TypeError as exc:  # as redis-py's Encoder says it
             raise DataError(str(exc)) from exc
 

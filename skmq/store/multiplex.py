@@ -34,7 +34,7 @@ from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from skmq.store.client import ENC, RedisClient
+from skmq.store.client import RedisClient, hiredis_pack
 
 Command = tuple[Any, ...]
 
@@ -95,17 +95,9 @@ class _Protocol(asyncio.Protocol):
         if self.lost is not None:
             raise self.lost
         future = asyncio.get_running_loop().create_future()
-        try:
-            data = b"".join([hiredis.pack_command(c) for c in commands])
-        except UnicodeEncodeError:  # a str UTF-8 cannot encode: as the pool's ENC would
-            data = b"".join([hiredis.pack_command(tuple(_encoded(a) for a in c)) for c in commands])
-        self.transport.write(data)
+        self.transport.write(b"".join([hiredis_pack(c) for c in commands]))
         self.waiting.append(_Call(future, len(commands)))
         return future
-
-
-def _encoded(value: Any) -> Any:
-    return value.encode("utf-8", ENC) if isinstance(value, str) else value
 
 
 class MultiplexedConnection:
@@ -172,8 +164,9 @@ class MultiplexedConnection:
             async with asyncio.timeout(self.connect_timeout):
                 replies = await protocol.send(commands)
         except TimeoutError:
-            protocol.close(RedisTimeoutError("Timeout authenticating to Redis"))
-            raise RedisTimeoutError("Timeout authenticating to Redis") from None
+            error = RedisTimeoutError("Timeout authenticating to Redis")
+            protocol.close(error)
+            raise error from None
         error = next((r for r in replies if isinstance(r, Exception)), None)
         if error is not None:
             protocol.close(RedisConnectionError(str(error)))
