@@ -3,8 +3,8 @@ which becomes a reply and a close).
 
 Producer frames of one batch are stored together by the enqueue worker; answers and
 registrations run as tasks; everything else is answered on the spot. A reply is bytes,
-or a pending reply (an awaitable of bytes) that the connection's reply writer awaits in
-order.
+or a pending reply (bytes once done) that the server writes, in frame order, when it is
+done.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,11 +63,14 @@ HELLO_BODY = json.dumps(
 
 
 class PendingReply(Protocol):
-    """A reply still being worked out (a task, or a producer frame's StoreReply)."""
+    """A reply still being worked out (a task, or a producer frame's StoreReply): the
+    server writes it from its done callback (no task a connection waits on it)."""
 
     def done(self) -> bool: ...
 
-    def __await__(self) -> Generator[Any, None, bytes]: ...
+    def result(self) -> bytes: ...
+
+    def add_done_callback(self, callback: Callable[[Any], object]) -> None: ...
 
 
 Reply = bytes | PendingReply

@@ -1,13 +1,14 @@
 """The channel pipeline of the original SKMQ design, on asyncio:
 
-    connection stage --decode_q--> decode stage --handle_q--> handle stage --> reply writers
+    connection stage --decode_q--> decode stage --handle_q--> handle stage --> replies
 
 Each stage is one task and each queue is bounded, so a slow stage slows its readers all
 the way back to TCP (backpressure), never drops a frame. Stages pass batches: whatever
 is queued is taken at once. The handle stage emits one reply a frame, in frame order,
-into its connection's reply queue; a connection with replies pending has one reply
-writer (a task) that awaits them in order and writes them. Answers thus leave in frame
-order per connection, and no connection waits behind another connection's replies.
+into its connection's reply queue, and writes the replies at its head that are ready;
+a pending reply (a store batch, a task) writes the next ones from its done callback
+when it is done. Answers thus leave in frame order per connection, no connection waits
+behind another connection's replies, and no task a connection waits for them.
 
 Limits, each a setting: a connection is not read while it has its share of unanswered
 frames: MAX_UNANSWERED_FRAMES, or less when MAX_UNANSWERED_TOTAL shared by every
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 
 import structlog
 
-from skmq.aio import cancel_and_wait, spawn
+from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
 from skmq.handler import FrameHandler, Outcome, PendingReply
@@ -147,7 +148,6 @@ class Server:
         self.rate = TokenBucket(settings.rate) if settings.rate > 0 else None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._writers: set[asyncio.Task[None]] = set()
         self.port = settings.port
 
     async def start(self) -> None:
@@ -176,11 +176,16 @@ class Server:
         await self.stop_accepting()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                while not (self.decode_q.empty() and self.handle_q.empty() and not self._writers):
+                while not self._idle():
                     await asyncio.sleep(0.01)
-        await cancel_and_wait([*self._tasks, *self._writers])
+        await cancel_and_wait(self._tasks)
         for conn in list(self.connections):
             conn.writer.close()
+
+    def _idle(self) -> bool:
+        """Nothing read is left to answer."""
+        queued = not (self.decode_q.empty() and self.handle_q.empty())
+        return not queued and not any(conn.replying for conn in self.connections)
 
     # -- connection stage ---------------------------------------------------
     def _refusal(self, host: str) -> str | None:
@@ -211,7 +216,7 @@ class Server:
                     if conn.queued:  # the decode stage is behind: wait for it
                         conn.decoded.clear()
                         await conn.decoded.wait()
-                    else:  # at its share: its reply writer resumes reading
+                    else:  # at its share: its replies resume reading
                         conn.readable.clear()
                     continue
                 conn.reading = True
@@ -324,45 +329,52 @@ class Server:
             for part in _by_content_size(items, self.settings.max_store_pending_bytes):
                 await self.handler.store_room()
                 outcomes = self.handler.handle_batch([(c.peer, item) for c, item in part])
+                answered: dict[Connection, None] = {}  # in order, once each
                 for (conn, _), outcome in zip(part, outcomes, strict=True):
                     conn.replies.append(outcome)
+                    answered[conn] = None
+                for conn in answered:
                     if not conn.replying:
-                        conn.replying = True
-                        spawn(self._write_replies(conn), self._writers)
+                        self._send_replies(conn)
 
-    # -- reply writers (one a connection with replies pending) ----------------
-    async def _write_replies(self, conn: Connection) -> None:
-        """Await the connection's replies in order; write whatever is ready before each wait."""
+    # -- replies -------------------------------------------------------------
+    def _send_replies(self, conn: Connection) -> None:
+        """Write the connection's replies in frame order, as far as they are ready; at the
+        first pending one, write what is ready and go on from that reply's done callback.
+        Called by the handle stage and by those callbacks: no task waits on a reply."""
         ready: list[bytes] = []
         closing = False
-        try:
-            while conn.replies and not closing:
-                outcome = conn.replies.popleft()
-                reply = outcome.reply
-                if not isinstance(reply, bytes):
-                    if ready and not reply.done():
-                        self._write(conn, ready)
-                        ready = []
-                    reply = await self._resolve(reply)
-                if reply:
-                    ready.append(reply)
-                conn.unanswered -= 1
-                if not conn.readable.is_set() and conn.unanswered < self.share():
-                    conn.readable.set()
-                    if conn.frame_started is not None:  # the pause was the broker's
-                        conn.frame_started = time.monotonic()
-                closing = outcome.close
-            self._write(conn, ready)
-            if closing:
-                conn.replies.clear()
-                self._close(conn)
-        finally:
-            conn.replying = False
+        while conn.replies and not closing:
+            outcome = conn.replies[0]
+            reply = outcome.reply
+            if not isinstance(reply, bytes):
+                if not reply.done():
+                    conn.replying = True
+                    self._write(conn, ready)
+                    reply.add_done_callback(lambda _: self._send_replies(conn))
+                    return
+                reply = self._result(reply)
+            conn.replies.popleft()
+            if reply:
+                ready.append(reply)
+            conn.unanswered -= 1
+            if not conn.readable.is_set() and conn.unanswered < self.share():
+                conn.readable.set()
+                if conn.frame_started is not None:  # the pause was the broker's
+                    conn.frame_started = time.monotonic()
+            closing = outcome.close
+        conn.replying = False
+        self._write(conn, ready)
+        if closing:
+            conn.replies.clear()
+            self._close(conn)
 
     @staticmethod
-    async def _resolve(reply: PendingReply) -> bytes:
+    def _result(reply: PendingReply) -> bytes:
         try:
-            return await reply
+            return reply.result()
+        except asyncio.CancelledError:  # the broker is stopping
+            return encode_resp("error", "broker stopping")
         except Exception:
             log.exception("handler failed")
             return encode_resp("error", "internal error")

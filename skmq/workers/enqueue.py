@@ -1,8 +1,8 @@
 """The enqueue worker: producer messages of one handle batch stored in one Redis round
 trip (one script call an app, pipelined), logged, and then answered.
 
-A batch's replies are awaitables resolving to `resp` bytes; each connection's reply
-writer awaits them in frame order, so several batches can wait on Redis at once while
+A batch's replies are `resp` bytes to be, ready once the batch is stored; each
+connection writes them in frame order, so several batches can wait on Redis at once while
 every connection still gets its answers in order.
 
 Memory while the store is slow or stalled is bounded: a store call (the wait for a
@@ -14,7 +14,7 @@ store, `room()` holds the handle stage back (backpressure down to TCP).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Mapping, Sized
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -46,8 +46,11 @@ class StoreReply:
     def done(self) -> bool:
         return self.batch.future.done()
 
-    def __await__(self) -> Generator[Any, None, bytes]:
-        results = yield from self.batch.future.__await__()
+    def add_done_callback(self, callback: Callable[[Any], object]) -> None:
+        self.batch.future.add_done_callback(callback)
+
+    def result(self) -> bytes:
+        results = self.batch.future.result()
         if results is None:
             return encode_resp("error", "store unavailable, message not stored", self.msgid)
         if results[self.app][self.index]:
