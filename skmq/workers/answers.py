@@ -73,7 +73,11 @@ class AnswerBatcher:
         try:
             while self._pending:
                 batch, self._pending = self._pending, {}
-                await asyncio.gather(*(self._flush(app, answers) for app, answers in batch.items()))
+                flushes = [self._flush(app, answers) for app, answers in batch.items()]
+                if len(flushes) == 1:  # the common case: no task (and loop turn) of gather's
+                    await flushes[0]
+                else:
+                    await asyncio.gather(*flushes)
         finally:
             self._task = None
 
