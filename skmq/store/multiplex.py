@@ -15,8 +15,10 @@ Only for `redis://` and `unix://` URLs (no TLS, no Sentinel, no cluster: those k
 redis-py's pipeline). Each call is bounded by the pool's `socket_timeout`: a call that
 times out closes the connection (the replies still due on it would be out of step) and
 fails every call waiting on it, as a dropped connection does; the next call connects
-again. Nothing is sent twice: a caller that sees an error decides (a producer is
-answered `error` and sends again, deduplicated by msgid).
+again. One timer a connection keeps that bound (not a timer a call): it fires at the
+earliest deadline of the calls waiting when it was set. Nothing is sent twice: a caller
+that sees an error decides (a producer is answered `error` and sends again,
+deduplicated by msgid).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ Command = tuple[Any, ...]
 class _Call:
     future: asyncio.Future[list[Any]]
     expected: int
+    timeout: float | None
+    deadline: float
     replies: list[Any] = field(default_factory=list)
 
 
@@ -59,6 +63,8 @@ class _Protocol(asyncio.Protocol):
         self.parser = hiredis.Reader()
         self.waiting: deque[_Call] = deque()
         self.lost: Exception | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.due = float("inf")  # when the timer fires
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
@@ -85,19 +91,44 @@ class _Protocol(asyncio.Protocol):
             self.lost = error
         if self.transport is not None:
             self.transport.close()
+        if self.timer is not None:
+            self.timer.cancel()
         while self.waiting:
             call = self.waiting.popleft()
             if not call.future.done():
                 call.future.set_exception(error)
 
-    def send(self, commands: list[Command]) -> asyncio.Future[list[Any]]:
+    def send(self, commands: list[Command], timeout: float | None) -> asyncio.Future[list[Any]]:
+        """The replies of `commands`, or RedisTimeoutError (closing the connection) if
+        they are not all in within `timeout` seconds."""
         assert self.transport is not None
         if self.lost is not None:
             raise self.lost
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.transport.write(b"".join([hiredis_pack(c) for c in commands]))
-        self.waiting.append(_Call(future, len(commands)))
+        deadline = float("inf") if timeout is None else loop.time() + timeout
+        self.waiting.append(_Call(future, len(commands), timeout, deadline))
+        if deadline < self.due:
+            self._arm(deadline)
         return future
+
+    def _arm(self, due: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_at(due, self._expire)
+        self.due = due
+
+    def _expire(self) -> None:
+        """A call waiting past its deadline closes the connection; else wait for the next."""
+        self.timer, self.due = None, float("inf")
+        if not self.waiting:
+            return
+        first = min(self.waiting, key=lambda c: c.deadline)
+        if first.deadline <= asyncio.get_running_loop().time():
+            self.close(RedisTimeoutError(f"Timeout reading from Redis after {first.timeout} s"))
+        elif first.deadline != float("inf"):
+            self._arm(first.deadline)
 
 
 class MultiplexedConnection:
@@ -121,14 +152,7 @@ class MultiplexedConnection:
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
-        future = protocol.send(commands)
-        try:
-            async with asyncio.timeout(self.timeout):
-                return await future
-        except TimeoutError:
-            error = RedisTimeoutError(f"Timeout reading from Redis after {self.timeout} s")
-            protocol.close(error)
-            raise error from None
+        return await protocol.send(commands, self.timeout)
 
     async def _connect(self) -> _Protocol:
         async with self._connecting:
@@ -160,13 +184,7 @@ class MultiplexedConnection:
             commands.append(("SELECT", o["db"]))
         if not commands:
             return
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                replies = await protocol.send(commands)
-        except TimeoutError:
-            error = RedisTimeoutError("Timeout authenticating to Redis")
-            protocol.close(error)
-            raise error from None
+        replies = await protocol.send(commands, self.connect_timeout)
         error = next((r for r in replies if isinstance(r, Exception)), None)
         if error is not None:
             protocol.close(RedisConnectionError(str(error)))
