@@ -42,6 +42,9 @@ async def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
     return True
 
 
+RSS_TREE_REFRESH = 5.0
+
+
 def _cpu_of(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return float(t.user + t.system)
@@ -90,6 +93,9 @@ class SkmqBroker:
         self.ps: psutil.Process | None = None
         self.redis_info: dict[str, Any] = {}
         self.redis_ps: psutil.Process | None = None
+        # The broker's process tree as rss() last listed it, and when (monotonic).
+        self._rss_tree: list[psutil.Process] = []
+        self._rss_tree_at = float("-inf")
 
     # -- System protocol -------------------------------------------------------
 
@@ -199,11 +205,18 @@ class SkmqBroker:
         return self.proc is not None and self.proc.returncode is None
 
     def rss(self) -> int:
-        """Resident memory of the broker (its process tree, Redis excluded)."""
+        """Resident memory of the broker (its process tree, Redis excluded). The harness
+        samples it 4 times a second during a run: the tree is listed again only every
+        RSS_TREE_REFRESH s, since listing it reads every process's /proc entry (a few ms
+        of CPU in the harness each time, which on a 2-core machine stalled the broker's
+        or the load processes' deliveries every 0.25 s in the paced runs)."""
         if self.ps is None:
             return 0
+        now = time.monotonic()
+        if now - self._rss_tree_at >= RSS_TREE_REFRESH:
+            self._rss_tree, self._rss_tree_at = _tree(self.ps, self.redis_ps), now
         total = 0
-        for p in _tree(self.ps, self.redis_ps):
+        for p in self._rss_tree:
             with contextlib.suppress(psutil.Error):
                 total += int(p.memory_info().rss)
         return total
