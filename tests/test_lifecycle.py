@@ -246,6 +246,23 @@ async def test_a_failing_carried_claim_never_fails_the_store(store: Store) -> No
     assert [c.msgid for c in got] == ["c3"]
 
 
+async def test_an_acked_topic_message_leaves_no_state(store: Store) -> None:
+    """in flight -> acked for every copy of a topic message: the message and every field
+    of its state (its copies' too) are gone."""
+    await stored(store, "q0")  # another message's state stays
+    await store.store({APP: [NewMessage("t1", "topic", b"x")]}, NOW)
+    got, _, _ = await store.claim(APP, NOW, 5, alive("r1", "r2"), ["r1"] * 5)
+    copies = [c.delivery_id for c in got if c.msgid == "t1"]
+    assert len(copies) == 2
+    for copy in copies:
+        [done] = await store.finish(APP, [(copy, 0)], NOW)
+        assert done.ok
+    fields = await store.redis.hkeys(store.base(APP) + "state")
+    assert [f for f in fields if f.startswith(b"t1")] == []
+    assert not await store.redis.hexists(store.base(APP) + "msgs", "t1")
+    assert any(f.startswith(b"q0") for f in fields)
+
+
 async def test_a_carried_claim_survives_a_script_flush(store: Store) -> None:
     """NOSCRIPT (a Redis restarted without its scripts): the store and the claim it
     carries are both loaded again and sent again, once."""

@@ -74,8 +74,9 @@ local function take(id)
   local m = redis.call('HGET', msgs, msgid)
   if not m then return end
   stored = tonumber(string.sub(m, 2, 14))
-  trace = redis.call('HGET', state, field(msgid, 'tp')) or ''
-  local x = expiry(state, msgid)
+  local tx = redis.call('HMGET', state, field(msgid, 'tp'), field(msgid, 'x'))
+  trace = tx[1] or ''
+  local x = tx[2] and tonumber(tx[2])
   if x and now >= x then
     local a = tonumber(redis.call('HGET', state, field(msgid, 'n', crid)) or '0')
     if not crid then advance(state, kq, ready, delayed, msgid, now) end

@@ -38,13 +38,14 @@ local function field(msgid, attr, crid)
   return msgid .. SEP .. attr
 end
 
--- Drop a message and all its delivery state.
-local function forget(msgs, state, msgid)
+-- Drop a message and all its delivery state. `copies`: its copies field (`c`) when the
+-- caller read it already (false: none), else nil.
+local function forget(msgs, state, msgid, copies)
   local f = {field(msgid, 'n'), field(msgid, 'r'), field(msgid, 'e'), field(msgid, 'h'),
              field(msgid, 'tp'),
              field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x'),
              field(msgid, 'l'), field(msgid, 'k'), field(msgid, 'd')}
-  local copies = redis.call('HGET', state, field(msgid, 'c'))
+  if copies == nil then copies = redis.call('HGET', state, field(msgid, 'c')) end
   if copies then
     for rid in string.gmatch(copies, '[^\31]+') do
       f[#f + 1] = field(msgid, 'n', rid)
@@ -75,10 +76,11 @@ end
 
 -- msgid is over (acked or dead): the next message of its ordering key, if it has one,
 -- goes to the tail of `ready` (or `delayed`, when it falls due later), behind the other
--- keys' messages, so that one hot key does not starve the others.
-local function advance(state, kq, ready, delayed, msgid, now)
+-- keys' messages, so that one hot key does not starve the others. `member`: its key
+-- field (`k`) when the caller read it already (false: none), else nil.
+local function advance(state, kq, ready, delayed, msgid, now, member)
   local kf = field(msgid, 'k')
-  local member = redis.call('HGET', state, kf)
+  if member == nil then member = redis.call('HGET', state, kf) end
   if not member then return end
   redis.call('HDEL', state, kf)
   redis.call('ZREM', kq, member)
