@@ -59,16 +59,12 @@ async def compare(url: str, calls: int) -> list[tuple[str, float, float]]:
 
 
 async def main(calls: int) -> None:
-    server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="skmq-roundtrip-")))
-    server.start()
-    try:
+    with EmbeddedRedis(Path(tempfile.mkdtemp(prefix="skmq-roundtrip-"))) as server:
         print("| path | connection | CPU µs/round trip | wall µs/round trip |")
         print("|------|------------|-------------------|--------------------|")
         for name, url in (("unix socket", server.url), ("TCP", server.tcp_url)):
             for path, cpu, wall in await compare(url, calls):
                 print(f"| {path} | {name} | {cpu:.1f} | {wall:.1f} |")
-    finally:
-        server.stop()
 
 
 def cli() -> None:

@@ -77,9 +77,7 @@ async def life(store: Store, messages: int, batch: int, round_: int) -> list[tup
 
 
 async def main(messages: int, batches: list[int]) -> None:
-    server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="skmq-scripts-")))
-    server.start()
-    try:
+    with EmbeddedRedis(Path(tempfile.mkdtemp(prefix="skmq-scripts-"))) as server:
         store = Store(connect_redis(server.url), "bench:")
         await store.load_scripts()
         await life(store, messages // 10, 1, 0)  # warm-up
@@ -91,8 +89,6 @@ async def main(messages: int, batches: list[int]) -> None:
             for row in await life(store, messages, batch, round_):
                 print("| " + " | ".join(row) + " |")
         await store.redis.aclose()
-    finally:
-        server.stop()
 
 
 def cli() -> None:

@@ -170,6 +170,13 @@ class EmbeddedRedis:
     def _credentials(self) -> str:
         return f":{quote(self._password, safe='')}@" if self._password else ""
 
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def start(self, timeout: float = 10.0) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:
             raise ValueError(f"the embedded Redis listens on loopback only, not {self.host}")
