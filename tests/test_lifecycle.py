@@ -273,3 +273,35 @@ async def test_a_carried_claim_survives_a_script_flush(store: Store) -> None:
     assert res == {APP: [True]}
     got, _, _ = heard[0]
     assert [c.msgid for c in got] == ["f1"]
+
+
+async def test_batches_larger_than_a_script_call_chunk_keep_each_message_apart(
+    store: Store,
+) -> None:
+    """The scripts read and write a whole batch in chunked calls (lib.lua: call_all):
+    2,500 messages in one store, claim and finish, a msgid twice in each batch (the
+    second is a duplicate, a second ack is refused), and nothing left after the acks."""
+    ids = [f"b{i}" for i in range(2500)]
+    res = await store.store({APP: [NewMessage(m, "queue", b"x") for m in [*ids, "b7"]]}, NOW)
+    assert res[APP] == [True] * 2500 + [False]
+    got, _, _ = await store.claim(APP, NOW, 3000, alive("r1", free=3000), ["r1"] * 3000)
+    assert [c.delivery_id for c in got] == ids
+    assert {c.attempt for c in got} == {1}
+    assert await state_of(store, "b2499") == State.IN_FLIGHT
+    done = await store.finish(APP, [(m, 1) for m in [*ids, "b7"]], NOW)
+    assert [d.ok for d in done] == [True] * 2500 + [False]
+    assert done[-1].attempt == 0
+    assert await store.redis.hlen(store.base(APP) + "state") == 0
+    assert await store.redis.hlen(store.base(APP) + "msgs") == 0
+    assert await store.redis.zcard(store.base(APP) + "inflight") == 0
+
+
+async def test_copies_of_a_topic_message_acked_in_one_call_leave_no_state(store: Store) -> None:
+    await store.store({APP: [NewMessage("t2", "topic", b"x")]}, NOW)
+    got, _, _ = await store.claim(APP, NOW, 5, alive("r1", "r2", "r3"), ["r1"] * 5)
+    copies = [c.delivery_id for c in got]
+    assert len(copies) == 3
+    done = await store.finish(APP, [(c, 1) for c in copies], NOW)
+    assert [d.ok for d in done] == [True, True, True]
+    assert await store.redis.hlen(store.base(APP) + "state") == 0
+    assert not await store.redis.hexists(store.base(APP) + "msgs", "t2")

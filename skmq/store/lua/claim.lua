@@ -62,23 +62,53 @@ local function bury(id, msgid, crid, rid)
   redis.call('ZADD', dead, now, id)
   emit(id, 'd', UNDELIVERABLE, 0, rid)
 end
-local function lease_copy(cid, msgid, crid, content)
-  local a = redis.call('HINCRBY', state, field(msgid, 'n', crid), 1)
-  redis.call('ZADD', inflight, lease, cid)
+-- Writes wait in `sets` (state fields) and `leases` (inflight) for one call each at
+-- the end, or before a rare path (expiry, burial) that writes the same fields.
+local sets, leases = {}, {}
+local function write_out()
+  if #sets > 0 then call_all('HSET', state, sets); sets = {} end
+  if #leases > 0 then call_all('ZADD', inflight, leases); leases = {} end
+end
+-- The next attempt of a delivery: `known`, its attempt field as prefetched (false: none),
+-- unless this claim wrote it since.
+local attempts = {}
+local function next_attempt(msgid, crid, known)
+  local nf = field(msgid, 'n', crid)
+  local a = (attempts[nf] or tonumber(known or '0')) + 1
+  attempts[nf] = a
+  sets[#sets + 1] = nf; sets[#sets + 1] = a
+  return a
+end
+local function lease_copy(cid, msgid, crid, content, known)
+  local a = next_attempt(msgid, crid, known)
+  leases[#leases + 1] = lease; leases[#leases + 1] = cid
   budget[crid] = budget[crid] - 1
   pushed = pushed + 1
   emit(cid, 't', content, a, crid)
 end
-local function take(id)
+-- What take() reads of each id, in two HMGETs for the lot: the messages, and their
+-- traceparent, expiry and attempt fields (three an id).
+local function prefetch(ids)
+  local msgids, fields = {}, {}
+  for i = 1, #ids do
+    local msgid, crid = split(ids[i])
+    msgids[i] = msgid
+    fields[#fields + 1] = field(msgid, 'tp')
+    fields[#fields + 1] = field(msgid, 'x')
+    fields[#fields + 1] = field(msgid, 'n', crid)
+  end
+  return call_all('HMGET', msgs, msgids), call_all('HMGET', state, fields)
+end
+-- `m`: the message as prefetched; `f`, `at`: its fields as prefetched, from index `at`.
+local function take(id, m, f, at)
   local msgid, crid = split(id)
-  local m = redis.call('HGET', msgs, msgid)
   if not m then return end
   stored = tonumber(string.sub(m, 2, 14))
-  local tx = redis.call('HMGET', state, field(msgid, 'tp'), field(msgid, 'x'))
-  trace = tx[1] or ''
-  local x = tx[2] and tonumber(tx[2])
+  trace = f[at] or ''
+  local x = f[at + 1] and tonumber(f[at + 1])
   if x and now >= x then
-    local a = tonumber(redis.call('HGET', state, field(msgid, 'n', crid)) or '0')
+    write_out()
+    local a = tonumber(f[at + 2] or '0')
     if not crid then advance(state, kq, ready, delayed, msgid, now) end
     expire(msgs, state, dead, id, now, drop, 'attempt=' .. a .. ' recipient=' .. (crid or '')
            .. ' expired: its ttl ran out before it was pushed')
@@ -91,62 +121,76 @@ local function take(id)
       redis.call('ZADD', delayed, now + 200, id)
       return true
     elseif budget[crid] and not can_length[crid] and needs_length(content) then
+      write_out()
       redis.call('HINCRBY', state, field(msgid, 'o'), -1)
       redis.call('HINCRBY', state, field(msgid, 'dc'), 1)
       bury(id, msgid, crid, crid)
     else
       if not budget[crid] then budget[crid] = 1 end
-      lease_copy(id, msgid, crid, content)
+      lease_copy(id, msgid, crid, content, f[at + 2])
     end
   elseif string.sub(m, 1, 1) == 'q' then
     local rid = ARGV[qi]
     qi = qi + 1
     if not can_length[rid] and needs_length(content) then
       rid = capable()
-      if not rid then return bury(id, msgid, nil, '') end
+      if not rid then
+        write_out()
+        return bury(id, msgid, nil, '')
+      end
     end
-    local a = redis.call('HINCRBY', state, field(msgid, 'n'), 1)
-    redis.call('HSET', state, field(msgid, 'r'), rid)
-    redis.call('ZADD', inflight, lease, id)
+    local a = next_attempt(msgid, nil, f[at + 2])
+    sets[#sets + 1] = field(msgid, 'r'); sets[#sets + 1] = rid
+    leases[#leases + 1] = lease; leases[#leases + 1] = id
     budget[rid] = (budget[rid] or 1) - 1
     pushed = pushed + 1
     emit(id, 'q', content, a, rid)
   else
+    -- a topic message fanned out now: its copies have no state yet
     local live, buried = 0, 0
     local long = needs_length(content)
     for j = 1, k do
       local rid = alive[j]
       local cid = msgid .. SEP .. rid
       if long and not can_length[rid] then
+        write_out()
         buried = buried + 1
         bury(cid, msgid, rid, rid)
       elseif budget[rid] > 0 then
         live = live + 1
-        lease_copy(cid, msgid, rid, content)
+        lease_copy(cid, msgid, rid, content, false)
       else
         live = live + 1
-        redis.call('HSET', state, field(msgid, 'n', rid), 0)
+        sets[#sets + 1] = field(msgid, 'n', rid); sets[#sets + 1] = 0
         redis.call('ZADD', delayed, now, cid)
       end
     end
-    redis.call('HSET', state, field(msgid, 'o'), live, field(msgid, 'dc'), buried,
-               field(msgid, 'c'), table.concat(alive, SEP))
+    sets[#sets + 1] = field(msgid, 'o'); sets[#sets + 1] = live
+    sets[#sets + 1] = field(msgid, 'dc'); sets[#sets + 1] = buried
+    sets[#sets + 1] = field(msgid, 'c'); sets[#sets + 1] = table.concat(alive, SEP)
   end
 end
 local taken = 0
 if k > 0 and n > 0 then
   local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, n + 64)
-  for _, id in ipairs(due) do
-    if taken >= n then break end
-    redis.call('ZREM', delayed, id)
-    -- a copy waiting for its recipient's window does not count
-    if not take(id) then taken = taken + 1 end
+  if #due > 0 then
+    local m, f = prefetch(due)
+    for i, id in ipairs(due) do
+      if taken >= n then break end
+      redis.call('ZREM', delayed, id)
+      -- a copy waiting for its recipient's window does not count
+      if not take(id, m[i], f, 3 * i - 2) then taken = taken + 1 end
+    end
   end
   if taken < n then
     local ids = redis.call('LPOP', ready, n - taken)
-    if ids then for _, id in ipairs(ids) do take(id) end end
+    if ids then
+      local m, f = prefetch(ids)
+      for i, id in ipairs(ids) do take(id, m[i], f, 3 * i - 2) end
+    end
   end
 end
+write_out()
 local nxt = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
 if nxt[2] then out[#out + 1] = nxt[2] else out[#out + 1] = -1 end
 local wait = 0

@@ -5,35 +5,53 @@
 -- KEYS: msgs, state, inflight, ready, delayed, kq, done:<current bucket>
 -- ARGV: now, done ttl ms, then (delivery id, attempt or 0 for the current)*
 -- Returns (ok, attempt, stored ms, recipient)*.
+-- The batch's reads (attempt, recipient, key and copies fields; the messages) are one
+-- HMGET each and the drops of acked messages one HDEL each, SADD one call: only the
+-- ZREM of the lease, whose reply decides, is a call a delivery.
 local msgs, state, inflight, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local kq, done = KEYS[6], KEYS[7]
 local now = tonumber(ARGV[1])
-local added = false
-local out = {}
+local fields, msgids = {}, {}
 for i = 3, #ARGV, 2 do
-  local id = ARGV[i]
-  local want = tonumber(ARGV[i + 1])
+  local msgid, crid = split(ARGV[i])
+  fields[#fields + 1] = field(msgid, 'n', crid)
+  fields[#fields + 1] = field(msgid, 'r')
+  fields[#fields + 1] = field(msgid, 'k')
+  fields[#fields + 1] = field(msgid, 'c')
+  msgids[#msgids + 1] = msgid
+end
+local f = call_all('HMGET', state, fields)
+local stored = call_all('HMGET', msgs, msgids)
+local dropped, forgotten, acked = {}, {}, {}
+local out = {}
+for j = 1, #msgids do
+  local id = ARGV[1 + 2 * j]
+  local want = tonumber(ARGV[2 + 2 * j])
   local msgid, crid = split(id)
-  -- (its key and copies fields read now too: one call, not three)
-  local f = redis.call('HMGET', state, field(msgid, 'n', crid), field(msgid, 'r'),
-                       field(msgid, 'k'), field(msgid, 'c'))
-  local n = tonumber(f[1] or '0')
+  local at = 4 * j - 3
+  -- (an id acked earlier in this batch: its attempt field is gone)
+  local n = acked[id] and 0 or tonumber(f[at] or '0')
   local m = false
   if (want == 0 or want == n) and redis.call('ZREM', inflight, id) == 1 then
-    m = redis.call('HGET', msgs, msgid)
+    m = stored[j]
   end
   if not m then
     out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
   else
+    acked[id] = true
     if not crid or settle_copy(state, msgid, crid, 'o') then
-      advance(state, kq, ready, delayed, msgid, now, f[3])
-      forget(msgs, state, msgid, f[4])
-      redis.call('SADD', done, msgid)
-      added = true
+      advance(state, kq, ready, delayed, msgid, now, f[at + 2])
+      state_fields(dropped, state, msgid, f[at + 3])
+      forgotten[#forgotten + 1] = msgid
     end
     out[#out + 1] = 1; out[#out + 1] = n; out[#out + 1] = tonumber(string.sub(m, 2, 14))
-    out[#out + 1] = crid or f[2] or ''
+    out[#out + 1] = crid or f[at + 1] or ''
   end
 end
-if added then redis.call('PEXPIRE', done, tonumber(ARGV[2])) end
+if #forgotten > 0 then
+  call_all('HDEL', state, dropped)
+  call_all('HDEL', msgs, forgotten)
+  call_all('SADD', done, forgotten)
+  redis.call('PEXPIRE', done, tonumber(ARGV[2]))
+end
 return out

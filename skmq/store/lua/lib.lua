@@ -38,14 +38,33 @@ local function field(msgid, attr, crid)
   return msgid .. SEP .. attr
 end
 
--- Drop a message and all its delivery state. `copies`: its copies field (`c`) when the
--- caller read it already (false: none), else nil.
-local function forget(msgs, state, msgid, copies)
-  local f = {field(msgid, 'n'), field(msgid, 'r'), field(msgid, 'e'), field(msgid, 'h'),
-             field(msgid, 'tp'),
-             field(msgid, 'o'), field(msgid, 'dc'), field(msgid, 'c'), field(msgid, 'x'),
-             field(msgid, 'l'), field(msgid, 'k'), field(msgid, 'd')}
-  if copies == nil then copies = redis.call('HGET', state, field(msgid, 'c')) end
+-- redis.call(cmd, key, args...) over a table of arguments built for a whole batch, in
+-- chunks (unpack() holds a few thousand values at most; CHUNK is even, so pairs of
+-- HSET or ZADD stay together). A batch's reads and writes are each one call, not one a
+-- message: in a script, redis.call's own work costs more than most commands it runs.
+-- Returns the replies of a command that answers one value an argument, concatenated.
+local CHUNK = 960
+local function call_all(cmd, key, args)
+  if #args <= CHUNK then return redis.call(cmd, key, unpack(args)) end
+  local out = {}
+  for i = 1, #args, CHUNK do
+    local r = redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
+    if type(r) == 'table' then
+      for j = 1, #r do out[#out + 1] = r[j] end
+    end
+  end
+  return out
+end
+
+-- Append to `f` the state fields of a message to drop: its own and those of its topic
+-- copies. `copies`: its copies field (`c`) when the caller read it already (false:
+-- none), else nil.
+local function state_fields(f, state, msgid, copies)
+  local p, i = msgid .. SEP, #f
+  f[i + 1] = p .. 'n'; f[i + 2] = p .. 'r'; f[i + 3] = p .. 'e'; f[i + 4] = p .. 'h'
+  f[i + 5] = p .. 'tp'; f[i + 6] = p .. 'o'; f[i + 7] = p .. 'dc'; f[i + 8] = p .. 'c'
+  f[i + 9] = p .. 'x'; f[i + 10] = p .. 'l'; f[i + 11] = p .. 'k'; f[i + 12] = p .. 'd'
+  if copies == nil then copies = redis.call('HGET', state, p .. 'c') end
   if copies then
     for rid in string.gmatch(copies, '[^\31]+') do
       f[#f + 1] = field(msgid, 'n', rid)
@@ -54,7 +73,12 @@ local function forget(msgs, state, msgid, copies)
       f[#f + 1] = field(msgid, 'l', rid)
     end
   end
-  redis.call('HDEL', state, unpack(f))
+  return f
+end
+
+-- Drop a message and all its delivery state (`copies` as for state_fields).
+local function forget(msgs, state, msgid, copies)
+  redis.call('HDEL', state, unpack(state_fields({}, state, msgid, copies)))
   redis.call('HDEL', msgs, msgid)
 end
 

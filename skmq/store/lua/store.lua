@@ -22,11 +22,14 @@ local pulled = redis.call('HLEN', groups) > 0
 local pull_only = pulled and redis.call('HLEN', recipients) == 0
 local out = {redis.call('SET', listed, 1, 'NX') and 1 or 0}
 local logged = false
+-- The batch's writes of `msgs`, `ready` and plain state fields wait here for one call
+-- each (ready in stored order); ordered and delayed messages write as they go.
+local contents, pushes, sets = {}, {}, {}
 
 -- The push side: the message waits in `ready`, `delayed` or behind its key.
 local function queue(id, at, x, key)
   if x > 0 then
-    redis.call('HSET', state, field(id, 'x'), x)
+    sets[#sets + 1] = field(id, 'x'); sets[#sets + 1] = x
     if at > x then at = x end
   end
   local waits = false
@@ -35,29 +38,39 @@ local function queue(id, at, x, key)
     local seq = redis.call('HINCRBY', state, SEP .. 'kseq', 1)
     local member = key .. SEP .. string.format('%016d', seq) .. SEP .. id
     redis.call('ZADD', kq, 0, member)
-    redis.call('HSET', state, field(id, 'k'), member)
+    sets[#sets + 1] = field(id, 'k'); sets[#sets + 1] = member
   end
   if waits then
-    if at > tonumber(now) then redis.call('HSET', state, field(id, 'd'), at) end
+    if at > tonumber(now) then sets[#sets + 1] = field(id, 'd'); sets[#sets + 1] = at end
   elseif at > tonumber(now) then
     redis.call('ZADD', delayed, at, id)
   else
-    redis.call('RPUSH', ready, id)
+    pushes[#pushes + 1] = id
   end
 end
 
-for i = 2, #ARGV, 7 do
-  local id = ARGV[i]
-  if redis.call('SISMEMBER', cur, id) == 1 or redis.call('SISMEMBER', prev, id) == 1
-      or redis.call('HEXISTS', msgs, id) == 1
-      or (pulled and redis.call('HEXISTS', gseen, id) == 1) then
+-- Whether each msgid was seen lately: completed (done sets), stored, or in a group log.
+local ids = {}
+for i = 2, #ARGV, 7 do ids[#ids + 1] = ARGV[i] end
+local in_cur = call_all('SMISMEMBER', cur, ids)
+local in_prev = call_all('SMISMEMBER', prev, ids)
+local in_msgs = call_all('HMGET', msgs, ids)
+local in_gseen = pulled and call_all('HMGET', gseen, ids) or {}
+local taken = {}  -- (a msgid twice in one batch: the second is a duplicate)
+for j = 1, #ids do
+  local i = 7 * j - 5
+  local id = ids[j]
+  if in_cur[j] == 1 or in_prev[j] == 1 or in_msgs[j] or in_gseen[j] or taken[id] then
     out[#out + 1] = 0
   else
+    taken[id] = true
     local at = tonumber(ARGV[i + 3])
     if not pull_only then
-      redis.call('HSET', msgs, id, ARGV[i + 1] .. now .. ARGV[i + 2])
+      contents[#contents + 1] = id; contents[#contents + 1] = ARGV[i + 1] .. now .. ARGV[i + 2]
       queue(id, at, tonumber(ARGV[i + 4]), ARGV[i + 5])
-      if ARGV[i + 6] ~= '' then redis.call('HSET', state, field(id, 'tp'), ARGV[i + 6]) end
+      if ARGV[i + 6] ~= '' then
+        sets[#sets + 1] = field(id, 'tp'); sets[#sets + 1] = ARGV[i + 6]
+      end
     end
     if pulled then
       local eid = redis.call('XADD', glog, '*', 'm', id, 'k', ARGV[i + 1], 'c', ARGV[i + 2],
@@ -68,5 +81,8 @@ for i = 2, #ARGV, 7 do
     out[#out + 1] = 1
   end
 end
+if #contents > 0 then call_all('HSET', msgs, contents) end
+if #sets > 0 then call_all('HSET', state, sets) end
+if #pushes > 0 then call_all('RPUSH', ready, pushes) end
 if logged then redis.call('PUBLISH', glog, now) end
 return out
