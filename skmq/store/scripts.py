@@ -6,12 +6,13 @@ Each script gets every key it touches in KEYS, in the order `KEYS` below names t
 so Redis Cluster and proxies can route it: all of one app's keys share the app's hash
 tag, and no script touches a key of another app or of the whole store (the apps
 directory is kept outside the scripts: skmq/store/directory.py). The
-helpers of `lib.lua` (and, for fail and reap, the retry policy of `retry.lua`) are
-prepended to a script when it is loaded.
+helpers of `lib.lua` it uses (and, for fail and reap, the retry policy of `retry.lua`)
+are prepended to a script when it is loaded.
 """
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 
 # The app keys each script touches, in KEYS order.
@@ -60,7 +61,39 @@ def _read(name: str) -> str:
     return resources.files("skmq.store").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
+# A top-level definition of lib.lua: `local function name(` or `local name =`.
+_DEFINITION = re.compile(r"^local (?:function )?(\w+)", re.MULTILINE)
+_COMMENT = re.compile(r"--[^\n]*")
+# lib.lua's paragraphs start after a blank line, at a comment or a definition (a blank
+# line inside a function is followed by indented code).
+_PARAGRAPH = re.compile(r"\n\n(?=--|local )")
+
+
+def _paragraphs(lib: str) -> list[tuple[set[str], str]]:
+    """lib.lua cut into paragraphs, each with the names it defines."""
+    return [(set(_DEFINITION.findall(p)), p + "\n\n") for p in _PARAGRAPH.split(lib)]
+
+
+def _used(code: str, names: set[str]) -> set[str]:
+    words = set(re.findall(r"\w+", _COMMENT.sub("", code)))
+    return names & words
+
+
+def _lib_for(code: str) -> str:
+    """The paragraphs of lib.lua defining what `code` uses, directly or through another,
+    in file order: Redis runs a script's whole prelude on every call (each helper a new
+    closure, more for Lua's collector to sweep), so a script carries only what it calls."""
+    paragraphs = _paragraphs(_read("lib"))
+    names = set().union(*(defined for defined, _ in paragraphs))
+    needed = _used(code, names)
+    for defined, text in reversed(paragraphs):  # a helper calls only those above it
+        if defined & needed:
+            needed |= _used(text, names - defined)
+    return "".join(text for defined, text in paragraphs if defined & needed)
+
+
 def source(name: str) -> str:
-    """The full source of script `name`: lib.lua, its preludes, then its own file."""
-    parts = [_read("lib"), *(_read(p) for p in _PRELUDES.get(name, ())), _read(name)]
-    return "\n".join(parts)
+    """The full source of script `name`: the lib.lua helpers it uses, its preludes, then
+    its own file."""
+    own = "\n".join([*(_read(p) for p in _PRELUDES.get(name, ())), _read(name)])
+    return _lib_for(own) + "\n" + own
