@@ -156,6 +156,25 @@ async def test_a_cluster_node_that_may_evict_is_refused(
         await node.aclose()
 
 
+async def test_a_node_without_the_scripts_reruns_only_its_own_calls(
+    cluster: LocalCluster, cluster_redis: RedisCluster, prefix: str
+) -> None:
+    """One store round trip for apps on two masters, one of which lost its scripts (a
+    restart): each app's messages are stored once, none refused as its own duplicate."""
+    store = Store(cluster_redis, prefix)
+    await store.load_scripts()
+    first_app_on: dict[int, str] = {}
+    for i in range(64):
+        node = cluster_redis.get_node_from_key(store.base(f"ns{i}") + "msgs")
+        first_app_on.setdefault(node.port, f"ns{i}")
+    (_, healthy), (flushed_port, flushed) = list(first_app_on.items())[:2]
+    node = aioredis.Redis(host="127.0.0.1", port=flushed_port)
+    await node.script_flush()
+    await node.aclose()
+    batches = {app: [NewMessage("m1", "queue", b"x")] for app in (healthy, flushed)}
+    assert await store.store(batches, NOW) == {healthy: [True], flushed: [True]}
+
+
 async def test_24_apps_spread_over_every_master(
     make_broker: BrokerFactory, cluster: LocalCluster, prefix: str
 ) -> None:

@@ -305,3 +305,17 @@ async def test_copies_of_a_topic_message_acked_in_one_call_leave_no_state(store:
     assert [d.ok for d in done] == [True, True, True]
     assert await store.redis.hlen(store.base(APP) + "state") == 0
     assert not await store.redis.hexists(store.base(APP) + "msgs", "t2")
+
+
+async def test_after_noscript_only_the_refused_calls_run_again(store: Store) -> None:
+    """A Redis holding the store script but not the claim script: the store runs once
+    (its message is stored, not refused as its own duplicate) and the carried claim,
+    refused, is sent again and takes it."""
+    await store.redis.script_flush()
+    await store.redis.script_load(scripts.source("store"))
+    heard: list[Any] = []
+    claim = ClaimArgs(APP, store.claim_args(NOW, 4, alive("r1"), ["r1"] * 4), heard.append)
+    res = await store.store({APP: [NewMessage("n1", "queue", b"x")]}, NOW, None, [claim])
+    assert res == {APP: [True]}
+    got, _, _ = heard[0]
+    assert [c.msgid for c in got] == ["n1"]

@@ -354,20 +354,23 @@ class Store:
         for rider, app, args in riders:
             keys = self._keys(rider, app)
             commands.append((("EVALSHA", self._scripts[rider].sha, len(keys), *keys, *args), {}))
-        for attempt in (1, 2):
-            try:
-                results = await self._round_trip(commands)
-                own = results[: len(results) - len(riders)]
-                error = next((r for r in own if isinstance(r, Exception)), None)
-                if error is not None:
-                    raise error
-                return results
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                for n in names:
-                    await self.redis.script_load(self._scripts[n].script)
-        raise AssertionError("unreachable")
+        results = await self._round_trip(commands)
+        # A Redis (or a cluster node) without the scripts: load them, then send again only
+        # the calls it refused (and the WAITs), never one that ran (its messages would
+        # come back as duplicates, a claim's deliveries stay leased to no one).
+        again = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if again:
+            for n in names:
+                await self.redis.script_load(self._scripts[n].script)
+            again = sorted([*again, *(i for i, (a, _) in enumerate(commands) if a[0] == "WAIT")])
+            redone = await self._round_trip([commands[i] for i in again])
+            for i, r in zip(again, redone, strict=True):
+                results[i] = r
+        own = results[: len(results) - len(riders)]
+        error = next((r for r in own if isinstance(r, Exception)), None)
+        if error is not None:
+            raise error
+        return results
 
     async def _round_trip(self, commands: list[Routed]) -> list[Any]:
         """The replies of `commands` (each its arguments and redis-py's options), sent in
