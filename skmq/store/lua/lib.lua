@@ -1,4 +1,5 @@
--- Shared by every message transition (prepended to each script when it is loaded).
+-- Shared by every message transition: each script carries the helpers it uses
+-- (skmq/store/scripts.py prepends them when it loads the script).
 --
 -- One app's keys, all under the app's hash tag, all passed in KEYS by the caller:
 --   msgs      HASH  msgid -> kind (q|t), stored ms (13 digits), then the content
