@@ -263,16 +263,21 @@ async def test_an_acked_topic_message_leaves_no_state(store: Store) -> None:
     assert any(f.startswith(b"q0") for f in fields)
 
 
+async def store_carrying_a_claim(store: Store, msgid: str) -> list[str]:
+    """Store msgid with a claim riding in the same round trip; the msgids it claimed."""
+    heard: list[Any] = []
+    claim = ClaimArgs(APP, store.claim_args(NOW, 4, alive("r1"), ["r1"] * 4), heard.append)
+    res = await store.store({APP: [NewMessage(msgid, "queue", b"x")]}, NOW, None, [claim])
+    assert res == {APP: [True]}
+    got, _, _ = heard[0]
+    return [c.msgid for c in got]
+
+
 async def test_a_carried_claim_survives_a_script_flush(store: Store) -> None:
     """NOSCRIPT (a Redis restarted without its scripts): the store and the claim it
     carries are both loaded again and sent again, once."""
     await store.redis.script_flush()
-    heard: list[Any] = []
-    claim = ClaimArgs(APP, store.claim_args(NOW, 4, alive("r1"), ["r1"] * 4), heard.append)
-    res = await store.store({APP: [NewMessage("f1", "queue", b"x")]}, NOW, None, [claim])
-    assert res == {APP: [True]}
-    got, _, _ = heard[0]
-    assert [c.msgid for c in got] == ["f1"]
+    assert await store_carrying_a_claim(store, "f1") == ["f1"]
 
 
 async def test_batches_larger_than_a_script_call_chunk_keep_each_message_apart(
@@ -313,9 +318,4 @@ async def test_after_noscript_only_the_refused_calls_run_again(store: Store) -> 
     refused, is sent again and takes it."""
     await store.redis.script_flush()
     await store.redis.script_load(scripts.source("store"))
-    heard: list[Any] = []
-    claim = ClaimArgs(APP, store.claim_args(NOW, 4, alive("r1"), ["r1"] * 4), heard.append)
-    res = await store.store({APP: [NewMessage("n1", "queue", b"x")]}, NOW, None, [claim])
-    assert res == {APP: [True]}
-    got, _, _ = heard[0]
-    assert [c.msgid for c in got] == ["n1"]
+    assert await store_carrying_a_claim(store, "n1") == ["n1"]
