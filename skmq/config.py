@@ -64,6 +64,7 @@ class Settings(BaseSettings):
     retry_jitter: float = Field(0.1, ge=0, le=1)
     ack_timeout: Seconds = 60.0
     ack_wait: Wait = 5.0
+    ack_linger: Wait = 0.002
     max_lease_extensions: NonNegativeInt = 10
     heartbeat_interval: Seconds = 10.0
     heartbeat_timeout: Seconds = 3.0

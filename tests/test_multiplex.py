@@ -110,3 +110,50 @@ def test_only_one_plain_server_gets_one(url: str) -> None:
     assert multiplexed(connect_redis("rediss://127.0.0.1:1/0")) is None
     assert multiplexed(connect_redis("redis+sentinel://127.0.0.1:1/skmq")) is None
     assert multiplexed(connect_redis("redis+cluster://127.0.0.1:1")) is None
+
+
+async def written_often(lane: MultiplexedConnection) -> None:
+    """Two writes back to back: the connection counts as written to often."""
+    await lane.pipeline([("PING",)])
+    await lane.pipeline([("PING",)])
+
+
+async def test_a_lingering_call_rides_on_the_next_write(url: str, admin: aioredis.Redis) -> None:
+    await admin.delete("skmq-test:rider")
+    lane = lane_for(url)
+    await written_often(lane)
+    lingering = asyncio.ensure_future(lane.pipeline([("SET", "skmq-test:rider", 1)], linger=60))
+    await asyncio.sleep(0)  # (the call is sent: it lingers)
+    assert await admin.get("skmq-test:rider") is None
+    assert await lane.pipeline([("GET", "skmq-test:rider")]) == [b"1"]  # written after it
+    assert await lingering == [b"OK"]
+    lane.close()
+
+
+async def test_a_lingering_call_goes_alone_when_its_linger_is_over(url: str) -> None:
+    lane = lane_for(url)
+    await written_often(lane)
+    async with asyncio.timeout(5):
+        assert await lane.pipeline([("ECHO", "alone")], linger=0.05) == [b"alone"]
+    # Written to seldom now (that write waited its whole linger): the next goes at once.
+    async with asyncio.timeout(5):
+        assert await lane.pipeline([("ECHO", "now")], linger=60) == [b"now"]
+    lane.close()
+
+
+async def test_a_connection_written_to_seldom_does_not_linger(url: str) -> None:
+    lane = lane_for(url)
+    async with asyncio.timeout(5):  # the first write of a connection
+        assert await lane.pipeline([("ECHO", "first")], linger=60) == [b"first"]
+    lane.close()
+
+
+async def test_a_closed_connection_fails_its_lingering_calls(url: str) -> None:
+    lane = lane_for(url)
+    await written_often(lane)
+    lingering = asyncio.ensure_future(lane.pipeline([("ECHO", "never")], linger=60))
+    await asyncio.sleep(0)
+    lane.close()
+    with pytest.raises(RedisConnectionError):
+        async with asyncio.timeout(5):
+            await lingering

@@ -272,6 +272,7 @@ class Store:
         replica_ack_timeout: float = 1.0,
         expired_drop: bool = False,
         max_lease_extensions: int = 10,
+        ack_linger: float = 0.0,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -288,6 +289,7 @@ class Store:
         }
         self._bases: dict[str, str] = {}
         self._lane = multiplexed(redis)
+        self.ack_linger = ack_linger
 
     def close(self) -> None:
         """Close the store's own connection (the client passed in is the caller's)."""
@@ -317,10 +319,12 @@ class Store:
         base = self.base(app)
         return [base + key for key in (*scripts.KEYS[name], *extra)]
 
-    async def _call(self, name: str, app: str, args: Sequence[Any], *extra_keys: str) -> Any:
+    async def _call(
+        self, name: str, app: str, args: Sequence[Any], *extra_keys: str, linger: float = 0.0
+    ) -> Any:
         if self._lane is None:
             return await self._scripts[name](self._keys(name, app, *extra_keys), args)
-        [reply] = await self._call_each(name, [(app, args, extra_keys)])
+        [reply] = await self._call_each(name, [(app, args, extra_keys)], linger=linger)
         return reply
 
     async def _call_each(
@@ -329,6 +333,7 @@ class Store:
         calls: Sequence[tuple[str, Sequence[Any], tuple[str, ...]]],
         replicas: int = 0,
         riders: Sequence[tuple[str, str, Sequence[Any]]] = (),
+        linger: float = 0.0,
     ) -> list[Any]:
         """Script `name` once per (app, args, extra keys), pipelined in one round trip (a
         cluster pipeline sends each node its calls). With `replicas`, each node then
@@ -354,7 +359,7 @@ class Store:
         for rider, app, args in riders:
             keys = self._keys(rider, app)
             commands.append((("EVALSHA", self._scripts[rider].sha, len(keys), *keys, *args), {}))
-        results = await self._round_trip(commands)
+        results = await self._round_trip(commands, linger)
         # A Redis (or a cluster node) without the scripts: load them, then send again only
         # the calls it refused (and the WAITs), never one that ran (its messages would
         # come back as duplicates, a claim's deliveries stay leased to no one).
@@ -372,13 +377,13 @@ class Store:
             raise error
         return results
 
-    async def _round_trip(self, commands: list[Routed]) -> list[Any]:
+    async def _round_trip(self, commands: list[Routed], linger: float = 0.0) -> list[Any]:
         """The replies of `commands` (each its arguments and redis-py's options), sent in
         one round trip, an error reply in its place: on the store's own multiplexed
         connection (skmq/store/multiplex.py), or else in a redis-py pipeline (a cluster
         pipeline sends each node its calls)."""
         if self._lane is not None:
-            return await self._lane.pipeline([args for args, _ in commands])
+            return await self._lane.pipeline([args for args, _ in commands], linger)
         pipe = self.redis.pipeline(transaction=False)
         for args, options in commands:
             # (not pipe.evalsha: a cluster pipeline refuses the method, not the command)
@@ -566,11 +571,14 @@ class Store:
         return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
-        """acks: (delivery id, attempt or 0 for whichever is current)."""
+        """acks: (delivery id, attempt or 0 for whichever is current). The call may wait
+        up to ACK_LINGER to ride on another's write (skmq/store/multiplex.py)."""
         args: list[Any] = [now, 2 * self.dedupe_ms]
         for delivery_id, attempt in acks:
             args += (delivery_id, attempt)
-        res = await self._call("finish", app, args, self._done(self._bucket(now)))
+        res = await self._call(
+            "finish", app, args, self._done(self._bucket(now)), linger=self.ack_linger
+        )
         return [
             Finished(bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
             for i in range(0, len(res), 4)
