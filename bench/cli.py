@@ -143,6 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--keys", type=int, default=1000, help="ordering keys of the ordered run (key=k<n %% keys>)"
     )
+    p.add_argument(
+        "--msgid-length",
+        type=int,
+        default=32,
+        help="length of every msgid (at least): 32 is a uuid4 in hex, what SKMQ's client and "
+        "the original SKMQ's make; Redis holds each msgid twice (default: 32)",
+    )
     p.add_argument("--backlog-time", type=float, default=150.0, help="cap on backlog sending, s")
     p.add_argument(
         "--drain-backlog-time",
@@ -256,6 +263,7 @@ class Runner:
         if send_time is not None:
             plan.send_time = send_time
         plan.window = a.window
+        plan.msgid_length = a.msgid_length
         # Fit in the time left: sending, answers and drain, plus ~15 s of setup.
         overhead = 15.0
         budget = remaining - overhead
@@ -517,7 +525,8 @@ class Runner:
             "publish awaited for its PubAck, one durable consumer (queue group), explicit acks, "
             "max_ack_pending 100",
             f"- load: {self.args.producers} producers ({self.args.window} unanswered each) and "
-            f"{self.args.recipients} recipients, one process each; 100-byte bodies; paced runs "
+            f"{self.args.recipients} recipients, one process each; 100-byte bodies, "
+            f"{self.args.msgid_length}-character msgids; paced runs "
             + ", ".join(f"{r:,.0f}" for r in self.args.rate_list)
             + f" msg/s for {self.args.latency_time:.0f}s each, 1 producer, "
             f"{self.args.latency_recipients} recipient(s)",

@@ -178,6 +178,8 @@ class LoadPlan:
     settle_time: float = 0.5  # and this long more, to catch late duplicates
     deadline: float = 0.0  # unix time: every child's hard exit
     keys: int = 0  # ordering keys (SKMQ's key=): message n gets key k<n % keys>; 0: none
+    # Msgids padded to this many characters (a uuid4 hex, as real producers send, is 32).
+    msgid_length: int = 32
     # Start the recipients only after the producers are done (and `before_drain` ran):
     # they drain a stored backlog; `drain_time` caps the drain.
     recipients_late: bool = False
@@ -294,6 +296,7 @@ async def _run_load(
     for i in range(plan.producers):
         count = per + (1 if i < extra else 0)
         prefix = f"{plan.scenario[:3]}{os.getpid() % 1000}p{i}"
+        prefix = prefix.ljust(plan.msgid_length - len(f"-{count}"), "x")
         prefixes.append(prefix)
         module, args = system.producer_cmd(i, count, plan.rate / plan.producers, prefix)
         args = [
