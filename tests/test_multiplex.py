@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from skmq.embedded import EmbeddedRedis
 from skmq.store import connect_redis
-from skmq.store.multiplex import MultiplexedConnection, multiplexed
+from skmq.store.multiplex import MultiplexedConnection, _Protocol, multiplexed
 
 
 @pytest.fixture(params=["unix", "tcp"])
@@ -118,12 +118,18 @@ async def written_often(lane: MultiplexedConnection) -> None:
     await lane.pipeline([("PING",)])
 
 
+def lane_protocol(lane: MultiplexedConnection) -> _Protocol:
+    """The lane's connection, to hand it a call without awaiting (and so without a turn
+    of the loop in which it could be written)."""
+    assert lane._protocol is not None
+    return lane._protocol
+
+
 async def test_a_lingering_call_rides_on_the_next_write(url: str, admin: aioredis.Redis) -> None:
     await admin.delete("skmq-test:rider")
     lane = lane_for(url)
     await written_often(lane)
-    lingering = asyncio.ensure_future(lane.pipeline([("SET", "skmq-test:rider", 1)], linger=60))
-    await asyncio.sleep(0)  # (the call is sent: it lingers)
+    lingering = lane_protocol(lane).send([("SET", "skmq-test:rider", 1)], None, linger=60)
     assert await admin.get("skmq-test:rider") is None
     assert await lane.pipeline([("GET", "skmq-test:rider")]) == [b"1"]  # written after it
     assert await lingering == [b"OK"]
@@ -151,8 +157,7 @@ async def test_a_connection_written_to_seldom_does_not_linger(url: str) -> None:
 async def test_a_closed_connection_fails_its_lingering_calls(url: str) -> None:
     lane = lane_for(url)
     await written_often(lane)
-    lingering = asyncio.ensure_future(lane.pipeline([("ECHO", "never")], linger=60))
-    await asyncio.sleep(0)
+    lingering = lane_protocol(lane).send([("ECHO", "never")], None, linger=60)
     lane.close()
     with pytest.raises(RedisConnectionError):
         async with asyncio.timeout(5):

@@ -341,7 +341,9 @@ class Store:
         the writes, waiting up to REPLICA_ACK_TIMEOUT for `replicas`): their answers
         follow the scripts' in the list returned. `riders`, (script, app, args) calls
         that ride last in the same round trip (a carried claim), answer last; an error
-        of theirs is returned in its place, never raised."""
+        of theirs is returned in its place, never raised. `linger`: how long the round
+        trip may wait for another caller's write to ride on (the store's own connection
+        only: skmq/store/multiplex.py)."""
         names = {name, *(rider for rider, _, _ in riders)}
         script = self._scripts[name]
         commands: list[Routed] = []
