@@ -131,19 +131,19 @@ class _Protocol(asyncio.Protocol):
             if self.linger_timer is None:
                 self.linger_timer = loop.call_at(now + linger, self._linger_over)
         else:
-            self._write()
+            self._write(now)
         deadline = float("inf") if timeout is None else now + linger + timeout
         self.waiting.append(_Call(future, len(commands), timeout, deadline))
         if deadline < self.due:
             self._arm(deadline)
         return future
 
-    def _write(self) -> None:
-        """Write every command not written yet, in the order sent (the order of `waiting`)."""
+    def _write(self, now: float) -> None:
+        """Write every command not written yet, in the order sent (the order of `waiting`);
+        `now`: the loop's time."""
         if self.linger_timer is not None:
             self.linger_timer.cancel()
             self.linger_timer = None
-        now = asyncio.get_running_loop().time()
         self.gap, self.written = now - self.written, now
         if self.transport is not None and self.unsent:
             self.transport.write(b"".join(self.unsent))
@@ -152,7 +152,7 @@ class _Protocol(asyncio.Protocol):
     def _linger_over(self) -> None:
         """Nothing came to ride on: written alone, and no lingering until writes come
         often again."""
-        self._write()
+        self._write(asyncio.get_running_loop().time())
         self.gap = float("inf")
 
     def _arm(self, due: float) -> None:

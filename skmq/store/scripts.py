@@ -12,6 +12,7 @@ are prepended to a script when it is loaded.
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 
@@ -92,8 +93,9 @@ def _lib_for(code: str) -> str:
     return "".join(text for defined, text in paragraphs if defined & needed)
 
 
+@functools.cache
 def source(name: str) -> str:
     """The full source of script `name`: the lib.lua helpers it uses, its preludes, then
-    its own file."""
+    its own file (built once a process: every Store registers every script)."""
     own = "\n".join([*(_read(p) for p in _PRELUDES.get(name, ())), _read(name)])
     return _lib_for(own) + "\n" + own

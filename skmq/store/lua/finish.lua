@@ -11,7 +11,7 @@
 local msgs, state, inflight, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local kq, done = KEYS[6], KEYS[7]
 local now = tonumber(ARGV[1])
-local fields, msgids = {}, {}
+local fields, msgids, crids = {}, {}, {}  -- (crids[j]: false for a queue message)
 for i = 3, #ARGV, 2 do
   local msgid, crid = split(ARGV[i])
   fields[#fields + 1] = field(msgid, 'n', crid)
@@ -19,6 +19,7 @@ for i = 3, #ARGV, 2 do
   fields[#fields + 1] = field(msgid, 'k')
   fields[#fields + 1] = field(msgid, 'c')
   msgids[#msgids + 1] = msgid
+  crids[#msgids] = crid or false
 end
 local f = call_all('HMGET', state, fields)
 local stored = call_all('HMGET', msgs, msgids)
@@ -27,7 +28,7 @@ local out = {}
 for j = 1, #msgids do
   local id = ARGV[1 + 2 * j]
   local want = tonumber(ARGV[2 + 2 * j])
-  local msgid, crid = split(id)
+  local msgid, crid = msgids[j], crids[j]
   local at = 4 * j - 3
   -- (an id acked earlier in this batch: its attempt field is gone)
   local n = acked[id] and 0 or tonumber(f[at] or '0')
