@@ -21,6 +21,13 @@ import time
 from typing import Any
 
 
+def msgid(prefix: str, seq: int) -> str:
+    """Message `seq` of the producer with `prefix` (hex digits): a msgid of hex digits, the
+    last 8 the sequence number; at 32 characters it looks like a uuid4 in hex, the msgid
+    real producers send (SKMQ's client, the original SKMQ's)."""
+    return f"{prefix}{seq:08x}"
+
+
 def emit(event: str, **fields: Any) -> None:
     """Write one event line to the harness."""
     sys.stdout.write(json.dumps({"event": event, **fields}, separators=(",", ":")) + "\n")

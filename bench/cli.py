@@ -75,6 +75,13 @@ ALL_SYSTEMS = ("skmq", "nats", "rabbitmq")
 _LIVE_BROKER_PGIDS: set[int] = set()
 
 
+def msgid_length(value: str) -> int:
+    n = int(value)
+    if n < 9:
+        raise argparse.ArgumentTypeError("at least 9: 8 hex digits number the messages")
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -145,10 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--msgid-length",
-        type=int,
+        type=msgid_length,
         default=32,
-        help="length of every msgid (at least): 32 is a uuid4 in hex, what SKMQ's client and "
-        "the original SKMQ's make; Redis holds each msgid twice (default: 32)",
+        help="length of every msgid, hex digits (at least 9): 32 is a uuid4 in hex, what SKMQ's "
+        "client and the original SKMQ's make; Redis holds each msgid twice (default: 32)",
     )
     p.add_argument("--backlog-time", type=float, default=150.0, help="cap on backlog sending, s")
     p.add_argument(

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from bench.childio import Control, cpu_seconds, emit, write_result
+from bench.childio import msgid as make_msgid
 from bench.pacing import Pacer
 
 # Publish one message (msgid, body); returns once the broker confirmed it, raises if not.
@@ -68,7 +69,7 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
                     break
             else:
                 await window.acquire()  # free: returns at once
-            msgid = f"{args.prefix}-{pacer.sent}"
+            msgid = make_msgid(args.prefix, pacer.sent)
             outstanding.add(msgid)
             task = asyncio.create_task(one(msgid))
             pending.add(task)

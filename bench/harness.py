@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from bench.childio import msgid
+
 BENCH_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -295,8 +297,7 @@ async def _run_load(
     prefixes: list[str] = []
     for i in range(plan.producers):
         count = per + (1 if i < extra else 0)
-        prefix = f"{plan.scenario[:3]}{os.getpid() % 1000}p{i}"
-        prefix = prefix.ljust(plan.msgid_length - len(f"-{count}"), "x")
+        prefix = os.urandom(plan.msgid_length).hex()[: plan.msgid_length - 8]  # childio.msgid
         prefixes.append(prefix)
         module, args = system.producer_cmd(i, count, plan.rate / plan.producers, prefix)
         args = [
@@ -396,7 +397,7 @@ async def _run_load(
         answered = int(r["sent"]) if "unanswered" in r else int(r["responses"])
         unanswered = set(r.get("unanswered", ()))
         for seq in range(int(r["sent"])):
-            mid = f"{prefix}-{seq}"
+            mid = msgid(prefix, seq)
             sent_ids.add(mid)
             if seq < answered and mid not in failed_ids and mid not in unanswered:
                 acked_ids.add(mid)

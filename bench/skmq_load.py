@@ -145,7 +145,7 @@ async def producer_main(args: argparse.Namespace) -> None:
     count: int = args.count
     window: int = args.window
     stop_at = time.monotonic() + args.send_time
-    head = b"appid=" + appid + b"\r\nmsgid=" + prefix + b"-"
+    head = b"appid=" + appid + b"\r\nmsgid=" + prefix  # then 8 hex digits: childio.msgid
     tail_type = b"\r\ntype=queue\r\ncontent="
     keys: int = args.keys
     pacer = Pacer(args.rate, count)
@@ -169,9 +169,9 @@ async def producer_main(args: argparse.Namespace) -> None:
         content = make_content(time.time_ns(), args.size)
         tail = tail_type + content + SEP
         if keys:
-            frames = [head + b"%d\r\nkey=k%d" % (i, i % keys) + tail for i in range(seq, seq + n)]
+            frames = [head + b"%08x\r\nkey=k%d" % (i, i % keys) + tail for i in range(seq, seq + n)]
         else:
-            frames = [head + b"%d" % i + tail for i in range(seq, seq + n)]
+            frames = [head + b"%08x" % i + tail for i in range(seq, seq + n)]
         transport.write(b"".join(frames))
         pacer.record(n)
         if not proto.writable.is_set():

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from skmq.broker import Broker
 from skmq.client import Producer
 from skmq.outbox import Outbox, OutboxError
+from skmq.store.msgids import pack, unpack
 from tests.conftest import BrokerFactory, eventually, free_port
 from tests.test_delivery import base
 
@@ -41,8 +42,9 @@ async def producer(broker: Broker) -> AsyncIterator[Producer]:
     await p.close()
 
 
-async def stored(redis: aioredis.Redis, broker: Broker, app: str) -> list[bytes]:
-    return list(await redis.lrange(base(broker, app) + "ready", 0, -1))
+async def stored(redis: aioredis.Redis, broker: Broker, app: str) -> list[str]:
+    """The msgids waiting in app's ready list (as text: skmq/store/msgids.py)."""
+    return [unpack(m) for m in await redis.lrange(base(broker, app) + "ready", 0, -1)]
 
 
 async def test_send_belongs_to_the_callers_transaction(
@@ -59,7 +61,7 @@ async def test_send_belongs_to_the_callers_transaction(
         outbox.send("tx", b"committed again", msgid="c1")  # the same msgid: a no-op
     assert outbox.pending() == 1
     assert await outbox.send_pending() is False
-    assert await stored(redis, broker, "tx") == [b"c1"]
+    assert await stored(redis, broker, "tx") == ["c1"]
     assert outbox.pending() == 0 and outbox.sent == 1
     outbox.close()
 
@@ -76,8 +78,8 @@ async def test_the_sender_delivers_after_the_commit(
         await eventually(lambda: _true(outbox.pending() == 0))  # deleted once acked
     finally:
         await outbox.stop()
-    assert [m.decode() for m in await stored(redis, broker, "bg")] == ids  # in order
-    assert await redis.hexists(base(broker, "bg") + "state", f"{ids[0]}\x1fx")  # the TTL
+    assert await stored(redis, broker, "bg") == ids  # in order
+    assert await redis.hexists(base(broker, "bg") + "state", pack(ids[0]) + b"\x1fx")  # the TTL
 
 
 async def _count(redis: aioredis.Redis, broker: Broker, app: str, n: int) -> bool:
@@ -137,7 +139,7 @@ async def test_a_producer_killed_mid_send_loses_and_duplicates_nothing(
         subprocess.run, args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert again.returncode == 0, again.stderr
-    ids = [m.decode() for m in await stored(redis, broker, "crash")]
+    ids = await stored(redis, broker, "crash")
     assert len(ids) == n  # nothing duplicated ...
     assert set(ids) == {f"m{i}" for i in range(n)}  # ... and nothing lost
     assert await redis.hlen(base(broker, "crash") + "msgs") == n

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from skmq.store import Store
+from skmq.store.msgids import unpack
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})")
@@ -155,7 +156,7 @@ class Groups:
         out = [
             Pulled(
                 f"{res[i].decode()}.{int(res[i + 4])}",
-                res[i + 1].decode("utf-8", "surrogateescape"),
+                unpack(res[i + 1]),
                 _KINDS.get(res[i + 2], "queue"),
                 res[i + 3],
                 int(res[i + 4]),
@@ -174,7 +175,7 @@ class Groups:
         out = []
         for found in await pipe.execute():
             fields = found[0][1] if found else {}
-            msgid = fields.get(b"m", b"").decode("utf-8", "surrogateescape")
+            msgid = unpack(fields.get(b"m", b""))
             out.append((msgid, _KINDS.get(fields.get(b"k", b"q"), "queue")))
         return out
 

@@ -36,6 +36,7 @@ from skmq.store.client import (
 )
 from skmq.store.client import text as _s
 from skmq.store.directory import AppDirectory
+from skmq.store.msgids import PACKED, pack_delivery, split_held, unpack
 from skmq.store.multiplex import multiplexed
 
 log = structlog.get_logger("skmq.store")
@@ -51,9 +52,11 @@ def split_delivery(delivery_id: str) -> tuple[str, str | None]:
     return (msgid, rid) if sep else (msgid, None)
 
 
-def state_field(msgid: str, attr: str, rid: str | None = None) -> str:
-    """A field of the `state` hash (lua/lib.lua: `field`)."""
-    return f"{msgid}{SEP}{attr}{SEP}{rid}" if rid is not None else f"{msgid}{SEP}{attr}"
+def state_field(held_id: bytes, attr: str) -> bytes:
+    """lib.lua's field(): the `state` field of `attr` of a delivery id as Redis holds it
+    (its msgid's own field, or its topic copy's)."""
+    msgid, copy = split_held(held_id)
+    return msgid + b"\x1f" + attr.encode() + copy
 
 
 def _escape_tag(app: str) -> str:
@@ -290,6 +293,7 @@ class Store:
         self._bases: dict[str, str] = {}
         self._lane = multiplexed(redis)
         self.ack_linger = ack_linger
+        self._packed: bool | None = None  # the msgid format, once read
 
     def close(self) -> None:
         """Close the store's own connection (the client passed in is the caller's)."""
@@ -312,6 +316,24 @@ class Store:
         await self.redis.set(key, secrets.token_hex(32), nx=True)
         secret: bytes = await self.redis.get(key)
         return secret
+
+    # -- msgids (skmq/store/msgids.py) -------------------------------------
+    async def packs_msgids(self) -> bool:
+        """Whether this store holds msgids packed: chosen once a store, by whichever
+        client meets it first, `packed` while no app is listed."""
+        if self._packed is None:
+            key = self.global_key("msgids")
+            held = await self.redis.get(key)
+            if held is None:
+                new = not await self.apps() and not await self.redis.exists(self.global_key("apps"))
+                await self.redis.set(key, PACKED if new else b"text", nx=True)
+                held = await self.redis.get(key)
+            self._packed = held == PACKED
+        return self._packed
+
+    async def _holder(self) -> Callable[[str], bytes | str]:
+        """How this store holds a msgid or a delivery id."""
+        return pack_delivery if await self.packs_msgids() else str
 
     # -- scripts ------------------------------------------------------------
     def _keys(self, name: str, app: str, *extra: str) -> list[str]:
@@ -394,9 +416,11 @@ class Store:
         return results
 
     async def load_scripts(self) -> None:
-        """Load every script at start-up: a Redis that refuses scripting fails now."""
+        """Load every script at start-up: a Redis that refuses scripting fails now. The
+        msgid format is read (or chosen) now too, before any recipient lists an app."""
         for script in self._scripts.values():
             await self.redis.script_load(script.script)
+        await self.packs_msgids()
 
     def _done(self, bucket: int) -> str:
         return f"done:{bucket}"
@@ -428,12 +452,13 @@ class Store:
         after `stored`; a claim that fails never fails the store."""
         bucket = self._bucket(now)
         done = (self._done(bucket), self._done(bucket - 1))
+        hold = await self._holder()
         calls = []
         for app, messages in batches.items():
             args: list[Any] = [now]
             for m in messages:
                 kind = "t" if m.kind == "topic" else "q"
-                args += (m.msgid, kind, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
+                args += (hold(m.msgid), kind, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
             calls.append((app, args, done))
         riders = [("claim", c.app, c.args) for c in claims]
         try:
@@ -565,7 +590,7 @@ class Store:
         nxt = int(float(res[-2]))
         out = []
         for i in range(0, len(res) - 2, 7):
-            did = _s(res[i])
+            did = unpack(res[i])
             msgid, _ = split_delivery(did)
             kind = _KINDS[res[i + 1]]
             attempt, rid, stored = int(res[i + 3]), _s(res[i + 4]), int(res[i + 5])
@@ -576,8 +601,9 @@ class Store:
         """acks: (delivery id, attempt or 0 for whichever is current). The call may wait
         up to ACK_LINGER to ride on another's write (skmq/store/multiplex.py)."""
         args: list[Any] = [now, 2 * self.dedupe_ms]
+        hold = await self._holder()
         for delivery_id, attempt in acks:
-            args += (delivery_id, attempt)
+            args += (hold(delivery_id), attempt)
         res = await self._call(
             "finish", app, args, self._done(self._bucket(now)), linger=self.ack_linger
         )
@@ -590,8 +616,9 @@ class Store:
         """leases: (delivery id, attempt or 0 for the current); each in flight gets a lease
         of ACK_TIMEOUT from now, at most MAX_LEASE_EXTENSIONS times an attempt."""
         args: list[Any] = [now, self.lease_ms, self.max_lease_extensions]
+        hold = await self._holder()
         for delivery_id, attempt in leases:
-            args += (delivery_id, attempt)
+            args += (hold(delivery_id), attempt)
         res = await self._call("extend", app, args)
         return [
             Extended(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)
@@ -607,8 +634,9 @@ class Store:
     ) -> list[Failed]:
         """failures: (delivery id, outcome, detail, recipient, attempt or 0 for the current)."""
         args: list[Any] = [now, 0, *self._retry_args()]
-        for f in failures:
-            args += f
+        hold = await self._holder()
+        for delivery_id, *rest in failures:
+            args += (hold(delivery_id), *rest)
         res = await self._call("fail", app, args)
         return [
             Failed(int(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
@@ -626,7 +654,7 @@ class Store:
         return {
             app: [
                 Reaped(
-                    _s(res[i]),
+                    unpack(res[i]),
                     Failed(int(res[i + 1]), int(res[i + 2]), int(res[i + 3]), _s(res[i + 4])),
                 )
                 for i in range(0, len(res), 5)
@@ -635,26 +663,29 @@ class Store:
         }
 
     async def in_flight(self, app: str) -> list[str]:
-        return [_s(x) for x in await self.redis.zrange(self.base(app) + "inflight", 0, -1)]
+        return [unpack(x) for x in await self.redis.zrange(self.base(app) + "inflight", 0, -1)]
 
     async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:
             return []
-        return [bool(x) for x in await self._call("release", app, list(delivery_ids))]
+        hold = await self._holder()
+        ids = [hold(d) for d in delivery_ids]
+        return [bool(x) for x in await self._call("release", app, ids)]
 
     async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
         """The deliveries of msgid in flight: (delivery id, recipient, attempt)."""
-        res = await self._call("in_flight_of", app, [msgid])
-        return [(_s(res[i]), _s(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
+        res = await self._call("in_flight_of", app, [(await self._holder())(msgid)])
+        return [(unpack(res[i]), _s(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
 
     async def find_app(self, msgid: str) -> str | None:
         """The app holding msgid, for an answer that names no appid (the original's `ack`)."""
         apps = await self.apps()
         if not apps:
             return None
+        held = (await self._holder())(msgid)
         pipe = self.redis.pipeline(transaction=False)
         for app in apps:
-            pipe.hexists(self.base(app) + "msgs", msgid)
+            pipe.hexists(self.base(app) + "msgs", held)
         for app, found in zip(apps, await pipe.execute(), strict=True):
             if found:
                 return app
@@ -728,15 +759,14 @@ class Store:
         )
         pipe = self.redis.pipeline(transaction=False)
         for member, _ in entries:
-            msgid, rid = split_delivery(_s(member))
-            pipe.hget(base + "msgs", msgid)
-            pipe.hmget(base + "state", *(state_field(msgid, a, rid) for a in "nehr"))
+            pipe.hget(base + "msgs", split_held(member)[0])
+            pipe.hmget(base + "state", *(state_field(member, a) for a in "nehr"))
         res = await pipe.execute()
         out = []
         for i, (member, died) in enumerate(entries):
             message: bytes = res[2 * i] or b"q0000000000000"
             n, last_error, history_b, last_rid = res[2 * i + 1]
-            did = _s(member)
+            did = unpack(member)
             msgid, rid = split_delivery(did)
             history = _s(history_b or b"")
             out.append(
@@ -759,7 +789,8 @@ class Store:
     async def replay(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
         if not delivery_ids:
             return []
-        return [bool(x) for x in await self._call("replay", app, [now, *delivery_ids])]
+        hold = await self._holder()
+        return [bool(x) for x in await self._call("replay", app, [now, *map(hold, delivery_ids)])]
 
     async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
         """Dead letters of `app` become new messages of `to_app` (same msgid, pending),
@@ -770,7 +801,9 @@ class Store:
         target = (to + "msgs", to + "ready", to + "listed")
         done = (to + self._done(bucket), to + self._done(bucket - 1))
         keys = [*self._keys("move", app), *target, *done]
-        res = [int(x) for x in await self._scripts["move"](keys, [now, to_app, *delivery_ids])]
+        hold = await self._holder()
+        args = [now, to_app, *map(hold, delivery_ids)]
+        res = [int(x) for x in await self._scripts["move"](keys, args)]
         if 1 in res:
             await self.directory.add([to_app])
         return res
@@ -778,4 +811,5 @@ class Store:
     async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:
             return []
-        return [bool(x) for x in await self._call("purge", app, list(delivery_ids))]
+        hold = await self._holder()
+        return [bool(x) for x in await self._call("purge", app, [hold(d) for d in delivery_ids])]

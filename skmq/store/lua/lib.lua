@@ -23,13 +23,15 @@
 --   dead      ZSET  delivery id -> ms it died (the dead-letter queue)
 --   done:<b>  SET   msgids completed in time bucket b (dedupe after completion)
 -- A delivery id is the msgid (a queue message, or a topic message not yet fanned out)
--- or <msgid>\31<rid> (one recipient's copy). No id holds \31 (a control character).
+-- or <msgid>\31<rid> (one recipient's copy). No id holds \31 (a control character),
+-- but a packed msgid may (skmq/store/msgids.py: \0 and 16 bytes): that one is 17 bytes.
 
 local SEP = '\31'
 
 local function split(id)
-  local p = string.find(id, SEP, 1, true)
-  if p then return string.sub(id, 1, p - 1), string.sub(id, p + 1) end
+  local p
+  if string.byte(id, 1) == 0 then p = 18 else p = string.find(id, SEP, 1, true) end
+  if p and p <= #id then return string.sub(id, 1, p - 1), string.sub(id, p + 1) end
   return id, nil
 end
 

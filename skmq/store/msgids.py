@@ -1,0 +1,59 @@
+"""Msgids as Redis holds them.
+
+Redis holds every stored msgid twice (a field of `msgs`, an entry of `ready`), and most
+msgids are a uuid4 in hex: what SKMQ's client and the original SKMQ make, 32 characters.
+Held as its 16 bytes behind a tag byte instead, such a message costs Redis 31 bytes less
+(bench/README.md, "Redis bytes by msgid length"). So, in a store whose format is
+`packed`, a msgid of exactly 32 lowercase hex digits is held as `\\x00` and its 16
+bytes; any other msgid as its text. No text msgid starts with `\\x00` (the broker
+refuses control characters in ids, skmq/handler.py), so a held msgid reads back without
+knowing which form it took. A text msgid holds no `\\x1f` either, which separates a
+topic copy's recipient from its msgid in a delivery id; a packed one may, and is cut
+off by its length instead (`split_held`, lib.lua's `split`).
+
+A store chooses its format once, when the first broker of this version meets it: a
+store that lists no app yet is `packed`; one that already holds apps keeps its msgids
+as text (`text`), since what it holds was written that way. The choice is the global
+key `<prefix>:msgids`.
+"""
+
+from __future__ import annotations
+
+from skmq.store.client import ENC, text
+
+TAG = b"\x00"
+SEP = b"\x1f"
+PACKED = b"packed"
+
+
+def pack(msgid: str) -> bytes:
+    """msgid as a packed store holds it."""
+    if len(msgid) == 32:
+        try:
+            raw = bytes.fromhex(msgid)
+        except ValueError:
+            raw = b""
+        # (fromhex also takes upper case and spaces: only what reads back the same packs)
+        if raw.hex() == msgid:
+            return TAG + raw
+    return msgid.encode("utf-8", ENC)
+
+
+def pack_delivery(delivery_id: str) -> bytes:
+    """A delivery id (msgid, or msgid \\x1f recipient) as a packed store holds it."""
+    msgid, sep, rid = delivery_id.partition("\x1f")
+    return pack(msgid) + SEP + rid.encode("utf-8", ENC) if sep else pack(msgid)
+
+
+def split_held(held: bytes) -> tuple[bytes, bytes]:
+    """A delivery id as Redis holds it: its msgid, then b"" or `\\x1f` and the copy's
+    recipient (as lib.lua's split() cuts it)."""
+    cut = 17 if held[:1] == TAG else held.find(SEP)
+    return (held, b"") if cut < 0 or cut >= len(held) else (held[:cut], held[cut:])
+
+
+def unpack(held: bytes | str) -> str:
+    """The text of a msgid or delivery id as Redis holds it, in either format."""
+    if isinstance(held, bytes) and held[:1] == TAG and len(held) >= 17:
+        return held[1:17].hex() + text(held[17:])
+    return text(held)
