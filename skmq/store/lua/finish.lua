@@ -5,14 +5,15 @@
 -- KEYS: msgs, state, inflight, ready, delayed, kq, done:<current bucket>
 -- ARGV: now, done ttl ms, then (delivery id, attempt or 0 for the current)*
 -- Returns (ok, attempt, stored ms, recipient)*.
--- The batch's reads (attempt, recipient, key and copies fields; the messages) are one
--- HMGET each and the drops of acked messages one HDEL each, SADD one call: only the
--- ZREM of the lease, whose reply decides, is a call a delivery.
+-- The batch's reads (attempt, recipient, key and copies fields; the messages; the
+-- leases) are one call each, and so are its writes (the leases dropped, the acked
+-- messages dropped, SADD).
 local msgs, state, inflight, ready, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local kq, done = KEYS[6], KEYS[7]
 local now = tonumber(ARGV[1])
-local fields, msgids, crids = {}, {}, {}  -- (crids[j]: false for a queue message)
+local ids, fields, msgids, crids = {}, {}, {}, {}  -- (crids[j]: false for a queue message)
 for i = 3, #ARGV, 2 do
+  ids[#ids + 1] = ARGV[i]
   local msgid, crid = split(ARGV[i])
   fields[#fields + 1] = field(msgid, 'n', crid)
   fields[#fields + 1] = field(msgid, 'r')
@@ -23,23 +24,23 @@ for i = 3, #ARGV, 2 do
 end
 local f = call_all('HMGET', state, fields)
 local stored = call_all('HMGET', msgs, msgids)
-local dropped, forgotten, acked = {}, {}, {}
+local leased = call_all('ZMSCORE', inflight, ids)
+local dropped, forgotten, acked, settled = {}, {}, {}, {}
 local out = {}
 for j = 1, #msgids do
-  local id = ARGV[1 + 2 * j]
+  local id = ids[j]
   local want = tonumber(ARGV[2 + 2 * j])
   local msgid, crid = msgids[j], crids[j]
   local at = 4 * j - 3
-  -- (an id acked earlier in this batch: its attempt field is gone)
+  -- (an id acked earlier in this batch: its lease and its attempt field are gone)
   local n = acked[id] and 0 or tonumber(f[at] or '0')
   local m = false
-  if (want == 0 or want == n) and redis.call('ZREM', inflight, id) == 1 then
-    m = stored[j]
-  end
+  if (want == 0 or want == n) and leased[j] and not acked[id] then m = stored[j] end
   if not m then
     out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
   else
     acked[id] = true
+    settled[#settled + 1] = id
     if not crid or settle_copy(state, msgid, crid, 'o') then
       advance(state, kq, ready, delayed, msgid, now, f[at + 2])
       state_fields(dropped, state, msgid, f[at + 3])
@@ -49,6 +50,7 @@ for j = 1, #msgids do
     out[#out + 1] = crid or f[at + 1] or ''
   end
 end
+if #settled > 0 then call_all('ZREM', inflight, settled) end
 if #forgotten > 0 then
   call_all('HDEL', state, dropped)
   call_all('HDEL', msgs, forgotten)
