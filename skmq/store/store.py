@@ -320,12 +320,18 @@ class Store:
     # -- msgids (skmq/store/msgids.py) -------------------------------------
     async def packs_msgids(self) -> bool:
         """Whether this store holds msgids packed: chosen once a store, by whichever
-        client meets it first, `packed` while no app is listed."""
+        client meets it first, `packed` if no broker ran on it before (none made the
+        delivery secret) and it lists no app: else text msgids may be in it, in a
+        dedupe set or a group log that outlive their app's listing."""
         if self._packed is None:
             key = self.global_key("msgids")
             held = await self.redis.get(key)
             if held is None:
-                new = not await self.apps() and not await self.redis.exists(self.global_key("apps"))
+                # (one key an EXISTS: in a cluster they live in different slots)
+                earlier = [self.global_key(k) for k in ("delivery-secret", "apps")]
+                new = not await self.apps() and not any(
+                    [await self.redis.exists(k) for k in earlier]
+                )
                 await self.redis.set(key, PACKED if new else b"text", nx=True)
                 held = await self.redis.get(key)
             self._packed = held == PACKED

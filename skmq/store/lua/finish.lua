@@ -35,12 +35,14 @@ for j = 1, #msgids do
   -- (an id acked earlier in this batch: its lease and its attempt field are gone)
   local n = acked[id] and 0 or tonumber(f[at] or '0')
   local m = false
-  if (want == 0 or want == n) and leased[j] and not acked[id] then m = stored[j] end
+  if (want == 0 or want == n) and leased[j] and not acked[id] then
+    settled[#settled + 1] = id  -- (the lease goes even if its message is gone)
+    m = stored[j]
+  end
   if not m then
     out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
   else
     acked[id] = true
-    settled[#settled + 1] = id
     if not crid or settle_copy(state, msgid, crid, 'o') then
       advance(state, kq, ready, delayed, msgid, now, f[at + 2])
       state_fields(dropped, state, msgid, f[at + 3])
