@@ -1,6 +1,8 @@
 -- Shared by every message transition: each script carries the helpers it uses
 -- (skmq/store/scripts.py prepends them when it loads the script).
 --
+-- A msgid below is as the store holds it: its text, or, for 32 hex digits in a packed
+-- store, \0 and the 16 bytes (skmq/store/msgids.py); only split() looks inside one.
 -- One app's keys, all under the app's hash tag, all passed in KEYS by the caller:
 --   msgs      HASH  msgid -> kind (q|t), stored ms (13 digits), then the content
 --   state     HASH  delivery state, created at the first claim, one field an attribute:
