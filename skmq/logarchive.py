@@ -24,6 +24,7 @@ import gzip
 import os
 import shutil
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +59,10 @@ class LogArchive:
         self.pruned = 0
         self.errors = 0
         self._wake = asyncio.Event()
+        # One sweep at a time: a cancelled task's sweep goes on in its thread, and the
+        # broker's last sweep at stop must come after it (else it skips the file that
+        # sweep holds, and returns while that file is half compressed).
+        self._sweeping = threading.Lock()
 
     def wake(self) -> None:
         """A file was closed (a rotation): sweep soon."""
@@ -73,9 +78,10 @@ class LogArchive:
 
     def sweep(self) -> None:
         """Compress every closed log file, then prune (blocking: a worker thread's)."""
-        for path in sorted(self.dir.glob("delivery-*.jsonl")):
-            self._compress(path)
-        self._prune()
+        with self._sweeping:
+            for path in sorted(self.dir.glob("delivery-*.jsonl")):
+                self._compress(path)
+            self._prune()
 
     def _compress(self, path: Path) -> None:
         try:
