@@ -3,7 +3,7 @@
 Redis holds every stored msgid twice (a field of `msgs`, an entry of `ready`), and most
 msgids are a uuid4 in hex: what SKMQ's client and the original SKMQ make, 32 characters.
 Held as its 16 bytes behind a tag byte instead, such a message costs Redis 31 bytes less
-(bench/README.md, "Redis bytes by msgid length"). So, in a store whose format is
+(README.md, "Performance"). So, in a store whose format is
 `packed`, a msgid of exactly 32 lowercase hex digits is held as `\\x00` and its 16
 bytes; any other msgid as its text. No text msgid starts with `\\x00` (the broker
 refuses control characters in ids, skmq/handler.py), so a held msgid reads back without
@@ -11,9 +11,10 @@ knowing which form it took. A text msgid holds no `\\x1f` either, which separate
 topic copy's recipient from its msgid in a delivery id; a packed one may, and is cut
 off by its length instead (`split_held`, lib.lua's `split`).
 
-A store chooses its format once, when the first broker of this version meets it: a
-store that lists no app yet is `packed`; one that already holds apps keeps its msgids
-as text (`text`), since what it holds was written that way. The choice is the global
+A store chooses its format once, when the first client of this version meets it
+(`Store.packs_msgids`): `packed` if no broker ran on it before and it lists no app;
+otherwise its msgids stay text (`text`), since what it holds (dedupe sets and group logs
+too, which outlive their app's listing) was written that way. The choice is the global
 key `<prefix>:msgids`.
 """
 

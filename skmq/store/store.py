@@ -341,6 +341,10 @@ class Store:
         """How this store holds a msgid or a delivery id."""
         return pack_delivery if await self.packs_msgids() else str
 
+    async def _held(self, delivery_ids: Iterable[str]) -> list[bytes | str]:
+        """Msgids or delivery ids as this store holds them."""
+        return list(map(await self._holder(), delivery_ids))
+
     # -- scripts ------------------------------------------------------------
     def _keys(self, name: str, app: str, *extra: str) -> list[str]:
         """The keys script `name` declares for `app` (then `extra` keys of the app)."""
@@ -674,13 +678,12 @@ class Store:
     async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:
             return []
-        hold = await self._holder()
-        ids = [hold(d) for d in delivery_ids]
+        ids = await self._held(delivery_ids)
         return [bool(x) for x in await self._call("release", app, ids)]
 
     async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
         """The deliveries of msgid in flight: (delivery id, recipient, attempt)."""
-        res = await self._call("in_flight_of", app, [(await self._holder())(msgid)])
+        res = await self._call("in_flight_of", app, await self._held([msgid]))
         return [(unpack(res[i]), _s(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
 
     async def find_app(self, msgid: str) -> str | None:
@@ -688,7 +691,7 @@ class Store:
         apps = await self.apps()
         if not apps:
             return None
-        held = (await self._holder())(msgid)
+        [held] = await self._held([msgid])
         pipe = self.redis.pipeline(transaction=False)
         for app in apps:
             pipe.hexists(self.base(app) + "msgs", held)
@@ -795,8 +798,8 @@ class Store:
     async def replay(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
         if not delivery_ids:
             return []
-        hold = await self._holder()
-        return [bool(x) for x in await self._call("replay", app, [now, *map(hold, delivery_ids)])]
+        ids = await self._held(delivery_ids)
+        return [bool(x) for x in await self._call("replay", app, [now, *ids])]
 
     async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
         """Dead letters of `app` become new messages of `to_app` (same msgid, pending),
@@ -807,8 +810,7 @@ class Store:
         target = (to + "msgs", to + "ready", to + "listed")
         done = (to + self._done(bucket), to + self._done(bucket - 1))
         keys = [*self._keys("move", app), *target, *done]
-        hold = await self._holder()
-        args = [now, to_app, *map(hold, delivery_ids)]
+        args = [now, to_app, *await self._held(delivery_ids)]
         res = [int(x) for x in await self._scripts["move"](keys, args)]
         if 1 in res:
             await self.directory.add([to_app])
@@ -817,5 +819,5 @@ class Store:
     async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:
             return []
-        hold = await self._holder()
-        return [bool(x) for x in await self._call("purge", app, [hold(d) for d in delivery_ids])]
+        ids = await self._held(delivery_ids)
+        return [bool(x) for x in await self._call("purge", app, ids)]
