@@ -14,6 +14,7 @@ from skmq.config import Settings, SettingsError
 from skmq.deliverylog import now_ms
 from skmq.lifecycle import State
 from skmq.store import Failed, NewMessage, Retries, Store
+from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import base, log_events, logged, produce, registered
@@ -192,7 +193,7 @@ async def test_ttl_field_expires_a_message_nobody_took(
 async def _after(redis: aioredis.Redis, broker: Broker, app: str, ms: int) -> bool:
     """True once `ms` have passed since the app's message `gone` was stored."""
     first = await redis.hget(base(broker, app) + "msgs", "gone")
-    return first is not None and now_ms() >= int(first[1:14]) + ms
+    return first is not None and now_ms() >= read_message(first, now_ms())[1] + ms
 
 
 async def test_ttl_by_app_and_drop(make_broker: BrokerFactory, redis: aioredis.Redis) -> None:
@@ -236,7 +237,7 @@ async def test_client_sends_ttl_to_a_broker_that_supports_it(
     async with Producer("127.0.0.1", broker.server.port) as producer:
         resp = await producer.send("cli", b"x", msgid="c1", ttl_ms=60_000)
     assert resp.status == "ack"
-    stored_ms = int((await redis.hget(base(broker, "cli") + "msgs", "c1"))[1:14])
+    _, stored_ms, _ = read_message(await redis.hget(base(broker, "cli") + "msgs", "c1"), now_ms())
     expiry = int(await redis.hget(base(broker, "cli") + "state", "c1\x1fx"))
     # The TTL counts from the frame's receipt, which may be a millisecond or so before
     # the store stamps the message.

@@ -12,6 +12,7 @@ from skmq.broker import Broker
 from skmq.client import Consumer, Message, Resp
 from skmq.deliverylog import now_ms
 from skmq.store import Extended, Failed, NewMessage, Retries, Store
+from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import Peer, attempts, base, logged, produce, registered
@@ -26,7 +27,7 @@ async def test_pushes_carry_attempt_and_stored_at(broker: Broker, redis: aioredi
     rec = await FakeRecipient(app, "r", lambda f: next(answers)).start()
     await registered(broker.server.port, rec)
     await produce(broker.server.port, app, ["m"])
-    stored = int((await redis.hget(base(broker, app) + "msgs", "m"))[1:14])
+    _, stored, _ = read_message(await redis.hget(base(broker, app) + "msgs", "m"), now_ms())
     first, second = await rec.next_push(), await rec.next_push()
     assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
     assert first.fields["stored_at"] == second.fields["stored_at"] == str(stored)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from skmq.deliverylog import now_ms
 from skmq.embedded import EmbeddedRedis, _wait_port, server_binary
+from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory, free_port
 from tests.peers import RawClient
 
@@ -49,7 +51,8 @@ async def test_broker_stores_through_sentinel(
     assert resp["status"] == "ack"
     direct = aioredis.Redis.from_url(master.url)
     try:
-        assert (await direct.hget(f"{broker.store.base('s')}msgs", "s1"))[14:] == b"via sentinel"
+        value = await direct.hget(f"{broker.store.base('s')}msgs", "s1")
+        assert read_message(value, now_ms())[2] == b"via sentinel"
     finally:
         await direct.aclose()
     await client.close()

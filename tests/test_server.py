@@ -8,6 +8,8 @@ import json
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
+from skmq.deliverylog import now_ms
+from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory
 from tests.peers import RawClient
 
@@ -19,9 +21,10 @@ async def test_queue_and_topic_are_stored_and_acked(broker: Broker, redis: aiore
     assert (q["status"], q["content"], q["msgid"]) == ("ack", "stored", "m1")
     assert (t["status"], t["msgid"]) == ("ack", "m2")
     base = broker.store.base("app1")
-    # m:<msgid> holds kind, 13-digit stored ms, content (skmq/store/scripts.py)
-    assert (await redis.hget(f"{base}msgs", "m1"))[14:] == b"hello"
-    assert (await redis.hget(f"{base}msgs", "m2"))[:1] == b"t"
+    # msgs holds a header (kind, stored ms) and the content (skmq/store/messages.py)
+    for msgid, kind, content in (("m1", "queue", b"hello"), ("m2", "topic", b"news")):
+        value = await redis.hget(f"{base}msgs", msgid)
+        assert read_message(value, now_ms())[::2] == (kind, content)
     await client.close()
 
 
@@ -136,7 +139,8 @@ async def test_binary_content_with_length(broker: Broker, redis: aioredis.Redis)
     body = b"line1\r\n\r\nline2\nend\r"
     resp = await client.request("queue", body, appid="a", msgid="bin")
     assert resp["status"] == "ack"
-    assert (await redis.hget(f"{broker.store.base('a')}msgs", "bin"))[14:] == body
+    value = await redis.hget(f"{broker.store.base('a')}msgs", "bin")
+    assert read_message(value, now_ms())[2] == body
     await client.close()
 
 

@@ -4,7 +4,7 @@ Redis holds every stored msgid twice (a field of `msgs`, an entry of `ready`), a
 msgids are a uuid4 in hex: what SKMQ's client and the original SKMQ make, 32 characters.
 Held as its 16 bytes behind a tag byte instead, such a message costs Redis 31 bytes less
 (README.md, "Performance"). So, in a store whose format is
-`packed`, a msgid of exactly 32 lowercase hex digits is held as `\\x00` and its 16
+`packed` or `compact`, a msgid of exactly 32 lowercase hex digits is held as `\\x00` and its 16
 bytes; any other msgid as its text. No text msgid starts with `\\x00` (the broker
 refuses control characters in ids, skmq/handler.py), so a held msgid reads back without
 knowing which form it took. A text msgid holds no `\\x1f` either, which separates a
@@ -12,10 +12,12 @@ topic copy's recipient from its msgid in a delivery id; a packed one may, and is
 off by its length instead (`split_held`, lib.lua's `split`).
 
 A store chooses its format once, when the first client of this version meets it
-(`Store.packs_msgids`): `packed` if no broker ran on it before and it lists no app;
-otherwise its msgids stay text (`text`), since what it holds (dedupe sets and group logs
-too, which outlive their app's listing) was written that way. The choice is the global
-key `<prefix>:msgids`.
+(`Store.store_format`): `compact` (packed msgids, compact message headers:
+skmq/store/messages.py) if no broker ran on it before and it lists no app; otherwise
+its msgids stay text (`text`), since what it holds (dedupe sets and group logs too,
+which outlive their app's listing) was written that way. A store the broker of the
+version before made is `packed` (packed msgids, text headers) and stays so. The choice
+is the global key `<prefix>:msgids`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from skmq.store.client import ENC, text
 TAG = b"\x00"
 SEP = b"\x1f"
 PACKED = b"packed"
+COMPACT = b"compact"  # (packed msgids and compact headers: Store.store_format)
 
 
 def pack(msgid: str) -> bytes:

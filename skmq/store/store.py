@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -36,7 +37,9 @@ from skmq.store.client import (
 )
 from skmq.store.client import text as _s
 from skmq.store.directory import AppDirectory
-from skmq.store.msgids import PACKED, pack_delivery, split_held, unpack
+from skmq.store.messages import header
+from skmq.store.messages import read as read_message
+from skmq.store.msgids import COMPACT, PACKED, pack_delivery, split_held, unpack
 from skmq.store.multiplex import multiplexed
 
 log = structlog.get_logger("skmq.store")
@@ -293,7 +296,7 @@ class Store:
         self._bases: dict[str, str] = {}
         self._lane = multiplexed(redis)
         self.ack_linger = ack_linger
-        self._packed: bool | None = None  # the msgid format, once read
+        self._format: bytes | None = None  # the store's format, once read
 
     def close(self) -> None:
         """Close the store's own connection (the client passed in is the caller's)."""
@@ -318,12 +321,15 @@ class Store:
         return secret
 
     # -- msgids (skmq/store/msgids.py) -------------------------------------
-    async def packs_msgids(self) -> bool:
-        """Whether this store holds msgids packed: chosen once a store, by whichever
-        client meets it first, `packed` if no broker ran on it before (none made the
-        delivery secret) and it lists no app: else text msgids may be in it, in a
-        dedupe set or a group log that outlive their app's listing."""
-        if self._packed is None:
+    async def store_format(self) -> bytes:
+        """How this store holds msgids and message headers: `text` (both text), `packed`
+        (msgids packed, headers text: a store the broker of the version before made) or
+        `compact` (both packed: skmq/store/msgids.py, skmq/store/messages.py). Chosen once
+        a store, by whichever client meets it first: `compact` if no broker ran on it
+        before (none made the delivery secret) and it lists no app; else `text`, since
+        text msgids may be in it, in a dedupe set or a group log that outlive their
+        app's listing. Held in the global key `<prefix>:msgids`."""
+        if self._format is None:
             key = self.global_key("msgids")
             held = await self.redis.get(key)
             if held is None:
@@ -332,14 +338,23 @@ class Store:
                 new = not await self.apps() and not any(
                     [await self.redis.exists(k) for k in earlier]
                 )
-                await self.redis.set(key, PACKED if new else b"text", nx=True)
+                await self.redis.set(key, COMPACT if new else b"text", nx=True)
                 held = await self.redis.get(key)
-            self._packed = held == PACKED
-        return self._packed
+            self._format = held
+        return self._format
+
+    async def packs_msgids(self) -> bool:
+        return await self.store_format() in (PACKED, COMPACT)
 
     async def _holder(self) -> Callable[[str], bytes | str]:
         """How this store holds a msgid or a delivery id."""
         return pack_delivery if await self.packs_msgids() else str
+
+    async def _headers(self, now: int) -> dict[str, bytes]:
+        """The headers of a queue and of a topic message stored at `now`, in this store's
+        form (skmq/store/messages.py)."""
+        compact = await self.store_format() == COMPACT
+        return {kind: header(kind, now, compact) for kind in ("queue", "topic")}
 
     async def _held(self, delivery_ids: Iterable[str]) -> list[bytes | str]:
         """Msgids or delivery ids as this store holds them."""
@@ -430,7 +445,7 @@ class Store:
         msgid format is read (or chosen) now too, before any recipient lists an app."""
         for script in self._scripts.values():
             await self.redis.script_load(script.script)
-        await self.packs_msgids()
+        await self.store_format()
 
     def _done(self, bucket: int) -> str:
         return f"done:{bucket}"
@@ -463,12 +478,13 @@ class Store:
         bucket = self._bucket(now)
         done = (self._done(bucket), self._done(bucket - 1))
         hold = await self._holder()
+        headers = await self._headers(now)
         calls = []
         for app, messages in batches.items():
             args: list[Any] = [now]
             for m in messages:
-                kind = "t" if m.kind == "topic" else "q"
-                args += (hold(m.msgid), kind, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
+                h = headers[m.kind]
+                args += (hold(m.msgid), h, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
             calls.append((app, args, done))
         riders = [("claim", c.app, c.args) for c in claims]
         try:
@@ -772,8 +788,9 @@ class Store:
             pipe.hmget(base + "state", *(state_field(member, a) for a in "nehr"))
         res = await pipe.execute()
         out = []
+        now = int(time.time() * 1000)
         for i, (member, died) in enumerate(entries):
-            message: bytes = res[2 * i] or b"q0000000000000"
+            kind, stored, content = read_message(res[2 * i] or b"q0000000000000", now)
             n, last_error, history_b, last_rid = res[2 * i + 1]
             did = unpack(member)
             msgid, rid = split_delivery(did)
@@ -783,14 +800,14 @@ class Store:
                     appid=app,
                     delivery_id=did,
                     msgid=msgid,
-                    kind="topic" if message[:1] == b"t" else "queue",
+                    kind=kind,
                     recipient=rid if rid is not None else _s(last_rid or b"") or None,
-                    content=message[14:],
+                    content=content,
                     attempts=int(n or 0),
                     last_error=_s(last_error or b""),
                     history=history.split("\n") if history else [],
                     died_at=int(died),
-                    stored_at=int(message[1:14]),
+                    stored_at=stored,
                 )
             )
         return out
@@ -810,7 +827,8 @@ class Store:
         target = (to + "msgs", to + "ready", to + "listed")
         done = (to + self._done(bucket), to + self._done(bucket - 1))
         keys = [*self._keys("move", app), *target, *done]
-        args = [now, to_app, *await self._held(delivery_ids)]
+        headers = await self._headers(now)
+        args = [now, to_app, headers["queue"], headers["topic"], *await self._held(delivery_ids)]
         res = [int(x) for x in await self._scripts["move"](keys, args)]
         if 1 in res:
             await self.directory.add([to_app])

@@ -103,7 +103,8 @@ end
 local function take(id, m, f, at)
   local msgid, crid = split(id)
   if not m then return end
-  stored = tonumber(string.sub(m, 2, 14))
+  local kind, start
+  kind, stored, start = read_message(m, now)
   trace = f[at] or ''
   local x = f[at + 1] and tonumber(f[at + 1])
   if x and now >= x then
@@ -115,7 +116,7 @@ local function take(id, m, f, at)
     emit(id, 'x', drop and 'drop' or 'dead', a, crid or '')
     return
   end
-  local content = string.sub(m, 15)
+  local content = string.sub(m, start)
   if crid then
     if budget[crid] and budget[crid] <= 0 then
       redis.call('ZADD', delayed, now + 200, id)
@@ -129,7 +130,7 @@ local function take(id, m, f, at)
       if not budget[crid] then budget[crid] = 1 end
       lease_copy(id, msgid, crid, content, f[at + 2])
     end
-  elseif string.sub(m, 1, 1) == 'q' then
+  elseif kind == 'q' then
     local rid = ARGV[qi]
     qi = qi + 1
     if not can_length[rid] and needs_length(content) then

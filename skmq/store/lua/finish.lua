@@ -48,7 +48,8 @@ for j = 1, #msgids do
       state_fields(dropped, state, msgid, f[at + 3])
       forgotten[#forgotten + 1] = msgid
     end
-    out[#out + 1] = 1; out[#out + 1] = n; out[#out + 1] = tonumber(string.sub(m, 2, 14))
+    local _, at_ms = read_message(m, now)
+    out[#out + 1] = 1; out[#out + 1] = n; out[#out + 1] = at_ms
     out[#out + 1] = crid or f[at + 1] or ''
   end
 end

@@ -13,7 +13,7 @@ local function add(id, rid, crid)
     out[#out + 1] = tonumber(redis.call('HGET', state, field(msgid, 'n', crid)) or '0')
   end
 end
-if string.sub(m, 1, 1) == 'q' then
+if read_message(m, 0) == 'q' then  -- (its kind: no time is read)
   add(msgid, redis.call('HGET', state, field(msgid, 'r')) or '', nil)
   return out
 end

@@ -4,7 +4,8 @@
 -- A msgid below is as the store holds it: its text, or, for 32 hex digits in a packed
 -- store, \0 and the 16 bytes (skmq/store/msgids.py); only split() looks inside one.
 -- One app's keys, all under the app's hash tag, all passed in KEYS by the caller:
---   msgs      HASH  msgid -> kind (q|t), stored ms (13 digits), then the content
+--   msgs      HASH  msgid -> a header (the kind, q|t, and the stored ms), then the
+--                   content (skmq/store/messages.py; read_message reads it)
 --   state     HASH  delivery state, created at the first claim, one field an attribute:
 --                   <msgid>\31<attr> or, for one recipient's copy of a topic message,
 --                   <msgid>\31<attr>\31<rid>; attrs: n attempts, r last recipient,
@@ -35,6 +36,19 @@ local function split(id)
   if string.byte(id, 1) == 0 then p = 18 else p = string.find(id, SEP, 1, true) end
   if p and p <= #id then return string.sub(id, 1, p - 1), string.sub(id, p + 1) end
   return id, nil
+end
+
+-- A `msgs` value's kind (q|t), stored ms and the index its content starts at. Its header
+-- is text (the kind, 13 digits) or, when its first byte is 128 or more, 5 bytes: a 1
+-- bit, the kind bit (1: t) and the stored ms modulo 2^38, which reads back as the
+-- latest such time up to a day after `now` (skmq/store/messages.py).
+local WRAP = 2^38
+local function read_message(m, now)
+  local b1, b2, b3, b4, b5 = string.byte(m, 1, 5)
+  if b1 < 128 then return string.sub(m, 1, 1), tonumber(string.sub(m, 2, 14)), 15 end
+  local t = (b1 % 64) * 2^32 + b2 * 2^24 + b3 * 2^16 + b4 * 2^8 + b5
+  local top = now + 86400000
+  return (b1 >= 192 and 't' or 'q'), top - (top - t) % WRAP, 6
 end
 
 -- The state field of msgid's attribute (of the copy for crid, when given).

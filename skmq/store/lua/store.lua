@@ -11,7 +11,8 @@
 -- while no push recipient is registered, it then skips the push queue (docs/HTTP.md).
 -- KEYS: msgs, ready, delayed, listed, groups, glog, gseen, recipients, state, kq,
 --       done:<current bucket>, done:<previous bucket>
--- ARGV: now (13 digits), then (msgid, kind q|t, content, deliver_at ms,
+-- ARGV: now (13 digits), then (msgid, header (its kind and now: skmq/store/messages.py),
+--       content, deliver_at ms,
 --       expires_at ms (0: never), ordering key ('' : none), traceparent ('' : none))*
 -- Returns 1 if the mark is new (else 0), then 1 (stored) or 0 (duplicate) a message.
 local msgs, ready, delayed, listed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -66,14 +67,15 @@ for j = 1, #ids do
     taken[id] = true
     local at = tonumber(ARGV[i + 3])
     if not pull_only then
-      contents[#contents + 1] = id; contents[#contents + 1] = ARGV[i + 1] .. now .. ARGV[i + 2]
+      contents[#contents + 1] = id; contents[#contents + 1] = ARGV[i + 1] .. ARGV[i + 2]
       queue(id, at, tonumber(ARGV[i + 4]), ARGV[i + 5])
       if ARGV[i + 6] ~= '' then
         sets[#sets + 1] = field(id, 'tp'); sets[#sets + 1] = ARGV[i + 6]
       end
     end
     if pulled then
-      local eid = redis.call('XADD', glog, '*', 'm', id, 'k', ARGV[i + 1], 'c', ARGV[i + 2],
+      local eid = redis.call('XADD', glog, '*', 'm', id, 'k', read_message(ARGV[i + 1], now),
+                            'c', ARGV[i + 2],
                             'd', at)
       redis.call('HSET', gseen, id, eid)
       logged = true
