@@ -16,7 +16,11 @@ import redis.asyncio as aioredis
 from skmq.broker import Broker
 from skmq.client import Producer
 from skmq.codec import Frame
-from skmq.store import AliveRecipient, Failed, NewMessage, Store
+from skmq.deliverylog import DeliveryLog
+from skmq.events import Event
+from skmq.store import AliveRecipient, Claimed, Failed, NewMessage, Store
+from skmq.workers.answers import AnswerBatcher
+from skmq.workers.dispatch import POLL, Dispatcher
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import base, log_events, produce, registered, settle
@@ -42,6 +46,32 @@ async def claim(store: Store, now: int = NOW, length: bool = True) -> list[str]:
 
 async def ready(store: Store) -> list[str]:
     return [m.decode() for m in await store.redis.lrange(store.base(APP) + "ready", 0, -1)]
+
+
+async def test_an_ack_that_lets_the_next_of_its_key_go_wakes_the_dispatcher(
+    store: Store, tmp_path: Path
+) -> None:
+    """The next message of a key goes to `ready` when the one before is acked: the ack
+    must wake the app's dispatcher, which would otherwise sleep until its next poll."""
+    await store.store({APP: [keyed("a1", "A"), keyed("a2", "A"), keyed("b1", "B")]}, NOW)
+    assert await claim(store) == ["a1", "b1"]
+    woken: list[tuple[str, bool]] = []
+    answers = AnswerBatcher(store, DeliveryLog(tmp_path, "b1"), lambda *a: woken.append(a))
+    for msgid in ("a1", "b1"):  # a2 waits behind a1; nothing waits behind b1
+        answers.submit(APP, msgid, Event.ACKED, recipient="r", attempt=1)
+        await answers.drain()
+    assert woken == [(APP, True), (APP, False)]
+    assert await ready(store) == ["a2"]
+
+
+async def test_a_claim_that_buried_one_claims_again_at_once(store: Store) -> None:
+    """A claim that dead-letters or expires a message may let the next of its key go
+    (to the tail of `ready`): the dispatcher claims again now, not at its next poll."""
+    pushed: list[Claimed] = []
+    d = Dispatcher(APP, store, lambda app: [], lambda app, rs: {}, lambda a, c: pushed.extend(c))
+    for kind, wait in (("expired", 0.0), ("dead", 0.0), ("queue", POLL)):
+        c = Claimed("m", "m", kind, b"", 1, "r")
+        assert d._claimed(4, ([c], None, 0.0)) == wait
 
 
 async def test_one_message_of_a_key_at_a_time_in_stored_order(store: Store) -> None:

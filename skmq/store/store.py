@@ -187,6 +187,7 @@ class Finished:
     attempt: int
     stored_ts: int
     recipient: str
+    released: bool = False  # it let the next message of its ordering key go
 
 
 @dataclass(slots=True)
@@ -634,8 +635,10 @@ class Store:
             "finish", app, args, self._done(self._bucket(now)), linger=self.ack_linger
         )
         return [
-            Finished(bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
-            for i in range(0, len(res), 4)
+            Finished(
+                bool(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]), bool(res[i + 4])
+            )
+            for i in range(0, len(res), 5)
         ]
 
     async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:

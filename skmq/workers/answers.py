@@ -88,6 +88,7 @@ class AnswerBatcher:
     async def _flush(self, app: str, answers: list[Answer]) -> None:
         acks = [a for a in answers if a.outcome == Event.ACKED]
         fails = [a for a in answers if a.outcome != Event.ACKED]
+        released = False  # an ack let the next message of its ordering key go
         now = now_ms()
         if acks:
             try:
@@ -99,6 +100,7 @@ class AnswerBatcher:
             else:
                 for a, f in zip(acks, done, strict=True):
                     self._finished(app, a, f.ok, f.attempt, f.stored_ts, f.recipient, now)
+                released = any(f.released for f in done)
         if fails:
             items = [
                 (a.delivery_id, a.outcome, a.detail, a.recipient, a.attempt or 0) for a in fails
@@ -112,7 +114,7 @@ class AnswerBatcher:
                     a.done(
                         self.record_failure(app, a.delivery_id, a.outcome, a.detail, a.recipient, r)
                     )
-        self.on_done(app, bool(fails))
+        self.on_done(app, bool(fails) or released)
 
     @staticmethod
     def _unavailable(app: str, answers: list[Answer], exc: BaseException) -> None:

@@ -77,11 +77,12 @@ class Dispatchers:
                 claims.append(c)
         return claims
 
-    def answered(self, app: str, failed: bool) -> None:
-        """Answers free window slots; failures also schedule retries whose due time the
-        dispatcher must learn. A dispatcher that has neither to wait for sleeps on."""
+    def answered(self, app: str, new_work: bool) -> None:
+        """Answers free window slots; `new_work`: they also scheduled retries whose due
+        time the dispatcher must learn, or let the next message of an ordering key go. A
+        dispatcher that has neither to wait for sleeps on."""
         d = self.by_app.get(app)
-        if d is not None and (failed or d.starved):
+        if d is not None and (new_work or d.starved):
             d.wake.set()
 
     async def note_apps(self, apps: set[str]) -> None:

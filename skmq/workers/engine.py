@@ -103,8 +103,8 @@ class Engine:
         """An answer on the broker's port (skmq/workers/answering.py)."""
         return await self.router.answer(frame, peer)
 
-    def _answered(self, app: str, failed: bool) -> None:
-        self.apps.answered(app, failed)
+    def _answered(self, app: str, new_work: bool) -> None:
+        self.apps.answered(app, new_work)
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, orphans: bool = False) -> None:

@@ -4,7 +4,8 @@
 -- The next message of its ordering key (if any) may go.
 -- KEYS: msgs, state, inflight, ready, delayed, kq, done:<current bucket>
 -- ARGV: now, done ttl ms, then (delivery id, attempt or 0 for the current)*
--- Returns (ok, attempt, stored ms, recipient)*.
+-- Returns (ok, attempt, stored ms, recipient, 1 if it let the next message of its key go
+-- else 0)*.
 -- The batch's reads (attempt, recipient, key and copies fields; the messages; the
 -- leases) are one call each, and so are its writes (the leases dropped, the acked
 -- messages dropped, SADD).
@@ -41,16 +42,18 @@ for j = 1, #msgids do
   end
   if not m then
     out[#out + 1] = 0; out[#out + 1] = n; out[#out + 1] = 0; out[#out + 1] = ''
+    out[#out + 1] = 0
   else
     acked[id] = true
+    local released = 0
     if not crid or settle_copy(state, msgid, crid, 'o') then
-      advance(state, kq, ready, delayed, msgid, now, f[at + 2])
+      if advance(state, kq, ready, delayed, msgid, now, f[at + 2]) then released = 1 end
       state_fields(dropped, state, msgid, f[at + 3])
       forgotten[#forgotten + 1] = msgid
     end
     local _, at_ms = read_message(m, now)
     out[#out + 1] = 1; out[#out + 1] = n; out[#out + 1] = at_ms
-    out[#out + 1] = crid or f[at + 1] or ''
+    out[#out + 1] = crid or f[at + 1] or ''; out[#out + 1] = released
   end
 end
 if #settled > 0 then call_all('ZREM', inflight, settled) end

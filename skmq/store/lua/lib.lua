@@ -120,7 +120,8 @@ end
 -- msgid is over (acked or dead): the next message of its ordering key, if it has one,
 -- goes to the tail of `ready` (or `delayed`, when it falls due later), behind the other
 -- keys' messages, so that one hot key does not starve the others. `member`: its key
--- field (`k`) when the caller read it already (false: none), else nil.
+-- field (`k`) when the caller read it already (false: none), else nil. Returns true if
+-- it let a message go.
 local function advance(state, kq, ready, delayed, msgid, now, member)
   local kf = field(msgid, 'k')
   if member == nil then member = redis.call('HGET', state, kf) end
@@ -138,6 +139,7 @@ local function advance(state, kq, ready, delayed, msgid, now, member)
   local due = tonumber(redis.call('HGET', state, field(id, 'd')) or '0')
   redis.call('HDEL', state, field(id, 'd'))
   if due > now then redis.call('ZADD', delayed, due, id) else redis.call('RPUSH', ready, id) end
+  return true
 end
 
 -- Append one line to a delivery's history (bounded) and set its last error.
