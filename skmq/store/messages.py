@@ -7,7 +7,7 @@ skmq/store/msgids.py holds it) to a header and the content. The header tells the
   ms modulo 2**38 (8.7 years).
 
 A compact header starts with a byte of 128 or more, a text one with `q` or `t`: a value
-reads back whatever form wrote it (lib.lua's `message` reads it the same way). A stored
+reads back whatever form wrote it (lib.lua's `read_message` reads it the same way). A stored
 ms modulo 2**38 reads back as the latest time that fits it up to a day after now (a
 message is never older than 8.7 years less a day; a day covers clocks of brokers apart).
 

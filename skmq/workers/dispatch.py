@@ -135,9 +135,9 @@ class Dispatcher:
         if len(claimed) >= n:
             self.batch = min(CLAIM_BATCH, self.batch * 2)
             return 0.0
+        self.batch = FIRST_CLAIM
         if any(c.kind in ("dead", "expired") for c in claimed):
             return 0.0  # (one may have let the next message of its ordering key go)
-        self.batch = FIRST_CLAIM
         if next_due is not None:
             return min(POLL, max(0.0, (next_due - now_ms()) / 1000))
         return POLL if claimed else self._idle()
