@@ -40,6 +40,7 @@ from skmq.store.directory import AppDirectory
 from skmq.store.messages import header
 from skmq.store.messages import read as read_message
 from skmq.store.msgids import COMPACT, PACKED, pack_delivery, split_held, unpack
+from skmq.store.msgids import SEP as HELD_SEP
 from skmq.store.multiplex import multiplexed
 
 log = structlog.get_logger("skmq.store")
@@ -59,7 +60,7 @@ def state_field(held_id: bytes, attr: str) -> bytes:
     """lib.lua's field(): the `state` field of `attr` of a delivery id as Redis holds it
     (its msgid's own field, or its topic copy's)."""
     msgid, copy = split_held(held_id)
-    return msgid + b"\x1f" + attr.encode() + copy
+    return msgid + HELD_SEP + attr.encode() + copy
 
 
 def _escape_tag(app: str) -> str:
