@@ -9,6 +9,9 @@ DATA_DIR and embedded Redis persisting with AOF):
            msg/s; lost and duplicated messages; latency under load.
 - ordered: e2e with `key=k<n % --keys>` on every message (per-key ordered
            delivery, SKMQ only): what ordering costs against e2e.
+- base:    e2e with recipients that declare no `caps`, as the original SKMQ's do
+           (one push a connection, docs/PROTOCOL.md 6.2; SKMQ only, 20,000 messages
+           unless --messages): what the original discipline costs against e2e.
 - latency: paced runs, one a rate of --latency-rates (default 1,000, 2,000 and
            10,000 msg/s; results paced-1k, paced-2k, paced-10k), 1 producer and
            1 recipient, --latency-time s each: send-to-receipt p50/p99/max, the rate
@@ -65,9 +68,10 @@ from bench.systems import (
     port_open,
 )
 
-LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "latency")
-# SKMQ only: per-key ordered delivery (`key=`), against its unordered e2e run.
-SKMQ_ONLY = frozenset({"ordered"})
+LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "base", "latency")
+# SKMQ only: per-key ordered delivery (`key=`) and recipients without caps, against its
+# e2e run.
+SKMQ_ONLY = frozenset({"ordered", "base"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
 ALL_SYSTEMS = ("skmq", "nats", "rabbitmq")
 
@@ -98,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--scenarios",
         default=",".join(ALL_SCENARIOS),
-        help="comma-separated subset of ingest,e2e,ordered,latency,backlog (default: all; "
+        help="comma-separated subset of ingest,e2e,ordered,base,latency,backlog (default: all; "
         "latency: the paced runs of --latency-rates; backlog only if it fits the time limit, "
         "unless --backlog)",
     )
@@ -251,6 +255,11 @@ class Runner:
                 scenario, a.producers, a.recipients, a.messages or 100_000, send_time=a.e2e_time
             )
             plan.ack_wait, plan.drain_time, plan.keys = 10.0, a.drain_time, a.keys
+        elif scenario == "base":
+            plan = LoadPlan(
+                scenario, a.producers, a.recipients, a.messages or 20_000, send_time=a.e2e_time
+            )
+            plan.ack_wait, plan.drain_time, plan.caps = 10.0, a.drain_time, False
         elif scenario == "latency":
             count = int(rate * a.latency_time)
             plan = LoadPlan(paced_name(rate), 1, a.latency_recipients, count, rate=rate)

@@ -180,6 +180,9 @@ class LoadPlan:
     settle_time: float = 0.5  # and this long more, to catch late duplicates
     deadline: float = 0.0  # unix time: every child's hard exit
     keys: int = 0  # ordering keys (SKMQ's key=): message n gets key k<n % keys>; 0: none
+    # SKMQ's recipients register with caps (pipeline, length); False: without, as an
+    # original peer does (one push a connection, docs/PROTOCOL.md 6.2).
+    caps: bool = True
     # Msgids padded to this many characters (a uuid4 hex, as real producers send, is 32).
     msgid_length: int = 32
     # Start the recipients only after the producers are done (and `before_drain` ran):
@@ -453,7 +456,7 @@ async def _start_recipients(
     system: System, plan: LoadPlan, workdir: Path, children: list[Child]
 ) -> list[Child]:
     """Start the plan's recipients and wait (bounded) until each one is registered."""
-    common = ["--deadline", f"{plan.deadline:.3f}"]
+    common = ["--deadline", f"{plan.deadline:.3f}", *([] if plan.caps else ["--no-caps"])]
     recipients: list[Child] = []
     for i in range(plan.recipients):
         module, args = system.recipient_cmd(i)

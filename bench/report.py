@@ -344,6 +344,14 @@ def targets(results: list[LoadResult]) -> tuple[list[str], dict[str, Any]]:
             f"{ordered.e2e_rate:,.0f} msg/s against {s_e2e.e2e_rate:,.0f} unordered "
             f"({cost:+.0%} cost)"
         )
+    base = _best(results, "skmq", "base")
+    if s_e2e and base and s_e2e.e2e_rate and base.e2e_rate:
+        data["base_ratio"] = base.e2e_rate / s_e2e.e2e_rate
+        lines.append(
+            f"- recipients without caps (one push a connection, as the original SKMQ's): "
+            f"{base.e2e_rate:,.0f} msg/s against {s_e2e.e2e_rate:,.0f} with `pipeline` "
+            f"({data['base_ratio']:.2f}x)"
+        )
     skmq_runs = [
         r
         for r in results

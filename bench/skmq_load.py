@@ -301,10 +301,12 @@ async def authenticate(proto: ProducerProtocol) -> None:
 
 async def register(args: argparse.Namespace, port: int) -> str:
     """Register this recipient with the broker (declaring the capabilities these
-    recipients have: pipelined pushes, `length=`); return the broker's answer."""
+    recipients have: pipelined pushes, `length=`; none with --no-caps); return the
+    broker's answer."""
+    caps = {} if args.no_caps else {"caps": ["pipeline", "length"]}
     body = json.dumps(
         {"id": args.rid, "app_id": args.appid, "host": "127.0.0.1", "port": port, "weight": 0,
-         "caps": ["pipeline", "length"]},
+         **caps},
         separators=(",", ":"),
     )  # fmt: skip
     reader, writer = await asyncio.open_connection(args.host, args.port)
@@ -370,6 +372,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ack-wait", type=float, default=30.0)
     # recipient
     p.add_argument("--rid", default="r1")
+    p.add_argument(
+        "--no-caps", action="store_true", help="register as an original peer: one push a connection"
+    )
     p.add_argument("--progress-interval", type=float, default=0.2)
     return p.parse_args(argv)
 
