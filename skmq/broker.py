@@ -49,6 +49,7 @@ from skmq.store import (
     tcp_port,
 )
 from skmq.store.client import RedisClient
+from skmq.store.disk import DiskSpace
 from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
@@ -210,6 +211,11 @@ class Broker:
             max_pending_bytes=s.max_store_pending_bytes,
             timeout=s.store_timeout,
             carry_claims=self.engine.apps.carry_claims,
+            disk=(
+                DiskSpace(self.embedded.redis_dir, s.disk_free_limit)
+                if self.embedded is not None
+                else None
+            ),
         )
         self.metrics.attach(self.engine)
         self.groups = Groups(self.store)

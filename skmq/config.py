@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     redis_wait: Wait = 30.0
     redis_pool_size: Count = 64
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    disk_free_limit: NonNegativeInt = 50 << 20
     data_dir: Path = Path("./skmq-data")
     key_prefix: str = "skmq"
     broker_id: str = ""

@@ -146,13 +146,18 @@ class EmbeddedRedis:
     _password: str = ""
 
     @property
+    def redis_dir(self) -> Path:
+        """Where the server keeps its AOF, config and log."""
+        return self.data_dir / "redis"
+
+    @property
     def socket_path(self) -> Path | None:
         """The server's unix socket, which the broker connects to: a write on it costs the
         kernel less than one on loopback TCP (no TCP stack on either side), and a message
         makes at least two round trips to the store. None where the path is too long for
         a socket address (108 bytes): then the broker uses the TCP port, which is always
         open (for operators and tools too)."""
-        path = (self.data_dir / "redis" / "redis.sock").resolve()
+        path = (self.redis_dir / "redis.sock").resolve()
         return path if len(os.fsencode(path)) < SOCKET_PATH_MAX else None
 
     @property
@@ -207,7 +212,7 @@ class EmbeddedRedis:
     def launch(self) -> None:
         """Start the server process (again, after it died: same port, same AOF). Call it
         from the main thread: the child's death signal follows the thread that forks it."""
-        redis_dir = self.data_dir / "redis"
+        redis_dir = self.redis_dir
         redis_dir.mkdir(parents=True, exist_ok=True)
         conf = redis_dir / "skmq.conf"
         # The password goes in a private file, never on a command line others can read.

@@ -18,6 +18,7 @@ from skmq.deliverylog import now_ms
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured
 from skmq.store.messages import read as read_message
+from skmq.workers.enqueue import UNAVAILABLE
 from tests.conftest import FAST, BrokerFactory, free_port
 from tests.peers import FakeRecipient
 
@@ -223,7 +224,7 @@ async def test_store_unavailable_is_503_and_the_gateway_keeps_serving(
     redis.stop()
     async with http.post(f"{base}/v1/apps/x/messages", json={"content": "x"}) as r:
         assert r.status == 503 and r.headers["Retry-After"] == "1"
-        assert (await r.json())["error"] == "store unavailable, message not stored"
+        assert (await r.json())["error"] == UNAVAILABLE
     async with http.get(f"{base}/healthz") as r:
         assert r.status == 503
 

@@ -31,7 +31,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "no such group, or a msgid given that is no dead letter (nothing done)",
         413: "body, batch or content too large",
         415: "not application/json",
-        503: "store unavailable (nothing stored or changed), or too many long polls: try again",
+        503: "store unavailable or its disk nearly full (nothing acknowledged; a produce may "
+        "be stored: resend with the same msgid), or too many long polls: try again",
     }
     return {str(c): _json(_ref("Error"), why[c]) for c in codes}
 

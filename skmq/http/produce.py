@@ -20,7 +20,7 @@ from skmq.handler import bad_id
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.store import NewMessage
-from skmq.workers.enqueue import EnqueueBatch, Enqueuer
+from skmq.workers.enqueue import UNAVAILABLE, EnqueueBatch, Enqueuer
 
 
 class OutgoingMessage(BaseModel):
@@ -123,8 +123,8 @@ class Producer:
         return NewMessage(msgid, m.kind, content, due)
 
     async def _store(self, app: str, messages: list[NewMessage]) -> list[StoreResult]:
-        """Stored through the enqueue worker; 503 when the store does not answer in time."""
-        unavailable = ApiError(503, "store unavailable, message not stored", {"Retry-After": "1"})
+        """Stored through the enqueue worker; 503 when the batch is not acknowledged (the
+        store did not answer in time, or its disk is nearly full)."""
         batch = EnqueueBatch()
         for m in messages:
             batch.add(app, m)
@@ -136,9 +136,9 @@ class Producer:
             async with asyncio.timeout(self.settings.store_timeout + 1):
                 results = await batch.future
         except TimeoutError:
-            raise unavailable from None
-        if results is None:
-            raise unavailable
+            results = UNAVAILABLE
+        if isinstance(results, str):
+            raise ApiError(503, results, {"Retry-After": "1"})
         return [
             StoreResult(msgid=m.msgid, status="stored" if ok else "duplicate")
             for m, ok in zip(messages, results[app], strict=True)

@@ -8,7 +8,9 @@ every connection still gets its answers in order.
 Memory while the store is slow or stalled is bounded: a store call (the wait for a
 Redis connection included) gives up after STORE_TIMEOUT, its producers then hear
 `error` "store unavailable"; and while MAX_STORE_PENDING_BYTES of content wait for the
-store, `room()` holds the handle stage back (backpressure down to TCP).
+store, `room()` holds the handle stage back (backpressure down to TCP). While the
+embedded Redis's disk is nearly full nothing is stored or acknowledged
+(skmq/store/disk.py).
 """
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
 from skmq.store import ClaimArgs, NewMessage, Store
+from skmq.store.disk import DiskSpace
 
 log = structlog.get_logger("skmq.enqueue")
 
-STORED = b'{"status":"ack","content":"stored"}'
+# A batch not acknowledged: each of its producers hears `error` and this. A store that
+# failed or timed out may have run: the message may be stored, hence the msgid.
+UNAVAILABLE = "store unavailable: send it again with the same msgid (it may be stored)"
+DISK_LOW = (
+    "the store's disk is nearly full (DISK_FREE_LIMIT): send it again later with the same "
+    "msgid (it may be stored)"
+)
 
 
 class StoreReply:
@@ -51,8 +60,8 @@ class StoreReply:
 
     def result(self) -> bytes:
         results = self.batch.future.result()
-        if results is None:
-            return encode_resp("error", "store unavailable, message not stored", self.msgid)
+        if isinstance(results, str):
+            return encode_resp("error", results, self.msgid)
         if results[self.app][self.index]:
             return encode_resp("ack", "stored", self.msgid)
         return encode_resp(
@@ -65,7 +74,8 @@ class EnqueueBatch:
         self.messages: dict[str, list[NewMessage]] = {}
         self.received: list[int] = []
         self.size = 0  # content bytes
-        self.future: asyncio.Future[dict[str, list[bool]] | None] = (
+        # Each app's results (stored, or a duplicate), or why none was acknowledged.
+        self.future: asyncio.Future[dict[str, list[bool]] | str] = (
             asyncio.get_running_loop().create_future()
         )
 
@@ -88,7 +98,9 @@ class Enqueuer:
     # The claims of idle dispatchers of the batch's apps, carried by its round trip
     # (skmq/workers/dispatch.py: carry_claim); the other apps are woken (on_stored).
     carry_claims: Callable[[Mapping[str, Sized], int], list[ClaimArgs]] | None = None
+    disk: DiskSpace | None = None  # the embedded Redis's (None: a Redis of REDIS_URL)
     pending_bytes: int = field(init=False, default=0)
+    disk_low: bool = field(init=False, default=False)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
@@ -121,7 +133,7 @@ class Enqueuer:
             await self._store_and_log(batch)
         finally:
             if not batch.future.done():
-                batch.future.set_result(None)
+                batch.future.set_result(UNAVAILABLE)
             self.pending_bytes -= batch.size
             if self.pending_bytes < self.max_pending_bytes:
                 self._room.set()
@@ -143,7 +155,24 @@ class Enqueuer:
                 else:
                     event(Event.DUPLICATE, m.msgid, app, m.kind, ts=stored_ts)
 
+    def _disk_is_low(self) -> bool:
+        """Read the disk's free space; log when it goes under DISK_FREE_LIMIT and back."""
+        if self.disk is None:
+            return False
+        low = self.disk.low()
+        if low != self.disk_low:
+            self.disk_low = low
+            if low:
+                log.error("store's disk nearly full: messages refused until space is freed",
+                          path=str(self.disk.path), limit=self.disk.limit)  # fmt: skip
+            else:
+                log.warning("store's disk has room again: storing messages")
+        return low
+
     async def _store_and_log(self, batch: EnqueueBatch) -> None:
+        if self._disk_is_low():
+            batch.future.set_result(DISK_LOW)
+            return
         received = now_ms()
         carried: set[str] = set()
         try:
@@ -156,10 +185,12 @@ class Enqueuer:
                     batch.messages, received, lambda res: self._log(batch, received, res), claims
                 )
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("store unavailable", error=repr(exc))
-            batch.future.set_result(None)
+            log.warning("store unavailable", error=str(exc) or repr(exc))
+            batch.future.set_result(UNAVAILABLE)
             return
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
-        batch.future.set_result(results)
+        # Redis appended the batch to its AOF before it answered: a disk low now may
+        # have failed that append.
+        batch.future.set_result(DISK_LOW if self._disk_is_low() else results)
         self.on_stored({app for app, res in results.items() if any(res)} - carried)
