@@ -42,6 +42,7 @@ from skmq.peer import Peer
 from skmq.registry.registration import (
     RegistrationRefused,
     check_address,
+    is_text,
     parse_registration,
     parse_unregistration,
 )
@@ -106,6 +107,16 @@ def bad_id(value: str) -> str | None:
         return f"longer than {MAX_ID_BYTES} bytes"
     if _CONTROL.search(value):
         return "holds a control character"
+    return None
+
+
+def bad_app(value: str) -> str | None:
+    """Why appid `value` is refused, or None: as a msgid, and text besides (an app names
+    metrics, registrations and the status listing; a msgid may hold any bytes)."""
+    if (why := bad_id(value)) is not None:
+        return why
+    if not is_text(value):
+        return "holds bytes that are not UTF-8 text"
     return None
 
 
@@ -232,7 +243,7 @@ class FrameHandler:
         app = fields.get("appid")
         if not app:
             return self._resp("appid required", msgid)
-        if (why := bad_id(app)) is not None:
+        if (why := bad_app(app)) is not None:
             return self._resp(f"appid {why}", msgid)
         if (refused := self._refusal(peer, "produce", app)) is not None:
             return self._resp(refused, msgid, Status.REJECT)

@@ -77,6 +77,14 @@ PROBE_TIMEOUT = 0.5
 PROBE_INTERVAL = 1.0
 
 
+def _label(value: str) -> str:
+    """A label value the exposition can encode: an app stored before app ids had to be
+    text (bytes of the wire that were not UTF-8) shows with those bytes escaped."""
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 class Metrics(Collector):
     def __init__(
         self, store: Store, dlog: DeliveryLog, archive: LogArchive, supervisor: Supervisor
@@ -116,7 +124,7 @@ class Metrics(Collector):
             counter = CounterMetricFamily(name, doc, labels=["app"])
             for (ev, app), value in sorted(self.counts.items()):
                 if ev == event and app:
-                    counter.add_metric([app], value)
+                    counter.add_metric([_label(app)], value)
             yield counter
         hist = HistogramMetricFamily(
             "skmq_delivery_latency_seconds", "Time from stored to acked", labels=["app"]
@@ -126,7 +134,7 @@ class Metrics(Collector):
             for bound, count in zip((*LATENCY_BUCKETS, float("inf")), buckets, strict=True):
                 running += count
                 cumulative.append((str(bound) if bound != float("inf") else "+Inf", running))
-            hist.add_metric([app], cumulative, self.latency_sum[app])
+            hist.add_metric([_label(app)], cumulative, self.latency_sum[app])
         yield hist
         gauges: dict[str, GaugeMetricFamily] = {
             "pending": GaugeMetricFamily("skmq_pending_messages", "Ready to push", labels=["app"]),
@@ -138,14 +146,14 @@ class Metrics(Collector):
         }
         for app, c in sorted(self._depths.items()):
             for key, family in gauges.items():
-                family.add_metric([app], getattr(c, key))
+                family.add_metric([_label(app)], getattr(c, key))
         yield from gauges.values()
         recipients = GaugeMetricFamily(
             "skmq_recipients", "Registered recipients", labels=["app", "state"]
         )
         for app, (alive, lost) in sorted(self._recipients.items()):
-            recipients.add_metric([app, "alive"], alive)
-            recipients.add_metric([app, "lost"], lost)
+            recipients.add_metric([_label(app), "alive"], alive)
+            recipients.add_metric([_label(app), "lost"], lost)
         yield recipients
         yield from self._group_gauges()
         yield from self._ops()
@@ -162,7 +170,7 @@ class Metrics(Collector):
             family = GaugeMetricFamily(f"skmq_group_{attr}", doc, labels=["app", "group"])
             for app, infos in sorted(self._groups.items()):
                 for info in infos:
-                    family.add_metric([app, info.name], getattr(info, attr))
+                    family.add_metric([_label(app), _label(info.name)], getattr(info, attr))
             yield family
 
     def _ops(self) -> Iterator[Metric]:

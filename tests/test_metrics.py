@@ -72,3 +72,24 @@ async def test_healthz_is_503_while_redis_is_down(
     assert (await http_get(port, "/healthz"))[0] == 200
     redis.stop()
     assert (await http_get(port, "/healthz"))[0] == 503
+
+
+async def test_an_app_id_that_is_not_text_is_refused_and_never_breaks_metrics(
+    make_broker: BrokerFactory,
+) -> None:
+    """Bytes that are not UTF-8 in an appid were stored, and then every scrape failed
+    (the exposition could not encode the label). They are refused now; an app stored
+    before that shows escaped."""
+    broker = await make_broker(metrics_port=free_port())
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(b"type=queue\r\nappid=\xff\r\nmsgid=u1\r\ncontent=x\r\n\r\n")
+    resp = await client.resp()
+    assert (resp["status"], resp["content"]) == (
+        "error",
+        "appid holds bytes that are not UTF-8 text",
+    )
+    await client.close()
+    broker.metrics.observe("stored", b"old\xff".decode("utf-8", "surrogateescape"))
+    status, text = await http_get(broker.settings.metrics_port, "/metrics")
+    assert status == 200
+    assert 'skmq_messages_stored_total{app="old\\\\xff"} 1.0' in text

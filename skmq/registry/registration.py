@@ -58,12 +58,13 @@ def _text(obj: dict[str, Any], key: str) -> str:
         raise RegistrationRefused(f"{key} must be a non-empty string")
     if len(value) > MAX_ID or any(ord(c) < 32 or c == "\x7f" for c in value):
         raise RegistrationRefused(f"{key} must be at most {MAX_ID} printable characters")
-    if not _is_unicode(value):
+    if not is_text(value):
         raise RegistrationRefused(f"{key} holds a lone surrogate (not Unicode text)")
     return value
 
 
-def _is_unicode(value: str) -> bool:
+def is_text(value: str) -> bool:
+    """Unicode text: no lone surrogate (bytes of the wire that were not UTF-8)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
