@@ -120,6 +120,17 @@ def bad_app(value: str) -> str | None:
     return None
 
 
+def _auth_token(frame: Frame) -> bytes:
+    """An `auth` frame's token: its `token` field (docs/PROTOCOL.md) or its content (our
+    clients'); both, differing, are no token."""
+    content = frame.content or b""
+    field = frame.fields.get("token")
+    if field is None:
+        return content
+    token = field.encode("utf-8", "surrogateescape")
+    return token if not content or content == token else b""
+
+
 def _int_field(frame: Frame, key: str) -> int | None:
     """The field as a non-negative integer, None when absent; ValueError when invalid."""
     raw = frame.fields.get(key)
@@ -213,7 +224,7 @@ class FrameHandler:
             return Outcome(
                 self._resp("authentication required: send auth first", msgid, Status.REJECT)
             )
-        grant = tokens.check(item.content or b"")
+        grant = tokens.check(_auth_token(item))
         if grant is None:
             log.warning("authentication failed, closing", peer=peer.host)
             return Outcome(self._resp("authentication failed", msgid, Status.REJECT), close=True)

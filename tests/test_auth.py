@@ -347,3 +347,29 @@ async def test_operator_commands_need_an_admin_token_and_see_only_its_apps(
     del env["SKMQ_AUTH_FILE"]
     code, snap, _ = await _status(env, "status", "--json")
     assert code == 0 and sorted(a["appid"] for a in snap["apps"]) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "content", "accepted"),
+    [
+        ({"token": TOKEN}, None, True),  # docs/PROTOCOL.md's form
+        ({"token": TOKEN}, TOKEN.encode(), True),  # both, the same
+        ({"token": WRONG}, TOKEN.encode(), False),  # both, differing
+        ({"token": TOKEN}, WRONG.encode(), False),
+        ({"token": ""}, TOKEN.encode(), False),
+    ],
+)
+async def test_the_token_may_come_as_a_token_field(
+    make_broker: BrokerFactory, fields: dict[str, str], content: bytes | None, accepted: bool
+) -> None:
+    broker = await make_broker(auth_token=TOKEN)
+    client = await RawClient.connect(broker.server.port)
+    resp = await client.request("auth", content, msgid="login", **fields)
+    if accepted:
+        assert (resp["status"], resp["content"]) == ("ack", "authenticated")
+        sent = await client.request("queue", b"x", appid="a", msgid="m1")
+        assert (sent["status"], sent["content"]) == ("ack", "stored")
+    else:
+        assert (resp["status"], resp["content"]) == ("reject", "authentication failed")
+        assert await client.closed()
+    await client.close()

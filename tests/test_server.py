@@ -122,6 +122,9 @@ async def test_malformed_inputs_get_error_and_connection_goes_on(broker: Broker)
         resp = await client.resp()
         assert resp["status"] in ("error", "reject"), (frame, resp)
         assert resp["content"], frame
+    for kind in ("ack", "reject", "error", "arrived", "extend"):  # docs/PROTOCOL.md 7
+        resp = await client.request(kind)
+        assert (resp["status"], resp["content"]) == ("error", "msgid required"), kind
     ok = await client.request("queue", b"still fine", appid="a", msgid="after")
     assert ok["status"] == "ack"
     await client.close()

@@ -40,7 +40,7 @@ class AnswerRouter:
         the app), or the frame must echo the push's delivery token."""
         msgid = frame.fields.get("msgid")
         if not msgid:
-            return (Status.REJECT, "msgid required")
+            return (Status.ERROR, "msgid required")
         app = sender[0] if sender else frame.fields.get("appid") or None
         if app is None:
             app = await self.store.find_app(msgid)
