@@ -102,6 +102,8 @@ class FakeRecipient:
         self.policy: Policy = policy or (lambda f: "ack")
         self.pushes: asyncio.Queue[Frame] = asyncio.Queue()
         self.received: list[Frame] = []
+        self.pushed_on: list[int] = []  # each received push's connection (its number)
+        self.resps: list[Frame] = []  # the broker's answers to our answers
         self.pings = 0
         self.connections = 0
         self.port = 0
@@ -140,6 +142,7 @@ class FakeRecipient:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        number = self.connections
         self._writers.add(writer)
         decoder = Decoder()
         try:
@@ -152,9 +155,12 @@ class FakeRecipient:
                         if self.answer_pings:
                             writer.write(PONG)
                         continue
+                    if frame.type == "resp":
+                        self.resps.append(frame)
                     if frame.type != "push":
                         continue
                     self.received.append(frame)
+                    self.pushed_on.append(number)
                     self.pushes.put_nowait(frame)
                     self._answer(writer, frame)
         except (ConnectionError, OSError):
@@ -170,6 +176,9 @@ class FakeRecipient:
             fields["token"] = frame.fields["token"]
         if action == "close":
             writer.close()
+            return
+        if action == "garbage":  # not a frame at all
+            writer.write(b"garbage-line\r\n\r\n")
             return
         if action in ("arrived", "arrived+ack"):
             writer.write(encode_frame("arrived", fields))

@@ -786,6 +786,46 @@ async def test_no_final_answer_within_ack_timeout_is_retried_elsewhere(
     assert [(e["recipient"], e["attempt"]) for e in log_events(broker, "s1", "acked")] == [(r2, 2)]
 
 
+async def test_a_push_connection_that_timed_out_is_never_reused(
+    make_broker: BrokerFactory, redis: aioredis.Redis
+) -> None:
+    """docs/PROTOCOL.md 6.1: the retry opens a new connection, handshake first."""
+    broker = await make_broker(ack_timeout=0.6)
+    answers = iter(["silent", "ack"])
+    rec = FakeRecipient("reuse", "r1", lambda f: next(answers))
+    await started(rec)
+    await registered(broker.server.port, rec)
+    await produce(broker.server.port, "reuse", ["t1"])
+    first, second = await rec.next_push(), await rec.next_push()
+    assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
+    assert rec.pushed_on[0] != rec.pushed_on[1]
+    await settle(redis, broker, "reuse")
+    await rec.stop()
+
+
+async def test_garbage_on_a_push_connection_is_answered_error_and_the_push_retried(
+    make_broker: BrokerFactory, redis: aioredis.Redis
+) -> None:
+    """Not a valid answer: `error`, the connection closed for good, the push a failed
+    attempt (docs/PROTOCOL.md 6.1), at once rather than at ACK_TIMEOUT."""
+    broker = await make_broker(ack_timeout=30)
+    answers = iter(["garbage", "ack"])
+    rec = FakeRecipient("junk", "r1", lambda f: next(answers))
+    await started(rec)
+    await registered(broker.server.port, rec)
+    await produce(broker.server.port, "junk", ["g1"])
+    first, second = await rec.next_push(), await rec.next_push()
+    assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
+    assert rec.pushed_on[0] != rec.pushed_on[1]
+    reason = "recipient sent an invalid frame: line without '=': b'garbage-line'"
+    assert [json.loads(r.content or b"") for r in rec.resps[:1]] == [
+        {"status": "error", "content": reason}
+    ]
+    await settle(redis, broker, "junk")
+    assert [e["detail"] for e in log_events(broker, "g1", "errored")] == [reason]
+    await rec.stop()
+
+
 async def test_arrived_without_a_final_answer_times_out_and_is_retried(
     make_broker: BrokerFactory, redis: aioredis.Redis
 ) -> None:

@@ -160,6 +160,15 @@ class PushConnection(FrameProtocol):
             self._timer.cancel()
             self._timer = None
 
+    def _refuse(self, why: str) -> None:
+        """Something that is not a valid answer: answered `error`, then the connection is
+        closed for good (its unanswered pushes fail: docs/PROTOCOL.md 6.1)."""
+        if self.transport is not None and not self.closed:
+            self._out.add(encode_resp(Status.ERROR, why))
+            self._out.flush()
+        self._failure = why
+        self.close()
+
     def abort(self, why: str) -> None:
         """Drop the connection for good (garbage, a timeout): it is never reused."""
         self._failure = why
@@ -177,9 +186,6 @@ class PushConnection(FrameProtocol):
             self.transport.close()
         else:
             self._lost()
-
-    def write_buffer_size(self) -> int:
-        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     def waiting_only(self, ack_wait: float, now: float) -> bool:
         """Every push on it `arrived` ACK_WAIT ago, and nothing was written since."""
@@ -205,7 +211,8 @@ class PushConnection(FrameProtocol):
     def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if not isinstance(frame, Frame):
-                continue
+                self._refuse(f"recipient sent an invalid frame: {frame.reason}")
+                return
             if not self.ready:
                 if frame.type != "pong":
                     self.abort(f"recipient answered the handshake with {frame.type!r}")
@@ -361,9 +368,9 @@ class RecipientLink:
         return len(expired)
 
     def timed_out(self, msgid: str, now: float, bench_for: float) -> None:
-        """A push got no final answer in time: bench the recipient; if it also stopped
-        reading (our unsent data piles up), or it is an original peer's connection of its
-        own, drop that connection, which is never reused."""
+        """A push got no final answer in time: bench the recipient and drop the
+        connection it went on, which is never reused (docs/PROTOCOL.md 6.1): its other
+        unanswered pushes fail too."""
         d = self.take(msgid)
         if d is None:
             return
@@ -373,9 +380,8 @@ class RecipientLink:
         if d.arrived_at:
             return
         self.benched_until = now + bench_for
-        conn = d.conn
-        if conn is not None and (conn.single_use or conn.write_buffer_size() > 0):
-            conn.abort("push timed out")
+        if d.conn is not None:
+            d.conn.abort("push timed out")
 
     def benched(self, now: float) -> bool:
         return now < self.benched_until
