@@ -27,7 +27,7 @@ from skmq.auth import broker_tokens, push_signer
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
-from skmq.errors import Misconfigured, UsageError
+from skmq.errors import Misconfigured, UsageError, redis_error_text
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
 from skmq.http.dlq import DlqRoutes
@@ -86,7 +86,8 @@ async def wait_for_redis(redis: RedisClient, give_up: Callable[[], bool]) -> Non
         except (RedisError, OSError) as exc:
             if give_up():
                 raise
-            log.warning("redis unreachable, retrying", error=repr(exc), retry_in=delay)
+            error = f"{type(exc).__name__}: {redis_error_text(exc)}"
+            log.warning("redis unreachable, retrying", error=error, retry_in=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -156,7 +157,7 @@ class Broker:
         except (RedisError, OSError) as exc:
             raise Misconfigured(
                 f"cannot reach Redis at {redacted(url)} within {s.redis_wait:g}s "
-                f"(REDIS_WAIT): {exc}"
+                f"(REDIS_WAIT): {redis_error_text(exc)}"
             ) from None
         await check_eviction_policy(self.redis)
         self.store = make_store(s, self.redis)

@@ -8,6 +8,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, NonNegativeInt, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
@@ -197,6 +198,8 @@ class Settings(BaseSettings):
         scheme = value.partition("://")[0] if "://" in value else None
         if value and scheme not in REDIS_SCHEMES:
             raise ValueError(f"needs a scheme of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
+        if value:
+            check_redis_url(value)
         return value
 
     @classmethod
@@ -215,6 +218,60 @@ class Settings(BaseSettings):
         return settings
 
 
+def check_redis_url(url: str) -> None:
+    """Raise ValueError (a short reason) for a REDIS_URL of a known scheme that no client
+    could use: no host (`redis://` would quietly mean localhost:6379), a port that is
+    not a number 0-65535, a db that is not a number, a Sentinel URL without its service."""
+    parsed = urlsplit(url)
+    db_path = [p for p in parsed.path.split("/") if p]
+    if parsed.scheme == "unix":
+        if not parsed.path:
+            raise ValueError("a unix:// URL needs the socket's path (unix:///path/redis.sock)")
+        return
+    if parsed.scheme in ("redis", "rediss"):
+        try:
+            parsed.port  # noqa: B018 (parsing the port is the check)
+        except ValueError:
+            raise ValueError(f"{_netloc(parsed.netloc)!r} has no valid port (0-65535)") from None
+        if not parsed.hostname:
+            raise ValueError(f"needs a host: {parsed.scheme}://HOST[:PORT][/DB]")
+        if len(db_path) > 1 or (db_path and not db_path[0].isdigit()):
+            raise ValueError(f"the db {parsed.path!r} is not a number (/DB, e.g. /0)")
+        return
+    # redis+sentinel:// and redis+cluster://: a list of host[:port]
+    for part in _netloc(parsed.netloc).split(","):
+        host, port = part, ""
+        if part.startswith("["):  # [IPv6] or [IPv6]:port
+            host, _, rest = part.partition("]")
+            host, port = host[1:], rest.removeprefix(":")
+            if rest and not rest.startswith(":"):
+                port = rest
+        elif ":" in part:
+            host, _, port = part.rpartition(":")
+        if not host:
+            raise ValueError(f"needs a host in every host:port ({part!r} has none)")
+        if port and not (port.isdigit() and int(port) <= 65535):
+            raise ValueError(f"{part!r} has no valid port (0-65535)")
+    if parsed.scheme == "redis+sentinel":
+        if not db_path:
+            raise ValueError("needs the service name: redis+sentinel://HOST:PORT,.../SERVICE[/DB]")
+        if len(db_path) > 2 or (len(db_path) == 2 and not db_path[1].isdigit()):
+            raise ValueError(f"the db in {parsed.path!r} is not a number (/SERVICE/DB)")
+
+
+def _netloc(netloc: str) -> str:
+    """The host part of a URL's netloc, without the credentials (never shown)."""
+    return netloc.rpartition("@")[2]
+
+
+def _without_password(url: str) -> str:
+    """A REDIS_URL fit for a message: its credentials replaced by `***`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + _netloc(parts.netloc)).geturl()
+
+
 class SettingsError(UsageError):
     """A bad setting or settings file."""
 
@@ -225,7 +282,10 @@ def one_line(exc: ValidationError) -> str:
     for err in exc.errors():
         name = str(err["loc"][0]).upper() if err["loc"] else "?"
         msg = str(err["msg"]).removeprefix("Value error, ")
-        parts.append(f"{name}={err['input']!r}: {msg}")
+        value = err["input"]
+        if name == "REDIS_URL" and isinstance(value, str):
+            value = _without_password(value)
+        parts.append(f"{name}={value!r}: {msg}")
     return "invalid setting " + "; ".join(parts)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 
@@ -24,3 +25,22 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
+
+
+_SENTINEL_ADDRESS = re.compile(r"\bhost=([^,]+),port=(\d+)")
+
+
+def redis_error_text(exc: BaseException) -> str:
+    """A Redis client error's message, short. redis-py's MasterNotFoundError lists every
+    Sentinel it asked by the repr of its client (about 1.5 KB of pool internals each):
+    that becomes `No master found for 'svc' (Sentinel h:p: ConnectionError)`."""
+    text = str(exc)
+    if type(exc).__name__ != "MasterNotFoundError" or " : " not in text:
+        return text
+    head, _, tail = text.partition(" : ")
+    reasons = []
+    for asked in re.split(r", (?=<redis\.)", tail):
+        where = _SENTINEL_ADDRESS.search(asked)
+        why = asked.rpartition(" - ")[2] if " - " in asked else "no answer"
+        reasons.append(f"Sentinel {where[1]}:{where[2]}: {why}" if where else why)
+    return f"{head} ({'; '.join(reasons)})"

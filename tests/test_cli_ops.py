@@ -92,6 +92,33 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
     ),
     (
+        "redis port",
+        lambda f: ["serve"],
+        {"SKMQ_REDIS_URL": "redis://127.0.0.1:notaport"},
+        "skmq serve: invalid setting REDIS_URL='redis://127.0.0.1:notaport': "
+        "'127.0.0.1:notaport' has no valid port (0-65535)",
+    ),
+    (
+        "redis without host",  # not quietly localhost:6379
+        lambda f: ["status"],
+        {"SKMQ_REDIS_URL": "redis://"},
+        "skmq status: invalid setting REDIS_URL='redis://': needs a host: redis://HOST[:PORT][/DB]",
+    ),
+    (
+        "redis password never shown",
+        lambda f: ["dlq", "list", "--redis-url", "redis://:s3cret@/0"],
+        {},
+        "skmq dlq: invalid setting REDIS_URL='redis://***@/0': needs a host: "
+        "redis://HOST[:PORT][/DB]",
+    ),
+    (
+        "sentinel without service",
+        lambda f: ["serve"],
+        {"SKMQ_REDIS_URL": "redis+sentinel://127.0.0.1:26379"},
+        "skmq serve: invalid setting REDIS_URL='redis+sentinel://127.0.0.1:26379': needs the "
+        "service name: redis+sentinel://HOST:PORT,.../SERVICE[/DB]",
+    ),
+    (
         "port",
         lambda f: ["serve", "--port", "x"],
         {},
@@ -199,6 +226,19 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     code, _, err = skmq("status", "--redis-url", nowhere)
     assert code == 1
     assert one_line(err).startswith("skmq status: Redis: Error 111 connecting to"), err
+
+    # No Sentinel there: the reason, not redis-py's repr of each client it tried (1.5 KB).
+    port = free_port()
+    sentinel = f"redis+sentinel://127.0.0.1:{port}/mymaster"
+    code, _, err = skmq(
+        "serve", "--redis-url", sentinel, "--redis-wait", "0.3", "--log-level", "error",
+        "--data-dir", str(tmp_path / "d"),
+    )  # fmt: skip
+    assert code == 1
+    line = one_line(err)
+    assert line.startswith(f"skmq serve: cannot reach Redis at {sentinel} within 0.3s"), line
+    assert f"No master found for 'mymaster' (Sentinel 127.0.0.1:{port}: " in line, line
+    assert "<redis." not in line and len(line) < 300, line
 
 
 def test_an_unknown_environment_setting_is_reported_with_the_closest_name(

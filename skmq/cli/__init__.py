@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from skmq import __version__
-from skmq.errors import UsageError
+from skmq.errors import UsageError, redis_error_text
 
 # name -> one-line help; the command is the module skmq.cli.<name>
 COMMANDS = {
@@ -35,7 +35,7 @@ def describe(exc: BaseException) -> str:
         where = exc.filename if exc.filename is not None else ""
         return f"{exc.strerror}: {where}" if where else exc.strerror
     if type(exc).__module__.startswith("redis"):
-        return f"Redis: {exc}"
+        return f"Redis: {redis_error_text(exc)}"
     if (isinstance(exc, RuntimeError) or type(exc).__module__.startswith("skmq.")) and str(exc):
         return str(exc)  # our own errors say what is wrong in their message
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
