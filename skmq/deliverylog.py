@@ -13,7 +13,8 @@ several times more.
 
 A write error (a full disk) never blocks or fails delivery: unwritten lines are kept
 in a bounded backlog (LOG_BACKLOG_BYTES) and retried; once the backlog is full the
-oldest lines are dropped and counted (`skmq_delivery_log_dropped_lines_total`).
+oldest lines are dropped and counted (`skmq_delivery_log_dropped_lines_total`). A write
+that failed (one batch of lines) is counted once in `errors`, however often it is retried.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class DeliveryLog:
         self.backlog_bytes = backlog_bytes
         self._retry: asyncio.TimerHandle | None = None
         self.error: str | None = None
+        # Writes (batches of lines) that failed, each once however often it is retried
+        # (skmq_delivery_log_errors_total); the first `_counted` of the backlog are in it.
         self.errors = 0
+        self._counted = 0
         self.dropped = 0
         self.listener: Callable[[str, str], None] | None = None
         self._names: dict[str | None, str] = {}
@@ -186,7 +190,8 @@ class DeliveryLog:
                 continue
             self._backlog.popleft()
             self._backlog_size -= len(data)
-        if self.error is not None:
+            self._counted = max(0, self._counted - 1)
+        if self.error is not None and not self._backlog:  # not when no file is open
             log.warning("delivery log writable again", dir=str(self.dir), was=self.error)
             self.error = None
         if self._size >= self.rotate_bytes:
@@ -196,7 +201,10 @@ class DeliveryLog:
                 self._write_failed(exc)
 
     def _write_failed(self, exc: OSError) -> None:
-        self.errors += 1
+        # Only batches that no earlier failure counted: a retry is not another failed
+        # write (it used to count each retry, thousands during one full disk).
+        self.errors += len(self._backlog) - self._counted
+        self._counted = len(self._backlog)
         if self.error is None:
             log.error("delivery log write failed, keeping lines to retry", dir=str(self.dir),
                       error=exc.strerror or str(exc))  # fmt: skip
@@ -204,6 +212,7 @@ class DeliveryLog:
         while self._backlog_size > self.backlog_bytes and len(self._backlog) > 1:
             data, count = self._backlog.popleft()
             self._backlog_size -= len(data)
+            self._counted -= 1
             self.dropped += count
         if self._retry is None:
             with contextlib.suppress(RuntimeError):

@@ -183,7 +183,9 @@ class Metrics(Collector):
         yield restarts
         counters = (
             ("skmq_embedded_redis_restarts", "Embedded Redis restarts", self.redis_restarts),
-            ("skmq_delivery_log_errors", "Delivery-log write errors", self.dlog.errors),
+            ("skmq_delivery_log_errors",
+             "Delivery-log writes that failed (a batch of lines, counted once however often "
+             "it is retried)", self.dlog.errors),
             ("skmq_delivery_log_dropped_lines",
              "Delivery-log lines dropped (backlog full while writes failed)", self.dlog.dropped),
             ("skmq_delivery_log_files_compressed",

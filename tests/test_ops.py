@@ -20,7 +20,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
+from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
+from skmq.events import Event
 from skmq.supervisor import Supervisor
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
@@ -254,6 +256,23 @@ async def test_log_lines_past_the_backlog_bound_are_dropped_and_counted(
     backlog = metric(text, "skmq_delivery_log_backlog_lines") or 0
     assert dropped > 0 and dropped + backlog == 40, text  # received + stored per message
     await client.close()
+
+
+def test_a_failed_log_write_is_counted_once_however_often_it_is_retried(tmp_path: Path) -> None:
+    log_file = tmp_path / "delivery-b3-000000.jsonl"
+    log_file.symlink_to("/dev/full")  # every write: ENOSPC
+    dlog = DeliveryLog(tmp_path, "b3")
+    for i in range(10):  # no event loop: each line is its own write (batch)
+        dlog.event(Event.STORED, f"m{i}", "app", "queue")
+    for _ in range(5):  # retries of the same ten writes
+        dlog.flush()
+    assert (dlog.errors, dlog.backlog_lines, dlog.error) == (10, 10, "No space left on device")
+
+    log_file.unlink()  # room again
+    dlog._retry_flush()  # what the retry timer does: the file opened again, the lines written
+    assert (dlog.errors, dlog.backlog_lines, dlog.error) == (10, 0, None)
+    assert log_file.read_text().count('"event":"stored"') == 10
+    dlog.close()
 
 
 # -- 3. the embedded Redis: supervised and closed ----------------------------------------
