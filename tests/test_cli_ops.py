@@ -6,6 +6,7 @@ event loops."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -21,6 +22,8 @@ from skmq import __version__
 from skmq.broker import Broker
 from skmq.cli.consume import exec_handler
 from skmq.client import Message, Reject
+from skmq.embedded import EmbeddedRedis
+from skmq.store import connect_redis
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 
@@ -239,6 +242,26 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     assert line.startswith(f"skmq serve: cannot reach Redis at {sentinel} within 0.3s"), line
     assert f"No master found for 'mymaster' (Sentinel 127.0.0.1:{port}: " in line, line
     assert "<redis." not in line and len(line) < 300, line
+
+
+async def test_status_and_dlq_wait_while_a_stopped_brokers_redis_loads_its_aof(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    with EmbeddedRedis(data) as server:  # a stopped broker's DATA_DIR with an AOF of ~5 MB
+        redis = connect_redis(server.url)
+        for chunk in range(50):
+            fill = redis.pipeline(transaction=False)
+            for i in range(1000):
+                fill.set(f"fill:{chunk}:{i}", b"x" * 64)
+            await fill.execute()
+        await redis.aclose()
+    assert sum(f.stat().st_size for f in (data / "redis").rglob("*.aof")) > 4 << 20
+    # Each command starts the server itself, which answers LOADING for a while.
+    for command in (["status", "--json"], ["dlq", "list", "--json"]):
+        code, out, err = await asyncio.to_thread(skmq, *command, "--data-dir", str(data))
+        assert (code, err) == (0, ""), err
+        assert json.loads(out) is not None
 
 
 def test_an_unknown_environment_setting_is_reported_with_the_closest_name(

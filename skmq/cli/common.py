@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
+
+from redis.exceptions import BusyLoadingError
 
 from skmq.broker import make_store
 from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
 from skmq.store import Store, connect_redis
+from skmq.store.client import RedisClient
+
+LOADING_POLL = 0.05  # how often a command asks a loading server again
 
 
 @contextlib.asynccontextmanager
@@ -24,10 +31,31 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
         embedded = EmbeddedRedis(settings.data_dir, settings.redis_appendfsync)
         embedded.start()
         url = embedded.url
-    redis = connect_redis(url)
     try:
-        yield make_store(settings, redis)
+        redis = connect_redis(url)
+        try:
+            await wait_loaded(redis, settings.redis_wait)
+            yield make_store(settings, redis)
+        finally:
+            await redis.aclose()
     finally:
-        await redis.aclose()
         if embedded is not None:
             embedded.stop()
+
+
+async def wait_loaded(redis: RedisClient, timeout: float) -> None:
+    """Wait up to `timeout` seconds (REDIS_WAIT) while the server loads its AOF, as `serve`
+    does: a server just started (here, on a stopped broker's DATA_DIR, or by a broker
+    restarting it) answers every command with LOADING until its dataset is in memory
+    (a second or more for an AOF of a few MB). Other errors are the command's to report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await redis.ping()
+            return
+        except BusyLoadingError:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"Redis is still loading its dataset after {timeout:g}s (REDIS_WAIT)"
+                ) from None
+            await asyncio.sleep(LOADING_POLL)
