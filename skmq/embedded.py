@@ -21,6 +21,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -28,7 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+import structlog
+
 from skmq.errors import UsageError
+
+log = structlog.get_logger("skmq.embedded")
 
 PR_SET_PDEATHSIG = 1
 # What every server SKMQ starts runs with (the embedded one, the local cluster's nodes):
@@ -142,6 +147,7 @@ class EmbeddedRedis:
     port: int = 0
     auth: bool = True
     proc: subprocess.Popen[bytes] | None = None
+    _exit_told: subprocess.Popen[bytes] | None = None  # the exit keep_running reported
     _lock_fd: int = -1
     _password: str = ""
 
@@ -255,7 +261,9 @@ class EmbeddedRedis:
             status = None if self.proc is None else self.proc.poll()
             if status is None:
                 continue
-            restarting(status)
+            if self._exit_told is not self.proc:  # once an exit, not again a failed relaunch
+                self._exit_told = self.proc
+                restarting(status)
             self.launch()
             await self.wait_ready()
 
@@ -270,7 +278,13 @@ class EmbeddedRedis:
                     f"(see {self.data_dir / 'redis' / 'server.log'})"
                 )
             if await _answers_ping(self.host, self.port):
-                _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
+                try:
+                    _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
+                except OSError as exc:  # a full disk: the server runs, operators wait
+                    log.warning("embedded redis restarted, but its info file is not "
+                                "updated: operator commands cannot find it until it is",
+                                file=str(self.data_dir / INFO_FILE),
+                                error=exc.strerror or str(exc))  # fmt: skip
                 return
             await asyncio.sleep(0.02)
         raise RuntimeError(f"embedded redis did not listen on {self.host}:{self.port}")
@@ -316,13 +330,24 @@ class EmbeddedRedis:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (it holds the Redis password), atomically."""
+    """Write a file only its owner can read (it holds the Redis password), atomically;
+    not at all if it holds `text` already, privately: a relaunch of the server (same
+    config) must not need disk space, or a full disk would keep it from starting again.
+    A failed write (ENOSPC) leaves no temporary file behind."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == text:
+            return
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _secret(path: Path) -> str:

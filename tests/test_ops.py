@@ -4,6 +4,8 @@ delivery, the embedded Redis kept alive and closed, health that never hangs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import itertools
 import json
 import os
@@ -21,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
 from skmq.deliverylog import DeliveryLog
-from skmq.embedded import EmbeddedRedis
+from skmq.embedded import EmbeddedRedis, _write_private
 from skmq.events import Event
 from skmq.supervisor import Supervisor
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
@@ -314,6 +316,96 @@ def test_the_embedded_redis_is_restarted_after_kill9_and_keeps_every_message(
     assert listed.returncode == 0, listed.stderr
     apps = {a["appid"]: a for a in json.loads(listed.stdout)["apps"]}
     assert apps["keep"]["pending"] == 1, (msgid, apps)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str = "8m") -> Iterator[Path]:
+    """A tmpfs of `size` at `path` (root only; skips the test where mount is refused)."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip() or 'not root'}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def fill(disk: Path) -> Path:
+    """Write a file until the disk is full; remove it to make room again."""
+    filler = disk / "filler"
+    with filler.open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+async def test_the_embedded_redis_restarts_on_a_full_data_disk(
+    broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
+) -> None:
+    with small_disk(tmp_path / "disk") as disk:
+        data = disk / "data"
+        mport = free_port()
+        broker_env.update(SKMQ_DATA_DIR=str(data), SKMQ_METRICS_PORT=str(mport),
+                          SKMQ_LOG_DIR=str(tmp_path / "log"))  # fmt: skip
+        try:
+            await asyncio.to_thread(broker_process.start)
+            info = json.loads((data / "redis.json").read_text())
+            filler = fill(disk)
+            os.kill(int(info["pid"]), signal.SIGKILL)
+
+            async def restarted() -> bool:
+                assert broker_process.proc is not None and broker_process.proc.poll() is None
+                _, text = await http_get(mport, "/metrics")
+                log = broker_process.log_path.read_text()
+                return (
+                    metric(text, "skmq_embedded_redis_restarts_total") == 1.0
+                    and "its info file is not updated" in log
+                    and await http_get(mport, "/healthz") == (200, "ok\n")
+                )
+
+            await eventually(restarted, 20)
+            log = broker_process.log_path.read_text()
+            assert "Traceback" not in log and "task failed" not in log, log
+            assert not list(data.rglob("*.tmp"))
+
+            filler.unlink()  # room again: the restarted server takes messages
+            sent = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "skmq.cli", "send", "--port", str(broker_process.port),
+                 "--app", "full", "after"],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert sent.returncode == 0, sent.stderr
+            _, text = await http_get(mport, "/metrics")
+            assert metric(text, "skmq_embedded_redis_restarts_total") == 1.0
+            assert await asyncio.to_thread(broker_process.terminate) == 0
+        finally:
+            if broker_process.proc is not None and broker_process.proc.poll() is None:
+                broker_process.proc.kill()
+                broker_process.proc.wait(10)
+
+
+def test_a_failed_private_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        conf = disk / "skmq.conf"
+        _write_private(conf, "requirepass x\n")
+        before = conf.stat().st_mtime_ns
+        filler = fill(disk)
+        _write_private(conf, "requirepass x\n")  # unchanged: not written, no space needed
+        assert conf.stat().st_mtime_ns == before
+        with pytest.raises(OSError) as failed:
+            _write_private(conf, "requirepass y" + "y" * 8192 + "\n")
+        assert failed.value.errno == errno.ENOSPC
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "skmq.conf"]
+        assert conf.read_text() == "requirepass x\n"
+        filler.unlink()
 
 
 async def test_the_embedded_redis_is_loopback_only_with_a_private_password(
