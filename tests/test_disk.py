@@ -6,12 +6,8 @@ the embedded Redis, and that write, with it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import redis.asyncio as aioredis
 
 from skmq.codec import encode_resp
@@ -20,81 +16,50 @@ from skmq.store import NewMessage
 from skmq.store.disk import DiskSpace
 from skmq.workers.enqueue import DISK_LOW, EnqueueBatch, Enqueuer
 from tests.conftest import BrokerProcess
+from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
 from tests.test_expiry import make_store
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB file system of its own (a tmpfs), to fill."""
-    path = tmp_path / "disk"
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs can be mounted here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def fill(path: Path, leave: int) -> None:
-    """Grow the file at `path` until its file system has `leave` bytes free (or none)."""
-    with path.open("ab", buffering=0) as f:
-        try:
-            while (room := free_bytes(path.parent) - leave) > 0:
-                f.write(b"\0" * min(room, 1 << 20))
-        except OSError:  # ENOSPC: full
-            pass
-
-
 async def test_a_full_disk_acknowledges_nothing_and_loses_nothing_acknowledged(
-    broker_process: BrokerProcess, small_disk: Path, tmp_path: Path
+    broker_process: BrokerProcess, tmp_path: Path
 ) -> None:
-    env = broker_process.env
-    env["SKMQ_DATA_DIR"] = str(small_disk / "data")
-    env["SKMQ_LOG_DIR"] = str(tmp_path / "log")
-    env["SKMQ_DISK_FREE_LIMIT"] = str(8 << 20)
-    broker_process.start()
-    client = await RawClient.connect(broker_process.port)
-    acked = [f"m{i}" for i in range(20)]
-    assert all(r["content"] == "stored" for r in await client.produce("disk", acked))
-
-    ballast = small_disk / "ballast"
-    fill(ballast, leave=1 << 20)  # under the limit, room left for Redis's appends
-    refused = [f"low{i}" for i in range(10)]
-    answers = await client.produce("disk", refused)
-    assert all(r["status"] == "error" and r["content"] == DISK_LOW for r in answers), answers
-    fill(ballast, leave=0)  # no room at all: Redis's appends fail
-    refused += [f"full{i}" for i in range(10)]
-    answers = await client.produce("disk", refused[10:])
-    assert all(r["status"] == "error" and r["content"] == DISK_LOW for r in answers), answers
-    await client.close()
-
-    broker_process.kill()  # its embedded Redis goes with it
-    ballast.unlink()
-    loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, broker_process.start)
-    rec = await FakeRecipient("disk", "r1").start()
-    try:
-        assert (await rec.register(broker_process.port))["status"] == "ack"
-        got = {(await rec.next_push(timeout=10)).fields["msgid"] for _ in acked}
-        assert got == set(acked)
-        # The refused ones were never stored: sent again, each is stored, not a duplicate.
+    with small_disk(tmp_path / "disk", "64m") as disk:
+        env = broker_process.env
+        env["SKMQ_DATA_DIR"] = str(disk / "data")
+        env["SKMQ_LOG_DIR"] = str(tmp_path / "log")
+        env["SKMQ_DISK_FREE_LIMIT"] = str(8 << 20)
+        broker_process.start()
         client = await RawClient.connect(broker_process.port)
-        again = await client.produce("disk", refused)
-        assert [r["content"] for r in again] == ["stored"] * len(refused)
+        acked = [f"m{i}" for i in range(20)]
+        assert all(r["content"] == "stored" for r in await client.produce("disk", acked))
+
+        filler = fill(disk, leave=1 << 20)  # under the limit, room for Redis's appends
+        refused = [f"low{i}" for i in range(10)]
+        answers = await client.produce("disk", refused)
+        assert all(r["status"] == "error" and r["content"] == DISK_LOW for r in answers)
+        fill(disk)  # no room at all: Redis's appends fail
+        refused += [f"full{i}" for i in range(10)]
+        answers = await client.produce("disk", refused[10:])
+        assert all(r["status"] == "error" and r["content"] == DISK_LOW for r in answers)
         await client.close()
-    finally:
-        await rec.stop()
-    assert broker_process.terminate() == 0
+
+        broker_process.kill()  # its embedded Redis goes with it
+        filler.unlink()
+        await asyncio.get_running_loop().run_in_executor(None, broker_process.start)
+        rec = await FakeRecipient("disk", "r1").start()
+        try:
+            assert (await rec.register(broker_process.port))["status"] == "ack"
+            got = {(await rec.next_push(timeout=10)).fields["msgid"] for _ in acked}
+            assert got == set(acked)
+            # The refused ones were never stored: sent again, each is stored, no duplicate.
+            client = await RawClient.connect(broker_process.port)
+            again = await client.produce("disk", refused)
+            assert [r["content"] for r in again] == ["stored"] * len(refused)
+            await client.close()
+        finally:
+            await rec.stop()
+        assert broker_process.terminate() == 0
 
 
 class FillsDuringTheStore(DiskSpace):

@@ -4,7 +4,6 @@ delivery, the embedded Redis kept alive and closed, health that never hangs."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import itertools
 import json
@@ -27,6 +26,7 @@ from skmq.embedded import EmbeddedRedis, _write_private
 from skmq.events import Event
 from skmq.supervisor import Supervisor
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
+from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
 from tests.test_metrics import http_get
 
@@ -318,34 +318,6 @@ def test_the_embedded_redis_is_restarted_after_kill9_and_keeps_every_message(
     assert apps["keep"]["pending"] == 1, (msgid, apps)
 
 
-@contextlib.contextmanager
-def small_disk(path: Path, size: str = "8m") -> Iterator[Path]:
-    """A tmpfs of `size` at `path` (root only; skips the test where mount is refused)."""
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip() or 'not root'}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
-
-
-def fill(disk: Path) -> Path:
-    """Write a file until the disk is full; remove it to make room again."""
-    filler = disk / "filler"
-    with filler.open("wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-    return filler
-
-
 async def test_the_embedded_redis_restarts_on_a_full_data_disk(
     broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -353,7 +325,8 @@ async def test_the_embedded_redis_restarts_on_a_full_data_disk(
         data = disk / "data"
         mport = free_port()
         broker_env.update(SKMQ_DATA_DIR=str(data), SKMQ_METRICS_PORT=str(mport),
-                          SKMQ_LOG_DIR=str(tmp_path / "log"))  # fmt: skip
+                          SKMQ_LOG_DIR=str(tmp_path / "log"),
+                          SKMQ_DISK_FREE_LIMIT=str(1 << 20))  # fmt: skip
         try:
             await asyncio.to_thread(broker_process.start)
             info = json.loads((data / "redis.json").read_text())

@@ -575,8 +575,10 @@ async def test_a_stale_broker_cannot_touch_the_lease_of_another(
     assert await produce(a.port, ["probe"], app="probe") == ["probe"]
     if stale == "late_reject":
         await until(
-            lambda: stale_writer.is_closing()
-            or any(f.fields.get("msgid") == "m" for f in recipient.resps)
+            lambda: (
+                stale_writer.is_closing()
+                or any(f.fields.get("msgid") == "m" for f in recipient.resps)
+            )
         )
     else:
         a.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
