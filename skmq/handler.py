@@ -132,14 +132,14 @@ def _auth_token(frame: Frame) -> bytes:
 
 
 def _int_field(frame: Frame, key: str) -> int | None:
-    """The field as a non-negative integer, None when absent; ValueError when invalid."""
+    """The field as a non-negative integer, None when absent; ValueError when invalid
+    (anything but ASCII digits: int() alone takes spaces, `_` and other scripts' digits)."""
     raw = frame.fields.get(key)
     if raw is None or raw == "":
         return None
-    value = int(raw)
-    if value < 0:
+    if not (raw.isascii() and raw.isdigit()):
         raise ValueError
-    return value
+    return int(raw)
 
 
 @dataclass(eq=False)
@@ -332,6 +332,8 @@ class FrameHandler:
         app = fields.get("appid") or ""
         if self.pull is None:
             return self._resp("pull consumption is not served here", msgid, Status.REJECT)
+        if not app:
+            return self._resp("appid required", msgid)
         if (refused := self._refusal(peer, "consume", app)) is not None:
             return self._resp(f"403 {refused}", msgid, Status.REJECT)
         try:

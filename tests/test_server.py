@@ -111,10 +111,16 @@ async def test_malformed_inputs_get_error_and_connection_goes_on(broker: Broker)
         b"type=queue\r\nmsgid=x\r\ncontent=no app\r\n\r\n",  # appid missing
         b"type=queue\r\nappid=a\r\nmsgid=x\r\n\r\n",  # content missing
         b"type=queue\r\nappid=a\r\ndelay=soon\r\ncontent=x\r\n\r\n",  # delay not a number
+        "type=queue\r\nappid=a\r\ndelay=\u0661\u0662\r\ncontent=x\r\n\r\n".encode(),  # not ASCII
+        b"type=queue\r\nappid=a\r\nttl=1_000\r\ncontent=x\r\n\r\n",
+        b'type=register\r\ncontent={"id":"r","app_id":"a","host":"127.0.0.1","port":"'
+        + "\uff15\uff16\uff11".encode()  # fullwidth digits
+        + b'"}\r\n\r\n',
         b"type=queue\r\nappid=a\r\nmsgid=\x01bad\r\ncontent=x\r\n\r\n",  # control char in msgid
         b"type=queue\r\nappid=a\r\nmsgid=" + b"l" * 300 + b"\r\ncontent=x\r\n\r\n",  # too long
         b"type=register\r\ncontent=not json\r\n\r\n",
         b"type=ack\r\n\r\n",  # ack without msgid
+        b"type=pull\r\ngroup=g\r\nop=receive\r\ncontent={}\r\n\r\n",  # appid missing
         b"type=ack\r\nmsgid=never-seen\r\n\r\n",
     ]
     for frame in bad:

@@ -79,11 +79,11 @@ def _int(value: Any, key: str, default: int | None = None) -> int:
         return default
     if isinstance(value, bool):
         raise RegistrationRefused(f"{key} must be an integer")
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise RegistrationRefused(f"{key} must be an integer, got {value!r}") from None
+    if isinstance(value, str):  # (the original client sends the port as a string)
+        digits = value.strip()
+        if not (digits.isascii() and digits.isdigit()):
+            raise RegistrationRefused(f"{key} must be an integer, got {value!r}")
+        return int(digits)
     if isinstance(value, int):
         return value
     raise RegistrationRefused(f"{key} must be an integer")
