@@ -22,6 +22,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from skmq.admission import Admission
 from skmq.aio import cancel_and_wait
 from skmq.auth import broker_tokens, push_signer
 from skmq.config import Settings
@@ -225,10 +226,10 @@ class Broker:
         self.pull = PullApi(s, self.groups, longpoll, self.dlog)
         pull = PullRoutes(self.pull, self.tokens)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
-        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens)
-        self.server = Server(
-            s, FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull), self.supervisor
-        )
+        admission = Admission(s)  # one count of connections for PORT and HTTP_PORT
+        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens, admission)
+        handler = FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull)
+        self.server = Server(s, handler, self.supervisor, admission)
         with listening(s.host, s.port, "HOST/PORT"):
             await self.server.start()
         self.own.add(s.host, self.server.port)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 
 import structlog
 
+from skmq.admission import Admission
 from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
@@ -136,14 +137,21 @@ def _by_content_size(
 
 
 class Server:
-    def __init__(self, settings: Settings, handler: FrameHandler, supervisor: Supervisor) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        handler: FrameHandler,
+        supervisor: Supervisor,
+        admission: Admission | None = None,
+    ) -> None:
         self.settings = settings
+        #: Shared with the HTTP gateway: both count against the same connection limits.
+        self.admission = admission if admission is not None else Admission(settings)
         self.supervisor = supervisor
         self.handler = handler
         self.decode_q: asyncio.Queue[tuple[Connection, Chunk]] = asyncio.Queue(256)
         self.handle_q: asyncio.Queue[list[tuple[Connection, Item]]] = asyncio.Queue(64)
         self.connections: set[Connection] = set()
-        self.per_host: Counter[str] = Counter()
         self.partial_bytes = 0
         self.rate = TokenBucket(settings.rate) if settings.rate > 0 else None
         self._server: asyncio.Server | None = None
@@ -187,27 +195,25 @@ class Server:
         queued = not (self.decode_q.empty() and self.handle_q.empty())
         return not queued and not any(conn.replying for conn in self.connections)
 
+    @property
+    def per_host(self) -> Counter[str]:
+        """Open connections by peer host, this port's and the HTTP gateway's."""
+        return self.admission.per_host
+
     # -- connection stage ---------------------------------------------------
-    def _refusal(self, host: str) -> str | None:
-        """Why a new connection from `host` is refused, or None."""
-        if len(self.connections) >= self.settings.max_connections:
-            return "too many connections"
-        if self.per_host[host] >= self.settings.max_connections_per_host:
-            return f"too many connections from {host} (MAX_CONNECTIONS_PER_HOST)"
-        return None
 
     async def _connection_stage(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         host = peer_host(writer)
-        refusal = self._refusal(host)
+        refusal = self.admission.refusal(host)
         if refusal is not None:
             writer.write(encode_resp("error", refusal))
             writer.close()
             return
         conn = Connection(reader, writer, self.settings)
         self.connections.add(conn)
-        self.per_host[host] += 1
+        self.admission.admit(host)
         try:
             while not conn.broken:
                 await conn.readable.wait()
@@ -230,9 +236,7 @@ class Server:
         except (ConnectionError, OSError):
             pass
         finally:
-            self.per_host[host] -= 1
-            if not self.per_host[host]:
-                del self.per_host[host]
+            self.admission.release(host)
             if not conn.broken:
                 # End of stream: answer what was read, then close (a `printf | nc` peer
                 # half-closes and still waits for its answers).

@@ -13,10 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skmq.auth import Tokens
 from skmq.deliverylog import DeliveryLog
 from skmq.dlq import Filters, UnknownDeadLetter, Verb, choose, redrive
-from skmq.handler import bad_id
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
-from skmq.http.produce import field_errors, read_json
+from skmq.http.produce import app_id, field_errors, read_json
 from skmq.store import Store
 
 log = structlog.get_logger("skmq.dlq")
@@ -75,9 +74,10 @@ class DlqRoutes:
         app.router.add_post("/v1/apps/{app}/dlq/purge", self.purge)
 
     def _app(self, request: web.Request, name: str | None = None) -> tuple[str, str]:
-        app = request.match_info["app"] if name is None else name
-        if (why := bad_id(app)) is not None:
-            raise ApiError(400, f"appid {why}")
+        if name is None:
+            app = app_id(request.match_info["app"])
+        else:
+            app = app_id(name, "to_app")
         return app, authorize(self.tokens, request, "admin", app)
 
     async def list_letters(self, request: web.Request) -> web.Response:

@@ -1,10 +1,13 @@
 """Every HTTP error as JSON, `{"error": "<one line>"}`, with a status that fits
-(a Redis that does not answer: 503)."""
+(a Redis that does not answer: 503; a fault of the broker: 500, its traceback in the
+log and not in the answer). What aiohttp's HTTP parser refuses before any route runs
+is its own plain text (docs/HTTP.md, Errors)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from redis.exceptions import RedisError
@@ -12,6 +15,8 @@ from redis.exceptions import RedisError
 from skmq.errors import ApiError
 
 __all__ = ["ApiError", "error_response", "json_errors"]
+
+log = structlog.get_logger("skmq.http")
 
 
 def error_response(
@@ -22,7 +27,8 @@ def error_response(
 
 @web.middleware
 async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """ApiError and aiohttp's own errors (404, 405, 413...) as JSON."""
+    """ApiError, aiohttp's own errors (404, 405, 413...) and any other exception (500)
+    as JSON."""
     try:
         return await handler(request)
     except ApiError as exc:
@@ -34,3 +40,11 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             raise
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return error_response(exc.status, exc.reason.lower(), headers)
+    except ConnectionError:
+        # The client is gone (aiohttp's reads and writes say so). Raised on, aiohttp
+        # would log it as a fault with its traceback; answered, the answer goes nowhere.
+        log.debug("http client gone", path=request.path, peer=request.remote)
+        return error_response(400, "connection lost")
+    except Exception:
+        log.exception("http handler failed", method=request.method, path=request.path)
+        return error_response(500, "internal error")

@@ -9,12 +9,14 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from redis.exceptions import RedisError
 
+from skmq.admission import Admission
 from skmq.auth import Tokens
 from skmq.config import Settings
 from skmq.http.dlq import DlqRoutes
 from skmq.http.errors import json_errors
+from skmq.http.guard import CountedSite, ServerLog
 from skmq.http.openapi import document
-from skmq.http.produce import Producer
+from skmq.http.produce import BODY_TIMEOUT, Producer
 from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
 from skmq.workers.enqueue import Enqueuer
@@ -31,8 +33,10 @@ class Gateway:
         pull: PullRoutes,
         dlq: DlqRoutes,
         tokens: Tokens | None,
+        admission: Admission | None = None,
     ) -> None:
         self.settings = settings
+        self.admission = admission if admission is not None else Admission(settings)
         self.metrics = metrics
         self.producer = Producer(settings, enqueuer, tokens)
         self.pull = pull
@@ -59,6 +63,7 @@ class Gateway:
         app = web.Application(
             middlewares=[json_errors], client_max_size=self.settings.http_max_body_bytes
         )
+        app[BODY_TIMEOUT] = self.settings.frame_timeout
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         if full:
@@ -70,10 +75,22 @@ class Gateway:
 
     # -- serving --------------------------------------------------------------
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        s = self.settings
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            logger=ServerLog(),
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            # aiohttp closes a connection whose next request's headers have not all come
+            # within this of its opening or of its last answer: both the idle keep-alive
+            # bound and the headers' FRAME_TIMEOUT (a long poll is an answer being made,
+            # not waited for, so it is not cut). The body's bound is read_json's.
+            keepalive_timeout=min(s.frame_timeout, s.idle_timeout),
+        )
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, host, port)
+        site = CountedSite(runner, host, port, self.admission)
         await site.start()
         bound: int = runner.addresses[-1][1]
         return bound

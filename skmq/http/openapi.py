@@ -29,6 +29,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         401: "no token, or an unknown one (auth on)",
         403: "the token lacks the role for this app",
         404: "no such group, or a msgid given that is no dead letter (nothing done)",
+        408: "body not complete within FRAME_TIMEOUT",
         413: "body, batch or content too large",
         415: "not application/json",
         503: "store unavailable or its disk nearly full (nothing acknowledged; a produce may "
@@ -84,7 +85,7 @@ def document() -> dict[str, Any]:
                     {"oneOf": [_ref("StoreResult"), _ref("BatchResult")]},
                     "stored (or a duplicate of a msgid stored before): one result each",
                 ),
-                **_errors(400, 401, 403, 413, 415, 503),
+                **_errors(400, 401, 403, 408, 413, 415, 503),
             },
         }
     }
@@ -110,7 +111,7 @@ def document() -> dict[str, Any]:
             spec["requestBody"] = {"required": True, "content": content}
         return spec
 
-    pull_codes = (400, 401, 403, 404, 415, 503)
+    pull_codes = (400, 401, 403, 404, 408, 415, 503)
     on_group = {"parameters": [app_param, group_param]}
     pull_paths: dict[str, Any] = {
         "/v1/apps/{app}/groups": {
@@ -118,7 +119,7 @@ def document() -> dict[str, Any]:
             "get": op("listGroups", "The app's consumer groups", None, "GroupList",
                       "each group with its backlog", 401, 403, 503),
             "post": op("createGroup", "Subscribe a consumer group (201 created, 200 exists)",
-                       "NewGroup", "NewGroup", "the group", 400, 401, 403, 415, 503),
+                       "NewGroup", "NewGroup", "the group", 400, 401, 403, 408, 415, 503),
         },
         "/v1/apps/{app}/groups/{group}": {
             **on_group,
@@ -159,7 +160,7 @@ def document() -> dict[str, Any]:
         "description": "at most this many, oldest first (default 1000)",
         "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
     }  # fmt: skip
-    dlq_codes = (400, 401, 403, 404, 415, 503)
+    dlq_codes = (400, 401, 403, 404, 408, 415, 503)
     dlq_paths: dict[str, Any] = {
         "/v1/apps/{app}/dlq": {
             "parameters": [app_param],

@@ -10,6 +10,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
+import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -21,6 +22,8 @@ from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.store import NewMessage
 from skmq.workers.enqueue import UNAVAILABLE, EnqueueBatch, Enqueuer
+
+log = structlog.get_logger("skmq.http")
 
 
 class OutgoingMessage(BaseModel):
@@ -65,15 +68,54 @@ def field_errors(exc: ValidationError) -> str:
     return f"{where}: {first['msg']}{more}"
 
 
+#: Seconds a request's body may take to arrive once its handler reads it (FRAME_TIMEOUT).
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+
+
 async def read_json(request: web.Request) -> Any:
-    """The request's JSON body: 415 unless application/json, 400 unless valid JSON."""
+    """The request's JSON body: 415 unless application/json, 400 unless valid JSON (or
+    nested past the parser's recursion limit), 408 unless it all arrives within
+    FRAME_TIMEOUT; HTTP_MAX_BODY_BYTES (413) is aiohttp's client_max_size."""
     if request.content_type != "application/json":
         raise ApiError(415, "send Content-Type: application/json")
-    body = await request.read()
+    timeout = request.app[BODY_TIMEOUT]
+    try:
+        async with asyncio.timeout(timeout):
+            body = await request.read()
+    except TimeoutError:
+        log.info("http body not complete within FRAME_TIMEOUT", peer=request.remote)
+        raise ApiError(408, f"body not complete within FRAME_TIMEOUT ({timeout:g} s)") from None
+    except ConnectionError:
+        # The client went away mid-body: nobody hears the answer, nothing to log loudly.
+        log.debug("http client gone before its body was complete", peer=request.remote)
+        raise ApiError(400, "connection lost before the body was complete") from None
+    except web.RequestPayloadError:
+        raise ApiError(400, "body is malformed (chunked framing or Content-Encoding)") from None
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "body is nested too deeply") from None
+
+
+def app_id(value: str, name: str = "appid") -> str:
+    """`value` as an app id (of the path, or a body's field `name`); ApiError 400 unless
+    one, and unless Unicode text: a JSON string may hold a lone surrogate, which is no
+    app id the store, the TCP `register` or /metrics can name."""
+    if (why := bad_id(value)) is not None:
+        raise ApiError(400, f"{name} {why}")
+    if not is_text(value):
+        raise ApiError(400, f"{name} holds a lone surrogate (not Unicode text)")
+    return value
+
+
+def is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Producer:
@@ -83,9 +125,7 @@ class Producer:
         self.tokens = tokens
 
     async def handle(self, request: web.Request) -> web.Response:
-        app = request.match_info["app"]
-        if (why := bad_id(app)) is not None:
-            raise ApiError(400, f"appid {why}")
+        app = app_id(request.match_info["app"])
         authorize(self.tokens, request, "produce", app)
         raw = await read_json(request)
         batch = isinstance(raw, dict) and "messages" in raw
@@ -114,8 +154,13 @@ class Producer:
                 content = base64.b64decode(m.content, validate=True)
             except (binascii.Error, ValueError):
                 raise ApiError(400, f"{where}content: not valid base64") from None
+        elif not is_text(m.content):
+            raise ApiError(
+                400,
+                f"{where}content: holds a lone surrogate (not Unicode text; send bytes as base64)",
+            )
         else:
-            content = m.content.encode("utf-8", "surrogateescape")
+            content = m.content.encode("utf-8")
         if len(content) > self.settings.max_frame_bytes:
             raise ApiError(413, f"{where}content: {len(content)} bytes, more than MAX_FRAME_BYTES")
         msgid = m.msgid or uuid.uuid4().hex

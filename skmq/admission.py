@@ -1,0 +1,36 @@
+"""The connections open on the broker port and the HTTP gateway, counted together.
+
+Both listeners spend the same file descriptors, so MAX_CONNECTIONS and
+MAX_CONNECTIONS_PER_HOST bound them together: a peer cannot dodge the broker port's
+limits by opening its connections to HTTP_PORT instead (docs/SECURITY.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from skmq.config import Settings
+
+
+class Admission:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.total = 0
+        self.per_host: Counter[str] = Counter()
+
+    def refusal(self, host: str) -> str | None:
+        """Why a new connection from `host` is refused, or None."""
+        if self.total >= self.settings.max_connections:
+            return "too many connections (MAX_CONNECTIONS)"
+        if self.per_host[host] >= self.settings.max_connections_per_host:
+            return f"too many connections from {host} (MAX_CONNECTIONS_PER_HOST)"
+        return None
+
+    def admit(self, host: str) -> None:
+        self.total += 1
+        self.per_host[host] += 1
+
+    def release(self, host: str) -> None:
+        self.total -= 1
+        self.per_host[host] -= 1
+        if not self.per_host[host]:
+            del self.per_host[host]
