@@ -116,7 +116,7 @@ def bad_app(value: str) -> str | None:
     if (why := bad_id(value)) is not None:
         return why
     if not is_text(value):
-        return "holds bytes that are not UTF-8 text"
+        return "is not UTF-8 text"
     return None
 
 

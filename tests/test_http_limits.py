@@ -86,7 +86,7 @@ async def test_app_ids_that_are_not_unicode_text_are_refused(
     for lone in ("\udcff", "\ud800"):  # JSON holds them as \u escapes (ensure_ascii)
         status, body = await post_raw(http, url, json.dumps({"to_app": lone}))
         assert status == 400
-        assert body["error"] == "to_app holds a lone surrogate (not Unicode text)"
+        assert body["error"] == "to_app is not UTF-8 text"
         status, body = await post_raw(
             http, f"{base}/v1/apps/a/messages", json.dumps({"content": "x" + lone})
         )

@@ -86,7 +86,7 @@ async def test_an_app_id_that_is_not_text_is_refused_and_never_breaks_metrics(
     resp = await client.resp()
     assert (resp["status"], resp["content"]) == (
         "error",
-        "appid holds bytes that are not UTF-8 text",
+        "appid is not UTF-8 text",
     )
     await client.close()
     broker.metrics.observe("stored", b"old\xff".decode("utf-8", "surrogateescape"))

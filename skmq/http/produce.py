@@ -17,9 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skmq.auth import Tokens
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
-from skmq.handler import bad_id
+from skmq.handler import bad_app, bad_id
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
+from skmq.registry.registration import is_text
 from skmq.store import NewMessage
 from skmq.workers.enqueue import UNAVAILABLE, EnqueueBatch, Enqueuer
 
@@ -101,21 +102,10 @@ async def read_json(request: web.Request) -> Any:
 
 def app_id(value: str, name: str = "appid") -> str:
     """`value` as an app id (of the path, or a body's field `name`); ApiError 400 unless
-    one, and unless Unicode text: a JSON string may hold a lone surrogate, which is no
-    app id the store, the TCP `register` or /metrics can name."""
-    if (why := bad_id(value)) is not None:
+    one (a JSON string may hold a lone surrogate, which is no text)."""
+    if (why := bad_app(value)) is not None:
         raise ApiError(400, f"{name} {why}")
-    if not is_text(value):
-        raise ApiError(400, f"{name} holds a lone surrogate (not Unicode text)")
     return value
-
-
-def is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Producer:

@@ -14,7 +14,7 @@ from skmq.auth import Role, Tokens
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import GROUP_PREFIX, Event
-from skmq.handler import bad_id
+from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import app_id, field_errors, read_json
@@ -140,7 +140,7 @@ class PullApi:
         (its token's name or its address: in the delivery log)."""
         if op not in self.FRAME_OPS:
             raise ApiError(400, f"op must be one of {', '.join(sorted(self.FRAME_OPS))}")
-        if (why := bad_id(app)) is not None:
+        if (why := bad_app(app)) is not None:
             raise ApiError(400, f"appid {why}")
         group = self.group_name(group)
         if op == "create":  # the frame's group field names it; a body is not needed
