@@ -43,6 +43,12 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
+# What a push adds to a message's content (appid, msgid, attempt, stored_at, recipient,
+# token, traceparent, signature, length...): at most this, so content of up to
+# MAX_FRAME_BYTES less this makes a push no recipient reading MAX_FRAME_BYTES refuses.
+PUSH_ROOM = 4096
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKMQ_", extra="ignore")
     _toml_file: ClassVar[Path | None] = None
@@ -84,7 +90,7 @@ class Settings(BaseSettings):
     # Bounds on what peers may send and hold (docs/PROTOCOL.md, limits).
     max_connections: Count = 10_000
     max_connections_per_host: Count = 1000
-    max_frame_bytes: Bytes = 1 << 20
+    max_frame_bytes: int = Field(1 << 20, ge=2 * PUSH_ROOM)
     max_line_bytes: Bytes = 4 << 10
     max_partial_bytes: Bytes = 64 << 20
     max_registration_bytes: Bytes = 4 << 10
@@ -128,6 +134,11 @@ class Settings(BaseSettings):
     auth_file: Path | None = None
     allow_unauthenticated: bool = False
     signing_secret: SecretStr | None = None
+
+    @property
+    def max_content_bytes(self) -> int:
+        """The largest content a producer may send: it must fit in a push (PUSH_ROOM)."""
+        return self.max_frame_bytes - PUSH_ROOM
 
     @field_validator("retry_backoff", "recipient_networks", mode="before")
     @classmethod

@@ -264,6 +264,10 @@ class FrameHandler:
             return self._resp(f"msgid {why}", None)
         if frame.content is None:
             return self._resp("content required", msgid)
+        if len(frame.content) > (limit := self.settings.max_content_bytes):
+            return self._resp(
+                f"content over {limit} bytes (MAX_FRAME_BYTES less the push's fields)", msgid
+            )
         key = fields.get("key") or ""
         if key and (why := bad_id(key)) is not None:
             return self._resp(f"key {why}", msgid)

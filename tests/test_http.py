@@ -99,7 +99,7 @@ async def test_a_batch_with_base64_duplicates_topics_and_delays(
         ({"content": "x", "msgid": "a\x01b"}, 400, "msgid holds a control character"),
         ({"content": "x", "msgid": "m" * 257}, 400, "msgid: String should have at most 256"),
         ({"content": "%%", "encoding": "base64"}, 400, "content: not valid base64"),
-        ({"content": "x" * 70_000}, 413, "content: 70000 bytes, more than MAX_FRAME_BYTES"),
+        ({"content": "x" * 70_000}, 413, "content: 70000 bytes, over 61440 (MAX_FRAME_BYTES"),
         ({"messages": []}, 400, "messages: List should have at least 1 item"),
         ({"messages": [{"content": "x"}] * 11}, 413, "11 messages: at most 10 a batch"),
         ([1, 2], 400, "Input should be a valid dictionary"),

@@ -436,3 +436,41 @@ def test_rotation_visits_every_app_a_share_at_a_time() -> None:
     seen = [turns.take(apps) for _ in range(3)]
     assert seen == [["a0", "a1", "a2"], ["a3", "a4", "a5"], ["a6", "a0", "a1"]]
     assert turns.take(apps[:2]) == ["a0", "a1"]  # few apps: all of them, every round
+
+
+async def test_the_largest_content_accepted_fits_in_a_push_every_recipient_can_read(
+    make_broker: BrokerFactory,
+) -> None:
+    """Content up to MAX_FRAME_BYTES less PUSH_ROOM is accepted; its push, with the
+    longest fields the broker adds (appid, msgid and recipient id at their limits,
+    token, traceparent, signature, length=), still fits in MAX_FRAME_BYTES, the frame
+    our Consumer reads. One byte more is refused when sent."""
+    from skmq.client import Consumer, Message
+    from tests.test_signing import SECRET
+
+    broker = await make_broker(signing_secret=SECRET)
+    limit = broker.settings.max_content_bytes
+    app, rid, msgid = "é" * 128, "\U0001f600" * 256, "m" * 256  # 256, 1024, 256 bytes
+    got: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def handle(msg: Message) -> None:
+        got.put_nowait(msg)
+
+    content = (b"x" * 99 + b"\n") * (limit // 100) + b"y" * (limit % 100)
+    assert len(content) == limit
+    port = broker.server.port
+    async with Consumer(
+        app, rid, handle, broker_port=port, signing_secret=SECRET,
+        max_frame_bytes=broker.settings.max_frame_bytes,
+    ):  # fmt: skip
+        client = await RawClient.connect(port)
+        trace = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+        over = await client.request("topic", content + b"z", appid=app, msgid="over")
+        assert (over["status"], over["content"]) == (
+            "error", f"content over {limit} bytes (MAX_FRAME_BYTES less the push's fields)"
+        )  # fmt: skip
+        sent = await client.request("topic", content, appid=app, msgid=msgid, traceparent=trace)
+        assert sent["status"] == "ack", sent
+        msg = await asyncio.wait_for(got.get(), 10)
+        assert (msg.msgid, msg.content) == (msgid, content)
+        await client.close()

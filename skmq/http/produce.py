@@ -151,8 +151,12 @@ class Producer:
             )
         else:
             content = m.content.encode("utf-8")
-        if len(content) > self.settings.max_frame_bytes:
-            raise ApiError(413, f"{where}content: {len(content)} bytes, more than MAX_FRAME_BYTES")
+        if len(content) > (limit := self.settings.max_content_bytes):
+            raise ApiError(
+                413,
+                f"{where}content: {len(content)} bytes, over {limit} "
+                "(MAX_FRAME_BYTES less the push's fields)",
+            )
         msgid = m.msgid or uuid.uuid4().hex
         due = now_ms() + m.delay if m.delay else 0
         return NewMessage(msgid, m.kind, content, due)
