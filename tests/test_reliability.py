@@ -616,6 +616,7 @@ async def test_a_late_answer_on_the_recipients_own_connection_cannot_end_a_newer
     assert (resp["status"], await redis.zscore(inflight, "m")) == ("reject", lease), (
         f"r1's late answer ({resp}) ended r2's attempt"
     )
+    assert resp["content"] == "message 'm' is not in flight to recipient 'r1'"
     await r2.stop()
 
 

@@ -78,10 +78,12 @@ class AnswerRouter:
         """The one delivery in flight the answer is for, or why there is none."""
         named = sender[1] if sender else frame.fields.get("recipient") or None
         found = await self.store.in_flight_of(app, msgid)
-        if named is not None:
-            found = [f for f in found if f[1] == named]
         if not found:
             return f"message {msgid!r} is not in flight"
+        if named is not None:
+            found = [f for f in found if f[1] == named]
+            if not found:
+                return f"message {msgid!r} is not in flight to recipient {named!r}"
         token = frame.fields.get("token")
         if token is not None:
             tokens = self.pusher.tokens
