@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator
 
 import structlog
@@ -195,13 +195,7 @@ class Server:
         queued = not (self.decode_q.empty() and self.handle_q.empty())
         return not queued and not any(conn.replying for conn in self.connections)
 
-    @property
-    def per_host(self) -> Counter[str]:
-        """Open connections by peer host, this port's and the HTTP gateway's."""
-        return self.admission.per_host
-
     # -- connection stage ---------------------------------------------------
-
     async def _connection_stage(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:

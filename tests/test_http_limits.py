@@ -156,7 +156,7 @@ async def test_http_connections_count_against_the_connection_limits(
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
 
     async def counted(n: int) -> bool:
-        return broker.server.per_host["127.0.0.1"] == n
+        return broker.server.admission.per_host["127.0.0.1"] == n
 
     await eventually(lambda: counted(2))
     tcp = await RawClient.connect(broker.server.port)  # the third: the broker port's

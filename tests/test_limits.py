@@ -109,7 +109,7 @@ async def test_connections_per_host_are_capped(make_broker: BrokerFactory) -> No
     await clients[0].close()
 
     async def slot_free() -> bool:
-        return broker.server.per_host["127.0.0.1"] == 2
+        return broker.server.admission.per_host["127.0.0.1"] == 2
 
     await eventually(slot_free)
     again = await RawClient.connect(broker.server.port)
