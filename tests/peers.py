@@ -180,6 +180,12 @@ class FakeRecipient:
         if action == "garbage":  # not a frame at all
             writer.write(b"garbage-line\r\n\r\n")
             return
+        if action == "frob":  # a frame, but no answer
+            writer.write(encode_frame("frob", fields))
+            return
+        if action == "no-msgid":
+            writer.write(encode_frame("ack", {}))
+            return
         if action in ("arrived", "arrived+ack"):
             writer.write(encode_frame("arrived", fields))
         if action in ("ack", "arrived+ack"):

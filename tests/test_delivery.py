@@ -803,13 +803,21 @@ async def test_a_push_connection_that_timed_out_is_never_reused(
     await rec.stop()
 
 
+@pytest.mark.parametrize(
+    ("sent", "reason"),
+    [
+        ("garbage", "recipient sent an invalid frame: line without '=': b'garbage-line'"),
+        ("frob", "unexpected frame type 'frob' from a recipient"),
+        ("no-msgid", "msgid required"),
+    ],
+)
 async def test_garbage_on_a_push_connection_is_answered_error_and_the_push_retried(
-    make_broker: BrokerFactory, redis: aioredis.Redis
+    make_broker: BrokerFactory, redis: aioredis.Redis, sent: str, reason: str
 ) -> None:
     """Not a valid answer: `error`, the connection closed for good, the push a failed
     attempt (docs/PROTOCOL.md 6.1), at once rather than at ACK_TIMEOUT."""
     broker = await make_broker(ack_timeout=30)
-    answers = iter(["garbage", "ack"])
+    answers = iter([sent, "ack"])
     rec = FakeRecipient("junk", "r1", lambda f: next(answers))
     await started(rec)
     await registered(broker.server.port, rec)
@@ -817,7 +825,6 @@ async def test_garbage_on_a_push_connection_is_answered_error_and_the_push_retri
     first, second = await rec.next_push(), await rec.next_push()
     assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
     assert rec.pushed_on[0] != rec.pushed_on[1]
-    reason = "recipient sent an invalid frame: line without '=': b'garbage-line'"
     assert [json.loads(r.content or b"") for r in rec.resps[:1]] == [
         {"status": "error", "content": reason}
     ]

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yarl
 
 from skmq.broker import Broker
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
@@ -81,7 +82,7 @@ async def test_deeply_nested_json_is_refused_on_every_route(
 async def test_app_ids_that_are_not_unicode_text_are_refused(
     make_broker: BrokerFactory, http: aiohttp.ClientSession
 ) -> None:
-    _, base = await gateway(make_broker)
+    broker, base = await gateway(make_broker)
     url = f"{base}/v1/apps/X/dlq/replay"
     for lone in ("\udcff", "\ud800"):  # JSON holds them as \u escapes (ensure_ascii)
         status, body = await post_raw(http, url, json.dumps({"to_app": lone}))
@@ -91,9 +92,18 @@ async def test_app_ids_that_are_not_unicode_text_are_refused(
             http, f"{base}/v1/apps/a/messages", json.dumps({"content": "x" + lone})
         )
         assert status == 400 and "content: holds a lone surrogate" in body["error"]
-    # Percent-encoded bytes that are not UTF-8 stay as they were sent: text.
-    status, _ = await post_raw(http, f"{base}/v1/apps/%ED%A0%80/messages", '{"content": "x"}')
-    assert status == 200
+    # A path's escapes are decoded as UTF-8 or refused: `a%FF` is no app, and is not
+    # taken for the app `a%FF` (which `a%25FF` names).
+    for path, expected in [
+        ("%ED%A0%80", None), ("a%FF", None), ("a%25FF", "a%FF"), ("%C3%A9", "é")
+    ]:  # fmt: skip
+        url = yarl.URL(f"{base}/v1/apps/{path}/messages", encoded=True)
+        status, body = await post_raw(http, str(url), '{"content": "x"}')
+        if expected is None:
+            assert (status, body) == (400, {"error": "appid is not UTF-8 text"}), path
+        else:
+            assert status == 200, (path, body)
+    assert sorted(await broker.store.apps()) == ["a%FF", "é"]
     async with http.get(f"{base}/metrics") as response:
         assert response.status == 200
 

@@ -15,7 +15,7 @@ from skmq.deliverylog import DeliveryLog
 from skmq.dlq import Filters, UnknownDeadLetter, Verb, choose, redrive
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
-from skmq.http.produce import app_id, field_errors, read_json
+from skmq.http.produce import app_id, field_errors, path_app, read_json
 from skmq.store import Store
 
 log = structlog.get_logger("skmq.dlq")
@@ -75,7 +75,7 @@ class DlqRoutes:
 
     def _app(self, request: web.Request, name: str | None = None) -> tuple[str, str]:
         if name is None:
-            app = app_id(request.match_info["app"])
+            app = path_app(request)
         else:
             app = app_id(name, "to_app")
         return app, authorize(self.tokens, request, "admin", app)

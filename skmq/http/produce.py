@@ -9,6 +9,7 @@ import binascii
 import json
 import uuid
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote_to_bytes
 
 import structlog
 from aiohttp import web
@@ -100,6 +101,18 @@ async def read_json(request: web.Request) -> Any:
         raise ApiError(400, "body is nested too deeply") from None
 
 
+def path_app(request: web.Request) -> str:
+    """The app of a `/v1/apps/{app}/...` path, decoded here: yarl leaves an escape it
+    cannot decode as UTF-8 as it was, so `a%FF` would name the app `a%FF`, which `a%25FF`
+    names too. ApiError 400 unless an app id (app_id)."""
+    segment = request.raw_path.partition("?")[0].split("/")[3]
+    try:
+        app = unquote_to_bytes(segment).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "appid is not UTF-8 text") from None
+    return app_id(app)
+
+
 def app_id(value: str, name: str = "appid") -> str:
     """`value` as an app id (of the path, or a body's field `name`); ApiError 400 unless
     one (a JSON string may hold a lone surrogate, which is no text)."""
@@ -115,7 +128,7 @@ class Producer:
         self.tokens = tokens
 
     async def handle(self, request: web.Request) -> web.Response:
-        app = app_id(request.match_info["app"])
+        app = path_app(request)
         authorize(self.tokens, request, "produce", app)
         raw = await read_json(request)
         batch = isinstance(raw, dict) and "messages" in raw

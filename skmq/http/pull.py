@@ -17,7 +17,7 @@ from skmq.events import GROUP_PREFIX, Event
 from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
-from skmq.http.produce import app_id, field_errors, read_json
+from skmq.http.produce import field_errors, path_app, read_json
 from skmq.pull.groups import Groups, NoSuchGroup, Pulled, bad_group, parse_receipt
 from skmq.pull.longpoll import LongPoll, TooManyWaiting
 
@@ -309,7 +309,7 @@ class PullRoutes:
     def _caller(self, request: web.Request, role: Role) -> tuple[str, str]:
         """The app of the path, and who asks (its token's name, else its address: for the
         delivery log); ApiError unless it may act as `role` for the app."""
-        app = app_id(request.match_info["app"])
+        app = path_app(request)
         who = authorize(self.tokens, request, role, app)
         return app, who or str(request.remote or "")
 

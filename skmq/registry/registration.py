@@ -80,10 +80,9 @@ def _int(value: Any, key: str, default: int | None = None) -> int:
     if isinstance(value, bool):
         raise RegistrationRefused(f"{key} must be an integer")
     if isinstance(value, str):  # (the original client sends the port as a string)
-        digits = value.strip()
-        if not (digits.isascii() and digits.isdigit()):
+        if not (value.isascii() and value.isdigit()):
             raise RegistrationRefused(f"{key} must be an integer, got {value!r}")
-        return int(digits)
+        return int(value)
     if isinstance(value, int):
         return value
     raise RegistrationRefused(f"{key} must be an integer")

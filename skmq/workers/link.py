@@ -82,6 +82,8 @@ class LinkOwner(Protocol):
 
 OUTCOMES = {"ack": Event.ACKED, "reject": Event.REJECTED, "error": Event.ERRORED}
 DETAILS = {"ack": "", "reject": "rejected by the recipient", "error": "error at the recipient"}
+# What a recipient may send on a push connection, besides `pong`; anything else closes it.
+ANSWERS = frozenset({*OUTCOMES, "arrived", "extend"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +162,7 @@ class PushConnection(FrameProtocol):
             self._timer.cancel()
             self._timer = None
 
-    def _refuse(self, why: str) -> None:
+    def refuse(self, why: str) -> None:
         """Something that is not a valid answer: answered `error`, then the connection is
         closed for good (its unanswered pushes fail: docs/PROTOCOL.md 6.1)."""
         if self.transport is not None and not self.closed:
@@ -211,7 +213,7 @@ class PushConnection(FrameProtocol):
     def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
         for frame in frames:
             if not isinstance(frame, Frame):
-                self._refuse(f"recipient sent an invalid frame: {frame.reason}")
+                self.refuse(f"recipient sent an invalid frame: {frame.reason}")
                 return
             if not self.ready:
                 if frame.type != "pong":
@@ -304,6 +306,12 @@ class RecipientLink:
     def on_frame(self, conn: PushConnection, frame: Frame) -> None:
         kind = frame.type
         msgid = frame.fields.get("msgid", "")
+        if kind not in ANSWERS:
+            conn.refuse(f"unexpected frame type {kind!r} from a recipient")
+            return
+        if not msgid:
+            conn.refuse("msgid required")
+            return
 
         def reply(resp: Verdict) -> None:
             conn.reply(msgid, resp)
@@ -325,10 +333,7 @@ class RecipientLink:
             self.owner.on_arrived(self, d)
             reply((Status.ACK, "arrived"))
             return
-        outcome = OUTCOMES.get(kind)
-        if outcome is None:
-            reply((Status.ERROR, f"unexpected frame type {kind!r} from a recipient"))
-            return
+        outcome = OUTCOMES[kind]
         self.take(msgid)
         self.benched_until = 0.0
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[kind]
