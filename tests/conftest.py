@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 import uvloop
@@ -155,6 +156,13 @@ async def make_broker(redis_url: str, prefix: str, tmp_path: Path) -> AsyncItera
         if not broker.stopping.is_set():
             broker.stopping.set()
             await broker.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A real HTTP client for the gateway tests."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session:
+        yield session
 
 
 @pytest.fixture

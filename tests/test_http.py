@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,6 @@ from tests.peers import FakeRecipient
 TENANT_A = "tenant-a-token-0123456789abcdef"
 READER_A = "reader-a-token-0123456789abcdef"
 WRONG = "not-the-token-0123456789abcdef"
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session:
-        yield session
 
 
 async def gateway(make_broker: BrokerFactory, **settings: Any) -> tuple[Broker, str]:

@@ -9,16 +9,14 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 import yarl
 
-from skmq.broker import Broker
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import RawClient
+from tests.test_http import gateway
 
 JSON_ROUTES = [
     "/v1/apps/h1/messages",
@@ -29,17 +27,6 @@ JSON_ROUTES = [
     "/v1/apps/h1/dlq/replay",
     "/v1/apps/h1/dlq/purge",
 ]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session:
-        yield session
-
-
-async def gateway(make_broker: BrokerFactory, **settings: Any) -> tuple[Broker, str]:
-    broker = await make_broker(http_port=free_port(), **settings)
-    return broker, f"http://127.0.0.1:{broker.gateway.port}"
 
 
 async def post_raw(
