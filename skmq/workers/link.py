@@ -222,6 +222,8 @@ class PushConnection(FrameProtocol):
                 self._ready()
             elif frame.type not in ("pong", "resp"):
                 self.link.on_frame(self, frame)
+                if self.closed:  # refused: nothing after it counts
+                    return
 
     def _ready(self) -> None:
         self.ready = True
