@@ -337,7 +337,7 @@ class FrameHandler:
         if self.pull is None:
             return self._resp("pull consumption is not served here", msgid, Status.REJECT)
         if not app:
-            return self._resp("appid required", msgid)
+            return self._resp("400 appid required", msgid, Status.REJECT)
         if (refused := self._refusal(peer, "consume", app)) is not None:
             return self._resp(f"403 {refused}", msgid, Status.REJECT)
         try:

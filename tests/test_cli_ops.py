@@ -62,6 +62,18 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, str], str]] = [
     (
+        "replay into no app",
+        lambda f: ["dlq", "replay", "--app", "a", "--to-app", "", "m1"],
+        {},
+        "skmq dlq: --to-app required",
+    ),
+    (
+        "replay into a bad app",
+        lambda f: ["dlq", "replay", "--app", "a", "--to-app", "bad\x01", "m1"],
+        {},
+        "skmq dlq: --to-app holds a control character",
+    ),
+    (
         "missing config",
         lambda f: ["serve", "--config", str(f["dir"] / "nope.toml")],
         {},

@@ -71,6 +71,8 @@ async def test_app_ids_that_are_not_unicode_text_are_refused(
 ) -> None:
     broker, base = await gateway(make_broker)
     url = f"{base}/v1/apps/X/dlq/replay"
+    status, body = await post_raw(http, url, json.dumps({"to_app": ""}))
+    assert (status, body) == (400, {"error": "to_app required"})
     for lone in ("\udcff", "\ud800"):  # JSON holds them as \u escapes (ensure_ascii)
         status, body = await post_raw(http, url, json.dumps({"to_app": lone}))
         assert status == 400

@@ -182,3 +182,14 @@ async def test_one_broker_a_round_trims_every_app_with_a_group_log(groups: Group
     (got,) = await received(groups, "g")
     await groups.ack(APP, "g", [receipt(got)], NOW)
     assert await second.trim_once() == 0  # b1's turn holds this round
+
+
+async def test_an_app_with_only_consumer_groups_is_not_forgotten(groups: Groups) -> None:
+    """No recipient and no push message, but a group: the app stays listed (its group
+    log is trimmed through the apps listing), until its last group is deleted."""
+    store = groups.store
+    await groups.create("grouped", "g1")
+    assert await store.forget_apps(["grouped"]) == []
+    assert "grouped" in await store.apps()
+    await groups.delete("grouped", "g1")
+    assert await store.forget_apps(["grouped"]) == ["grouped"]

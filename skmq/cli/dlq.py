@@ -31,6 +31,7 @@ from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.dlq import CHUNK, Filters, Verb, choose, redrive
 from skmq.errors import UsageError
+from skmq.handler import bad_app
 from skmq.logs import configure_logging
 from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
@@ -41,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     listing = verbs.add_parser("list", help="list dead letters")
     listing.add_argument("--app", help="only this app")
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
-    listing.add_argument("--limit", type=int, default=None, help="at most N an app")
+    listing.add_argument("--limit", type=_positive, default=None, help="at most N an app")
     add_settings_flags(listing, STORE_FLAGS)
     add_token_flag(listing, "admin token, when the settings configure auth")
     listing.set_defaults(func=run)
@@ -137,6 +138,8 @@ async def _run(args: argparse.Namespace) -> int:
         raise UsageError("say which: --all, --app A, or MSGID ...")
     only = admin_apps(settings, args.token)
     to_app = getattr(args, "to_app", None)
+    if to_app is not None and (why := bad_app(to_app) if to_app else "required") is not None:
+        raise UsageError(f"--to-app {why}")
     for app in (args.app, to_app):
         if app and only is not None and app not in only:
             raise UsageError(f"this token has no admin role for app {app!r}")

@@ -39,6 +39,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "forget": (
         *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
         *("msgs", "state", "rstate", "rbeat", "rate", "listed"),  # dropped
+        "groups",  # checked empty
     ),
     # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead.
     "group_create": ("groups", "glog"),
