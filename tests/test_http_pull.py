@@ -4,6 +4,7 @@ brokers on one Redis and a real HTTP client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import aiohttp
 import pytest
 
 from skmq.broker import Broker
-from tests.conftest import BrokerFactory, free_port
+from tests.conftest import BrokerFactory, eventually, free_port
 
 CONSUMER = "consumer-a-token-0123456789abcdef"
 ADMIN = "admin-a-token-0123456789abcdefgh"
@@ -253,3 +254,27 @@ async def test_group_reset_and_delete_need_the_admin_role(
     assert (await call(http, "POST", f"{base}/a/groups/g/reset", reset, **admin))[0] == 200
     assert (await call(http, "DELETE", f"{base}/a/groups/g", **admin))[0] == 200
     assert (await call(http, "DELETE", f"{base}/a/groups/g", **admin))[0] == 404
+
+
+async def test_a_long_poll_whose_client_went_away_takes_nothing(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """A receive waiting for messages ends with its client: a message stored after the
+    client hung up goes to the next live receive, not to nobody."""
+    broker, base = await gateway(make_broker)
+    assert (await call(http, "POST", f"{base}/gone/groups", {"group": "g"}))[0] == 201
+    _, writer = await asyncio.open_connection("127.0.0.1", broker.gateway.port)
+    body = json.dumps({"wait": 20}).encode()
+    writer.write(
+        b"POST /v1/apps/gone/groups/g/receive HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    async def waiting(n: int) -> bool:
+        return broker.wakeups.count == n
+
+    await eventually(lambda: waiting(1))
+    writer.close()
+    await eventually(lambda: waiting(0), 5)  # not at the end of its 20 s wait
+    await produce(http, base, "gone", "m1")
+    assert [m["msgid"] for m in await receive(http, base, "gone", "g", wait=5)] == ["m1"]

@@ -87,6 +87,9 @@ class Gateway:
             # bound and the headers' FRAME_TIMEOUT (a long poll is an answer being made,
             # not waited for, so it is not cut). The body's bound is read_json's.
             keepalive_timeout=min(s.frame_timeout, s.idle_timeout),
+            # A client that hangs up ends its request: a long poll waiting for it must
+            # not take a message for nobody (leased until its visibility runs out).
+            handler_cancellation=True,
         )
         await runner.setup()
         self._runners.append(runner)
