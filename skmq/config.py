@@ -275,8 +275,8 @@ def _netloc(netloc: str) -> str:
     return netloc.rpartition("@")[2]
 
 
-def _without_password(url: str) -> str:
-    """A REDIS_URL fit for a message: its credentials replaced by `***`."""
+def redacted(url: str) -> str:
+    """A Redis URL fit for logs and messages: its credentials replaced by `***`."""
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url
@@ -295,7 +295,7 @@ def one_line(exc: ValidationError) -> str:
         msg = str(err["msg"]).removeprefix("Value error, ")
         value = err["input"]
         if name == "REDIS_URL" and isinstance(value, str):
-            value = _without_password(value)
+            value = redacted(value)
         parts.append(f"{name}={value!r}: {msg}")
     return "invalid setting " + "; ".join(parts)
 

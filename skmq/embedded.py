@@ -275,7 +275,7 @@ class EmbeddedRedis:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"embedded redis exited with status {self.proc.returncode} "
-                    f"(see {self.data_dir / 'redis' / 'server.log'})"
+                    f"(see {self.redis_dir / 'server.log'})"
                 )
             if await _answers_ping(self.host, self.port):
                 try:

@@ -111,8 +111,10 @@ def bad_id(value: str) -> str | None:
 
 
 def bad_app(value: str) -> str | None:
-    """Why appid `value` is refused, or None: as a msgid, and text besides (an app names
-    metrics, registrations and the status listing; a msgid may hold any bytes)."""
+    """Why appid `value` is refused, or None: required, as a msgid, and text besides (an
+    app names metrics, registrations and the status listing; a msgid may hold any bytes)."""
+    if not value:
+        return "required"
     if (why := bad_id(value)) is not None:
         return why
     if not is_text(value):
@@ -251,9 +253,7 @@ class FrameHandler:
     def _produce(self, frame: Frame, batch: EnqueueBatch, peer: Peer) -> Reply:
         fields = frame.fields
         msgid = fields.get("msgid")
-        app = fields.get("appid")
-        if not app:
-            return self._resp("appid required", msgid)
+        app = fields.get("appid") or ""
         if (why := bad_app(app)) is not None:
             return self._resp(f"appid {why}", msgid)
         if (refused := self._refusal(peer, "produce", app)) is not None:

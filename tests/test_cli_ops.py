@@ -225,11 +225,15 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     finally:
         taken.close()
 
+    def serve_with(redis_url: str) -> tuple[int, str]:
+        code, _, err = skmq(
+            "serve", "--redis-url", redis_url, "--redis-wait", "0.3", "--log-level", "error",
+            "--data-dir", str(tmp_path / "d"),
+        )  # fmt: skip
+        return code, err
+
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
-    code, _, err = skmq(
-        "serve", "--redis-url", nowhere, "--redis-wait", "0.3", "--log-level", "error",
-        "--data-dir", str(tmp_path / "d"),
-    )  # fmt: skip
+    code, err = serve_with(nowhere)
     assert code == 1
     assert one_line(err).startswith(f"skmq serve: cannot reach Redis at {nowhere} within 0.3s")
 
@@ -245,10 +249,7 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     # No Sentinel there: the reason, not redis-py's repr of each client it tried (1.5 KB).
     port = free_port()
     sentinel = f"redis+sentinel://127.0.0.1:{port}/mymaster"
-    code, _, err = skmq(
-        "serve", "--redis-url", sentinel, "--redis-wait", "0.3", "--log-level", "error",
-        "--data-dir", str(tmp_path / "d"),
-    )  # fmt: skip
+    code, err = serve_with(sentinel)
     assert code == 1
     line = one_line(err)
     assert line.startswith(f"skmq serve: cannot reach Redis at {sentinel} within 0.3s"), line

@@ -786,19 +786,29 @@ async def test_no_final_answer_within_ack_timeout_is_retried_elsewhere(
     assert [(e["recipient"], e["attempt"]) for e in log_events(broker, "s1", "acked")] == [(r2, 2)]
 
 
+async def answered_then_acked(broker: Broker, app: str, first: str) -> FakeRecipient:
+    """A recipient that answers its first push as `first` and the next with `ack`; one
+    message pushed to it twice, attempts 1 and 2, each on a connection of its own."""
+    answers = iter([first, "ack"])
+    rec = FakeRecipient(app, "r1", lambda f: next(answers))
+    await started(rec)
+    await registered(broker.server.port, rec)
+    msgid = f"{app}-1"
+    await produce(broker.server.port, app, [msgid])
+    pushes = [await rec.next_push(), await rec.next_push()]
+    assert [(p.fields["msgid"], p.fields["attempt"]) for p in pushes] == [
+        (msgid, "1"), (msgid, "2")
+    ]  # fmt: skip
+    assert rec.pushed_on[0] != rec.pushed_on[1]
+    return rec
+
+
 async def test_a_push_connection_that_timed_out_is_never_reused(
     make_broker: BrokerFactory, redis: aioredis.Redis
 ) -> None:
     """docs/PROTOCOL.md 6.1: the retry opens a new connection, handshake first."""
     broker = await make_broker(ack_timeout=0.6)
-    answers = iter(["silent", "ack"])
-    rec = FakeRecipient("reuse", "r1", lambda f: next(answers))
-    await started(rec)
-    await registered(broker.server.port, rec)
-    await produce(broker.server.port, "reuse", ["t1"])
-    first, second = await rec.next_push(), await rec.next_push()
-    assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
-    assert rec.pushed_on[0] != rec.pushed_on[1]
+    rec = await answered_then_acked(broker, "reuse", "silent")
     await settle(redis, broker, "reuse")
     await rec.stop()
 
@@ -817,19 +827,12 @@ async def test_garbage_on_a_push_connection_is_answered_error_and_the_push_retri
     """Not a valid answer: `error`, the connection closed for good, the push a failed
     attempt (docs/PROTOCOL.md 6.1), at once rather than at ACK_TIMEOUT."""
     broker = await make_broker(ack_timeout=30)
-    answers = iter([sent, "ack"])
-    rec = FakeRecipient("junk", "r1", lambda f: next(answers))
-    await started(rec)
-    await registered(broker.server.port, rec)
-    await produce(broker.server.port, "junk", ["g1"])
-    first, second = await rec.next_push(), await rec.next_push()
-    assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
-    assert rec.pushed_on[0] != rec.pushed_on[1]
+    rec = await answered_then_acked(broker, "junk", sent)
     assert [json.loads(r.content or b"") for r in rec.resps[:1]] == [
         {"status": "error", "content": reason}
     ]
     await settle(redis, broker, "junk")
-    assert [e["detail"] for e in log_events(broker, "g1", "errored")] == [reason]
+    assert [e["detail"] for e in log_events(broker, "junk-1", "errored")] == [reason]
     await rec.stop()
 
 

@@ -138,7 +138,7 @@ async def _run(args: argparse.Namespace) -> int:
         raise UsageError("say which: --all, --app A, or MSGID ...")
     only = admin_apps(settings, args.token)
     to_app = getattr(args, "to_app", None)
-    if to_app is not None and (why := bad_app(to_app) if to_app else "required") is not None:
+    if to_app is not None and (why := bad_app(to_app)) is not None:
         raise UsageError(f"--to-app {why}")
     for app in (args.app, to_app):
         if app and only is not None and app not in only:

@@ -116,7 +116,7 @@ def path_app(request: web.Request) -> str:
 def app_id(value: str, name: str = "appid") -> str:
     """`value` as an app id (of the path, or a body's field `name`); ApiError 400 unless
     one (a JSON string may hold a lone surrogate, which is no text)."""
-    if (why := bad_app(value) if value else "required") is not None:
+    if (why := bad_app(value)) is not None:
         raise ApiError(400, f"{name} {why}")
     return value
 

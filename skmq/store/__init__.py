@@ -1,6 +1,7 @@
 """The one module that owns every Redis key and every state change of SKMQ."""
 
-from skmq.store.checks import check_eviction_policy, redacted, tcp_port
+from skmq.config import redacted
+from skmq.store.checks import check_eviction_policy, tcp_port
 from skmq.store.store import (
     SEP,
     AliveRecipient,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
@@ -15,15 +13,6 @@ from skmq.store.client import RedisClient
 log = structlog.get_logger("skmq.store")
 
 EVICTING = ("allkeys-", "volatile-")
-
-
-def redacted(url: str) -> str:
-    """A Redis URL fit for logs and messages: its password replaced by `***`."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"***@{host}").geturl()
 
 
 async def check_eviction_policy(redis: RedisClient) -> None:

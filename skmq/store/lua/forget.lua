@@ -1,7 +1,8 @@
 -- Forget an app that holds nothing: no recipient, no consumer group and no message
--- ready, delayed, in flight or dead. Its leftovers and its `listed` mark go in one step; the store then
--- takes it out of the apps directory (another node in a cluster) and lists it again if
--- a store or a registration set the mark meanwhile (skmq/store/directory.py).
+-- ready, delayed, in flight or dead. Its leftovers and its `listed` mark go in one step;
+-- the store then takes it out of the apps directory (another node in a cluster) and
+-- lists it again if a store or a registration set the mark meanwhile
+-- (skmq/store/directory.py).
 -- KEYS: ready, delayed, inflight, dead, recipients, msgs, state, rstate, rbeat, rate, listed,
 --       groups
 -- Returns 1 if forgotten.

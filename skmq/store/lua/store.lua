@@ -75,8 +75,7 @@ for j = 1, #ids do
     end
     if pulled then
       local eid = redis.call('XADD', glog, '*', 'm', id, 'k', read_message(ARGV[i + 1], now),
-                            'c', ARGV[i + 2],
-                            'd', at)
+                            'c', ARGV[i + 2], 'd', at)
       redis.call('HSET', gseen, id, eid)
       logged = true
     end
