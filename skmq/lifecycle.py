@@ -29,7 +29,8 @@ table and tests/test_lifecycle.py has a test for each row, refusals included.
                                                         or a duplicate there: refused)
 
 Pull consumption (skmq/pull/): each consumer group holds its own copy of these states
-for every message stored after it subscribed (its receipts name an attempt):
+for every message stored after it subscribed (its receipts name an attempt and the
+group's generation, which a reset or a delete and create renews):
 
     pending | delayed | waiting_retry --pull_receive--> in_flight(n + 1)
     in_flight(n) --pull_receive--> waiting_retry | dead (its lease ran out)

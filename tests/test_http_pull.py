@@ -123,6 +123,21 @@ async def test_an_expired_lease_redelivers_and_its_stale_receipt_is_refused(
     assert await receive(http, base, "x", "g", wait=0.5) == []
 
 
+async def test_a_receipt_from_before_a_group_reset_is_stale(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    await produce(http, base, "x", "m")
+    (before,) = await receive(http, base, "x", "g")
+    reset = {"position": "earliest"}
+    assert (await call(http, "POST", f"{base}/x/groups/g/reset", reset))[0] == 200
+    (after,) = await receive(http, base, "x", "g")
+    assert after["attempt"] == before["attempt"] == 1
+    assert await settle(http, base, "x", "g", "ack", receipts=[before["receipt"]]) == ["stale"]
+    assert await settle(http, base, "x", "g", "ack", receipts=[after["receipt"]]) == ["acked"]
+
+
 async def test_nacks_retry_then_dead_letter_after_retry_times(
     make_broker: BrokerFactory, http: aiohttp.ClientSession
 ) -> None:

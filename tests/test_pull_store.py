@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from skmq.pull.groups import Groups, NoSuchGroup, Pulled, parse_receipt
+from skmq.pull.groups import Groups, NoSuchGroup, Pulled, Receipt, parse_receipt
 from skmq.pull.trimmer import Trimmer
 from skmq.store import NewMessage, Retries, Store
 
@@ -36,7 +36,7 @@ def ids(got: list[Pulled]) -> list[str]:
     return [p.msgid for p in got]
 
 
-def receipt(p: Pulled) -> tuple[str, int]:
+def receipt(p: Pulled) -> Receipt:
     parsed = parse_receipt(p.receipt)
     assert parsed is not None
     return parsed
@@ -106,9 +106,8 @@ async def test_pull_nack_waits_then_redelivers_and_dead_letters_after_retry_time
     await groups.create(APP, "g")
     await stored(groups, "a")
     (first,) = await received(groups, "g")
-    entry, attempt = receipt(first)
-    assert await groups.nack(APP, "g", [(entry, attempt, 5_000)], NOW) == [(1, NOW + 5_000)]
-    assert await groups.nack(APP, "g", [(entry, attempt, 0)], NOW) == [(0, 0)]  # stale
+    assert await groups.nack(APP, "g", [(*receipt(first), 5_000)], NOW) == [(1, NOW + 5_000)]
+    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(0, 0)]  # stale
     assert await received(groups, "g", NOW + 4_999) == []
     (second,) = await received(groups, "g", NOW + 5_000)
     assert second.attempt == 2
@@ -121,11 +120,10 @@ async def test_pull_extend_keeps_a_lease_running(groups: Groups) -> None:
     await groups.create(APP, "g")
     await stored(groups, "a")
     (got,) = await received(groups, "g")
-    entry, attempt = receipt(got)
-    assert await groups.extend(APP, "g", [(entry, attempt, 60_000)], NOW + 5_000) == [True]
+    assert await groups.extend(APP, "g", [(*receipt(got), 60_000)], NOW + 5_000) == [True]
     assert await received(groups, "g", NOW + VIS + 1_001) == []  # still leased
-    assert await groups.ack(APP, "g", [(entry, attempt)], NOW + 60_000) == [True]
-    assert await groups.extend(APP, "g", [(entry, attempt, 1)], NOW) == [False]
+    assert await groups.ack(APP, "g", [receipt(got)], NOW + 60_000) == [True]
+    assert await groups.extend(APP, "g", [(*receipt(got), 1)], NOW) == [False]
 
 
 async def test_delayed_messages_reach_groups_when_due(groups: Groups) -> None:
@@ -148,6 +146,33 @@ async def test_reset_and_delete_a_group(groups: Groups) -> None:
     assert await groups.delete(APP, "g") and not await groups.delete(APP, "g")
     assert not await groups.reset(APP, "g", "latest")
     assert await groups.describe(APP) == []
+
+
+async def test_a_receipt_from_before_a_reset_or_a_delete_settles_nothing_after(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (before,) = await received(groups, "g")
+    assert await groups.reset(APP, "g", "earliest")
+    (after,) = await received(groups, "g")
+    # the same entry and attempt, another generation
+    assert receipt(after)[:2] == receipt(before)[:2] and after.receipt != before.receipt
+    assert await groups.ack(APP, "g", [receipt(before)], NOW) == [False]
+    assert await groups.nack(APP, "g", [(*receipt(before), -1)], NOW) == [(0, 0)]
+    assert await groups.extend(APP, "g", [(*receipt(before), 1)], NOW) == [False]
+    assert await groups.delete(APP, "g") and await groups.create(APP, "g")
+    assert await groups.reset(APP, "g", "earliest")
+    (again,) = await received(groups, "g")
+    assert receipt(again)[:2] == receipt(after)[:2]
+    assert await groups.ack(APP, "g", [receipt(after)], NOW) == [False]
+    assert await groups.ack(APP, "g", [receipt(again)], NOW) == [True]
+
+
+def test_receipts_parse_with_and_without_a_generation() -> None:
+    assert parse_receipt("17-0.2.1795441220512345") == ("17-0", 2, "1795441220512345")
+    assert parse_receipt("17-0.2") == ("17-0", 2, "0")  # a group made before generations
+    assert parse_receipt("17-0.2.") is None and parse_receipt("17-0") is None
 
 
 async def test_group_trim_drops_only_what_no_group_needs(groups: Groups) -> None:

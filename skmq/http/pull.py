@@ -18,12 +18,12 @@ from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import field_errors, path_app, read_json
-from skmq.pull.groups import Groups, NoSuchGroup, Pulled, bad_group, parse_receipt
+from skmq.pull.groups import Groups, NoSuchGroup, Pulled, Receipt, bad_group, parse_receipt
 from skmq.pull.longpoll import LongPoll, TooManyWaiting
 
 M = TypeVar("M", bound=BaseModel)
 Receipts = Annotated[
-    list[Annotated[str, Field(max_length=64)]], Field(min_length=1, max_length=1000)
+    list[Annotated[str, Field(max_length=80)]], Field(min_length=1, max_length=1000)
 ]
 
 
@@ -164,7 +164,7 @@ class PullApi:
             raise ApiError(400, field_errors(exc)) from None
 
     @staticmethod
-    def _receipts(receipts: list[str]) -> list[tuple[str, int]]:
+    def _receipts(receipts: list[str]) -> list[Receipt]:
         parsed = []
         for receipt in receipts:
             one = parse_receipt(receipt)
@@ -184,16 +184,16 @@ class PullApi:
         app: str,
         group: str,
         receipts: list[str],
-        parsed: list[tuple[str, int]],
+        parsed: list[Receipt],
         outcomes: list[list[tuple[Event, str]]],
     ) -> None:
         """The delivery log's lines of settled receipts: outcomes[i], (event, detail) each,
         for receipt i (none: refused). The msgids come from the group log."""
         if not any(outcomes):
             return
-        entries = await self.groups.entries(app, [e for e, _ in parsed])
+        entries = await self.groups.entries(app, [e for e, _, _ in parsed])
         who = GROUP_PREFIX + group
-        for receipt, (_, attempt), (msgid, kind), lines in zip(
+        for receipt, (_, attempt, _), (msgid, kind), lines in zip(
             receipts, parsed, entries, outcomes, strict=True
         ):
             for event, detail in lines:
@@ -265,9 +265,9 @@ class PullApi:
         body = self._body(raw, NackRequest)
         wait = -1 if body.delay is None else body.delay
         parsed = self._receipts(body.receipts)
-        codes = await self.groups.nack(app, group, [(e, n, wait) for e, n in parsed], now_ms())
+        codes = await self.groups.nack(app, group, [(*r, wait) for r in parsed], now_ms())
         logged: list[list[tuple[Event, str]]] = []
-        for (code, due), (_, attempt) in zip(codes, parsed, strict=True):
+        for (code, due), (_, attempt, _) in zip(codes, parsed, strict=True):
             then = {
                 1: (Event.RETRY_SCHEDULED, f"next attempt at {due}; "),
                 2: (Event.DEAD_LETTERED, f"after {attempt} attempts; last: errored; "),
@@ -281,7 +281,7 @@ class PullApi:
         body = self._body(raw, ExtendRequest)
         lease = self._lease_ms(body.visibility)
         parsed = self._receipts(body.receipts)
-        done = await self.groups.extend(app, group, [(e, n, lease) for e, n in parsed], now_ms())
+        done = await self.groups.extend(app, group, [(*r, lease) for r in parsed], now_ms())
         logged = [[(Event.EXTENDED, f"lease {lease} ms; ")] if ok else [] for ok in done]
         await self._log_settled(app, group, body.receipts, parsed, logged)
         return self._results(body.receipts, ["extended" if ok else "stale" for ok in done])

@@ -1,8 +1,9 @@
 """The store calls of consumer groups and pull consumption (the `pull_*` and `group_*`
 Lua scripts; keys in skmq/store/lua/pull_lib.lua, transitions in skmq/lifecycle.py).
 
-A receipt handle is `<entry id>.<attempt>`: it settles only that attempt, while its
-lease runs."""
+A receipt handle is `<entry id>.<attempt>.<generation>`: it settles only that attempt
+of the group as it is now (not after a reset, or a delete and create), while its lease
+runs. A group made before generations has generation 0, its receipts no third part."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from skmq.store import Store
 from skmq.store.msgids import unpack
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})")
+_RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})(?:\.(\d{1,24}))?")
 GROUP_KEYS = ("inflight", "delayed", "held", "gstate", "dead")
 _KINDS = {b"q": "queue", b"t": "topic"}
 
@@ -31,10 +32,18 @@ def bad_group(name: str) -> str | None:
     return None
 
 
-def parse_receipt(receipt: str) -> tuple[str, int] | None:
-    """(entry id, attempt) of a receipt handle, None if it is not one."""
+Receipt = tuple[str, int, str]  # entry id, attempt, generation
+
+
+def parse_receipt(receipt: str) -> Receipt | None:
+    """(entry id, attempt, generation) of a receipt handle, None if it is not one."""
     m = _RECEIPT.fullmatch(receipt)
-    return (m.group(1), int(m.group(2))) if m else None
+    return (m.group(1), int(m.group(2)), m.group(3) or "0") if m else None
+
+
+def make_receipt(entry: str, attempt: int, generation: str) -> str:
+    tail = "" if generation == "0" else f".{generation}"
+    return f"{entry}.{attempt}{tail}"
 
 
 @dataclass(slots=True)
@@ -84,7 +93,8 @@ class Groups:
 
     # -- groups -------------------------------------------------------------
     async def create(self, app: str, group: str) -> bool:
-        created = await self.store._call("group_create", app, [group])
+        keys = self._group_keys(group)
+        created = await self.store._call("group_create", app, [group], *keys)
         await self.store.add_apps([app])
         return bool(created)
 
@@ -153,15 +163,16 @@ class Groups:
         )
         if res == [b"no group"]:
             raise NoSuchGroup(group)
+        generation = res[-2].decode()
         out = [
             Pulled(
-                f"{res[i].decode()}.{int(res[i + 4])}",
+                make_receipt(res[i].decode(), int(res[i + 4]), generation),
                 unpack(res[i + 1]),
                 _KINDS.get(res[i + 2], "queue"),
                 res[i + 3],
                 int(res[i + 4]),
             )
-            for i in range(0, len(res) - 1, 5)
+            for i in range(0, len(res) - 2, 5)
         ]
         nxt = int(res[-1])
         return Received(out, None if nxt < 0 else nxt)
@@ -179,23 +190,21 @@ class Groups:
             out.append((msgid, _KINDS.get(fields.get(b"k", b"q"), "queue")))
         return out
 
-    async def ack(
-        self, app: str, group: str, receipts: Sequence[tuple[str, int]], now: int
-    ) -> list[bool]:
+    async def ack(self, app: str, group: str, receipts: Sequence[Receipt], now: int) -> list[bool]:
         args = [x for r in receipts for x in r]
         return [bool(x) for x in await self._pull("pull_ack", app, group, now, args)]
 
     async def nack(
-        self, app: str, group: str, receipts: Sequence[tuple[str, int, int]], now: int
+        self, app: str, group: str, receipts: Sequence[tuple[str, int, str, int]], now: int
     ) -> list[tuple[int, int]]:
-        """receipts: (entry id, attempt, wait ms or -1 for the backoff); (code 0 refused |
-        1 retry | 2 dead, due ms) each."""
+        """receipts: (entry id, attempt, generation, wait ms or -1 for the backoff); (code 0
+        refused | 1 retry | 2 dead, due ms) each."""
         args = [x for r in receipts for x in r]
         res = await self._pull("pull_nack", app, group, now, args)
         return [(int(res[i]), int(res[i + 1])) for i in range(0, len(res), 2)]
 
     async def extend(
-        self, app: str, group: str, receipts: Sequence[tuple[str, int, int]], now: int
+        self, app: str, group: str, receipts: Sequence[tuple[str, int, str, int]], now: int
     ) -> list[bool]:
         args = [x for r in receipts for x in r]
         return [bool(x) for x in await self._pull("pull_extend", app, group, now, args)]

@@ -196,3 +196,10 @@ local function each_id(first, fn)
   end
   return out
 end
+
+-- Redis's clock in microseconds, as a string (Lua's numbers would print it rounded): a
+-- consumer group's generation (pull_lib.lua).
+local function clock_us()
+  local t = redis.call('TIME')
+  return t[1] .. string.format('%06d', tonumber(t[2]))
+end

@@ -1,8 +1,9 @@
 -- pending | delayed | waiting retry -> in flight (attempt n + 1), for one consumer group;
 -- first, the group's leases that ran out -> waiting retry | dead (a failed attempt).
 -- KEYS, ARGV: as pull_lib.lua, then group, max, visibility ms.
--- Returns (entry id, msgid, kind q|t, content, attempt)*, then the ms at which the next
--- delayed entry falls due or a lease runs out (-1: none); {'no group'}: no such group.
+-- Returns (entry id, msgid, kind q|t, content, attempt)*, then the group's generation and
+-- the ms at which the next delayed entry falls due or a lease runs out (-1: none);
+-- {'no group'}: no such group.
 local group, max, vis = ARGV[rest], tonumber(ARGV[rest + 1]), tonumber(ARGV[rest + 2])
 local cursor = redis.call('HGET', groups, group)
 if not cursor then return {'no group'} end
@@ -60,5 +61,6 @@ local d = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
 if d[2] then nxt = tonumber(d[2]) end
 local l = redis.call('ZRANGE', inflight, 0, 0, 'WITHSCORES')
 if l[2] and (nxt < 0 or tonumber(l[2]) + 1 < nxt) then nxt = tonumber(l[2]) + 1 end
+out[#out + 1] = generation()
 out[#out + 1] = nxt
 return out
