@@ -140,6 +140,11 @@ class Settings(BaseSettings):
         """The largest content a producer may send: it must fit in a push (PUSH_ROOM)."""
         return self.max_frame_bytes - PUSH_ROOM
 
+    def app_ttl(self, app: str) -> int:
+        """The TTL (ms; 0: none) of `app`'s messages sent without one (TTL_BY_APP, else
+        DEFAULT_TTL), over TCP and HTTP alike."""
+        return self.ttl_by_app.get(app, self.default_ttl)
+
     @field_validator("retry_backoff", "recipient_networks", mode="before")
     @classmethod
     def _csv(cls, value: Any) -> Any:

@@ -155,6 +155,17 @@ class DeliveryLog:
         if self.listener is not None:
             self.listener(event, appid)
 
+    def expired(
+        self, msgid: str, appid: str, kind: str, recipient: str | None, attempt: int, dead: bool
+    ) -> str:
+        """Log a message whose TTL ran out: dead-lettered (reason `expired`) or dropped;
+        its fate, in words."""
+        fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
+        self.event(Event.EXPIRED, msgid, appid, kind, recipient, attempt, fate)
+        if dead:
+            self.event(Event.DEAD_LETTERED, msgid, appid, kind, recipient, attempt, "expired")
+        return fate
+
     def _name(self, value: str | None) -> str:
         """`value` quoted, remembered: app ids, kinds and recipients recur in most lines."""
         if len(self._names) >= MAX_NAMES:

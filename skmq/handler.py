@@ -289,7 +289,7 @@ class FrameHandler:
         if delay or deliver_at:
             due = max(deliver_at or 0, now + (delay or 0))
         if ttl is None:
-            ttl = self.settings.ttl_by_app.get(app, self.settings.default_ttl)
+            ttl = self.settings.app_ttl(app)
         expires = now + ttl if ttl else 0
         return batch.add(
             app, NewMessage(msgid, frame.type, frame.content, due, expires, key, trace)

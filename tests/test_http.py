@@ -18,7 +18,7 @@ from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured
 from skmq.store.messages import read as read_message
 from skmq.workers.enqueue import UNAVAILABLE
-from tests.conftest import FAST, BrokerFactory, free_port
+from tests.conftest import FAST, BrokerFactory, eventually, free_port
 from tests.peers import FakeRecipient
 
 TENANT_A = "tenant-a-token-0123456789abcdef"
@@ -82,6 +82,34 @@ async def test_a_batch_with_base64_duplicates_topics_and_delays(
     assert (counts.pending, counts.delayed) == (2, 1)
 
 
+async def test_ttl_and_ordering_keys_as_over_tcp_and_the_apps_ttl_by_default(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    broker, base = await gateway(make_broker, ttl_by_app={"ttl": 1})
+    rec = await FakeRecipient("ttl", "r1").start()
+    await rec.register(broker.server.port)
+    batch = {
+        "messages": [  # each due 100 ms on: after a TTL of 1 ms
+            {"msgid": "own-ttl", "content": "x", "ttl": 1, "delay": 100},
+            {"msgid": "apps-ttl", "content": "x", "delay": 100},
+            {"msgid": "no-ttl", "content": "x", "ttl": 0, "delay": 100, "key": "k1"},
+        ]
+    }
+    assert (await post(http, f"{base}/v1/apps/ttl/messages", batch))[0] == 200
+    push = await rec.next_push()
+    assert push.fields["msgid"] == "no-ttl"
+
+    async def expired() -> bool:
+        dead = await broker.store.dead_letters("ttl")
+        return sorted((d.msgid, d.last_error[:7]) for d in dead) == [
+            ("apps-ttl", "expired"),
+            ("own-ttl", "expired"),
+        ]
+
+    await eventually(expired)
+    await rec.stop()
+
+
 @pytest.mark.parametrize(
     ("body", "status", "error"),
     [
@@ -89,6 +117,9 @@ async def test_a_batch_with_base64_duplicates_topics_and_delays(
         ({"content": "x", "colour": "red"}, 400, "colour: Extra inputs are not permitted"),
         ({"content": "x", "kind": "fanout"}, 400, "kind: Input should be 'queue' or 'topic'"),
         ({"content": "x", "delay": -1}, 400, "delay: Input should be greater than or equal to 0"),
+        ({"content": "x", "ttl": -1}, 400, "ttl: Input should be greater than or equal to 0"),
+        ({"content": "x", "key": "k\x01"}, 400, "key holds a control character"),
+        ({"content": "x", "key": "k", "kind": "topic"}, 400, "applies to queue messages only"),
         ({"content": "x", "msgid": "a\x01b"}, 400, "msgid holds a control character"),
         ({"content": "x", "msgid": "m" * 257}, 400, "msgid: String should have at most 256"),
         ({"content": "%%", "encoding": "base64"}, 400, "content: not valid base64"),

@@ -15,6 +15,7 @@ import pytest
 
 from skmq.broker import Broker
 from tests.conftest import BrokerFactory, eventually, free_port
+from tests.test_delivery import logged
 
 CONSUMER = "consumer-a-token-0123456789abcdef"
 ADMIN = "admin-a-token-0123456789abcdefgh"
@@ -121,6 +122,23 @@ async def test_an_expired_lease_redelivers_and_its_stale_receipt_is_refused(
                         visibility=5) == ["stale"]  # fmt: skip
     assert await settle(http, base, "x", "g", "ack", receipts=[again["receipt"]]) == ["acked"]
     assert await receive(http, base, "x", "g", wait=0.5) == []
+
+
+async def test_a_group_never_hands_out_a_message_whose_ttl_ran_out(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    broker, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    short = {"msgid": "short", "content": "s", "ttl": 1, "delay": 50}
+    batch = {"messages": [short, {"msgid": "long", "content": "l", "ttl": 60_000, "delay": 50}]}
+    assert (await call(http, "POST", f"{base}/x/messages", batch))[0] == 200
+    (got,) = await receive(http, base, "x", "g", wait=5, max=10)
+    assert got["msgid"] == "long"
+    (line,) = await logged(broker, "expired", "short")
+    assert (line["recipient"], line["detail"]) == ("group:g", "dead-lettered")
+    await logged(broker, "dead_lettered", "short")
+    status, groups = await call(http, "GET", f"{base}/x/groups")
+    assert status == 200 and groups["groups"][0]["dead"] == 1
 
 
 async def test_a_receipt_from_before_a_group_reset_is_stale(

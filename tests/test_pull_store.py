@@ -169,6 +169,46 @@ async def test_a_receipt_from_before_a_reset_or_a_delete_settles_nothing_after(
     assert await groups.ack(APP, "g", [receipt(again)], NOW) == [True]
 
 
+async def test_a_message_whose_ttl_ran_out_is_never_handed_to_a_group(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    batch = [
+        NewMessage("short", "queue", b"s", 0, NOW + 1_000),
+        NewMessage("delayed", "queue", b"d", NOW + 5_000, NOW + 2_000),  # due after its expiry
+        NewMessage("nacked", "queue", b"n", 0, NOW + 3_000),
+        NewMessage("forever", "queue", b"f"),
+    ]
+    await groups.store.store({APP: batch}, NOW)
+    (first,) = (await groups.receive(APP, "g", NOW, 1, VIS)).messages
+    assert first.msgid == "short"  # still alive at NOW
+    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(1, NOW)]
+    got = await groups.receive(APP, "g", NOW + 1_000, 10, VIS)
+    assert ids(got.messages) == ["nacked", "forever"] and ids(got.expired) == ["short"]
+    assert (got.expired[0].content, got.expired[0].attempt, got.expired[0].receipt) == (
+        b"dead",
+        1,
+        "",
+    )
+    assert got.next_due == NOW + 2_000  # the delayed one falls due at its expiry
+    assert await groups.nack(APP, "g", [(*receipt(got.messages[0]), 5_000)], NOW + 1_000)
+    got = await groups.receive(APP, "g", NOW + 2_000, 10, VIS)
+    assert got.messages == [] and ids(got.expired) == ["delayed"]
+    got = await groups.receive(APP, "g", NOW + 6_000, 10, VIS)  # its retry came after expiry
+    assert got.messages == [] and ids(got.expired) == ["nacked"]
+    info = (await groups.describe(APP))[0]
+    assert (info.dead, info.delayed, info.in_flight) == (3, 0, 1)  # "forever" still leased
+
+
+async def test_with_expired_drop_an_expired_message_leaves_the_group(groups: Groups) -> None:
+    groups.store.expired_drop = True
+    await groups.create(APP, "g")
+    await groups.store.store({APP: [NewMessage("short", "queue", b"s", 0, NOW + 1)]}, NOW)
+    got = await groups.receive(APP, "g", NOW + 1, 10, VIS)
+    assert got.messages == [] and [p.content for p in got.expired] == [b"drop"]
+    info = (await groups.describe(APP))[0]
+    assert (info.dead, info.delayed, info.in_flight) == (0, 0, 0)
+    assert await groups.trim(APP) == 1  # no group holds it any more
+
+
 def test_receipts_parse_with_and_without_a_generation() -> None:
     assert parse_receipt("17-0.2.1795441220512345") == ("17-0", 2, "1795441220512345")
     assert parse_receipt("17-0.2") == ("17-0", 2, "0")  # a group made before generations

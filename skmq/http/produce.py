@@ -42,6 +42,12 @@ class OutgoingMessage(BaseModel):
         "queue", description="queue: one recipient; topic: every recipient"
     )
     delay: Annotated[int, Field(ge=0)] = Field(0, description="ms before it is delivered")
+    ttl: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="ms it may wait to be delivered (0: forever); the app's by default"
+    )
+    key: Annotated[str, Field(max_length=256)] = Field(
+        "", description="ordering key (queue only): one at a time, in stored order, per key"
+    )
 
 
 class MessageBatch(BaseModel):
@@ -143,12 +149,14 @@ class Producer:
             raise ApiError(
                 413, f"{len(messages)} messages: at most {self.settings.http_max_batch} a batch"
             )
-        stored = await self._store(app, [self._new(m, i, batch) for i, m in enumerate(messages)])
+        stored = await self._store(
+            app, [self._new(app, m, i, batch) for i, m in enumerate(messages)]
+        )
         if not batch:
             return web.json_response(stored[0].model_dump())
         return web.json_response(BatchResult(results=stored).model_dump())
 
-    def _new(self, m: OutgoingMessage, index: int, batch: bool) -> NewMessage:
+    def _new(self, app: str, m: OutgoingMessage, index: int, batch: bool) -> NewMessage:
         where = f"messages.{index}." if batch else ""
         if m.msgid is not None and (why := bad_id(m.msgid)) is not None:
             raise ApiError(400, f"{where}msgid {why}")
@@ -170,9 +178,15 @@ class Producer:
                 f"{where}content: {len(content)} bytes, over {limit} "
                 "(MAX_FRAME_BYTES less the push's fields)",
             )
+        if m.key and (why := bad_id(m.key)) is not None:
+            raise ApiError(400, f"{where}key {why}")
+        if m.key and m.kind != "queue":
+            raise ApiError(400, f"{where}key: ordered delivery applies to queue messages only")
         msgid = m.msgid or uuid.uuid4().hex
-        due = now_ms() + m.delay if m.delay else 0
-        return NewMessage(msgid, m.kind, content, due)
+        now = now_ms()
+        due = now + m.delay if m.delay else 0
+        ttl = self.settings.app_ttl(app) if m.ttl is None else m.ttl
+        return NewMessage(msgid, m.kind, content, due, now + ttl if ttl else 0, m.key)
 
     async def _store(self, app: str, messages: list[NewMessage]) -> list[StoreResult]:
         """Stored through the enqueue worker; 503 when the batch is not acknowledged (the

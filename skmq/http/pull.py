@@ -4,6 +4,7 @@ and delete groups; receive (with a long poll), ack, nack and extend by receipt."
 from __future__ import annotations
 
 import base64
+import functools
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -199,6 +200,12 @@ class PullApi:
             for event, detail in lines:
                 self.dlog.event(event, msgid, app, kind, who, attempt, f"{detail}receipt {receipt}")
 
+    def _expired(self, app: str, group: str, expired: list[Pulled]) -> None:
+        """Log entries whose TTL ran out before the group handed them out."""
+        for p in expired:
+            dead = p.content == b"dead"
+            self.dlog.expired(p.msgid, app, p.kind, GROUP_PREFIX + group, p.attempt, dead)
+
     @staticmethod
     def _results(receipts: list[str], statuses: list[str]) -> dict[str, Any]:
         results = [ReceiptResult.model_validate({"receipt": r, "status": s})
@@ -242,7 +249,9 @@ class PullApi:
             raise ApiError(400, f"wait: at most {s.pull_max_wait:g} s (PULL_MAX_WAIT)")
         lease = self._lease_ms(body.visibility)
         try:
-            got = await self.longpoll.receive(app, group, body.max, body.wait, lease)
+            got = await self.longpoll.receive(
+                app, group, body.max, body.wait, lease, functools.partial(self._expired, app, group)
+            )
         except NoSuchGroup:
             raise ApiError(404, f"no group {group!r} for app {app!r}") from None
         except TooManyWaiting as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from skmq.store import Store
@@ -59,6 +59,9 @@ class Pulled:
 class Received:
     messages: list[Pulled]
     next_due: int | None  # unix ms at which a delay or a lease of the group runs out
+    # TTL ran out before they were handed out: receipt "", content b"dead" (dead-lettered
+    # for the group) or b"drop" (EXPIRED=drop), attempt: those made before
+    expired: list[Pulled] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -158,24 +161,24 @@ class Groups:
     async def receive(
         self, app: str, group: str, now: int, max_messages: int, visibility_ms: int
     ) -> Received:
+        drop = 1 if self.store.expired_drop else 0
         res = await self._pull(
-            "pull_receive", app, group, now, [group, max_messages, visibility_ms]
+            "pull_receive", app, group, now, [group, max_messages, visibility_ms, drop]
         )
         if res == [b"no group"]:
             raise NoSuchGroup(group)
         generation = res[-2].decode()
-        out = [
-            Pulled(
-                make_receipt(res[i].decode(), int(res[i + 4]), generation),
-                unpack(res[i + 1]),
-                _KINDS.get(res[i + 2], "queue"),
-                res[i + 3],
-                int(res[i + 4]),
-            )
-            for i in range(0, len(res) - 2, 5)
-        ]
         nxt = int(res[-1])
-        return Received(out, None if nxt < 0 else nxt)
+        got = Received([], None if nxt < 0 else nxt)
+        for i in range(0, len(res) - 2, 5):
+            entry, msgid, kind, content, attempt = res[i : i + 5]
+            expired = kind[:1] == b"x"
+            receipt = "" if expired else make_receipt(entry.decode(), int(attempt), generation)
+            pulled = Pulled(
+                receipt, unpack(msgid), _KINDS.get(kind[-1:], "queue"), content, int(attempt)
+            )
+            (got.expired if expired else got.messages).append(pulled)
+        return got
 
     async def entries(self, app: str, ids: Sequence[str]) -> list[tuple[str, str]]:
         """(msgid, kind) of group-log entries, in one round trip (for the delivery log);

@@ -5,6 +5,7 @@ the group's next delay or lease runs out: no polling of Redis."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from skmq.deliverylog import now_ms
 from skmq.pull.groups import Groups, Pulled
@@ -22,8 +23,16 @@ class LongPoll:
         self.max_waiting = max_waiting
 
     async def receive(
-        self, app: str, group: str, max_messages: int, wait: float, visibility_ms: int
+        self,
+        app: str,
+        group: str,
+        max_messages: int,
+        wait: float,
+        visibility_ms: int,
+        on_expired: Callable[[list[Pulled]], None],
     ) -> list[Pulled]:
+        """The messages received; those whose TTL ran out meanwhile go to `on_expired` as
+        each receive finds them."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         if wait > 0 and self.wakeups.count >= self.max_waiting:
@@ -32,6 +41,8 @@ class LongPoll:
             while True:
                 woken.clear()
                 got = await self.groups.receive(app, group, now_ms(), max_messages, visibility_ms)
+                if got.expired:
+                    on_expired(got.expired)
                 left = deadline - loop.time()
                 if got.messages or left <= 0:
                     return got.messages

@@ -160,10 +160,7 @@ class AnswerBatcher:
         self, app: str, msgid: str, kind: str, rid: str, attempt: int, dead: bool
     ) -> Verdict:
         """Log a message whose TTL ran out: dead-lettered (reason `expired`) or dropped."""
-        fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
-        self.dlog.event(Event.EXPIRED, msgid, app, kind, rid or None, attempt, fate)
-        if dead:
-            self.dlog.event(Event.DEAD_LETTERED, msgid, app, kind, rid or None, attempt, "expired")
+        fate = self.dlog.expired(msgid, app, kind, rid or None, attempt, dead)
         return ("ack", f"expired: {fate}")
 
     def record_failure(

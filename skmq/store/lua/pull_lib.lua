@@ -1,7 +1,8 @@
 -- Shared by the pull scripts (skmq/pull/): one consumer group's view of an app's group
 -- log. Prepended after lib.lua.
 --   groups    HASH    group -> cursor: the last log entry id the group has read
---   glog      STREAM  the group log: m msgid, k kind q|t, c content, d deliver_at ms
+--   glog      STREAM  the group log: m msgid, k kind q|t, c content, d deliver_at ms,
+--                     x expires_at ms (only with a TTL)
 -- and the group's own keys (g:<group>:<name>):
 --   inflight  ZSET    entry id -> lease deadline ms (received, not settled)
 --   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)

@@ -1,10 +1,13 @@
--- pending | delayed | waiting retry -> in flight (attempt n + 1), for one consumer group;
+-- pending | delayed | waiting retry -> in flight (attempt n + 1), for one consumer group,
+-- or -> dead | gone when its TTL ran out (expired: never handed out; gone when drop is 1);
 -- first, the group's leases that ran out -> waiting retry | dead (a failed attempt).
--- KEYS, ARGV: as pull_lib.lua, then group, max, visibility ms.
--- Returns (entry id, msgid, kind q|t, content, attempt)*, then the group's generation and
+-- KEYS, ARGV: as pull_lib.lua, then group, max, visibility ms, drop 0|1.
+-- Returns (entry id, msgid, kind q|t, content, attempt)*, an expired entry with kind xq|xt
+-- and content `dead` or `drop` (attempt: those before), then the group's generation and
 -- the ms at which the next delayed entry falls due or a lease runs out (-1: none);
 -- {'no group'}: no such group.
 local group, max, vis = ARGV[rest], tonumber(ARGV[rest + 1]), tonumber(ARGV[rest + 2])
+local drop = ARGV[rest + 3] == '1'
 local cursor = redis.call('HGET', groups, group)
 if not cursor then return {'no group'} end
 local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'LIMIT', 0, 1000)
@@ -18,12 +21,30 @@ local function fields(flat)
   for j = 1, #flat, 2 do f[flat[j]] = flat[j + 1] end
   return f
 end
+local function expires(f) return tonumber(f.x or '0') end
+local function emit(id, f, kind, content, n)
+  out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
+  out[#out + 1] = n
+end
+local function expire(id, f)
+  local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
+  if drop then
+    redis.call('ZREM', held, id)
+    redis.call('HDEL', gstate, nfield(id), efield(id))
+  else
+    redis.call('ZADD', dead, now, id)
+    redis.call('ZADD', held, ms(id), id)
+    redis.call('HSET', gstate, efield(id), 'expired: its ttl ran out before it was pulled')
+  end
+  emit(id, f, 'x' .. f.k, drop and 'drop' or 'dead', n)
+end
 local function lease(id, f)
+  local x = expires(f)
+  if x > 0 and now >= x then return expire(id, f) end
   local n = redis.call('HINCRBY', gstate, nfield(id), 1)
   redis.call('ZADD', inflight, now + vis, id)
   redis.call('ZADD', held, ms(id), id)
-  out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = f.k; out[#out + 1] = f.c
-  out[#out + 1] = n
+  emit(id, f, f.k, f.c, n)
   taken = taken + 1
 end
 
@@ -45,7 +66,8 @@ while taken < max and scanned < 1000 do
     cursor = e[1]
     scanned = scanned + 1
     local f = fields(e[2])
-    local due = tonumber(f.d or '0')
+    local due, x = tonumber(f.d or '0'), expires(f)
+    if x > 0 and due > x then due = x end  -- due at its expiry at the latest
     if due > now then
       redis.call('ZADD', delayed, due, cursor)
       redis.call('ZADD', held, ms(cursor), cursor)

@@ -74,8 +74,9 @@ for j = 1, #ids do
       end
     end
     if pulled then
-      local eid = redis.call('XADD', glog, '*', 'm', id, 'k', read_message(ARGV[i + 1], now),
-                            'c', ARGV[i + 2], 'd', at)
+      local entry = {'m', id, 'k', read_message(ARGV[i + 1], now), 'c', ARGV[i + 2], 'd', at}
+      if ARGV[i + 4] ~= '0' then entry[9] = 'x'; entry[10] = ARGV[i + 4] end
+      local eid = redis.call('XADD', glog, '*', unpack(entry))
       redis.call('HSET', gseen, id, eid)
       logged = true
     end
