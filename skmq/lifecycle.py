@@ -33,6 +33,10 @@ for every message stored after it subscribed (its receipts name an attempt and t
 group's generation, which a reset or a delete and create renews):
 
     pending | delayed | waiting_retry --pull_receive--> in_flight(n + 1)
+    pending | delayed | waiting_retry --pull_receive--> dead | gone (TTL ran out: expired)
+    pending --pull_receive--> waiting_key              (an earlier entry of its key not over)
+    waiting_key --pull_ack | pull_nack | pull_receive--> delayed (due now: the entry
+                                                        before it acked or dead)
     in_flight(n) --pull_receive--> waiting_retry | dead (its lease ran out)
     in_flight(n) --pull_ack--> acked                   (only attempt n, lease running)
     in_flight(n) --pull_nack--> waiting_retry | dead   (only attempt n, lease running)
@@ -98,6 +102,17 @@ TRANSITIONS: tuple[Transition, ...] = (
         {S.IN_FLIGHT, S.WAITING_RETRY, S.DEAD},
         "nothing due for the group, or no such group",
     ),
+    _t(
+        "pull_receive",
+        {S.PENDING, S.DELAYED, S.WAITING_RETRY},
+        {S.DEAD, S.GONE},
+        "not expired",
+    ),
+    _t("pull_receive", {S.PENDING}, {S.WAITING_KEY}, "no earlier entry of its key: leased"),
+    # per-key order in a group: an entry acked or dead lets the next one of its key go
+    _t("pull_ack", {S.WAITING_KEY}, {S.DELAYED}, "not the next of its key"),
+    _t("pull_nack", {S.WAITING_KEY}, {S.DELAYED}, "not the next of a dead entry's key"),
+    _t("pull_receive", {S.WAITING_KEY}, {S.DELAYED}, "not the next of a dead entry's key"),
     _t("pull_ack", {S.IN_FLIGHT}, {S.ACKED}, "stale receipt: another attempt or lease ran out"),
     _t(
         "pull_nack",

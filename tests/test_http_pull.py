@@ -141,6 +141,20 @@ async def test_a_group_never_hands_out_a_message_whose_ttl_ran_out(
     assert status == 200 and groups["groups"][0]["dead"] == 1
 
 
+async def test_a_group_hands_out_messages_of_one_key_in_order_one_at_a_time(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    batch = {"messages": [{"msgid": m, "content": m, "key": "k"} for m in ("k1", "k2", "k3")]}
+    assert (await call(http, "POST", f"{base}/x/messages", batch))[0] == 200
+    for msgid in ("k1", "k2", "k3"):
+        (got,) = await receive(http, base, "x", "g", wait=5, max=10)
+        assert got["msgid"] == msgid
+        assert await receive(http, base, "x", "g", max=10) == []  # the next one waits
+        assert await settle(http, base, "x", "g", "ack", receipts=[got["receipt"]]) == ["acked"]
+
+
 async def test_a_receipt_from_before_a_group_reset_is_stale(
     make_broker: BrokerFactory, http: aiohttp.ClientSession
 ) -> None:

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.lifecycle import TRANSITIONS, State
-from skmq.pull.groups import Groups, parse_receipt
+from skmq.pull.groups import Groups, Pulled, parse_receipt
 from skmq.store import AliveRecipient, ClaimArgs, NewMessage, Retries, Store, scripts
 
 APP = "life"
@@ -151,18 +151,24 @@ async def test_replay_and_purge_take_dead_letters_only(store: Store) -> None:
     assert await state_of(store, "alive") == State.IN_FLIGHT
 
 
+def ids_of(pulled: list[Pulled]) -> list[str]:
+    return [p.msgid for p in pulled]
+
+
 async def pull_transitions(store: Store) -> None:
     """Every group and pull script once (tests/test_pull_store.py tests what they do)."""
     groups = Groups(store)
     await groups.create(APP, "g")
-    await store.store(
-        {APP: [NewMessage("p1", "queue", b"x"), NewMessage("p2", "queue", b"y")]}, NOW
-    )
+    keyed = [NewMessage(m, "queue", b"x", 0, 0, "k") for m in ("k1", "k2")]
+    expiring = NewMessage("p3", "queue", b"z", NOW + 5, NOW + 1)  # due at its expiry
+    await store.store({APP: [NewMessage("p1", "queue", b"y"), *keyed, expiring]}, NOW)
     got = (await groups.receive(APP, "g", NOW, 5, 1000)).messages
     receipts = [r for p in got if (r := parse_receipt(p.receipt)) is not None]
     await groups.extend(APP, "g", [(*receipts[0], 1000)], NOW)
-    await groups.ack(APP, "g", receipts[:1], NOW)
-    await groups.nack(APP, "g", [(*receipts[1], 0)], NOW)
+    await groups.nack(APP, "g", [(*receipts[0], 0)], NOW)
+    await groups.ack(APP, "g", receipts[1:2], NOW)  # k1: k2 may go
+    got = await groups.receive(APP, "g", NOW + 1, 5, 1000)
+    assert ids_of(got.expired) == ["p3"] and "k2" in ids_of(got.messages)
     await groups.reset(APP, "g", "latest")
     await groups.trim(APP)
     await groups.delete(APP, "g")

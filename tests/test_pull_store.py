@@ -189,10 +189,11 @@ async def test_a_message_whose_ttl_ran_out_is_never_handed_to_a_group(groups: Gr
         "",
     )
     assert got.next_due == NOW + 2_000  # the delayed one falls due at its expiry
-    assert await groups.nack(APP, "g", [(*receipt(got.messages[0]), 5_000)], NOW + 1_000)
+    nack = [(*receipt(got.messages[0]), 5_000)]
+    assert await groups.nack(APP, "g", nack, NOW + 1_000) == [(1, NOW + 3_000)]  # its expiry
     got = await groups.receive(APP, "g", NOW + 2_000, 10, VIS)
     assert got.messages == [] and ids(got.expired) == ["delayed"]
-    got = await groups.receive(APP, "g", NOW + 6_000, 10, VIS)  # its retry came after expiry
+    got = await groups.receive(APP, "g", NOW + 3_000, 10, VIS)
     assert got.messages == [] and ids(got.expired) == ["nacked"]
     info = (await groups.describe(APP))[0]
     assert (info.dead, info.delayed, info.in_flight) == (3, 0, 1)  # "forever" still leased
@@ -207,6 +208,48 @@ async def test_with_expired_drop_an_expired_message_leaves_the_group(groups: Gro
     info = (await groups.describe(APP))[0]
     assert (info.dead, info.delayed, info.in_flight) == (0, 0, 0)
     assert await groups.trim(APP) == 1  # no group holds it any more
+
+
+async def test_a_group_hands_out_one_message_of_an_ordering_key_at_a_time(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    keyed = [("a1", "a"), ("b1", "b"), ("a2", "a"), ("a3", "a"), ("b2", "b"), ("free", "")]
+    batch = [NewMessage(m, "queue", b"", 0, 0, key) for m, key in keyed]
+    await groups.store.store({APP: batch}, NOW)
+    a1, b1, free = await received(groups, "g")
+    assert ids([a1, b1, free]) == ["a1", "b1", "free"]
+    assert await received(groups, "g") == []  # a2, a3, b2 wait for their key
+    # a retry holds its key: a2 still waits
+    assert await groups.nack(APP, "g", [(*receipt(a1), 0)], NOW) == [(1, NOW)]
+    (again,) = await received(groups, "g")
+    assert (again.msgid, again.attempt) == ("a1", 2)
+    assert await groups.ack(APP, "g", [receipt(again), receipt(b1)], NOW) == [True, True]
+    a2, b2 = await received(groups, "g")
+    assert ids([a2, b2]) == ["a2", "b2"]
+    # a dead letter ends its turn too (retry_times 2, backoff 1 s)
+    assert await groups.nack(APP, "g", [(*receipt(a2), -1)], NOW) == [(1, NOW + 1_000)]
+    (a2,) = await received(groups, "g", NOW + 1_000)
+    assert await groups.nack(APP, "g", [(*receipt(a2), -1)], NOW + 1_000) == [(2, NOW + 1_000)]
+    assert ids(await received(groups, "g", NOW + 1_000)) == ["a3"]
+    # a reset starts every key again from the first entry it reads
+    assert await groups.reset(APP, "g", "earliest")
+    assert ids(await received(groups, "g")) == ["a1", "b1", "free"]
+
+
+async def test_an_expired_message_ends_its_keys_turn_in_a_group(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    batch = [
+        NewMessage("k1", "queue", b"", 0, NOW + 1_000, "k"),
+        NewMessage("k2", "queue", b"", 0, 0, "k"),
+    ]
+    await groups.store.store({APP: batch}, NOW)
+    (k1,) = await received(groups, "g")
+    # its retry falls due at its expiry
+    assert await groups.nack(APP, "g", [(*receipt(k1), 2_000)], NOW) == [(1, NOW + 1_000)]
+    got = await groups.receive(APP, "g", NOW + 1_000, 10, VIS)
+    assert ids(got.expired) == ["k1"] and got.messages == []
+    assert ids(await received(groups, "g", NOW + 1_000)) == ["k2"]
 
 
 def test_receipts_parse_with_and_without_a_generation() -> None:

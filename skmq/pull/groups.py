@@ -17,7 +17,7 @@ from skmq.store.msgids import unpack
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})(?:\.(\d{1,24}))?")
-GROUP_KEYS = ("inflight", "delayed", "held", "gstate", "dead")
+GROUP_KEYS = ("inflight", "delayed", "held", "gstate", "dead", "kq")
 _KINDS = {b"q": "queue", b"t": "topic"}
 
 
@@ -139,7 +139,7 @@ class Groups:
         pipe = redis.pipeline(transaction=False)
         for name in names:
             base = self.store.base(app)
-            inflight, delayed, _, _, dead = (base + k for k in self._group_keys(name))
+            inflight, delayed, _, _, dead, _ = (base + k for k in self._group_keys(name))
             pipe.zcard(inflight)
             pipe.zcard(delayed)
             pipe.zcard(dead)

@@ -41,7 +41,7 @@ KEYS: dict[str, tuple[str, ...]] = {
         *("msgs", "state", "rstate", "rbeat", "rate", "listed"),  # dropped
         "groups",  # checked empty
     ),
-    # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead.
+    # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead, kq.
     "group_create": ("groups", "glog"),
     "group_reset": ("groups", "glog"),
     "group_delete": ("groups", "glog"),

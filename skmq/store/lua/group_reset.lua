@@ -9,7 +9,7 @@ if ARGV[2] == 'latest' then
   if last[1] then cursor = last[1][1] end
 end
 local old = redis.call('HGET', KEYS[6], '\31g')
-redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 local gen = clock_us()
 if gen == old then gen = gen .. '1' end
 redis.call('HSET', KEYS[6], '\31g', gen)

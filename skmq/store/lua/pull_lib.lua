@@ -2,7 +2,7 @@
 -- log. Prepended after lib.lua.
 --   groups    HASH    group -> cursor: the last log entry id the group has read
 --   glog      STREAM  the group log: m msgid, k kind q|t, c content, d deliver_at ms,
---                     x expires_at ms (only with a TTL)
+--                     x expires_at ms (only with a TTL), o ordering key (only with one)
 -- and the group's own keys (g:<group>:<name>):
 --   inflight  ZSET    entry id -> lease deadline ms (received, not settled)
 --   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)
@@ -11,19 +11,25 @@
 --                     group's generation: Redis's clock_us() when it was made or reset
 --                     (none: '0', a group made before generations)
 --   dead      ZSET    entry id -> ms it died (the group's dead letters)
+--   kq        ZSET    entries with an ordering key not over yet, all scored 0, member
+--                     <key>\31<entry id, sortable>\31<entry id>: the first of a key is
+--                     the one the group may hand out, the others wait (not delayed, not
+--                     in flight) until it is over (acked, or dead); gstate's
+--                     <entry id>\31o holds an entry's member
 -- A receipt names (entry id, attempt n, generation): it settles only attempt n of this
 -- generation, while its lease runs; so after a reset, or a delete and create, a receipt
 -- of the group before never settles a delivery of the group now.
--- KEYS: groups, glog, inflight, delayed, held, gstate, dead
+-- KEYS: groups, glog, inflight, delayed, held, gstate, dead, kq
 -- ARGV: now, retry_times, nb, backoff ms * nb, then the script's own arguments
 local groups, glog, inflight, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local held, gstate, dead = KEYS[5], KEYS[6], KEYS[7]
+local held, gstate, dead, gkq = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local now = tonumber(ARGV[1])
 local retry_times = tonumber(ARGV[2])
 local backoff, rest = backoff_args(3)
 
 local function nfield(id) return id .. '\31n' end
 local function efield(id) return id .. '\31e' end
+local function ofield(id) return id .. '\31o' end
 local GEN = '\31g'
 local function generation() return redis.call('HGET', gstate, GEN) or '0' end
 
@@ -36,19 +42,48 @@ local function live(id, n, g)
   return generation() == g
 end
 
+-- A log entry's fields by name (from XRANGE's flat list).
+local function fields(flat)
+  local f = {}
+  for j = 1, #flat, 2 do f[flat[j]] = flat[j + 1] end
+  return f
+end
+local function expires(f) return tonumber(f.x or '0') end
+
+-- Entry id is over for the group (acked, dead, expired): the next entry of its ordering
+-- key, if any, falls due now (a receive's wake-up is published).
+local function release(id)
+  local member = redis.call('HGET', gstate, ofield(id))
+  if not member then return end
+  redis.call('HDEL', gstate, ofield(id))
+  redis.call('ZREM', gkq, member)
+  local nxt = key_head(gkq, string.sub(member, 1, string.find(member, SEP, 1, true) - 1))
+  if nxt then
+    redis.call('ZADD', delayed, now, string.match(nxt, '([^\31]+)$'))
+    redis.call('PUBLISH', glog, now)
+  end
+end
+
 -- A failed attempt (nack, or a lease run out): retried after `wait` ms (negative: the
--- backoff of its attempt), or dead after retry_times. Returns {code 1 retry | 2 dead, due}.
+-- backoff of its attempt; at its expiry at the latest), or dead after retry_times.
+-- Returns {code 1 retry | 2 dead, due}.
+-- A retry keeps its ordering key held.
 local function fail_attempt(id, why, wait)
   redis.call('ZREM', inflight, id)
   local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
   redis.call('HSET', gstate, efield(id), why)
   if n >= retry_times then
     redis.call('ZADD', dead, now, id)
+    release(id)
     return {2, now}
   end
   if wait < 0 then wait = backoff[math.max(1, math.min(n, #backoff))] end
-  redis.call('ZADD', delayed, now + wait, id)
-  return {1, now + wait}
+  local due = now + wait
+  local e = redis.call('XRANGE', glog, id, id)[1]
+  local x = e and expires(fields(e[2])) or 0
+  if x > 0 and due > x then due = x end  -- at its expiry at the latest
+  redis.call('ZADD', delayed, due, id)
+  return {1, due}
 end
 
 -- For each receipt in ARGV from `rest` on, `width` arguments a receipt (entry id,

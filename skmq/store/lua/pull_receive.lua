@@ -1,5 +1,6 @@
 -- pending | delayed | waiting retry -> in flight (attempt n + 1), for one consumer group,
 -- or -> dead | gone when its TTL ran out (expired: never handed out; gone when drop is 1);
+-- pending -> waiting for its key, while an earlier entry of its ordering key is not over;
 -- first, the group's leases that ran out -> waiting retry | dead (a failed attempt).
 -- KEYS, ARGV: as pull_lib.lua, then group, max, visibility ms, drop 0|1.
 -- Returns (entry id, msgid, kind q|t, content, attempt)*, an expired entry with kind xq|xt
@@ -16,12 +17,24 @@ for _, id in ipairs(ran_out) do fail_attempt(id, 'timeout: lease ran out', -1) e
 local out = {}
 local taken = 0
 local function ms(id) return tonumber(string.match(id, '^(%d+)')) end
-local function fields(flat)
-  local f = {}
-  for j = 1, #flat, 2 do f[flat[j]] = flat[j + 1] end
-  return f
+-- When an entry falls due: its delay, or its expiry if that comes first.
+local function due_of(f)
+  local due, x = tonumber(f.d or '0'), expires(f)
+  if x > 0 and due > x then return x end
+  return due
 end
-local function expires(f) return tonumber(f.x or '0') end
+-- Whether an entry read from the log for the first time may go now: not while an
+-- earlier entry of its ordering key is not over (it then waits in `kq`).
+local function admitted(id, f)
+  if not f.o then return true end
+  local ms_part, seq = string.match(id, '^(%d+)-(%d+)$')
+  local member = f.o .. SEP .. string.rep('0', 20 - #ms_part) .. ms_part
+    .. string.rep('0', 20 - #seq) .. seq .. SEP .. id
+  local first = key_head(gkq, f.o) == nil
+  redis.call('ZADD', gkq, 0, member)
+  redis.call('HSET', gstate, ofield(id), member)
+  return first
+end
 local function emit(id, f, kind, content, n)
   out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
   out[#out + 1] = n
@@ -36,6 +49,7 @@ local function expire(id, f)
     redis.call('ZADD', held, ms(id), id)
     redis.call('HSET', gstate, efield(id), 'expired: its ttl ran out before it was pulled')
   end
+  release(id)
   emit(id, f, 'x' .. f.k, drop and 'drop' or 'dead', n)
 end
 local function lease(id, f)
@@ -51,11 +65,14 @@ end
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, max)) do
   redis.call('ZREM', delayed, id)
   local e = redis.call('XRANGE', glog, id, id)
-  if e[1] then
-    lease(id, fields(e[1][2]))
-  else  -- gone from the log (never while held): forget it
+  if not e[1] then  -- gone from the log (never while held): forget it
     redis.call('ZREM', held, id)
     redis.call('HDEL', gstate, nfield(id), efield(id))
+    release(id)
+  else
+    local f = fields(e[1][2])
+    local due = due_of(f)  -- (an entry let go by its key: due now, or at its own delay)
+    if due > now then redis.call('ZADD', delayed, due, id) else lease(id, f) end
   end
 end
 local scanned = 0
@@ -66,9 +83,10 @@ while taken < max and scanned < 1000 do
     cursor = e[1]
     scanned = scanned + 1
     local f = fields(e[2])
-    local due, x = tonumber(f.d or '0'), expires(f)
-    if x > 0 and due > x then due = x end  -- due at its expiry at the latest
-    if due > now then
+    local due = due_of(f)
+    if not admitted(cursor, f) then
+      redis.call('ZADD', held, ms(cursor), cursor)
+    elseif due > now then
       redis.call('ZADD', delayed, due, cursor)
       redis.call('ZADD', held, ms(cursor), cursor)
     else

@@ -75,7 +75,8 @@ for j = 1, #ids do
     end
     if pulled then
       local entry = {'m', id, 'k', read_message(ARGV[i + 1], now), 'c', ARGV[i + 2], 'd', at}
-      if ARGV[i + 4] ~= '0' then entry[9] = 'x'; entry[10] = ARGV[i + 4] end
+      if ARGV[i + 4] ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = ARGV[i + 4] end
+      if ARGV[i + 5] ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = ARGV[i + 5] end
       local eid = redis.call('XADD', glog, '*', unpack(entry))
       redis.call('HSET', gseen, id, eid)
       logged = true
