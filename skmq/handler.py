@@ -82,7 +82,13 @@ class PullCalls(Protocol):
     a JSON-able answer out, ApiError for a refusal."""
 
     async def call(
-        self, op: str, app: str, group: str, raw: Any, who: str = ""
+        self,
+        op: str,
+        app: str,
+        group: str,
+        raw: Any,
+        who: str = "",
+        gone: asyncio.Event | None = None,
     ) -> dict[str, Any]: ...
 
 
@@ -348,7 +354,7 @@ class FrameHandler:
         who = peer.principal or peer.host
         try:
             if op == "receive":  # a long poll: bounded by PULL_MAX_WAITING, not held here
-                answer = await self.pull.call(op, app, group, raw, who)
+                answer = await self.pull.call(op, app, group, raw, who, peer.gone)
             else:
                 async with peer.store_calls, self.peer_store_calls:
                     answer = await self.pull.call(op, app, group, raw, who)

@@ -44,6 +44,9 @@ class Peer:
     # Store calls (answers, registrations) of this connection running at once; more wait
     # here, so that one connection's flood cannot queue up ahead of everyone in the pool.
     store_calls: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
+    # Set once the peer sent its last byte or the connection closed: a long poll of its
+    # then waits no longer (it would take a message for a consumer that may be gone).
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     def authenticated_for(self, app: str) -> bool:
         """True only when a token authenticated this connection for `app`."""

@@ -231,6 +231,7 @@ class Server:
             pass
         finally:
             self.admission.release(host)
+            conn.peer.gone.set()
             if not conn.broken:
                 # End of stream: answer what was read, then close (a `printf | nc` peer
                 # half-closes and still waits for its answers).
@@ -389,6 +390,7 @@ class Server:
 
     def _close(self, conn: Connection) -> None:
         conn.broken = True
+        conn.peer.gone.set()
         self._release_partial(conn)
         conn.readable.set()  # let its connection stage see the end
         conn.decoded.set()

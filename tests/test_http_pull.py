@@ -325,3 +325,26 @@ async def test_a_long_poll_whose_client_went_away_takes_nothing(
     await eventually(lambda: waiting(0), 5)  # not at the end of its 20 s wait
     await produce(http, base, "gone", "m1")
     assert [m["msgid"] for m in await receive(http, base, "gone", "g", wait=5)] == ["m1"]
+
+
+async def test_a_tcp_long_poll_whose_connection_ended_takes_nothing(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """The same over the broker's port (a `pull` frame): it ends with its connection."""
+    broker, base = await gateway(make_broker)
+    assert (await call(http, "POST", f"{base}/gone/groups", {"group": "g"}))[0] == 201
+    _, writer = await asyncio.open_connection("127.0.0.1", broker.server.port)
+    writer.write(
+        b"type=pull\r\nappid=gone\r\ngroup=g\r\nop=receive\r\nmsgid=p1\r\n"
+        b'content={"wait":20}\r\n\r\n'
+    )
+
+    async def waiting(n: int) -> bool:
+        return broker.wakeups.count == n
+
+    await eventually(lambda: waiting(1))
+    writer.close()
+    await eventually(lambda: waiting(0), 5)  # not at the end of its 20 s wait
+    await produce(http, base, "gone", "m1")
+    got = await receive(http, base, "gone", "g", wait=5)
+    assert [(m["msgid"], m["attempt"]) for m in got] == [("m1", 1)]

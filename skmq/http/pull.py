@@ -3,6 +3,7 @@ and delete groups; receive (with a long poll), ack, nack and extend by receipt."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 from dataclasses import dataclass
@@ -136,9 +137,18 @@ class PullApi:
     longpoll: LongPoll
     dlog: DeliveryLog
 
-    async def call(self, op: str, app: str, group: str, raw: Any, who: str = "") -> dict[str, Any]:
+    async def call(
+        self,
+        op: str,
+        app: str,
+        group: str,
+        raw: Any,
+        who: str = "",
+        gone: asyncio.Event | None = None,
+    ) -> dict[str, Any]:
         """One of FRAME_OPS for `app` and `group` (both checked here), for consumer `who`
-        (its token's name or its address: in the delivery log)."""
+        (its token's name or its address: in the delivery log); a receive waits no longer
+        once `gone` is set (its connection ended)."""
         if op not in self.FRAME_OPS:
             raise ApiError(400, f"op must be one of {', '.join(sorted(self.FRAME_OPS))}")
         if (why := bad_app(app)) is not None:
@@ -147,7 +157,7 @@ class PullApi:
         if op == "create":  # the frame's group field names it; a body is not needed
             return (await self.create(app, {"group": group}))[1]
         if op == "receive":  # no content: every field of ReceiveRequest as its default
-            return await self.receive(app, group, {} if raw is None else raw, who)
+            return await self.receive(app, group, {} if raw is None else raw, who, gone)
         calls = {"ack": self.ack, "nack": self.nack, "extend": self.extend}
         return await calls[op](app, group, raw)
 
@@ -240,7 +250,9 @@ class PullApi:
         return {"group": group, "position": position}
 
     # -- pull ---------------------------------------------------------------
-    async def receive(self, app: str, group: str, raw: Any, who: str = "") -> dict[str, Any]:
+    async def receive(
+        self, app: str, group: str, raw: Any, who: str = "", gone: asyncio.Event | None = None
+    ) -> dict[str, Any]:
         body = self._body(raw, ReceiveRequest)
         s = self.settings
         if body.max > s.pull_max_messages:
@@ -249,9 +261,8 @@ class PullApi:
             raise ApiError(400, f"wait: at most {s.pull_max_wait:g} s (PULL_MAX_WAIT)")
         lease = self._lease_ms(body.visibility)
         try:
-            got = await self.longpoll.receive(
-                app, group, body.max, body.wait, lease, functools.partial(self._expired, app, group)
-            )
+            expired = functools.partial(self._expired, app, group)
+            got = await self.longpoll.receive(app, group, body.max, body.wait, lease, expired, gone)
         except NoSuchGroup:
             raise ApiError(404, f"no group {group!r} for app {app!r}") from None
         except TooManyWaiting as exc:

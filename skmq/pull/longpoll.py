@@ -30,9 +30,11 @@ class LongPoll:
         wait: float,
         visibility_ms: int,
         on_expired: Callable[[list[Pulled]], None],
+        gone: asyncio.Event | None = None,
     ) -> list[Pulled]:
         """The messages received; those whose TTL ran out meanwhile go to `on_expired` as
-        each receive finds them."""
+        each receive finds them. Once `gone` is set (the consumer's connection ended), it
+        waits no longer and receives nothing more."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         if wait > 0 and self.wakeups.count >= self.max_waiting:
@@ -44,12 +46,15 @@ class LongPoll:
                 if got.expired:
                     on_expired(got.expired)
                 left = deadline - loop.time()
-                if got.messages or left <= 0:
+                if got.messages or left <= 0 or (gone is not None and gone.is_set()):
                     return got.messages
                 if got.next_due is not None:
                     left = min(left, max(0.001, (got.next_due - now_ms()) / 1000))
+                waits = [asyncio.ensure_future(e.wait()) for e in (woken, gone) if e is not None]
                 try:
-                    async with asyncio.timeout(left):
-                        await woken.wait()
-                except TimeoutError:
-                    pass
+                    await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                if gone is not None and gone.is_set():
+                    return []
