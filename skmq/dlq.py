@@ -4,9 +4,9 @@ same two calls. A replay or a move is written to the delivery log, so the audit 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
@@ -15,6 +15,17 @@ from skmq.store import DeadLetter, Store
 
 CHUNK = 500
 Verb = Literal["replay", "purge"]
+
+
+class DeadLetters(Protocol):
+    """Where dead letters are: an app's (Store), or one consumer group's
+    (skmq/pull/groups.py's GroupDeadLetters)."""
+
+    async def dead_letters(self, app: str, limit: int | None = None) -> list[DeadLetter]: ...
+
+    async def replay(self, app: str, ids: Sequence[str], now: int) -> list[bool]: ...
+
+    async def purge(self, app: str, ids: Sequence[str]) -> list[bool]: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,7 +80,7 @@ def select(letters: list[DeadLetter], filters: Filters) -> list[DeadLetter]:
 
 
 async def redrive(
-    store: Store,
+    store: DeadLetters,
     dlog: DeliveryLog,
     verb: Verb,
     letters: list[DeadLetter],
@@ -96,7 +107,7 @@ async def redrive(
 
 
 async def _redrive_app(
-    store: Store,
+    store: DeadLetters,
     dlog: DeliveryLog,
     verb: Verb,
     app: str,
@@ -105,6 +116,8 @@ async def _redrive_app(
 ) -> int:
     ids = [d.delivery_id for d in items]
     if to_app is not None:
+        if not isinstance(store, Store):
+            raise ValueError("a group's dead letters are replayed into their group only")
         moved = await store.move(app, to_app, ids, now_ms())
         results = [x == 1 for x in moved]
         for d, ok in zip(items, results, strict=True):

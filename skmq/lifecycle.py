@@ -41,6 +41,8 @@ group's generation, which a reset or a delete and create renews):
     in_flight(n) --pull_ack--> acked                   (only attempt n, lease running)
     in_flight(n) --pull_nack--> waiting_retry | dead   (only attempt n, lease running)
     in_flight(n) --pull_extend--> in_flight(n)         (only attempt n, lease running)
+    dead --pull_replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
+    dead --pull_purge--> gone                          (not dead: refused)
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ TRANSITIONS: tuple[Transition, ...] = (
         {S.WAITING_RETRY, S.DEAD},
         "stale receipt: another attempt or lease ran out",
     ),
+    _t("pull_replay", {S.DEAD}, {S.DELAYED}, "not dead"),
+    _t("pull_purge", {S.DEAD}, {S.GONE}, "not dead"),
     _t(
         "pull_extend",
         {S.IN_FLIGHT},

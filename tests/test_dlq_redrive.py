@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from skmq.pull.groups import Groups, parse_receipt
 from skmq.store import AliveRecipient, NewMessage, Retries, Store
 from tests.conftest import BrokerFactory, free_port
 from tests.test_cli_ops import one_line, skmq
@@ -194,3 +195,51 @@ async def test_list_replay_and_purge_over_http(
     assert await dead_ids(store, "d") == ["m4"]
     replayed = [e for e in log_events(broker, event="replayed") if e["appid"] == "d"]
     assert sorted(e["msgid"] for e in replayed) == ["m1", "m3"]
+
+
+# -- a consumer group's dead letters -------------------------------------------------
+async def bury_in_group(store: Store, app: str, group: str, *msgids: str) -> Groups:
+    """Dead letters of consumer group `group` (RETRY_TIMES 1: a nack is its end)."""
+    groups = Groups(store)
+    await groups.create(app, group)
+    await store.store({app: [NewMessage(m, "queue", m.encode()) for m in msgids]}, T0)
+    got = (await groups.receive(app, group, T0, 100, 1000)).messages
+    receipts = [r for p in got if (r := parse_receipt(p.receipt)) is not None]
+    assert await groups.nack(app, group, [(*r, -1) for r in receipts], T0) == [(2, T0)] * len(
+        msgids
+    )
+    return groups
+
+
+async def test_a_groups_dead_letters_over_http_and_the_cli(
+    store: Store, make_broker: BrokerFactory, cli: Cli
+) -> None:
+    groups = await bury_in_group(store, "d", "g", "g1", "g2", "g3")
+    broker = await make_broker(http_port=free_port())
+    base = f"http://127.0.0.1:{broker.gateway.port}/v1/apps/d/dlq"
+    async with aiohttp.ClientSession() as http:
+
+        async def call(method: str, path: str, body: object = None) -> tuple[int, Any]:
+            async with http.request(method, f"{base}{path}", json=body) as response:
+                return response.status, await response.json()
+
+        status, listed = await call("GET", "?group=g")
+        assert status == 200
+        assert [(d["msgid"], d["recipient"], d["last_error"]) for d in listed["dead_letters"]] == [
+            (m, "group:g", "nack") for m in ("g1", "g2", "g3")
+        ]
+        assert (await call("GET", ""))[1] == {"dead_letters": []}  # the pushes' own
+        replay = {"group": "g", "msgids": ["g1"]}
+        assert (await call("POST", "/replay", replay))[1]["done"] == 1
+        assert (await call("POST", "/replay", {"group": "g", "to_app": "e"}))[0] == 400
+        assert (await call("GET", "?group=no%20such"))[0] == 400
+    (again,) = (await groups.receive("d", "g", int(time.time() * 1000), 10, 1000)).messages
+    assert (again.msgid, again.attempt) == ("g1", 1)
+    code, out, err = await cli("list", "--app", "d", "--group", "g", "--json")
+    assert code == 0, err
+    assert [d["msgid"] for d in json.loads(out)] == ["g2", "g3"]
+    code, out, err = await cli("purge", "--app", "d", "--group", "g", "g2")
+    assert (code, out.strip()) == (0, "purge: 1 of 1 dead letter(s)"), err
+    assert [d.msgid for d in await groups.dead_letters("d", "g")] == ["g3"]
+    code, _, err = await cli("list", "--group", "g")
+    assert code == 2 and "--group needs --app" in one_line(err)

@@ -3,12 +3,20 @@ skmq/lifecycle.py over a real Redis, refusals (stale receipts) included."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
-from skmq.pull.groups import Groups, NoSuchGroup, Pulled, Receipt, parse_receipt
+from skmq.pull.groups import (
+    GroupDeadLetters,
+    Groups,
+    NoSuchGroup,
+    Pulled,
+    Receipt,
+    parse_receipt,
+)
 from skmq.pull.trimmer import Trimmer
 from skmq.store import NewMessage, Retries, Store
 
@@ -250,6 +258,38 @@ async def test_an_expired_message_ends_its_keys_turn_in_a_group(groups: Groups) 
     got = await groups.receive(APP, "g", NOW + 1_000, 10, VIS)
     assert ids(got.expired) == ["k1"] and got.messages == []
     assert ids(await received(groups, "g", NOW + 1_000)) == ["k2"]
+
+
+async def test_a_groups_dead_letters_are_listed_replayed_and_purged(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    expiring = NewMessage("x", "queue", b"body-x", NOW + 5, NOW + 1)
+    await stored(groups, "a", "b")
+    await groups.store.store({APP: [expiring]}, NOW)
+    for p in await received(groups, "g"):
+        assert await groups.nack(APP, "g", [(*receipt(p), -1)], NOW) == [(1, NOW + 1_000)]
+    for p in await received(groups, "g", NOW + 1_000):
+        assert await groups.nack(APP, "g", [(*receipt(p), -1)], NOW + 1_000) == [(2, NOW + 1_000)]
+    assert (await groups.receive(APP, "g", NOW + 1_000, 10, VIS)).messages == []
+    dead = await GroupDeadLetters(groups, "g").dead_letters(APP)
+    assert [(d.msgid, d.recipient, d.attempts, d.content) for d in dead] == [
+        ("a", "group:g", 2, b"body-a"),
+        ("b", "group:g", 2, b"body-b"),
+        ("x", "group:g", 0, b"body-x"),  # expired (its TTL ran out before it was received)
+    ]
+    assert dead[0].last_error == "nack" and dead[2].last_error.startswith("expired")
+    assert abs(dead[0].stored_at - time.time() * 1000) < 60_000  # the log entry's (Redis) time
+    assert dead[0].died_at == NOW + 1_000
+    # replay: due now, attempts reset, TTL lifted; purge: gone, its log entry free
+    a, b, x = (d.delivery_id for d in dead)
+    assert await groups.replay(APP, "g", [a, x], NOW + 2_000) == [True, True]
+    assert await groups.replay(APP, "g", [a], NOW + 2_000) == [False]  # not dead now
+    again = await received(groups, "g", NOW + 2_000)
+    assert sorted((p.msgid, p.attempt) for p in again) == [("a", 1), ("x", 1)]
+    assert await groups.purge(APP, "g", [b]) == [True]
+    assert await groups.purge(APP, "g", [b]) == [False]
+    assert await GroupDeadLetters(groups, "g").dead_letters(APP) == []
+    assert await groups.ack(APP, "g", [receipt(p) for p in again], NOW + 2_000) == [True, True]
+    assert await groups.trim(APP) == 3  # nothing of the group held any more
 
 
 def test_receipts_parse_with_and_without_a_generation() -> None:

@@ -29,10 +29,11 @@ from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
-from skmq.dlq import CHUNK, Filters, Verb, choose, redrive
+from skmq.dlq import CHUNK, DeadLetters, Filters, Verb, choose, redrive
 from skmq.errors import UsageError
 from skmq.handler import bad_app
 from skmq.logs import configure_logging
+from skmq.pull.groups import GroupDeadLetters, Groups, bad_group
 from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
 
@@ -43,6 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     listing.add_argument("--app", help="only this app")
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
     listing.add_argument("--limit", type=_positive, default=None, help="at most N an app")
+    listing.add_argument("--group", help=GROUP_HELP)
     add_settings_flags(listing, STORE_FLAGS)
     add_token_flag(listing, "admin token, when the settings configure auth")
     listing.set_defaults(func=run)
@@ -59,6 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--max", type=_positive, help="at most N, oldest first")
         p.add_argument("--rate", type=_rate, help="at most N a second (N/s)")
         p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+        p.add_argument("--group", help=GROUP_HELP)
         if verb == "replay":
             p.add_argument("--to-app", help="replay into this app (a new message there)")
         add_settings_flags(p, STORE_FLAGS)
@@ -66,6 +69,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.set_defaults(func=run)
 
 
+GROUP_HELP = "the dead letters of this consumer group of --app (not of its pushes)"
 _AGO = re.compile(r"(\d+)([smhd])")
 _UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -109,15 +113,20 @@ def _filters(args: argparse.Namespace) -> Filters:
     return Filters(args.reason, args.since, args.until, args.max)
 
 
+def _where(store: Store, group: str | None) -> DeadLetters:
+    """The pushes' dead letters, or those of consumer group `group`."""
+    return store if group is None else GroupDeadLetters(Groups(store), group)
+
+
 async def _selected(
-    store: Store, args: argparse.Namespace, only: frozenset[str] | None
+    where: DeadLetters, store: Store, args: argparse.Namespace, only: frozenset[str] | None
 ) -> list[DeadLetter]:
     apps = [args.app] if args.app else await store.apps()
     apps = [app for app in apps if only is None or app in only]
     letters = [
         d
         for app in apps
-        for d in await store.dead_letters(app, args.limit if args.verb == "list" else None)
+        for d in await where.dead_letters(app, args.limit if args.verb == "list" else None)
     ]
     if args.verb == "list":
         return letters
@@ -140,11 +149,19 @@ async def _run(args: argparse.Namespace) -> int:
     to_app = getattr(args, "to_app", None)
     if to_app is not None and (why := bad_app(to_app)) is not None:
         raise UsageError(f"--to-app {why}")
+    if args.group is not None:
+        if not args.app:
+            raise UsageError("--group needs --app: the app whose consumer group it is")
+        if (why := bad_group(args.group)) is not None:
+            raise UsageError(f"--group {why}")
+        if to_app is not None:
+            raise UsageError("--to-app: a group's dead letters replay into their group")
     for app in (args.app, to_app):
         if app and only is not None and app not in only:
             raise UsageError(f"this token has no admin role for app {app!r}")
     async with open_store(settings) as store:
-        letters = await _selected(store, args, only)
+        where = _where(store, args.group)
+        letters = await _selected(where, store, args, only)
         if args.verb == "list":
             if args.json:
                 print(json.dumps([d.as_json() for d in letters], indent=2))
@@ -162,7 +179,7 @@ async def _run(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _dry_run(verb, letters, args.json)
         pace = TokenBucket(args.rate, burst=max(1.0, args.rate)) if args.rate else None
-        done = await _apply(store, settings.delivery_log_dir, args.verb, letters, to_app, pace)
+        done = await _apply(where, settings.delivery_log_dir, args.verb, letters, to_app, pace)
         structlog.get_logger("skmq.dlq").info(
             "operator action",
             action=f"dlq {args.verb}",
@@ -198,7 +215,7 @@ def _user() -> str:
 
 
 async def _apply(
-    store: Store,
+    store: DeadLetters,
     log_dir: os.PathLike[str],
     verb: Verb,
     letters: list[DeadLetter],

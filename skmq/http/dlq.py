@@ -12,10 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Tokens
 from skmq.deliverylog import DeliveryLog
-from skmq.dlq import Filters, UnknownDeadLetter, Verb, choose, redrive
+from skmq.dlq import DeadLetters, Filters, UnknownDeadLetter, Verb, choose, redrive
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import app_id, field_errors, path_app, read_json
+from skmq.pull.groups import GroupDeadLetters, Groups, bad_group
 from skmq.store import Store
 
 log = structlog.get_logger("skmq.dlq")
@@ -36,6 +37,9 @@ class DlqRequest(BaseModel):
     max: Annotated[int, Field(ge=1)] | None = Field(None, description="at most N, oldest first")
     dry_run: bool = Field(False, description="say what would be done, change nothing")
     to_app: str | None = Field(None, description="replay only: into this app, as new messages")
+    group: str | None = Field(
+        None, description="the dead letters of this consumer group (absent: of the pushes)"
+    )
 
 
 class DlqResult(BaseModel):
@@ -49,7 +53,9 @@ class DeadLetterInfo(BaseModel):
     appid: str
     msgid: str
     kind: Literal["queue", "topic"]
-    recipient: str | None = Field(description="the recipient of a topic copy")
+    recipient: str | None = Field(
+        description="the recipient of a topic copy; `group:<name>` for a group's"
+    )
     content: str = Field(description="as UTF-8 text (bytes that are not: U+FFFD)")
     attempts: int
     last_error: str
@@ -63,8 +69,11 @@ class DeadLetterList(BaseModel):
 
 
 class DlqRoutes:
-    def __init__(self, store: Store, dlog: DeliveryLog, tokens: Tokens | None) -> None:
+    def __init__(
+        self, store: Store, groups: Groups, dlog: DeliveryLog, tokens: Tokens | None
+    ) -> None:
         self.store = store
+        self.groups = groups
         self.dlog = dlog
         self.tokens = tokens
 
@@ -80,12 +89,20 @@ class DlqRoutes:
             app = app_id(name, "to_app")
         return app, authorize(self.tokens, request, "admin", app)
 
+    def _letters(self, group: str | None) -> DeadLetters:
+        """The app's dead letters, or those of its consumer group `group`."""
+        if group is None:
+            return self.store
+        if (why := bad_group(group)) is not None:
+            raise ApiError(400, f"group {why}")
+        return GroupDeadLetters(self.groups, group)
+
     async def list_letters(self, request: web.Request) -> web.Response:
         app, _ = self._app(request)
         raw = request.query.get("limit", "1000")
         if not raw.isdigit() or not 1 <= int(raw) <= 100_000:
             raise ApiError(400, "limit: a whole number from 1 to 100000")
-        letters = await self.store.dead_letters(app, int(raw))
+        letters = await self._letters(request.query.get("group")).dead_letters(app, int(raw))
         listed = DeadLetterList.model_validate({"dead_letters": [d.as_json() for d in letters]})
         return web.json_response(listed.model_dump())
 
@@ -104,17 +121,21 @@ class DlqRoutes:
         if body.to_app is not None:
             if verb != "replay":
                 raise ApiError(400, "to_app: replay only")
+            if body.group is not None:
+                raise ApiError(400, "to_app: a group's dead letters replay into their group")
             self._app(request, body.to_app)
+        letters = self._letters(body.group)
         filters = Filters(body.reason, body.since, body.until, body.max)
         try:
-            chosen = choose(await self.store.dead_letters(app), body.msgids or (), filters, app)
+            chosen = choose(await letters.dead_letters(app), body.msgids or (), filters, app)
         except UnknownDeadLetter as exc:
             raise ApiError(404, str(exc)) from None
         done = 0
         if not body.dry_run:
-            done = await redrive(self.store, self.dlog, verb, chosen, body.to_app)
+            done = await redrive(letters, self.dlog, verb, chosen, body.to_app)
             log.info("operator action", action=f"dlq {verb}", via="http", principal=principal,
-                     app=app, to_app=body.to_app, done=done, selected=len(chosen))  # fmt: skip
+                     app=app, group=body.group, to_app=body.to_app, done=done,
+                     selected=len(chosen))  # fmt: skip
         result: dict[str, Any] = DlqResult(
             action=verb, dry_run=body.dry_run, selected=[d.msgid for d in chosen], done=done
         ).model_dump()

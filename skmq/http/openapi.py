@@ -160,13 +160,18 @@ def document() -> dict[str, Any]:
         "description": "at most this many, oldest first (default 1000)",
         "schema": {"type": "integer", "minimum": 1, "maximum": 100000},
     }  # fmt: skip
+    group_param = {
+        "name": "group", "in": "query", "required": False,
+        "description": "the dead letters of this consumer group (absent: of the pushes)",
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+    }  # fmt: skip
     dlq_codes = (400, 401, 403, 404, 408, 415, 503)
     dlq_paths: dict[str, Any] = {
         "/v1/apps/{app}/dlq": {
             "parameters": [app_param],
             "get": {**op("listDeadLetters", "The app's dead letters (admin role)", None,
                          "DeadLetterList", "oldest first", 400, 401, 403, 503),
-                    "parameters": [limit_param]},
+                    "parameters": [limit_param, group_param]},
         },
         "/v1/apps/{app}/dlq/replay": {
             "parameters": [app_param],

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from skmq.store import Store
+from skmq.deliverylog import now_ms
+from skmq.events import GROUP_PREFIX
+from skmq.store import DeadLetter, Store
 from skmq.store.msgids import unpack
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -211,3 +213,67 @@ class Groups:
     ) -> list[bool]:
         args = [x for r in receipts for x in r]
         return [bool(x) for x in await self._pull("pull_extend", app, group, now, args)]
+
+    # -- dead letters (skmq/dlq.py through GroupDeadLetters) ----------------
+    async def dead_letters(
+        self, app: str, group: str, limit: int | None = None
+    ) -> list[DeadLetter]:
+        """The group's dead letters, oldest first (two round trips)."""
+        base = self.store.base(app)
+        dead_key = base + f"g:{group}:dead"
+        stop = -1 if limit is None else limit - 1
+        dead = await self.store.redis.zrange(dead_key, 0, stop, withscores=True)
+        ids = [member.decode() for member, _ in dead]
+        pipe = self.store.redis.pipeline(transaction=False)
+        for entry in ids:
+            pipe.xrange(self.log_key(app), entry, entry)
+            pipe.hmget(base + f"g:{group}:gstate", f"{entry}\x1fn", f"{entry}\x1fe")
+        res = await pipe.execute()
+        out = []
+        for i, (entry, (_, died)) in enumerate(zip(ids, dead, strict=True)):
+            found, (n, error) = res[2 * i], res[2 * i + 1]
+            fields = found[0][1] if found else {}
+            out.append(
+                DeadLetter(
+                    app,
+                    entry,
+                    unpack(fields.get(b"m", b"")),
+                    _KINDS.get(fields.get(b"k", b"q"), "queue"),
+                    GROUP_PREFIX + group,
+                    fields.get(b"c", b""),
+                    int(n or 0),
+                    (error or b"").decode("utf-8", "replace"),
+                    [],
+                    int(died),
+                    int(entry.split("-")[0]),
+                )
+            )
+        return out
+
+    async def replay(self, app: str, group: str, ids: Sequence[str], now: int) -> list[bool]:
+        """Dead letters of the group due again now, attempts reset, TTL lifted."""
+        if not ids:
+            return []
+        return [bool(x) for x in await self._pull("pull_replay", app, group, now, ids)]
+
+    async def purge(self, app: str, group: str, ids: Sequence[str]) -> list[bool]:
+        if not ids:
+            return []
+        return [bool(x) for x in await self._pull("pull_purge", app, group, now_ms(), ids)]
+
+
+@dataclass(slots=True)
+class GroupDeadLetters:
+    """One consumer group's dead letters, with the calls skmq/dlq.py makes of a Store."""
+
+    groups: Groups
+    group: str
+
+    async def dead_letters(self, app: str, limit: int | None = None) -> list[DeadLetter]:
+        return await self.groups.dead_letters(app, self.group, limit)
+
+    async def replay(self, app: str, ids: Sequence[str], now: int) -> list[bool]:
+        return await self.groups.replay(app, self.group, ids, now)
+
+    async def purge(self, app: str, ids: Sequence[str]) -> list[bool]:
+        return await self.groups.purge(app, self.group, ids)

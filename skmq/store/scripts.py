@@ -50,12 +50,20 @@ KEYS: dict[str, tuple[str, ...]] = {
     "pull_ack": ("groups", "glog"),
     "pull_nack": ("groups", "glog"),
     "pull_extend": ("groups", "glog"),
+    "pull_replay": ("groups", "glog"),
+    "pull_purge": ("groups", "glog"),
 }
 
 _PRELUDES: dict[str, tuple[str, ...]] = {
     "fail": ("retry",),
     "reap": ("retry",),
-    **{name: ("pull_lib",) for name in ("pull_receive", "pull_ack", "pull_nack", "pull_extend")},
+    **{
+        name: ("pull_lib",)
+        for name in (
+            *("pull_receive", "pull_ack", "pull_nack", "pull_extend"),
+            *("pull_replay", "pull_purge"),
+        )
+    },
 }
 
 

@@ -5,6 +5,6 @@
 return each_live(3, function(id)
   redis.call('ZREM', inflight, id)
   redis.call('ZREM', held, id)
-  redis.call('HDEL', gstate, nfield(id), efield(id))
+  forget_entry(id)
   release(id)
 end)

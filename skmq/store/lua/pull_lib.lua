@@ -7,7 +7,8 @@
 --   inflight  ZSET    entry id -> lease deadline ms (received, not settled)
 --   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)
 --   held      ZSET    entry id -> its ms: every entry the group still needs (log trimming)
---   gstate    HASH    <entry id>\31n attempts, <entry id>\31e last error, and \31g the
+--   gstate    HASH    <entry id>\31n attempts, <entry id>\31e last error, <entry id>\31t
+--                     1 when a replay lifted its TTL, and \31g the
 --                     group's generation: Redis's clock_us() when it was made or reset
 --                     (none: '0', a group made before generations)
 --   dead      ZSET    entry id -> ms it died (the group's dead letters)
@@ -30,6 +31,11 @@ local backoff, rest = backoff_args(3)
 local function nfield(id) return id .. '\31n' end
 local function efield(id) return id .. '\31e' end
 local function ofield(id) return id .. '\31o' end
+local function tfield(id) return id .. '\31t' end
+-- An entry the group is done with (acked, purged, dropped): its own fields go.
+local function forget_entry(id)
+  redis.call('HDEL', gstate, nfield(id), efield(id), tfield(id))
+end
 local GEN = '\31g'
 local function generation() return redis.call('HGET', gstate, GEN) or '0' end
 
@@ -48,7 +54,12 @@ local function fields(flat)
   for j = 1, #flat, 2 do f[flat[j]] = flat[j + 1] end
   return f
 end
-local function expires(f) return tonumber(f.x or '0') end
+-- When entry id expires (0: never): its TTL's end, unless a replay lifted it.
+local function expires(id, f)
+  local x = tonumber(f.x or '0')
+  if x > 0 and x <= now and redis.call('HEXISTS', gstate, tfield(id)) == 1 then return 0 end
+  return x
+end
 
 -- Entry id is over for the group (acked, dead, expired): the next entry of its ordering
 -- key, if any, falls due now (a receive's wake-up is published).
@@ -80,7 +91,7 @@ local function fail_attempt(id, why, wait)
   if wait < 0 then wait = backoff[math.max(1, math.min(n, #backoff))] end
   local due = now + wait
   local e = redis.call('XRANGE', glog, id, id)[1]
-  local x = e and expires(fields(e[2])) or 0
+  local x = e and expires(id, fields(e[2])) or 0
   if x > 0 and due > x then due = x end  -- at its expiry at the latest
   redis.call('ZADD', delayed, due, id)
   return {1, due}

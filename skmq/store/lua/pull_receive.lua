@@ -18,8 +18,8 @@ local out = {}
 local taken = 0
 local function ms(id) return tonumber(string.match(id, '^(%d+)')) end
 -- When an entry falls due: its delay, or its expiry if that comes first.
-local function due_of(f)
-  local due, x = tonumber(f.d or '0'), expires(f)
+local function due_of(id, f)
+  local due, x = tonumber(f.d or '0'), expires(id, f)
   if x > 0 and due > x then return x end
   return due
 end
@@ -43,7 +43,7 @@ local function expire(id, f)
   local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
   if drop then
     redis.call('ZREM', held, id)
-    redis.call('HDEL', gstate, nfield(id), efield(id))
+    forget_entry(id)
   else
     redis.call('ZADD', dead, now, id)
     redis.call('ZADD', held, ms(id), id)
@@ -53,7 +53,7 @@ local function expire(id, f)
   emit(id, f, 'x' .. f.k, drop and 'drop' or 'dead', n)
 end
 local function lease(id, f)
-  local x = expires(f)
+  local x = expires(id, f)
   if x > 0 and now >= x then return expire(id, f) end
   local n = redis.call('HINCRBY', gstate, nfield(id), 1)
   redis.call('ZADD', inflight, now + vis, id)
@@ -67,11 +67,11 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0
   local e = redis.call('XRANGE', glog, id, id)
   if not e[1] then  -- gone from the log (never while held): forget it
     redis.call('ZREM', held, id)
-    redis.call('HDEL', gstate, nfield(id), efield(id))
+    forget_entry(id)
     release(id)
   else
     local f = fields(e[1][2])
-    local due = due_of(f)  -- (an entry let go by its key: due now, or at its own delay)
+    local due = due_of(id, f)  -- (an entry let go by its key: due now, or at its own delay)
     if due > now then redis.call('ZADD', delayed, due, id) else lease(id, f) end
   end
 end
@@ -83,7 +83,7 @@ while taken < max and scanned < 1000 do
     cursor = e[1]
     scanned = scanned + 1
     local f = fields(e[2])
-    local due = due_of(f)
+    local due = due_of(cursor, f)
     if not admitted(cursor, f) then
       redis.call('ZADD', held, ms(cursor), cursor)
     elseif due > now then
