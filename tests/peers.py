@@ -186,6 +186,9 @@ class FakeRecipient:
         if action == "no-msgid":
             writer.write(encode_frame("ack", {}))
             return
+        if action == "ack-as-other":  # names another recipient than this one
+            writer.write(encode_frame("ack", {**fields, "recipient": "other"}))
+            return
         if action in ("arrived", "arrived+ack"):
             writer.write(encode_frame("arrived", fields))
         if action in ("ack", "arrived+ack"):

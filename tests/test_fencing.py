@@ -231,6 +231,30 @@ async def test_answers_from_another_address_change_nothing(
     await holder.stop()
 
 
+async def test_an_answer_on_a_push_connection_naming_another_recipient_is_refused(
+    broker: Broker, redis: aioredis.Redis, prefix: str
+) -> None:
+    """PROTOCOL.md 7: `recipient=` narrows an answer to that recipient; on the push
+    connection of another it settles nothing."""
+    app = "named"
+    rec = FakeRecipient(app, "r1", lambda f: "ack-as-other")
+    await rec.start()
+    assert (await register(broker.server.port, rec))["status"] == "ack"
+    await produce(broker.server.port, app, {"m": b"x"})
+    await rec.next_push()
+
+    async def answered() -> bool:
+        return bool(rec.resps)
+
+    await eventually(answered)
+    assert rec.resps[0].fields.get("msgid") == "m"
+    assert b"reject" in (rec.resps[0].content or b"") and b"'other'" in (
+        rec.resps[0].content or b""
+    )
+    assert await redis.zscore(f"{prefix}:{{{app}}}:inflight", "m") is not None
+    await rec.stop()
+
+
 async def test_a_late_ack_from_the_recipients_host_settles_only_its_own_copy(
     broker: Broker, redis: aioredis.Redis, prefix: str
 ) -> None:

@@ -318,6 +318,15 @@ class RecipientLink:
         def reply(resp: Verdict) -> None:
             conn.reply(msgid, resp)
 
+        named = frame.fields.get("recipient")
+        if named and named != self.rid:  # PROTOCOL.md 7: it narrows to that recipient
+            reply(
+                (
+                    "reject",
+                    f"the answer names recipient {named!r}; these pushes are to {self.rid!r}",
+                )
+            )
+            return
         d = self.inflight.get(msgid)
         if d is None and kind in OUTCOMES:
             d = self.expired.pop(msgid, None)
