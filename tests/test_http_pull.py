@@ -303,41 +303,30 @@ async def test_group_reset_and_delete_need_the_admin_role(
     assert (await call(http, "DELETE", f"{base}/a/groups/g", **admin))[0] == 404
 
 
+@pytest.mark.parametrize("over", ["http", "tcp"])
 async def test_a_long_poll_whose_client_went_away_takes_nothing(
-    make_broker: BrokerFactory, http: aiohttp.ClientSession
+    make_broker: BrokerFactory, http: aiohttp.ClientSession, over: str
 ) -> None:
-    """A receive waiting for messages ends with its client: a message stored after the
-    client hung up goes to the next live receive, not to nobody."""
+    """A receive waiting for messages ends with its client (an HTTP request, or a `pull`
+    frame on the broker's port): a message stored after the client hung up goes to the
+    next live receive, not to nobody."""
     broker, base = await gateway(make_broker)
     assert (await call(http, "POST", f"{base}/gone/groups", {"group": "g"}))[0] == 201
-    _, writer = await asyncio.open_connection("127.0.0.1", broker.gateway.port)
     body = json.dumps({"wait": 20}).encode()
-    writer.write(
-        b"POST /v1/apps/gone/groups/g/receive HTTP/1.1\r\nHost: x\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-
-    async def waiting(n: int) -> bool:
-        return broker.wakeups.count == n
-
-    await eventually(lambda: waiting(1))
-    writer.close()
-    await eventually(lambda: waiting(0), 5)  # not at the end of its 20 s wait
-    await produce(http, base, "gone", "m1")
-    assert [m["msgid"] for m in await receive(http, base, "gone", "g", wait=5)] == ["m1"]
-
-
-async def test_a_tcp_long_poll_whose_connection_ended_takes_nothing(
-    make_broker: BrokerFactory, http: aiohttp.ClientSession
-) -> None:
-    """The same over the broker's port (a `pull` frame): it ends with its connection."""
-    broker, base = await gateway(make_broker)
-    assert (await call(http, "POST", f"{base}/gone/groups", {"group": "g"}))[0] == 201
-    _, writer = await asyncio.open_connection("127.0.0.1", broker.server.port)
-    writer.write(
-        b"type=pull\r\nappid=gone\r\ngroup=g\r\nop=receive\r\nmsgid=p1\r\n"
-        b'content={"wait":20}\r\n\r\n'
-    )
+    if over == "http":
+        port, request = (
+            broker.gateway.port,
+            (
+                b"POST /v1/apps/gone/groups/g/receive HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            ),
+        )
+    else:
+        port = broker.server.port
+        request = b"type=pull\r\nappid=gone\r\ngroup=g\r\nop=receive\r\ncontent=%s\r\n\r\n" % body
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
 
     async def waiting(n: int) -> bool:
         return broker.wakeups.count == n

@@ -114,3 +114,19 @@ local function each_live(width, fn)
   end
   return out
 end
+
+-- For each entry id in ARGV from `rest` on that is a dead letter of the group: out of
+-- `dead`, then fn(entry id). Returns 1 for each it ran for, 0 for the others (not dead).
+local function each_dead(fn)
+  local out = {}
+  for i = rest, #ARGV do
+    local id = ARGV[i]
+    if redis.call('ZREM', dead, id) == 1 then
+      fn(id)
+      out[#out + 1] = 1
+    else
+      out[#out + 1] = 0
+    end
+  end
+  return out
+end

@@ -1,17 +1,10 @@
 -- dead -> delayed (due now, attempts reset, TTL lifted), for one consumer group: an
 -- operator's replay of the group's dead letters (not dead: refused). Waiting receives wake.
 -- KEYS, ARGV: as pull_lib.lua, then entry id*. Returns 1 (replayed) or 0 each.
-local out = {}
-for i = rest, #ARGV do
-  local id = ARGV[i]
-  if redis.call('ZREM', dead, id) == 1 then
-    redis.call('HDEL', gstate, nfield(id), efield(id))
-    redis.call('HSET', gstate, tfield(id), 1)
-    redis.call('ZADD', delayed, now, id)
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
-  end
-end
+local out = each_dead(function(id)
+  redis.call('HDEL', gstate, nfield(id), efield(id))
+  redis.call('HSET', gstate, tfield(id), 1)
+  redis.call('ZADD', delayed, now, id)
+end)
 redis.call('PUBLISH', glog, now)
 return out
