@@ -97,16 +97,14 @@ local function fail_attempt(id, why, wait)
   return {1, due}
 end
 
--- For each receipt in ARGV from `rest` on, `width` arguments a receipt (entry id,
--- attempt n, generation, then the script's own): fn(entry id, the script's own
--- arguments) where attempt n is live. Returns 1 for each receipt it ran for, 0 for the
--- others.
-local function each_live(width, fn)
+-- For each item in ARGV from `rest` on, `width` arguments an item, the entry id first:
+-- fn(entry id, the item's arguments from `skip` + 1 on) where ok(entry id, the item's
+-- other arguments) holds. Returns 1 for each item it ran for, 0 for the others.
+local function each_where(width, skip, ok, fn)
   local out = {}
   for i = rest, #ARGV, width do
-    local id = ARGV[i]
-    if live(id, tonumber(ARGV[i + 1]), ARGV[i + 2]) then
-      fn(id, unpack(ARGV, i + 3, i + width - 1))
+    if ok(unpack(ARGV, i, i + width - 1)) then
+      fn(ARGV[i], unpack(ARGV, i + skip, i + width - 1))
       out[#out + 1] = 1
     else
       out[#out + 1] = 0
@@ -115,18 +113,13 @@ local function each_live(width, fn)
   return out
 end
 
--- For each entry id in ARGV from `rest` on that is a dead letter of the group: out of
--- `dead`, then fn(entry id). Returns 1 for each it ran for, 0 for the others (not dead).
+-- Receipts (entry id, attempt n, generation, then the script's own arguments): fn where
+-- attempt n is live.
+local function each_live(width, fn)
+  return each_where(width, 3, function(id, n, g) return live(id, tonumber(n), g) end, fn)
+end
+
+-- Entry ids: out of `dead`, then fn, where it is a dead letter of the group.
 local function each_dead(fn)
-  local out = {}
-  for i = rest, #ARGV do
-    local id = ARGV[i]
-    if redis.call('ZREM', dead, id) == 1 then
-      fn(id)
-      out[#out + 1] = 1
-    else
-      out[#out + 1] = 0
-    end
-  end
-  return out
+  return each_where(1, 1, function(id) return redis.call('ZREM', dead, id) == 1 end, fn)
 end
