@@ -165,22 +165,37 @@ class ClusterUnavailable(RedisError):  # type: ignore[misc]
     handles as "store unavailable"."""
 
 
+# A command that times out or loses its node makes redis-py's RedisCluster close every
+# node's connections, those other commands are running on too: one of those then fails
+# inside redis-py writing to a connection gone under it, as an AttributeError (its writer
+# None) or a RuntimeError (uvloop: the transport closed). Seen by an outside check with
+# a master stalled (SIGSTOP) 10 s under load: tracebacks, and the dispatchers restarted.
+_TORN = (AttributeError, RuntimeError)
+
+
+def _unavailable(exc: Exception) -> ClusterUnavailable:
+    if isinstance(exc, RedisClusterException):
+        return ClusterUnavailable(str(exc))
+    return ClusterUnavailable(f"connection closed under the command: {exc!r}")
+
+
 class _Pipeline(ClusterPipeline):  # type: ignore[misc]
     async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
         try:
             return await super().execute(*args, **kwargs)  # type: ignore[no-any-return]
-        except RedisClusterException as exc:
-            raise ClusterUnavailable(str(exc)) from exc
+        except (RedisClusterException, *_TORN) as exc:
+            raise _unavailable(exc) from exc
 
 
 class Cluster(RedisCluster):  # type: ignore[misc]
-    """RedisCluster whose client-side cluster errors are RedisErrors too."""
+    """RedisCluster whose client-side cluster errors, and those of a connection closed
+    under a command, are RedisErrors too."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().execute_command(*args, **kwargs)
-        except RedisClusterException as exc:
-            raise ClusterUnavailable(str(exc)) from exc
+        except (RedisClusterException, *_TORN) as exc:
+            raise _unavailable(exc) from exc
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         if shard_hint:

@@ -131,6 +131,8 @@ class Enqueuer:
         """Store and log a batch; its producers get an answer whatever fails."""
         try:
             await self._store_and_log(batch)
+        except Exception:  # not a store error (those are answered): a fault, logged once
+            log.exception("storing a batch failed")
         finally:
             if not batch.future.done():
                 batch.future.set_result(UNAVAILABLE)
