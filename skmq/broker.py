@@ -278,7 +278,8 @@ class Broker:
     async def stop(self) -> None:
         log.info("broker stopping", broker=self.broker_id)
         await self.server.stop_accepting()
-        await self.server.stop(timeout=min(2.0, self.settings.shutdown_timeout))
+        # Frames read are answered (a store waiting on Redis answers by STORE_TIMEOUT).
+        await self.server.stop(timeout=self.settings.shutdown_timeout)
         await self.enqueuer.drain()
         await self.engine.stop()
         await self.gateway.close()

@@ -398,6 +398,40 @@ async def test_redis_stall_gives_backpressure_then_errors(
     await client.close()
 
 
+async def test_a_stop_while_redis_is_stalled_answers_every_frame_and_ends_in_bounded_time(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    """SIGTERM with the store stalled: a frame read is answered (`error`, by STORE_TIMEOUT)
+    before its connection closes, and the broker stops within about twice
+    SHUTDOWN_TIMEOUT, though a push in flight cannot be handed back (it took 31 s)."""
+    broker = await make_broker(redis_url=own_redis.url, store_timeout=1.0, shutdown_timeout=2.0)
+    holder = FakeRecipient("st", "holder", lambda f: "silent")
+    await holder.start()
+    assert (await holder.register(broker.server.port))["status"] == "ack"
+    client = await RawClient.connect(broker.server.port)
+    assert (await client.request("queue", b"x", appid="st", msgid="held"))["status"] == "ack"
+    await holder.next_push()
+    assert own_redis.proc is not None
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    client.send("queue", b"y", appid="st", msgid="during")
+
+    async def storing() -> bool:  # read, and waiting for the store
+        return broker.enqueuer.pending_bytes > 0
+
+    await eventually(storing)
+    broker.stopping.set()
+    started = asyncio.get_running_loop().time()
+    stopping = asyncio.create_task(broker.stop())
+    resp = await client.resp(timeout=5)
+    assert resp["status"] == "error" and "store unavailable" in resp["content"], resp
+    async with asyncio.timeout(15):
+        await stopping
+    assert asyncio.get_running_loop().time() - started < 2 * 2.0 + 2.5  # + STORE_TIMEOUT etc.
+    os.kill(own_redis.proc.pid, signal.SIGCONT)
+    await client.close()
+    await holder.stop()
+
+
 # -- apps are forgotten -------------------------------------------------------------
 async def test_apps_with_no_recipients_and_no_messages_are_forgotten(
     broker: Broker, redis: aioredis.Redis

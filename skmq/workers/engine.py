@@ -151,19 +151,24 @@ class Engine:
 
     async def stop(self) -> None:
         """Stop claiming, give in-flight pushes SHUTDOWN_TIMEOUT to be answered, then hand
-        whatever is left back to Redis (no attempt spent), for this or another broker."""
+        whatever is left back to Redis (no attempt spent), for this or another broker.
+        Recording the answers and handing back share that time (at least a second): with
+        the store stalled, what is not done by then runs out its lease instead."""
         self._stopping = True
         await cancel_and_wait([*self.apps.pause(), *self._tasks])
         deadline = time.monotonic() + self.settings.shutdown_timeout
         while any(True for _ in self.pusher.in_flight()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        await self.answers.drain()
-        by_app: dict[str, list[str]] = {}
-        for d in self.pusher.in_flight():
-            by_app.setdefault(d.app, []).append(d.delivery_id)
-        for app, ids in by_app.items():
-            with contextlib.suppress(RedisError, OSError):
-                await self.store.release(app, ids)
+        with contextlib.suppress(TimeoutError, RedisError, OSError):
+            async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
+                await self.answers.drain()
+                by_app: dict[str, list[str]] = {}
+                for d in self.pusher.in_flight():
+                    by_app.setdefault(d.app, []).append(d.delivery_id)
+                await asyncio.gather(
+                    *(self.store.release(app, ids) for app, ids in by_app.items()),
+                    return_exceptions=True,
+                )
         self.pusher.close()
         await cancel_and_wait(self.pusher.tasks)
 
