@@ -220,14 +220,14 @@ class Groups:
     ) -> list[DeadLetter]:
         """The group's dead letters, oldest first (two round trips)."""
         base = self.store.base(app)
-        dead_key = base + f"g:{group}:dead"
+        _, _, _, gstate, dead_key, _ = (base + k for k in self._group_keys(group))
         stop = -1 if limit is None else limit - 1
         dead = await self.store.redis.zrange(dead_key, 0, stop, withscores=True)
         ids = [member.decode() for member, _ in dead]
         pipe = self.store.redis.pipeline(transaction=False)
         for entry in ids:
             pipe.xrange(self.log_key(app), entry, entry)
-            pipe.hmget(base + f"g:{group}:gstate", f"{entry}\x1fn", f"{entry}\x1fe")
+            pipe.hmget(gstate, f"{entry}\x1fn", f"{entry}\x1fe")  # attempts, last error
         res = await pipe.execute()
         out = []
         for i, (entry, (_, died)) in enumerate(zip(ids, dead, strict=True)):
