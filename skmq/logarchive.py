@@ -11,7 +11,10 @@ Files still being written are never compressed nor pruned.
 Compression is gzip level 1, which the audit (and Spark, by the `.gz` suffix) reads as
 is: about 0.8 us of CPU and 25-40 bytes on disk for a message's ~680 bytes of lines.
 The `.gz` is written as `<name>.gz.part`, synced and renamed, and only then is the
-`.jsonl` removed: a crash at any point leaves the lines once, in a complete file.
+`.jsonl` removed: a crash at any point leaves the lines in a complete file; a crash
+between the rename and the removal leaves them twice, and the next sweep, finding the
+`.gz` holds the same lines, removes the `.jsonl` (the audit counts identical lines once
+meanwhile).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import shutil
 import stat
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import structlog
@@ -96,7 +100,12 @@ class LogArchive:
                 return
             part = path.with_name(path.name + ".gz.part")
             target = path.with_name(path.name + ".gz")
-            if target.exists():  # its index was written again after a race: keep both
+            if target.exists():
+                if _same_lines(fd, target):  # a crash between the rename and the unlink
+                    path.unlink()
+                    log.info("delivery log file already compressed", file=path.name)
+                    return
+                # Its index was written again after a race: keep both.
                 target = path.with_name(f"{path.stem}-{st.st_ino}.jsonl.gz")
             with open(fd, "rb", closefd=False) as src, open(part, "wb") as raw:
                 with gzip.GzipFile(path.name, "wb", LEVEL, raw, mtime=0) as gz:
@@ -136,6 +145,22 @@ class LogArchive:
                 log.info("delivery log file pruned", file=path.name, bytes=size,
                          why="age" if too_old else "size")  # fmt: skip
             total -= size
+
+
+def _same_lines(fd: int, compressed: Path) -> bool:
+    """The open file ``fd`` holds exactly what the gzip file ``compressed`` does."""
+    try:
+        with open(fd, "rb", closefd=False) as plain, gzip.open(compressed, "rb") as packed:
+            while True:
+                chunk = plain.read(_CHUNK)
+                if packed.read(len(chunk) or 1) != chunk:
+                    return False
+                if not chunk:
+                    return True
+    except (OSError, EOFError, zlib.error):
+        return False  # not a complete gzip file: compress again beside it
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
 
 
 def log_files(directory: Path) -> list[Path]:

@@ -127,3 +127,21 @@ def test_a_restart_goes_on_with_an_uncompressed_last_file(tmp_path: Path) -> Non
     again.close()
     assert _names(tmp_path) == ["delivery-b1-000000.jsonl"]
     assert _msgids(tmp_path) == [f"m{i}" for i in range(10)]
+
+
+def test_a_crash_between_rename_and_unlink_leaves_the_lines_once(tmp_path: Path) -> None:
+    """Killed after the .gz was renamed into place, before the .jsonl was removed: both
+    hold the same lines. The next sweep removes the .jsonl (it wrote a third copy,
+    `-<inode>.jsonl.gz`, before); a .gz with other lines is still kept beside."""
+    lines = "".join(f'{{"msgid":"m{i}"}}\n' for i in range(100))
+    (tmp_path / "delivery-b1-000000.jsonl").write_text(lines)
+    (tmp_path / "delivery-b1-000000.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "delivery-b1-000001.jsonl").write_text('{"msgid":"new"}\n')
+    (tmp_path / "delivery-b1-000001.jsonl.gz").write_bytes(gzip.compress(b'{"msgid":"old"}\n'))
+    archive = LogArchive(tmp_path, 0, 0)
+    archive.sweep()
+    names = set(_names(tmp_path))
+    kept = {"delivery-b1-000000.jsonl.gz", "delivery-b1-000001.jsonl.gz"}
+    assert kept < names and len(names) == 3
+    assert next(iter(names - kept)).startswith("delivery-b1-000001-")
+    assert sorted(_msgids(tmp_path)) == sorted([f"m{i}" for i in range(100)] + ["new", "old"])
