@@ -64,7 +64,9 @@ def ack_attempt(key: Column) -> Column:
 
 
 def _number_in(pattern: str) -> Column:
-    return F.regexp_extract(F.col("detail"), pattern, 1).cast("long")
+    """The number ``pattern`` finds in the detail; null if none (a detail without it, or
+    digits beyond a long: a cast of "" fails under ANSI SQL, Spark 4's default)."""
+    return F.regexp_extract(F.col("detail"), pattern, 1).try_cast("long")
 
 
 def _failure_code() -> Column:
