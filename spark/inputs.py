@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import bz2
 import glob
-import gzip
 import os
 import re
+import stat
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import BinaryIO
 
 from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from skmq.events import LOG_FIELDS, RECIPIENT_EVENTS, Event, Kind
 
@@ -111,14 +117,35 @@ def is_remote(path: str) -> bool:
 
 
 def _log_files_under(directory: str) -> list[str]:
+    """The log files under ``directory``, at any depth, links to directories followed
+    (each real directory searched once: a link back up is no loop).  A directory that
+    cannot be listed is in the list itself, for :func:`check_files` to name."""
     found: list[str] = []
-    for root, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
-        found.extend(
-            os.path.join(root, name)
-            for name in files
-            if not name.startswith((".", "_")) and name.endswith(LOG_SUFFIXES)
-        )
+    seen: set[str] = set()
+    stack = [directory]
+    while stack:
+        current = stack.pop()
+        real = os.path.realpath(current)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            with os.scandir(current) as listing:
+                entries = list(listing)
+        except OSError:
+            found.append(current)
+            continue
+        for entry in entries:
+            if entry.name.startswith((".", "_")):
+                continue
+            try:
+                is_dir = entry.is_dir()  # follows a link
+            except OSError:
+                is_dir = False
+            if is_dir:
+                stack.append(entry.path)
+            elif entry.name.endswith(LOG_SUFFIXES):
+                found.append(entry.path)
     return sorted(found)
 
 
@@ -130,7 +157,7 @@ def _expand_local(item: str, local: str, must_exist: bool) -> list[str] | None:
             suffixes = ", ".join("*" + s for s in LOG_SUFFIXES)
             raise AuditInputError(f"no delivery log files ({suffixes}) under {item}")
         return found
-    if os.path.isfile(local):
+    if os.path.exists(local):  # a file, or something check_files names (a FIFO)
         return [local]
     matches = sorted(glob.glob(local, recursive=True)) if _GLOB_CHARS.search(local) else []
     if matches:
@@ -143,6 +170,20 @@ def _expand_local(item: str, local: str, must_exist: bool) -> list[str] | None:
     if _GLOB_CHARS.search(local):
         raise AuditInputError(f"no file matches {item}")
     raise AuditInputError(f"no such file or directory: {item}")
+
+
+def _distinct_files(files: Sequence[str]) -> dict[object, str]:
+    """Each file once, as first named: the same file under two names (a link, a path
+    given twice or also found in a directory) would be counted twice."""
+    distinct: dict[object, str] = {}
+    for name in files:
+        try:
+            st = os.stat(name)
+            key: object = (st.st_dev, st.st_ino)
+        except OSError:  # named by check_files
+            key = os.path.realpath(name)
+        distinct.setdefault(key, os.path.abspath(name))
+    return distinct
 
 
 def resolve_log_paths(logs: str | Sequence[str], *, must_exist: bool = True) -> list[str]:
@@ -173,39 +214,92 @@ def resolve_log_paths(logs: str | Sequence[str], *, must_exist: bool = True) -> 
             files.extend(found)
     if not files and not uris:
         raise AuditInputError(f"no delivery log files in {', '.join(items)}")
-    absolute = [os.path.abspath(f) for f in files]
+    absolute = list(_distinct_files(files).values())
     if not must_exist:
         absolute = [f"file://{f}" for f in absolute]
     return list(dict.fromkeys([*absolute, *uris]))
 
 
-def _read_through(opener: object, path: str) -> None:
-    with opener(path, "rb") as handle:  # type: ignore[operator]
-        while handle.read(_CHUNK):
-            pass
+# Compressed data, told by its first bytes: (magic, format, the suffix Spark reads it by).
+_MAGIC = (
+    (b"\x1f\x8b", "gzip", ".gz"),
+    (b"BZh", "bzip2", ".bz2"),
+    (b"\x28\xb5\x2f\xfd", "zstd", ".zst"),
+    (b"\xfd7zXZ\x00", "xz", None),
+)
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _gzip_problem(handle: BinaryIO) -> str | None:
+    """Why Hadoop's gzip reader would fail on the file, or None.  Members may follow
+    each other; anything else after the last one (zero padding, which Python's gzip
+    module accepts) fails Hadoop, as a cut member does."""
+    decompressor = zlib.decompressobj(wbits=31)
+    data = handle.read(_CHUNK)
+    if not data:
+        return None  # empty: no line
+    while True:
+        try:
+            decompressor.decompress(data, _CHUNK)
+            while decompressor.unconsumed_tail:
+                decompressor.decompress(decompressor.unconsumed_tail, _CHUNK)
+        except zlib.error as exc:
+            return f"not a complete gzip file ({exc})"
+        if decompressor.eof:
+            data = decompressor.unused_data or handle.read(_CHUNK)
+            if not data:
+                return None
+            if not data.startswith(b"\x1f\x8b"):
+                return "not a complete gzip file (data after its end)"
+            decompressor = zlib.decompressobj(wbits=31)
+            continue
+        data = handle.read(_CHUNK)
+        if not data:
+            return "not a complete gzip file (cut short)"
+
+
+def _bzip2_problem(path: str) -> str | None:
+    try:
+        with bz2.open(path, "rb") as handle:
+            while handle.read(_CHUNK):
+                pass
+    except (OSError, EOFError, ValueError) as exc:
+        return f"not a complete bzip2 file ({exc})"
+    return None
 
 
 def _problem(path: str) -> str | None:
     """Why Spark could not read the local file ``path`` as a log, or None."""
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the audit forever
+            kind = next((k for test, k in _FILE_KINDS if test(mode)), "not a regular file")
+            if stat.S_ISDIR(mode):
+                os.listdir(path)  # resolve_log_paths lists only the unreadable ones
+            return f"cannot be read: {kind}, not a regular file"
         with open(path, "rb") as handle:
-            head = handle.read(3)
+            head = handle.read(6)
+            if path.endswith(".gz"):
+                handle.seek(0)
+                return _gzip_problem(handle)
     except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    if path.endswith(".gz"):
-        try:
-            _read_through(gzip.open, path)
-        except (OSError, EOFError, zlib.error) as exc:
-            return f"not a complete gzip file ({exc})"
-    elif path.endswith(".bz2"):
-        try:
-            _read_through(bz2.open, path)
-        except (OSError, EOFError, ValueError) as exc:
-            return f"not a complete bzip2 file ({exc})"
-    elif head[:2] == b"\x1f\x8b":
-        return "gzip data in a file not named .gz (rename it to .jsonl.gz)"
-    elif head == b"BZh":
-        return "bzip2 data in a file not named .bz2 (rename it to .jsonl.bz2)"
+        what = "directory cannot be read" if os.path.isdir(path) else "cannot be read"
+        return f"{what} ({exc.strerror or exc})"
+    if path.endswith(".bz2"):
+        return _bzip2_problem(path)
+    for magic, name, suffix in _MAGIC:
+        if path.endswith(".zst") and name == "zstd":
+            return None if not head or head.startswith(magic) else "not zstd data"
+        if head.startswith(magic):
+            if suffix is None:
+                return f"{name} data, which Spark cannot read (decompress it)"
+            return f"{name} data in a file not named {suffix} (rename it to .jsonl{suffix})"
     return None
 
 

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -485,6 +486,58 @@ def test_resolve_log_paths(tmp_path: Path) -> None:
         resolve_log_paths(str(tmp_path / "nothing-*.jsonl"))
 
 
+def _unprivileged(code: str) -> Any:
+    """Run ``code`` in a Python that has dropped root first (root reads any directory),
+    with resolve_log_paths and check_files imported; returns the process."""
+    drop = "import os; os.setgid(65534); os.setuid(65534)\n" if os.geteuid() == 0 else ""
+    prelude = "import json\nfrom skmq.audit_job.inputs import check_files, resolve_log_paths\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + drop + code],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@needs_java
+def test_directories_followed_and_odd_files_named(spark: SparkSession) -> None:
+    """A link to a directory is followed (a link back up is no loop); a FIFO is named
+    before anything opens it (it would block forever), as is a directory that cannot
+    be listed; each file once, however many names reach it."""
+    base = Path(tempfile.mkdtemp(prefix="skmq-audit-dirs-"))  # not under pytest's 0700
+    try:
+        base.chmod(0o755)
+        logs = base / "logs"
+        _log_file(logs / "delivery-a-0.jsonl")
+        _log_file(base / "elsewhere" / "delivery-b-0.jsonl")
+        (logs / "rotated").symlink_to(base / "elsewhere")
+        (logs / "rotated-again").symlink_to(base / "elsewhere")
+        (logs / "up").symlink_to(logs)
+        found = resolve_log_paths([str(logs), str(logs / "rotated" / "delivery-b-0.jsonl")])
+        assert [Path(p).relative_to(logs).as_posix() for p in found] == [
+            "delivery-a-0.jsonl",
+            "rotated/delivery-b-0.jsonl",
+        ]
+        fifo = logs / "delivery-c-0.jsonl"
+        os.mkfifo(fifo)
+        with pytest.raises(AuditInputError) as failed:  # at once: never opened
+            _audit(spark, logs, base / "out")
+        assert f"{fifo}: cannot be read: a FIFO, not a regular file" in str(failed.value)
+        fifo.unlink()
+        locked = logs / "locked"
+        _log_file(locked / "delivery-d-0.jsonl")
+        locked.chmod(0)
+        done = _unprivileged(
+            f"paths = resolve_log_paths({str(logs)!r})\n"
+            "print(json.dumps([b.line() for b in check_files(paths)]))"
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == [
+            f"{locked}: directory cannot be read (Permission denied)"
+        ]
+        locked.chmod(0o755)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------- bad input
 
 
@@ -532,6 +585,23 @@ def test_unreadable_file_permission(tmp_path: Path) -> None:
     path.chmod(0)
     assert [b.line() for b in check_files([str(path)])] == [
         f"{path}: cannot be read (Permission denied)"
+    ]
+
+
+def test_compressed_data_told_by_its_first_bytes(tmp_path: Path) -> None:
+    """zstd and xz data under a .jsonl name, and a .gz with zeros after its end (which
+    Python's gzip module reads and Hadoop's does not) are named before Spark starts."""
+    zstd, xz = tmp_path / "delivery-a-0.jsonl", tmp_path / "delivery-b-0.jsonl"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))
+    xz.write_bytes(b"\xfd7zXZ\x00" + os.urandom(64))
+    padded = tmp_path / "delivery-c-0.jsonl.gz"
+    padded.write_bytes(gzip.compress(b"{}\n") + bytes(10))
+    two = tmp_path / "delivery-d-0.jsonl.gz"  # two members, as `cat a.gz b.gz`: fine
+    two.write_bytes(gzip.compress(b"{}\n") + gzip.compress(b"{}\n"))
+    assert [b.line() for b in check_files([str(p) for p in (zstd, xz, padded, two)])] == [
+        f"{zstd}: zstd data in a file not named .zst (rename it to .jsonl.zst)",
+        f"{xz}: xz data, which Spark cannot read (decompress it)",
+        f"{padded}: not a complete gzip file (data after its end)",
     ]
 
 
