@@ -55,14 +55,15 @@ LOG_SCHEMA = StructType(
 # The fields the audit reads (``broker`` is only parsed, for a bad line's text).
 KEPT_FIELDS = tuple(name for name in LOG_FIELDS if name != "broker")
 _CORRUPT = "_corrupt_record"
-_NOT_JSON = "_not_json"
-# The same fields all as text: tells a line that is not JSON from one with a bad type.
-_TEXT_SCHEMA = StructType(
-    [
-        *(StructField(name, StringType(), True) for name in LOG_FIELDS),
-        StructField(_NOT_JSON, StringType(), True),
-    ]
-)
+_PARSE_SCHEMA = StructType([*LOG_SCHEMA.fields, StructField(_CORRUPT, StringType(), True)])
+# Strict JSON: Spark's parser takes 'single quotes' and NaN unless told not to.
+_PARSE_OPTIONS = {
+    "allowSingleQuotes": "false",
+    "allowNonNumericNumbers": "false",
+    "columnNameOfCorruptRecord": _CORRUPT,
+}
+_BOM = "\ufeff"
+_JSON_BLANKS = " \t\r\n"
 LOG_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.bz2")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 # ts is unix milliseconds: from 1973-03-03 (10**11; a ts in seconds is below) to 2109.
@@ -319,72 +320,183 @@ def check_files(paths: Sequence[str]) -> list[BadFile]:
     return bad
 
 
-def _reason(text: Column, corrupt: Column) -> Column:
-    """The BadLine of a line (a string), null for a valid event.
+def _count_of(line: Column, char: str) -> Column:
+    """How many times the one-byte ``char`` occurs in ``line`` (byte lengths: no scan
+    but the replace's)."""
+    return F.octet_length(line) - F.octet_length(F.replace(line, F.lit(char), F.lit("")))
 
-    Spark keeps the fields it could parse on a corrupt line (``"attempt": "2"`` gives
-    a null attempt, the rest as read); ``text`` is the line parsed with every field as
-    text, so a field null in the first and set in the second had the wrong type.
+
+def _closes_only_at_end(line: Column) -> Column:
+    """The JSON value that starts at the line's first character ends at its last one.
+
+    Exact for a line whose first value is valid JSON (it parsed): escapes are removed
+    (``\\x`` occurs only in strings), then the string literals, then all but brackets;
+    the nesting depth of what is left comes back to 0 only at its end.
     """
+    unescaped = F.regexp_replace(line, r"\\.", "")
+    brackets = F.regexp_replace(unescaped, r'"[^"]*"|[^\[\]{}"]+', "")
+
+    def step(depth: Column, char: Column) -> Column:
+        # -1 for good once the value closed before the end, or at a quote left over.
+        closed = (depth <= 0) | (char == '"')
+        return F.when(closed, -1).when(char.isin("{", "["), depth + 1).otherwise(depth - 1)
+
+    # From the depth 1 of the first "{", through all but the last bracket: still 1.
+    chars = F.split(brackets, "")
+    inner = F.slice(chars, 2, F.greatest(F.size(chars) - 2, F.lit(0)))
+    return (F.aggregate(inner, F.lit(1), step) == 1) & F.endswith(brackets, F.lit("}"))
+
+
+def _field_types(recheck: Column) -> Column:
+    """The JSON type of each field of LOG_FIELDS in the variant ``recheck`` (an array:
+    STRING, BIGINT, DECIMAL(20,0), OBJECT<...>, ARRAY<...>, VOID for null; null when
+    absent), null when ``recheck`` is."""
+    types = [
+        F.schema_of_variant(F.try_variant_get(recheck, f"$.{name}", "variant"))
+        for name in LOG_FIELDS
+    ]
+    return F.when(recheck.isNotNull(), F.array(*types))
+
+
+def _type_reason(line: Column, parsed: Column, recheck: Column, types: Column) -> Column:
+    """The reason of a line with a field of the wrong JSON type, null if none.
+
+    ``recheck`` is the line as a variant (``try_parse_json``; null if it is not JSON)
+    and ``types`` its fields' JSON types, for the few lines that need it: those Spark
+    could not read with the schema, and those with a ``[`` or more than one ``}``, where
+    a string field may hold an object or an array (which Spark would read as its JSON
+    text).
+    """
+
+    def kind(name: str) -> Column:
+        return types[LOG_FIELDS.index(name)]
+
+    def given(name: str) -> Column:
+        return kind(name).isNotNull() & (kind(name) != "VOID")
+
+    # An integer too large for a long (a decimal or a double to the variant, as 1e12 or
+    # 1.5 may be): the line has digits there, no fraction or exponent.
+    huge = (kind("ts") != "STRING") & line.rlike(r'"ts"\s*:\s*-?[0-9]+\s*[,}]')
+    nested = F.lit(False)
+    for name in LOG_FIELDS:
+        if name not in _LONG_FIELDS:
+            nested = nested | kind(name).startswith("OBJECT") | kind(name).startswith("ARRAY")
+    return (
+        F.when(recheck.isNull(), F.lit(BadLine.NOT_JSON.value))
+        .when(parsed["ts"].isNull() & given("ts") & huge, F.lit(BadLine.TS_OUT_OF_RANGE.value))
+        .when(parsed["ts"].isNull() & given("ts"), F.lit(BadLine.BAD_TS_TYPE.value))
+        .when(parsed["attempt"].isNull() & given("attempt"), F.lit(BadLine.BAD_ATTEMPT_TYPE.value))
+        .when(parsed[_CORRUPT].isNotNull() | nested, F.lit(BadLine.BAD_TYPE.value))
+    )
+
+
+def _reason(columns: dict[str, Column]) -> Column:
+    """The BadLine of a (trimmed, non-blank) line, null for a valid event.
+
+    ``parsed`` is the line read with the schema (Spark keeps the fields it could read on
+    a line with a field of the wrong type, ``"attempt": "2"`` gives a null attempt, and
+    sets the corrupt-record column); ``suspect``: the line was parsed again (``recheck``,
+    ``types``) to tell a wrong type; ``one_object``: it is one JSON object, in UTF-8.
+    """
+    line, parsed, suspect = columns["line"], columns["parsed"], columns["suspect"]
     event_names = [e.value for e in Event]
     recipient_events = [e.value for e in RECIPIENT_EVENTS]
-    ts, event = F.col("ts"), F.col("event")
+    ts, event = parsed["ts"], parsed["event"]
 
     def lit(reason: BadLine) -> Column:
         return F.lit(reason.value)
 
     message_event = ~event.isin(*recipient_events)
-    return (
-        F.when(text[_NOT_JSON].isNotNull(), lit(BadLine.NOT_JSON))
-        .when(ts.isNull() & text["ts"].isNotNull(), lit(BadLine.BAD_TS_TYPE))
-        .when(
-            F.col("attempt").isNull() & text["attempt"].isNotNull(),
-            lit(BadLine.BAD_ATTEMPT_TYPE),
-        )
-        .when(corrupt.isNotNull(), lit(BadLine.BAD_TYPE))
-        .when(ts.isNull(), lit(BadLine.MISSING_TS))
+    return F.coalesce(
+        F.when(~columns["one_object"], lit(BadLine.NOT_JSON)),
+        F.when(suspect, _type_reason(line, parsed, columns["recheck"], columns["types"])),
+        F.when(ts.isNull(), lit(BadLine.MISSING_TS))
         .when(event.isNull(), lit(BadLine.MISSING_EVENT))
-        .when(F.col("appid").isNull(), lit(BadLine.MISSING_APPID))
+        .when(parsed["appid"].isNull(), lit(BadLine.MISSING_APPID))
         .when((ts >= 10**9) & (ts < MIN_TS), lit(BadLine.TS_IN_SECONDS))
         .when((ts < MIN_TS) | (ts >= MAX_TS), lit(BadLine.TS_OUT_OF_RANGE))
         .when(~event.isin(*event_names), lit(BadLine.UNKNOWN_EVENT))
         .when(
-            message_event & (F.col("msgid").isNull() | (F.col("msgid") == "")),
+            message_event & (parsed["msgid"].isNull() | (parsed["msgid"] == "")),
             lit(BadLine.MISSING_MSGID),
         )
         .when(
             message_event
-            & ~F.coalesce(F.col("kind").isin(Kind.QUEUE.value, Kind.TOPIC.value), F.lit(False)),
+            & ~F.coalesce(parsed["kind"].isin(Kind.QUEUE.value, Kind.TOPIC.value), F.lit(False)),
             lit(BadLine.BAD_KIND),
         )
-        .when(F.col("attempt") < 1, lit(BadLine.BAD_ATTEMPT))
+        .when(parsed["attempt"] < 1, lit(BadLine.BAD_ATTEMPT)),
     )
 
 
 def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
-    """Every non-blank line of ``paths``: the fields the audit uses plus ``reason``
-    (a :class:`BadLine` value, null for a valid event) and, for bad lines only,
-    ``bad_file`` and ``bad_text`` (the line, or its fields as JSON, cut to 300 chars).
+    """Every non-blank line of ``paths``: the fields of ``LOG_FIELDS``, ``reason`` (a
+    :class:`BadLine` value, null for a valid event) and, for bad lines only,
+    ``bad_file`` and ``bad_text`` (the line cut to 300 characters).
+
+    The files are read as lines of text (split as Spark's JSON reader splits them) and
+    each line parsed with ``from_json``: Spark's JSON reader would take a line
+    ``[{...}, {...}]`` for two events and ``[]`` for none, and neither sees what follows
+    a line's first value (``{...}{...}``, ``{...} xyz``).  The steps are apart so that
+    the cheap ones run as generated code (from_json and a lambda are interpreted).
     """
-    schema = StructType([*LOG_SCHEMA.fields, StructField(_CORRUPT, StringType(), True)])
     try:
-        raw = (
-            spark.read.schema(schema)
-            .option("mode", "PERMISSIVE")
-            .option("columnNameOfCorruptRecord", _CORRUPT)
-            .json(list(paths))
-        )
+        raw = spark.read.text(list(paths))
     except AnalysisException as exc:  # e.g. a path that Spark cannot find
         raise AuditInputError(str(exc).splitlines()[0]) from exc
-    corrupt = F.col(_CORRUPT)
-    # Only corrupt lines (few) are parsed a second time, to tell why.
-    text = F.from_json(corrupt, _TEXT_SCHEMA, {"columnNameOfCorruptRecord": _NOT_JSON})
-    reason = _reason(text, corrupt)
-    fields = [F.col(name) for name in LOG_FIELDS]
-    line = F.coalesce(corrupt, F.to_json(F.struct(*fields)))
-    return raw.select(
-        *(f for name, f in zip(LOG_FIELDS, fields, strict=True) if name in KEPT_FIELDS),
-        reason.alias("reason"),
-        F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
-        F.when(reason.isNotNull(), F.substring(line, 1, SAMPLE_CHARS)).alias("bad_text"),
+    value = F.col("value")
+    # JSON's white space around the value, and a byte order mark before it (a file's
+    # first line, from an editor), are no part of it: trimmed off (a copy) only where
+    # the line does not start with "{" and end with "}".
+    unmarked = F.when(F.startswith(value, F.lit(_BOM)), F.substring(value, 2, 1 << 30))
+    trimmed = F.trim(unmarked.otherwise(value), F.lit(_JSON_BLANKS))
+    braced = F.startswith(value, F.lit("{")) & F.endswith(value, F.lit("}"))
+    line = F.col("line")
+    texts = (
+        raw.select(F.when(braced, value).otherwise(trimmed).alias("line"))
+        .where(line != "")
+        .select(
+            "line",
+            _count_of(line, "}").alias("closes"),
+            (F.startswith(line, F.lit("{")) & F.endswith(line, F.lit("}"))).alias("braced"),
+            F.contains(line, F.lit("[")).alias("bracket"),
+            F.is_valid_utf8(line).alias("utf8"),
+        )
+    )
+    closes = F.col("closes")
+    one_object = (
+        F.col("utf8")
+        & F.col("braced")
+        & F.when(closes == 1, F.lit(True)).otherwise(_closes_only_at_end(line))
+    )
+    # Interpreted (not generated code): from_json, and the lambda of the rare check.
+    parsed = texts.select(
+        "*",
+        F.from_json(line, _PARSE_SCHEMA, _PARSE_OPTIONS).alias("parsed"),
+        one_object.alias("one_object"),
+    )
+    suspect = F.col("parsed")[_CORRUPT].isNotNull() | F.col("bracket") | (closes > 1)
+    recheck = F.col("recheck")
+    names = ("line", "parsed", "suspect", "one_object", "recheck", "types")
+    reason = F.col("reason")
+    return (
+        parsed.select(
+            "line",
+            "parsed",
+            "one_object",
+            suspect.alias("suspect"),
+            F.when(suspect, F.try_parse_json(line)).alias("recheck"),
+        )
+        .select("*", _field_types(recheck).alias("types"))
+        .select(
+            "line",
+            *(F.col("parsed")[name].alias(name) for name in LOG_FIELDS),
+            _reason({name: F.col(name) for name in names}).alias("reason"),
+        )
+        .select(
+            *LOG_FIELDS,
+            reason,
+            F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
+            F.when(reason.isNotNull(), F.substring("line", 1, SAMPLE_CHARS)).alias("bad_text"),
+        )
     )

@@ -18,7 +18,7 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from skmq.events import Event
+from skmq.events import LOG_FIELDS, Event
 
 from .arguments import DEFAULT_SAMPLE, DEFAULT_STUCK_AFTER_MS
 from .deliveries import (
@@ -29,7 +29,7 @@ from .deliveries import (
     is_event,
     message_table,
 )
-from .inputs import AuditInputError, BadLinesError, read_events
+from .inputs import KEPT_FIELDS, AuditInputError, BadLinesError, read_events
 
 __all__ = [
     "DEFAULT_SAMPLE",
@@ -257,6 +257,18 @@ def _acked_after_dead_letter(picked: DataFrame) -> DataFrame:
     )
 
 
+def _has_repeats(events: DataFrame) -> bool:
+    """Some valid events have every field equal (a hash of the fields seen twice: one
+    shuffle of longs, not of the events)."""
+    digest = F.xxhash64(*LOG_FIELDS).alias("digest")
+    return bool(events.groupBy(digest).count().where(F.col("count") > 1).limit(1).count())
+
+
+def _distinct(events: DataFrame) -> DataFrame:
+    """Each valid event once, with ``copies``: how many lines had every field equal."""
+    return events.groupBy(*LOG_FIELDS).agg(F.count(F.lit(1)).alias("copies"))
+
+
 class _Job:
     """One audit run: the cached frames and the report's sections, stage by stage."""
 
@@ -312,7 +324,26 @@ class _Job:
                     .collect()
                 ]
             events = 0 if good is None else int(good["lines"])
+            valid = lines.where(F.col("reason").isNull()).select(*LOG_FIELDS)
+            repeated = 0
+            if events and _has_repeats(valid):
+                # The same lines read twice (a rotated file both as .jsonl and .jsonl.gz
+                # after a crash of the compression, a copy of a file) would count pushes
+                # and acks twice, and time in the dead-letter queue wrongly: once each.
+                valid = self.keep(_distinct(valid))
+                good = valid.agg(
+                    F.count(F.lit(1)).alias("lines"),
+                    F.sum(F.col("copies") - 1).alias("repeated"),
+                    F.min("ts").alias("first_ts"),
+                    F.max("ts").alias("last_ts"),
+                    count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
+                    count_if(is_event(Event.PUSHED)).alias("pushes"),
+                ).first()
+                assert good is not None
+                events, repeated = int(good["lines"]), int(good["repeated"])
             notes.append(f"{events:,} events")
+            if repeated:
+                notes.append(f"{repeated:,} repeated lines")
             if bad_total:
                 notes.append(f"{bad_total:,} bad lines")
         bad_lines = {
@@ -334,9 +365,10 @@ class _Job:
                 + (f" ({bad_total} bad line(s), e.g. {samples[0]['line']!r})" if bad_total else "")
             )
         assert good is not None
-        self.events = lines.where(F.col("reason").isNull()).drop("reason", "bad_file", "bad_text")
+        self.events = valid.select(*KEPT_FIELDS)
         return {
             "events": events,
+            "repeated_lines": repeated,
             "bad_lines": bad_lines,
             "first_ts": int(good["first_ts"]),
             "last_ts": int(good["last_ts"]),
@@ -682,7 +714,12 @@ def compute_report(
     finally:
         job.release()
     report: dict[str, Any] = {
-        "input": {"files": len(paths), "events": stats["events"], "bad_lines": stats["bad_lines"]},
+        "input": {
+            "files": len(paths),
+            "events": stats["events"],
+            "repeated_lines": stats["repeated_lines"],
+            "bad_lines": stats["bad_lines"],
+        },
         "totals": outcomes["totals"],
         "latency_ms": outcomes["latency_ms"],
         "first_push_ms": outcomes["first_push_ms"],

@@ -538,6 +538,84 @@ def test_directories_followed_and_odd_files_named(spark: SparkSession) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+@needs_java
+def test_lines_that_are_not_one_json_object_are_bad(spark: SparkSession, tmp_path: Path) -> None:
+    """Spark's JSON reader took ``[{...},{...}]`` for two events, ``[]`` for none, and
+    read the first object of ``{...}{...}`` or ``{...} xyz``; each is one bad line.  The
+    reasons follow docs/AUDIT.md's table (a ts too large for a long is out of range)."""
+    t = BASE_TS
+
+    def good(msgid: str, **more: Any) -> str:
+        record = json.loads(_line(t, "stored", msgid, "a")) | more
+        return json.dumps(record)
+
+    bad = {
+        "not_json": [
+            f"[{good('arr1')}, {good('arr2')}]",
+            "[]",
+            good("two1") + good("two2"),
+            good("two3") + ", " + good("two4"),
+            good("tail") + " xyz",
+            good("tail2")[:-1] + ', "x": 1}"}"}',
+            good("quoted").replace('"', "'"),
+            good("nan").replace(f'"ts": {t}', '"ts": NaN'),
+        ],
+        "ts_out_of_range": [good("huge", ts=10**30), good("huge2", ts=-(10**40))],
+        "ts_not_an_integer": [good("exp", ts=1.76e12), good("text", ts=str(t))],
+        "field_of_wrong_type": [good("obj", appid={"a": 1}), good("list", detail=[1, 2])],
+        "attempt_not_an_integer": [good("att", attempt=10**20)],
+    }
+    valid = [
+        good("nested", extra={"k": [1, {"j": "}"}]}),
+        good("braces", detail='a}b{c]["} \\" {'),
+        "  " + good("spaced") + " \t",
+        good("number").replace('"msgid": "number"', '"msgid": 12'),
+    ]
+    text = "\n".join([*valid, *(line for lines in bad.values() for line in lines)]) + "\n"
+    data = text.encode() + good("bytes").replace("bytes", "\udcff").encode(
+        "utf-8", "surrogateescape"
+    )
+    (tmp_path / "delivery-a-0.jsonl").write_bytes(data + b"\n")
+    report = _audit(spark, tmp_path, tmp_path / "out")
+    bad["not_json"].append("invalid UTF-8")
+    assert report["input"]["bad_lines"]["by_reason"] == {k: len(v) for k, v in sorted(bad.items())}
+    assert report["input"]["events"] == len(valid)
+    assert report["totals"]["messages"] == len(valid)
+
+
+@needs_java
+def test_the_same_lines_twice_count_once(spark: SparkSession, tmp_path: Path) -> None:
+    """A rotated file both as .jsonl and .jsonl.gz (a crash of the compression between
+    its rename and its unlink), and a file named twice (a link): pushes, acks and the
+    time in the dead-letter queue as if each line were read once."""
+    t = BASE_TS
+    dead = {"recipient": "r", "attempt": 5, "detail": "after 5 attempts; last: timeout"}
+    lines = [
+        _line(t, "stored", "m", "a"),
+        _line(t + 10, "pushed", "m", "a", recipient="r", attempt=1),
+        _line(t + 100, "dead_lettered", "m", "a", **dead),
+        _line(t + 60_100, "replayed", "m", "a", recipient="r"),
+        _line(t + 60_110, "pushed", "m", "a", recipient="r", attempt=1),
+        _line(t + 60_140, "acked", "m", "a", recipient="r", attempt=1),
+    ]
+    text = "\n".join(lines) + "\n"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "delivery-b1-000000.jsonl").write_text(text, encoding="utf-8")
+    (logs / "delivery-b1-000000.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "link.jsonl").symlink_to(logs / "delivery-b1-000000.jsonl")
+    report = run_audit(
+        [str(logs), str(tmp_path / "link.jsonl")], str(tmp_path / "out"), spark=spark,
+        progress=False,
+    )  # fmt: skip
+    assert report["input"]["files"] == 2  # the link is the .jsonl
+    assert (report["input"]["events"], report["input"]["repeated_lines"]) == (6, 6)
+    assert report["totals"]["pushes"] == 2 and report["totals"]["acked"] == 1
+    assert report["anomalies"]["acked_more_than_once"] == 0
+    assert report["latency_ms"]["max"] == 140  # 60,140 ms less 60,000 in the queue
+    assert report["attempts"] == {"6": 1}
+
+
 # ----------------------------------------------------------------------- bad input
 
 
