@@ -6,11 +6,19 @@ Imports nothing heavy (no pyspark), so that ``skmq --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["DEFAULT_SAMPLE", "DEFAULT_STUCK_AFTER_MS", "add_arguments"]
+__all__ = [
+    "DEFAULT_SAMPLE",
+    "DEFAULT_STUCK_AFTER_MS",
+    "MAX_STUCK_AFTER_S",
+    "add_arguments",
+    "check_arguments",
+]
 
 DEFAULT_SAMPLE = 20
 DEFAULT_STUCK_AFTER_MS = 600_000
+MAX_STUCK_AFTER_S = 10**9  # 31 years: any log's span; ms beyond 2**63 would not run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,3 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--debug", action="store_true", help="show the stack trace of a failure")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError (one line) for a value the parser let pass: ``--stuck-after inf``."""
+    stuck = args.stuck_after
+    if not (math.isfinite(stuck) and 0 < stuck <= MAX_STUCK_AFTER_S):
+        raise ValueError(
+            f"--stuck-after {stuck:g}: expected a number of seconds above 0 and at most "
+            f"{MAX_STUCK_AFTER_S:g}"
+        )
+    if args.sample < 0:
+        raise ValueError(f"--sample {args.sample}: expected 0 or more")

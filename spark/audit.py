@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
+from urllib.parse import unquote
 
 if __name__ == "__main__" and not __package__:
     # spark-submit spark/audit.py: run the installed package (relative imports below).
@@ -25,13 +26,14 @@ if __name__ == "__main__" and not __package__:
 
 from pyspark.sql import SparkSession
 
-from .arguments import add_arguments
+from .arguments import add_arguments, check_arguments
 from .inputs import (
     LOG_SCHEMA,
     AuditInputError,
     BadFile,
     BadLinesError,
     check_files,
+    is_remote,
     resolve_log_paths,
 )
 from .outputs import render_files, write_files
@@ -67,6 +69,9 @@ __all__ = [
 
 _JAVA_CLASS = re.compile(r"^(?:[a-z][a-z0-9_]*\.)+(?=[A-Z]\w*(?:Exception|Error)\b)")
 _URI = re.compile(r"\b(?:file|hdfs|s3a?|gs|abfss?|wasbs?|viewfs):/+[^\s,;'\"]+")
+# Spark's error for a file it could not read (FAILED_READ_FILE), and the cause's line.
+_FAILED_READ = re.compile(r"Encountered error while reading file (\S+?)\.?(?:\s|$)")
+_CAUSE = re.compile(r"^\s*Caused by: (.+)$", re.MULTILINE)
 
 
 def write_outputs(
@@ -96,6 +101,65 @@ def _usable(paths: list[str], skip_bad_files: bool) -> tuple[list[str], list[Bad
     return usable, bad
 
 
+def _same_file(named: str, path: str) -> bool:
+    """Spark's name of a file (a URI, %-quoted) is ``path`` (as resolve_log_paths gave it)."""
+    if named == path:
+        return True
+    if is_remote(path) or is_remote(named):
+        return named.rstrip("/") == path.rstrip("/")
+    local = unquote(re.sub(r"^file:(?://)?", "", named))
+    return os.path.realpath(local) == os.path.realpath(path.removeprefix("file://"))
+
+
+def _failed_file(exc: BaseException, paths: Sequence[str]) -> BadFile | None:
+    """The input file a Spark failure names as the one it could not read, and why."""
+    text = "\n".join([str(exc), *(str(getattr(exc, a, "")) for a in ("java_exception",))])
+    found = _FAILED_READ.search(text)
+    if found is None:
+        return None
+    path = next((p for p in paths if _same_file(found.group(1), p)), None)
+    if path is None:
+        return None
+    causes = _CAUSE.findall(text)
+    problem = _JAVA_CLASS.sub("", causes[-1].strip(), count=1) if causes else "Spark failed"
+    if len(problem) > 200:
+        problem = problem[:200] + "..."
+    return BadFile(path, f"Spark cannot read it ({problem})")
+
+
+def _compute(
+    session: SparkSession,
+    paths: list[str],
+    skipped: list[BadFile],
+    skip_bad_files: bool,
+    options: Options | None,
+    prog: Progress,
+) -> AuditResult:
+    """The report; a file Spark fails on (that the checks let pass: a cut .zst, a remote
+    file) stops the audit, or with ``skip_bad_files`` is skipped and the audit run again."""
+    while True:
+        try:
+            return compute_report(session, paths, options=options, progress=prog)
+        except AuditInputError:
+            raise
+        except Exception as exc:
+            bad = _failed_file(exc, paths)
+            if bad is None:
+                raise
+            if not skip_bad_files:
+                raise AuditInputError(
+                    f"cannot read 1 file(s): {bad.line()} (--skip-bad-files to audit the others)"
+                ) from exc
+            skipped.append(bad)
+            paths.remove(bad.path)
+            prog.note(f"skipping {bad.line()}; reading the others again")
+            if not paths:
+                raise AuditInputError(
+                    "no readable log file: " + "; ".join(b.line() for b in skipped)
+                ) from exc
+            prog.index = 0
+
+
 def run_audit(
     logs: str | Sequence[str],
     out: str,
@@ -108,13 +172,14 @@ def run_audit(
     driver_memory: str | None = None,
     progress: bool = True,
     stream: TextIO | None = None,
+    debug: bool = False,
 ) -> dict[str, Any]:
     """Audit the delivery logs at ``logs``, write the reports into ``out``, return the report.
 
     ``spark``: an existing session to use (left running); otherwise one is built with
     :func:`build_spark` and stopped at the end.  Raises :class:`AuditInputError` when
     there is nothing to read, a file cannot be read (unless ``skip_bad_files``), or a
-    line is bad under ``options.strict``.
+    line is bad under ``options.strict``.  ``debug``: Spark's log and traces on stderr.
     """
     prog = Progress(STAGES, (stream or sys.stderr) if progress else None)
     if spark is not None:
@@ -129,17 +194,18 @@ def run_audit(
     session = spark
     if session is None:
         prog.note(f"starting Spark ({master or 'local[*]'}) ...")
-        session = build_spark(master, conf=conf, driver_memory=driver_memory)
+        session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
         asked = [*(conf or {}), *(["spark.driver.memory"] if driver_memory else [])]
         if asked:
             spark_conf = session.sparkContext.getConf()
             prog.note(
                 "Spark settings: " + ", ".join(f"{k}={spark_conf.get(k)}" for k in sorted(asked))
             )
+    # Spark fails on a file it cannot read, so that the file is named (and skipped).
     for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
-        session.conf.set(f"spark.sql.files.{key}", str(skip_bad_files).lower())
+        session.conf.set(f"spark.sql.files.{key}", "false")
     try:
-        result = compute_report(session, paths, options=options, progress=prog)
+        result = _compute(session, paths, skipped, skip_bad_files, options, prog)
         result.report["input"]["skipped_files"] = [
             {"path": b.path, "problem": b.problem} for b in skipped
         ]
@@ -182,6 +248,7 @@ def error_line(exc: BaseException) -> str:
 def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int:
     """Run the audit for parsed arguments: the report, or an exit status after one line."""
     try:
+        check_arguments(args)
         conf = parse_conf(args.conf)
         return run_audit(
             args.logs,
@@ -196,6 +263,7 @@ def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int
             conf=conf,
             driver_memory=args.driver_memory,
             progress=not args.quiet,
+            debug=args.debug,
         )
     except (AuditInputError, ValueError) as exc:
         if args.debug:

@@ -7,10 +7,12 @@ the session's configuration (credentials, endpoints), so ``--conf`` settings app
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -59,31 +61,57 @@ def render_files(report: dict[str, Any], html: Callable[[], str]) -> dict[str, s
     }
 
 
-def _write_hadoop(spark: SparkSession, uri: str, text: str) -> None:
+def _write_hadoop(spark: SparkSession, files: dict[str, str], out: str) -> list[str]:
+    """Each file written as ``.<name>.tmp`` and renamed over the old one when all are."""
     jvm = spark.sparkContext._jvm
     assert jvm is not None
-    path = jvm.org.apache.hadoop.fs.Path(uri)
-    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    stream = fs.create(path, True)
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    staged = []
+    for name, text in files.items():
+        path = jvm.org.apache.hadoop.fs.Path(join_uri(out, name))
+        temp = jvm.org.apache.hadoop.fs.Path(join_uri(out, f".{name}.tmp"))
+        fs = path.getFileSystem(conf)
+        stream = fs.create(temp, True)
+        try:
+            stream.write(bytearray(text.encode("utf-8")))
+        finally:
+            stream.close()
+        staged.append((fs, temp, path))
+    for fs, temp, path in staged:
+        fs.delete(path, False)
+        if not fs.rename(temp, path):
+            raise OSError(f"cannot rename {temp} to {path}")
+    return [join_uri(out, name) for name in files]
+
+
+def _write_local(files: dict[str, str], out: str) -> list[str]:
+    """Each file written to a temporary file in ``out`` and renamed over the old one
+    when all are written: a full disk leaves the old reports (or none), never a cut
+    one, and no temporary file."""
+    os.makedirs(out, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    staged: list[tuple[str, str]] = []
     try:
-        stream.write(bytearray(text.encode("utf-8")))
+        for name, text in files.items():
+            handle, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
+            staged.append((temp, os.path.join(out, name)))
+            os.fchmod(handle, 0o666 & ~umask)  # as open() would create it, not 0600
+            with open(handle, "w", encoding="utf-8", newline="") as stream:
+                stream.write(text)
+        for temp, target in staged:
+            os.replace(temp, target)
     finally:
-        stream.close()
+        for temp, _ in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+    return [target for _, target in staged]
 
 
 def write_files(files: dict[str, str], out: str, spark: SparkSession | None) -> list[str]:
     """Write ``files`` into the directory or URI ``out``; returns what was written."""
-    written: list[str] = []
     if _is_local(out):
-        os.makedirs(out, exist_ok=True)
-    for name, text in files.items():
-        target = join_uri(out, name)
-        if _is_local(out):
-            with open(target, "w", encoding="utf-8", newline="") as handle:
-                handle.write(text)
-        else:
-            if spark is None:
-                raise ValueError(f"writing to {out} needs a Spark session")
-            _write_hadoop(spark, target, text)
-        written.append(target)
-    return written
+        return _write_local(files, out)
+    if spark is None:
+        raise ValueError(f"writing to {out} needs a Spark session")
+    return _write_hadoop(spark, files, out)

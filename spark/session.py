@@ -13,14 +13,16 @@ driver advertises the address of this machine's interface that routes to the mas
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
-import shutil
 import socket
+import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from urllib.parse import urlsplit
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 LOCAL_DRIVER_MEMORY = "2g"
@@ -28,7 +30,9 @@ LOCAL_DRIVER_MEMORY = "2g"
 __all__ = ["LOCAL_DRIVER_MEMORY", "build_spark", "driver_address", "local_cores", "parse_conf"]
 
 # WARN at the root (the level Spark's shell default expects, so it says nothing about
-# it); ERROR for the usual start-up noise; build_spark then sets ERROR everywhere.
+# it); ERROR for the usual start-up noise; build_spark then sets ERROR everywhere.  No
+# exception traces unless --debug: a failed task's trace is no line for a user (the
+# failure reaches Python, which names it in one line).
 _LOG4J2 = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
@@ -36,19 +40,51 @@ appender.console.type = Console
 appender.console.name = console
 appender.console.target = SYSTEM_ERR
 appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+appender.console.layout.pattern = %d{{yy/MM/dd HH:mm:ss}} %p %c{{1}}: %m%n{trace}
+appender.console.layout.alwaysWriteExceptions = {traces}
 logger.native.name = org.apache.hadoop.util.NativeCodeLoader
 logger.native.level = error
 """
 
 
-def _quiet_log4j_file() -> str:
-    directory = tempfile.mkdtemp(prefix="skmq-audit-log4j-")
-    atexit.register(shutil.rmtree, directory, True)
-    path = os.path.join(directory, "log4j2.properties")
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(_LOG4J2)
+def _temporary_file(prefix: str, suffix: str) -> str:
+    """A file removed when Python exits."""
+    handle, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    os.close(handle)
+    atexit.register(_remove, path)
     return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _quiet_log4j_file(debug: bool = False) -> str:
+    path = _temporary_file("skmq-audit-log4j-", ".properties")
+    with open(path, "w", encoding="utf-8") as handle:
+        trace = "%ex" if debug else ""
+        handle.write(_LOG4J2.format(trace=trace, traces=str(debug).lower()))
+    return path
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str | None) -> Iterator[None]:
+    """File descriptor 2 on ``path`` meanwhile (None: left alone), so that a process
+    started meanwhile (the JVM) writes its stderr there for good."""
+    if path is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
 
 
 def local_cores(master: str | None) -> int | None:
@@ -111,12 +147,16 @@ def build_spark(
     conf: Mapping[str, str] | None = None,
     driver_memory: str | None = None,
     app_name: str = "skmq-audit",
+    debug: bool = False,
 ) -> SparkSession:
     """A quiet SparkSession: ``local[*]`` unless ``master`` (or spark-submit) says otherwise.
 
     ``conf`` is passed through as ``--conf`` would be (it wins over the defaults here);
     ``driver_memory`` sets ``spark.driver.memory`` (it takes effect only when this call
     starts the JVM, i.e. not under spark-submit, where ``--driver-memory`` does it).
+    Unless ``debug``, a JVM this call starts writes its stderr (Spark's log, Java's
+    warnings) to a temporary file, and Spark logs no exception traces: a failure reaches
+    Python, which names it in one line.
     """
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM already runs
     cores = local_cores(master) if (master is not None or not under_submit) else None
@@ -138,7 +178,7 @@ def build_spark(
             settings["spark.driver.host"] = address
     if not under_submit:
         settings["spark.driver.extraJavaOptions"] = (
-            f"-Dlog4j2.configurationFile=file:{_quiet_log4j_file()}"
+            f"-Dlog4j2.configurationFile=file:{_quiet_log4j_file(debug)}"
         )
     if driver_memory:
         settings["spark.driver.memory"] = driver_memory
@@ -148,6 +188,9 @@ def build_spark(
         builder = builder.master(master)
     for key, value in settings.items():
         builder = builder.config(key, value)
-    session = builder.getOrCreate()
+    starts_jvm = not under_submit and SparkContext._gateway is None
+    log = _temporary_file("skmq-audit-spark-", ".log") if starts_jvm and not debug else None
+    with _stderr_to(log):
+        session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session

@@ -43,7 +43,7 @@ def _have_java() -> bool:
 needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or 21")
 
 from pyspark.sql import SparkSession  # noqa: E402
-from skmq.audit_job.arguments import add_arguments  # noqa: E402
+from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
 from skmq.audit_job.audit import (  # noqa: E402
     REPORT_KEYS,
     AuditInputError,
@@ -684,6 +684,59 @@ def test_compressed_data_told_by_its_first_bytes(tmp_path: Path) -> None:
 
 
 @needs_java
+def test_a_file_spark_fails_on_is_named_and_skipped(spark: SparkSession, tmp_path: Path) -> None:
+    """A file the checks let pass and Spark cannot read (a cut .zst): one line naming it
+    (status 2); with skip_bad_files it is listed in skipped_files, the others audited."""
+    good = _log_file(tmp_path / "delivery-a-0.jsonl")
+    cut = tmp_path / "delivery-b-0.jsonl.zst"
+    cut.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(200))
+    logs = [str(good), str(cut)]
+    with pytest.raises(AuditInputError) as failed:
+        run_audit(logs, str(tmp_path / "out"), spark=spark, progress=False)
+    message = str(failed.value)
+    assert (
+        "\n" not in message and f"cannot read 1 file(s): {cut}: Spark cannot read it (" in message
+    )
+    report = run_audit(
+        logs, str(tmp_path / "out"), spark=spark, skip_bad_files=True, progress=False
+    )
+    assert [f["path"] for f in report["input"]["skipped_files"]] == [str(cut)]
+    assert report["totals"]["acked"] == 1 and report["input"]["files"] == 1
+
+
+def test_reports_are_replaced_whole(tmp_path: Path) -> None:
+    """Writing the reports fails (a full disk; here the file size limit): the old ones
+    stay as they were, no temporary file is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text('{"old": true}\n')
+    code = (
+        "import resource, signal, sys\n"
+        "from skmq.audit_job.outputs import write_files\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000))\n"
+        "files = {'report.json': 'x' * 4000, 'report.html': 'y' * 9000}\n"
+        f"write_files(files, {str(out)!r}, None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode != 0 and "File too large" in done.stderr
+    assert [p.name for p in out.iterdir()] == ["report.json"]
+    assert (out / "report.json").read_text() == '{"old": true}\n'
+
+
+def test_bad_numbers_are_bad_arguments(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for value in ("inf", "nan", "0", "-5", "1e300"):
+        args = parser.parse_args(["--logs", "x", "--out", "y", "--stuck-after", value])
+        with pytest.raises(ValueError, match="--stuck-after"):
+            check_arguments(args)
+    check_arguments(parser.parse_args(["--logs", "x", "--out", "y", "--stuck-after", "0.5"]))
+
+
+@needs_java
 def test_empty_and_missing_input(spark: SparkSession, tmp_path: Path) -> None:
     (tmp_path / "delivery-a-0.jsonl").write_text("\n\n", encoding="utf-8")
     with pytest.raises(AuditInputError, match="no valid events"):
@@ -844,6 +897,9 @@ def test_cli_failures_are_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and str(truncated) in done.stderr
     assert "Traceback" not in done.stderr
+    args = [*_skmq_command(), "audit", "--logs", str(tmp_path / "good"), "--out", "o"]
+    done = _run([*args, "--stuck-after", "inf"], tmp_path)
+    assert (done.returncode, done.stderr.count("\n")) == (2, 1) and "--stuck-after" in done.stderr
     # a storage Spark cannot reach: one line, exit 1; the trace only with --debug
     args = [*_skmq_command(), "audit", "--logs", "s3a://no-such-bucket/logs", "--out", "o"]
     done = _run([*args, "--quiet"], tmp_path)
@@ -851,6 +907,14 @@ def test_cli_failures_are_one_line(tmp_path: Path) -> None:
     lines = [x for x in done.stderr.splitlines() if x.startswith("skmq audit:")]
     assert len(lines) == 1 and "s3a" in lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "\tat " not in done.stderr
+    # a file Spark fails on in a task: one line naming it, nothing of Spark's own log
+    # (its traces, Java's warnings) without --debug
+    cut = tmp_path / "delivery-z-0.jsonl.zst"
+    cut.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(range(200)))
+    args = [*_skmq_command(), "audit", "--logs", str(tmp_path / "good"), str(cut), "--out", "o"]
+    done = _run([*args, "--quiet"], tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and str(cut) in done.stderr, done.stderr[-2000:]
 
 
 @needs_java
