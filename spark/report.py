@@ -257,6 +257,18 @@ def _acked_after_dead_letter(picked: DataFrame) -> DataFrame:
     )
 
 
+def _line_stats() -> list[Column]:
+    """What the read stage counts of a set of lines: lines, first and last ts, the
+    duplicate and pushed events."""
+    return [
+        F.count(F.lit(1)).alias("lines"),
+        F.min("ts").alias("first_ts"),
+        F.max("ts").alias("last_ts"),
+        count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
+        count_if(is_event(Event.PUSHED)).alias("pushes"),
+    ]
+
+
 def _has_repeats(events: DataFrame) -> bool:
     """Some valid events have every field equal (a hash of the fields seen twice: one
     shuffle of longs, not of the events)."""
@@ -296,17 +308,7 @@ class _Job:
         paths = self.paths
         with self.prog.stage(f"reading logs ({len(paths)} path{'s' * (len(paths) != 1)})") as notes:
             lines = self.keep(read_events(self.spark, paths))
-            rows = (
-                lines.groupBy("reason")
-                .agg(
-                    F.count(F.lit(1)).alias("lines"),
-                    F.min("ts").alias("first_ts"),
-                    F.max("ts").alias("last_ts"),
-                    count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
-                    count_if(is_event(Event.PUSHED)).alias("pushes"),
-                )
-                .collect()
-            )
+            rows = lines.groupBy("reason").agg(*_line_stats()).collect()
             good = next((r for r in rows if r["reason"] is None), None)
             by_reason = {r["reason"]: int(r["lines"]) for r in rows if r["reason"] is not None}
             bad_total = sum(by_reason.values())
@@ -332,12 +334,7 @@ class _Job:
                 # and acks twice, and time in the dead-letter queue wrongly: once each.
                 valid = self.keep(_distinct(valid))
                 good = valid.agg(
-                    F.count(F.lit(1)).alias("lines"),
-                    F.sum(F.col("copies") - 1).alias("repeated"),
-                    F.min("ts").alias("first_ts"),
-                    F.max("ts").alias("last_ts"),
-                    count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
-                    count_if(is_event(Event.PUSHED)).alias("pushes"),
+                    *_line_stats(), F.sum(F.col("copies") - 1).alias("repeated")
                 ).first()
                 assert good is not None
                 events, repeated = int(good["lines"]), int(good["repeated"])
