@@ -225,7 +225,7 @@ class Broker:
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
         self.pull = PullApi(s, self.groups, longpoll, self.dlog)
         pull = PullRoutes(self.pull, self.tokens)
-        dlq = DlqRoutes(self.store, self.groups, self.dlog, self.tokens)
+        dlq = DlqRoutes(self.store, self.dlog, self.tokens)
         admission = Admission(s)  # one count of connections for PORT and HTTP_PORT
         self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens, admission)
         handler = FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull)

@@ -10,6 +10,7 @@ from typing import Literal, Protocol
 
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
+from skmq.pull.groups import GroupDeadLetters, Groups
 from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
 
@@ -26,6 +27,11 @@ class DeadLetters(Protocol):
     async def replay(self, app: str, ids: Sequence[str], now: int) -> list[bool]: ...
 
     async def purge(self, app: str, ids: Sequence[str]) -> list[bool]: ...
+
+
+def dead_letters_of(store: Store, group: str | None) -> DeadLetters:
+    """The pushes' dead letters, or those of consumer group `group`."""
+    return store if group is None else GroupDeadLetters(Groups(store), group)
 
 
 @dataclass(slots=True, frozen=True)

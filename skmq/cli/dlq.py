@@ -29,11 +29,11 @@ from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.deliverylog import DeliveryLog, now_ms
-from skmq.dlq import CHUNK, DeadLetters, Filters, Verb, choose, redrive
+from skmq.dlq import CHUNK, DeadLetters, Filters, Verb, choose, dead_letters_of, redrive
 from skmq.errors import UsageError
 from skmq.handler import bad_app
 from skmq.logs import configure_logging
-from skmq.pull.groups import GroupDeadLetters, Groups, bad_group
+from skmq.pull.groups import bad_group
 from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
 
@@ -113,11 +113,6 @@ def _filters(args: argparse.Namespace) -> Filters:
     return Filters(args.reason, args.since, args.until, args.max)
 
 
-def _where(store: Store, group: str | None) -> DeadLetters:
-    """The pushes' dead letters, or those of consumer group `group`."""
-    return store if group is None else GroupDeadLetters(Groups(store), group)
-
-
 async def _selected(
     where: DeadLetters, store: Store, args: argparse.Namespace, only: frozenset[str] | None
 ) -> list[DeadLetter]:
@@ -160,7 +155,7 @@ async def _run(args: argparse.Namespace) -> int:
         if app and only is not None and app not in only:
             raise UsageError(f"this token has no admin role for app {app!r}")
     async with open_store(settings) as store:
-        where = _where(store, args.group)
+        where = dead_letters_of(store, args.group)
         letters = await _selected(where, store, args, only)
         if args.verb == "list":
             if args.json:

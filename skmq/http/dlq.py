@@ -12,11 +12,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Tokens
 from skmq.deliverylog import DeliveryLog
-from skmq.dlq import DeadLetters, Filters, UnknownDeadLetter, Verb, choose, redrive
+from skmq.dlq import (
+    DeadLetters,
+    Filters,
+    UnknownDeadLetter,
+    Verb,
+    choose,
+    dead_letters_of,
+    redrive,
+)
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import app_id, field_errors, path_app, read_json
-from skmq.pull.groups import GroupDeadLetters, Groups, bad_group
+from skmq.pull.groups import bad_group
 from skmq.store import Store
 
 log = structlog.get_logger("skmq.dlq")
@@ -69,11 +77,8 @@ class DeadLetterList(BaseModel):
 
 
 class DlqRoutes:
-    def __init__(
-        self, store: Store, groups: Groups, dlog: DeliveryLog, tokens: Tokens | None
-    ) -> None:
+    def __init__(self, store: Store, dlog: DeliveryLog, tokens: Tokens | None) -> None:
         self.store = store
-        self.groups = groups
         self.dlog = dlog
         self.tokens = tokens
 
@@ -91,11 +96,9 @@ class DlqRoutes:
 
     def _letters(self, group: str | None) -> DeadLetters:
         """The app's dead letters, or those of its consumer group `group`."""
-        if group is None:
-            return self.store
-        if (why := bad_group(group)) is not None:
+        if group is not None and (why := bad_group(group)) is not None:
             raise ApiError(400, f"group {why}")
-        return GroupDeadLetters(self.groups, group)
+        return dead_letters_of(self.store, group)
 
     async def list_letters(self, request: web.Request) -> web.Response:
         app, _ = self._app(request)
