@@ -37,7 +37,11 @@ local function forget_entry(id)
   redis.call('HDEL', gstate, nfield(id), efield(id), tfield(id))
 end
 local GEN = '\31g'
-local function generation() return redis.call('HGET', gstate, GEN) or '0' end
+local gen  -- read once a call: no script of this group changes it
+local function generation()
+  if gen == nil then gen = redis.call('HGET', gstate, GEN) or '0' end
+  return gen
+end
 
 -- True while attempt n of entry id in generation g (a string) is in flight and its lease
 -- has not run out.
