@@ -45,6 +45,7 @@ from skmq.store import (
     Retries,
     Store,
     check_eviction_policy,
+    check_listpack_sizes,
     connect_redis,
     redacted,
     tcp_port,
@@ -161,6 +162,7 @@ class Broker:
                 f"(REDIS_WAIT): {redis_error_text(exc)}"
             ) from None
         await check_eviction_policy(self.redis)
+        await check_listpack_sizes(self.redis)
         self.store = make_store(s, self.redis)
         await self.store.adopt_legacy_apps()
         self.dlog = DeliveryLog(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 import uvloop
 
 from skmq import __version__
@@ -286,6 +287,29 @@ def test_an_unknown_environment_setting_is_reported_with_the_closest_name(
     log = broker_process.log_path.read_text()
     assert "environment variable names no setting" in log
     assert "SKMQ_PROT (did you mean SKMQ_PORT?)" in log
+
+
+def test_a_redis_with_large_listpacks_gets_a_warning(
+    broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The embedded Redis keeps hashes and sorted sets of more than 32 entries out of
+    listpacks (skmq/embedded.py); a Redis of REDIS_URL with Redis's default for hashes
+    (512) gets a warning naming the setting, and the broker runs."""
+    with EmbeddedRedis(tmp_path / "own") as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("*-max-listpack-entries") == {
+            "hash-max-listpack-entries": "32", "set-max-listpack-entries": "128",
+            "zset-max-listpack-entries": "32",
+        }  # fmt: skip
+        client.config_set("hash-max-listpack-entries", 512)
+        client.close()
+        broker_env["SKMQ_REDIS_URL"] = server.url
+        broker_process.start()
+        assert broker_process.terminate() == 0
+    log = broker_process.log_path.read_text()
+    assert "Redis hash-max-listpack-entries is 512: each delivery" in log
+    assert "set hash-max-listpack-entries 32" in log
+    assert "zset-max-listpack-entries is" not in log
 
 
 def test_debug_shows_the_traceback_and_version_answers(tmp_path: Path) -> None:

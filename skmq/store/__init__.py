@@ -1,7 +1,7 @@
 """The one module that owns every Redis key and every state change of SKMQ."""
 
 from skmq.config import redacted
-from skmq.store.checks import check_eviction_policy, tcp_port
+from skmq.store.checks import check_eviction_policy, check_listpack_sizes, tcp_port
 from skmq.store.store import (
     SEP,
     AliveRecipient,
@@ -37,6 +37,7 @@ __all__ = [
     "Retries",
     "Store",
     "check_eviction_policy",
+    "check_listpack_sizes",
     "connect_redis",
     "redacted",
     "split_delivery",
