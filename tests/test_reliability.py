@@ -557,11 +557,13 @@ async def test_a_stale_broker_cannot_touch_the_lease_of_another(
     recipient = await start_recipient(a.port, policy="hold")
     assert await produce(a.port, ["m"]) == ["m"]
     await until(lambda: len(recipient.held) == 1)
-    await spawn("b", ack_timeout="20", **shared(redis_url, prefix)).up()
     inflight = f"{base_of(prefix)}inflight"
 
+    # Stopped before B starts: A's push must not time out (closing its connection)
+    # while a slow machine starts B.
     os.kill(a.pid, signal.SIGSTOP)
     try:
+        await spawn("b", ack_timeout="20", **shared(redis_url, prefix)).up()
         await until(lambda: len(recipient.held) == 2, 10)  # B's push, once A's lease ran out
         lease = await redis.zscore(inflight, "m")
         assert lease is not None and lease > time.time() * 1000 + 10_000, "B holds the lease"
