@@ -41,7 +41,7 @@ PR_SET_PDEATHSIG = 1
 # holds two or three fields a message in flight and its `inflight` set a member each:
 # with Redis's defaults (512 and 128) a recipient's full window (PUSH_WINDOW, 128) makes
 # each of a claim's or a finish's reads and writes scan hundreds of entries (Redis's CPU a
-# message at 10,000 msg/s, one recipient: 145 µs, against 56-69 µs with 32). The embedded
+# message at 10,000 msg/s, one recipient: 120 to 140 µs, against 55 to 68 with 32). The embedded
 # server runs with 32; a Redis of REDIS_URL with more gets a warning (skmq/store/checks.py).
 LISTPACK_ENTRIES = 32
 LISTPACK_SETTINGS = ("hash-max-listpack-entries", "zset-max-listpack-entries")

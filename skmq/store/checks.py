@@ -56,7 +56,7 @@ async def check_listpack_sizes(redis: RedisClient) -> None:
     """Warn about a Redis whose listpacks are large enough to slow every delivery
     (LISTPACK_ENTRIES, skmq/embedded.py)."""
     for name in LISTPACK_SETTINGS:
-        advice = f"{LISTPACK_ENTRIES} or less makes deliveries faster"
+        advice = f"set it to {LISTPACK_ENTRIES} or less for faster deliveries"
         values = await _config_values(redis, name, advice) or []
         largest = max((int(v) for v in values if v.isdigit()), default=0)
         if largest > LISTPACK_WARN_ABOVE:
