@@ -42,6 +42,7 @@ from skmq.pull.wakeups import Wakeups
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import (
+    EvictionWatch,
     Retries,
     Store,
     check_eviction_policy,
@@ -163,6 +164,8 @@ class Broker:
             ) from None
         await check_eviction_policy(self.redis)
         await check_listpack_sizes(self.redis)
+        self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
+        self.supervisor.start("eviction-watch", self.eviction.run)
         self.store = make_store(s, self.redis)
         await self.store.adopt_legacy_apps()
         self.dlog = DeliveryLog(
@@ -220,6 +223,7 @@ class Broker:
                 if self.embedded is not None
                 else None
             ),
+            refusal=lambda: self.eviction.refusal,
         )
         self.metrics.attach(self.engine)
         self.groups = Groups(self.store)

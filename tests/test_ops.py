@@ -438,6 +438,45 @@ async def test_a_redis_that_evicts_keys_is_refused(
     )
 
 
+async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_stored(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    """An operator sets an evicting maxmemory-policy on a running Redis: within
+    REDIS_CHECK_INTERVAL producers get `error` naming it instead of `ack` (Redis might
+    evict what was acknowledged), and once the policy evicts no more, stores go on."""
+    broker = await make_broker(redis_url=own_redis.url, redis_check_interval=0.1)
+    client = await RawClient.connect(broker.server.port)
+    admin = aioredis.Redis.from_url(own_redis.url)
+    answers: list[dict[str, str]] = []
+
+    async def answer() -> dict[str, str]:
+        answers.extend(await client.produce("evict", [f"m{len(answers)}"]))
+        return answers[-1]
+
+    assert (await answer())["content"] == "stored"
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    refusal = (
+        "Redis maxmemory-policy is allkeys-lru: it would evict stored messages; "
+        "set maxmemory-policy noeviction"
+    )
+
+    async def refused() -> bool:
+        a = await answer()
+        return a["status"] == "error" and a["content"] == refusal
+
+    await eventually(refused)
+    acked = sum(a["content"] == "stored" for a in answers)  # before the watch saw it
+    assert await admin.hlen(f"{broker.settings.key_prefix}:{{evict}}:msgs") == acked
+    assert (await answer())["content"] == refusal
+    await admin.config_set("maxmemory-policy", "noeviction")
+
+    async def stored() -> bool:
+        return (await answer())["content"] == "stored"
+
+    await eventually(stored)
+    await admin.aclose()
+
+
 # -- 4. health and metrics never hang ----------------------------------------------------
 
 

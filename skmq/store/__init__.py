@@ -1,7 +1,12 @@
 """The one module that owns every Redis key and every state change of SKMQ."""
 
 from skmq.config import redacted
-from skmq.store.checks import check_eviction_policy, check_listpack_sizes, tcp_port
+from skmq.store.checks import (
+    EvictionWatch,
+    check_eviction_policy,
+    check_listpack_sizes,
+    tcp_port,
+)
 from skmq.store.store import (
     SEP,
     AliveRecipient,
@@ -29,6 +34,7 @@ __all__ = [
     "ClaimResult",
     "Claimed",
     "DeadLetter",
+    "EvictionWatch",
     "Extended",
     "Failed",
     "Finished",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from skmq.embedded import LISTPACK_ENTRIES, LISTPACK_SETTINGS
 from skmq.errors import Misconfigured
@@ -38,18 +40,57 @@ async def _config_values(redis: RedisClient, name: str, unreadable: str) -> list
     return values
 
 
-async def check_eviction_policy(redis: RedisClient) -> None:
-    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages
-    (on a cluster: any of its nodes)."""
+async def evicting_policy(redis: RedisClient) -> str | None:
+    """The Redis's maxmemory-policy if it may evict keys (on a cluster: any node's), else
+    None (also when CONFIG is not allowed)."""
     policies = await _config_values(
         redis, "maxmemory-policy", "make sure this Redis never evicts keys"
     )
-    for policy in policies or []:
-        if policy.startswith(EVICTING):
-            raise Misconfigured(
-                f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
-                "set maxmemory-policy noeviction"
-            )
+    return next((p for p in policies or [] if p.startswith(EVICTING)), None)
+
+
+def eviction_refusal(policy: str) -> str:
+    return (
+        f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
+        "set maxmemory-policy noeviction"
+    )
+
+
+async def check_eviction_policy(redis: RedisClient) -> None:
+    """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
+    policy = await evicting_policy(redis)
+    if policy is not None:
+        raise Misconfigured(eviction_refusal(policy))
+
+
+class EvictionWatch:
+    """The eviction policy, read again every REDIS_CHECK_INTERVAL while the broker runs:
+    an operator may set an evicting one on a running Redis. Meanwhile `refusal` is what
+    producers hear instead of `ack` (skmq/workers/enqueue.py): nothing is acknowledged
+    that Redis might evict. None while the policy keeps keys (or cannot be read)."""
+
+    def __init__(self, redis: RedisClient, interval: float, timeout: float) -> None:
+        self.redis = redis
+        self.interval = interval
+        self.timeout = timeout
+        self.refusal: str | None = None
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                async with asyncio.timeout(self.timeout):
+                    policy = await evicting_policy(self.redis)
+            except (RedisError, OSError, TimeoutError):
+                continue  # unreachable: stores fail by themselves meanwhile
+            refusal = None if policy is None else eviction_refusal(policy)
+            if refusal != self.refusal:
+                if refusal:
+                    log.error("Redis may evict keys now: storing nothing until it may not",
+                              policy=policy)  # fmt: skip
+                else:
+                    log.warning("Redis evicts no keys again: storing messages")
+            self.refusal = refusal
 
 
 async def check_listpack_sizes(redis: RedisClient) -> None:

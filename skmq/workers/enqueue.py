@@ -99,6 +99,8 @@ class Enqueuer:
     # (skmq/workers/dispatch.py: carry_claim); the other apps are woken (on_stored).
     carry_claims: Callable[[Mapping[str, Sized], int], list[ClaimArgs]] | None = None
     disk: DiskSpace | None = None  # the embedded Redis's (None: a Redis of REDIS_URL)
+    # Why nothing may be stored now (an evicting Redis: skmq/store/checks.py), or None.
+    refusal: Callable[[], str | None] = lambda: None
     pending_bytes: int = field(init=False, default=0)
     disk_low: bool = field(init=False, default=False)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
@@ -172,8 +174,9 @@ class Enqueuer:
         return low
 
     async def _store_and_log(self, batch: EnqueueBatch) -> None:
-        if self._disk_is_low():
-            batch.future.set_result(DISK_LOW)
+        refused = self.refusal()
+        if refused is not None or self._disk_is_low():
+            batch.future.set_result(refused or DISK_LOW)
             return
         received = now_ms()
         carried: set[str] = set()
