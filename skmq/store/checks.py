@@ -19,16 +19,17 @@ EVICTING = ("allkeys-", "volatile-")
 LISTPACK_WARN_ABOVE = 128  # Redis's default for sorted sets
 
 
-async def _config_values(redis: RedisClient, name: str, unreadable: str) -> list[str] | None:
+async def _config_values(redis: RedisClient, name: str, unreadable: str | None) -> list[str] | None:
     """The setting `name` of the Redis (on a cluster: of each node); [] if it has no such
-    setting, None if CONFIG is not allowed (then warning that `unreadable`)."""
+    setting, None if CONFIG is not allowed (then warning that `unreadable`, if given)."""
     try:
         if isinstance(redis, RedisCluster):
             reply = await redis.config_get(name, target_nodes=RedisCluster.ALL_NODES)
         else:
             reply = await redis.config_get(name)
     except ResponseError as exc:
-        log.warning(f"cannot read {name} (CONFIG not allowed): {unreadable}", error=str(exc))
+        if unreadable:
+            log.warning(f"cannot read {name} (CONFIG not allowed): {unreadable}", error=str(exc))
         return None
     # A cluster answers {node: {name: value}} (one node: {name: value}).
     nested = reply and all(isinstance(v, dict) for v in reply.values())
@@ -40,16 +41,12 @@ async def _config_values(redis: RedisClient, name: str, unreadable: str) -> list
     return values
 
 
-async def evicting_policy(redis: RedisClient) -> str | None:
-    """The Redis's maxmemory-policy if it may evict keys (on a cluster: any node's), else
-    None (also when CONFIG is not allowed)."""
-    policies = await _config_values(
-        redis, "maxmemory-policy", "make sure this Redis never evicts keys"
-    )
-    return next((p for p in policies or [] if p.startswith(EVICTING)), None)
+def _evicting(policies: list[str]) -> str | None:
+    """The first of the nodes' maxmemory-policies that may evict keys, if any."""
+    return next((p for p in policies if p.startswith(EVICTING)), None)
 
 
-def eviction_refusal(policy: str) -> str:
+def _eviction_refusal(policy: str) -> str:
     return (
         f"Redis maxmemory-policy is {policy}: it would evict stored messages; "
         "set maxmemory-policy noeviction"
@@ -58,16 +55,20 @@ def eviction_refusal(policy: str) -> str:
 
 async def check_eviction_policy(redis: RedisClient) -> None:
     """Refuse a Redis that may evict keys: it would silently lose acknowledged messages."""
-    policy = await evicting_policy(redis)
+    policies = await _config_values(
+        redis, "maxmemory-policy", "make sure this Redis never evicts keys"
+    )
+    policy = _evicting(policies or [])
     if policy is not None:
-        raise Misconfigured(eviction_refusal(policy))
+        raise Misconfigured(_eviction_refusal(policy))
 
 
 class EvictionWatch:
     """The eviction policy, read again every REDIS_CHECK_INTERVAL while the broker runs:
     an operator may set an evicting one on a running Redis. Meanwhile `refusal` is what
     producers hear instead of `ack` (skmq/workers/enqueue.py): nothing is acknowledged
-    that Redis might evict. None while the policy keeps keys (or cannot be read)."""
+    that Redis might evict. None while the policy keeps keys (not watched where CONFIG is
+    not allowed)."""
 
     def __init__(self, redis: RedisClient, interval: float, timeout: float) -> None:
         self.redis = redis
@@ -80,10 +81,13 @@ class EvictionWatch:
             await asyncio.sleep(self.interval)
             try:
                 async with asyncio.timeout(self.timeout):
-                    policy = await evicting_policy(self.redis)
+                    policies = await _config_values(self.redis, "maxmemory-policy", None)
             except (RedisError, OSError, TimeoutError):
                 continue  # unreachable: stores fail by themselves meanwhile
-            refusal = None if policy is None else eviction_refusal(policy)
+            if policies is None:
+                return  # CONFIG not allowed: the broker said so when it started
+            policy = _evicting(policies)
+            refusal = None if policy is None else _eviction_refusal(policy)
             if refusal != self.refusal:
                 if refusal:
                     log.error("Redis may evict keys now: storing nothing until it may not",
