@@ -417,6 +417,13 @@ async def test_the_embedded_redis_is_loopback_only_with_a_private_password(
         again.stop()
 
 
+# What the broker says of a Redis set to allkeys-lru, at start and while it runs.
+EVICTING_REFUSAL = (
+    "Redis maxmemory-policy is allkeys-lru: it would evict stored messages; "
+    "set maxmemory-policy noeviction"
+)
+
+
 async def test_a_redis_that_evicts_keys_is_refused(
     own_redis: EmbeddedRedis, broker_env: dict[str, str]
 ) -> None:
@@ -432,10 +439,7 @@ async def test_a_redis_that_evicts_keys_is_refused(
         _, err = await proc.communicate()
     lines = err.decode().strip().splitlines()
     assert proc.returncode == 1 and "Traceback" not in err.decode(), err
-    assert lines[-1] == (
-        "skmq serve: Redis maxmemory-policy is allkeys-lru: it would evict stored messages; "
-        "set maxmemory-policy noeviction"
-    )
+    assert lines[-1] == f"skmq serve: {EVICTING_REFUSAL}"
 
 
 async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_stored(
@@ -455,19 +459,15 @@ async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_sto
 
     assert (await answer())["content"] == "stored"
     await admin.config_set("maxmemory-policy", "allkeys-lru")
-    refusal = (
-        "Redis maxmemory-policy is allkeys-lru: it would evict stored messages; "
-        "set maxmemory-policy noeviction"
-    )
 
     async def refused() -> bool:
         a = await answer()
-        return a["status"] == "error" and a["content"] == refusal
+        return a["status"] == "error" and a["content"] == EVICTING_REFUSAL
 
     await eventually(refused)
     acked = sum(a["content"] == "stored" for a in answers)  # before the watch saw it
     assert await admin.hlen(f"{broker.settings.key_prefix}:{{evict}}:msgs") == acked
-    assert (await answer())["content"] == refusal
+    assert (await answer())["content"] == EVICTING_REFUSAL
     await admin.config_set("maxmemory-policy", "noeviction")
 
     async def stored() -> bool:
