@@ -180,7 +180,7 @@ class Message:
 
 
 def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
 
 Handler = Callable[[Message], Awaitable[None]]

@@ -35,6 +35,10 @@ PerSecond = Annotated[float, Field(ge=0)]  # a rate limit; 0: unlimited
 Count = Annotated[int, Field(ge=1)]  # a size or limit of at least one
 Bytes = Annotated[int, Field(ge=64)]  # a size in bytes; less than 64 holds no frame
 BufferBytes = Annotated[int, Field(ge=1024)]  # bytes held at once (bodies, pending content)
+# A span of ms a message may reach ahead (delay, ttl): at most 10^15, so that every time
+# computed from it stays an exact number in Lua (doubles: 2^53 is about 9 * 10^15).
+Horizon = Annotated[int, Field(ge=0, le=10**15)]
+DAY_MS = 86_400_000
 
 
 def _split_csv(value: Any) -> Any:
@@ -86,6 +90,8 @@ class Settings(BaseSettings):
     delivery_rate: PerSecond = 0.0
     dedupe_window: Seconds = 3600.0
     default_ttl: NonNegativeInt = 0
+    max_delay: Horizon = 730 * DAY_MS
+    max_ttl: Horizon = 3650 * DAY_MS
     ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     expired: Literal["dead", "drop"] = "dead"
     # Bounds on what peers may send and hold (docs/PROTOCOL.md, limits).
@@ -98,6 +104,7 @@ class Settings(BaseSettings):
     max_store_pending_bytes: BufferBytes = 64 << 20
     max_unanswered_frames: Count = 4096
     max_unanswered_total: Count = 32768
+    max_write_buffer_bytes: BufferBytes = 16 << 20
     max_peer_store_calls: Count = 16
     max_store_calls_per_connection: Count = 32
     idle_timeout: Seconds = 5 * 60.0

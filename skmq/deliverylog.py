@@ -101,7 +101,7 @@ class DeliveryLog:
         compressed: dict[int, bool] = {}
         for path in self.dir.glob(f"{self._prefix}*.jsonl*"):
             number, _, suffix = path.name.removeprefix(self._prefix).partition(".")
-            if number.isdigit() and suffix in ("jsonl", "jsonl.gz"):
+            if number.isascii() and number.isdigit() and suffix in ("jsonl", "jsonl.gz"):
                 index = int(number)
                 compressed[index] = compressed.get(index, False) or suffix == "jsonl.gz"
         if not compressed:

@@ -40,6 +40,7 @@ from skmq.deliverylog import now_ms
 from skmq.errors import ApiError
 from skmq.peer import Peer
 from skmq.registry.registration import (
+    CONTROL,
     RegistrationRefused,
     check_address,
     is_text,
@@ -101,7 +102,6 @@ class Outcome:
 # W3C Trace Context, version 00 (https is not linked: docs/PROTOCOL.md names it); a
 # trace id or parent id of only zeros is invalid.
 TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def bad_id(value: str) -> str | None:
@@ -111,8 +111,21 @@ def bad_id(value: str) -> str | None:
         and len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES
     ):
         return f"longer than {MAX_ID_BYTES} bytes"
-    if _CONTROL.search(value):
+    if CONTROL.search(value):
         return "holds a control character"
+    return None
+
+
+def bad_timing(
+    settings: Settings, now: int, delay: int, deliver_at: int, ttl: int | None
+) -> str | None:
+    """Why a message's delay, deliver_at or ttl is refused, or None. Each is bounded
+    (MAX_DELAY, MAX_TTL): a delay of 310 digits was once stored, and Redis then read its
+    due time as infinity in every claim of its app."""
+    if delay > settings.max_delay or deliver_at > now + settings.max_delay:
+        return f"delay and deliver_at reach at most {settings.max_delay} ms ahead (MAX_DELAY)"
+    if ttl is not None and ttl > settings.max_ttl:
+        return f"ttl is at most {settings.max_ttl} ms (MAX_TTL)"
     return None
 
 
@@ -291,6 +304,8 @@ class FrameHandler:
         except ValueError:
             return self._resp("delay, deliver_at and ttl must be non-negative integers (ms)", msgid)
         now = now_ms()
+        if (why := bad_timing(self.settings, now, delay or 0, deliver_at or 0, ttl)) is not None:
+            return self._resp(why, msgid)
         due = 0
         if delay or deliver_at:
             due = max(deliver_at or 0, now + (delay or 0))

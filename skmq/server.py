@@ -52,8 +52,6 @@ MIN_SHARE = 16
 # Reading near the share reads at least this much (a large frame still makes progress).
 MIN_READ = 256
 MAX_BATCH = 4096
-# A peer that does not read its answers is cut off past this much unsent data.
-MAX_WRITE_BUFFER = 16 << 20
 
 
 class LimitExceeded(CodecError):
@@ -384,7 +382,7 @@ class Server:
             return
         writer.write(b"".join(replies))
         conn.last_active = time.monotonic()
-        if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+        if writer.transport.get_write_buffer_size() > self.settings.max_write_buffer_bytes:
             log.warning("peer does not read its answers, closing", peer=conn.peer.host)
             self._close(conn)
 

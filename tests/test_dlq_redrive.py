@@ -170,6 +170,9 @@ async def test_list_replay_and_purge_over_http(
         assert status == 200
         assert [d["msgid"] for d in listed["dead_letters"]] == ["m1", "m2", "m3", "m4"]
         assert listed["dead_letters"][0]["last_error"] == "errored: boom"
+        for limit in ("0", "x", "%C2%B2", "%D9%A1"):  # digits to str.isdigit, not ASCII
+            status, error = await call("GET", f"d/dlq?limit={limit}")
+            assert (status, "limit" in error["error"]) == (400, True), limit
         dry = {"reason": "BOOM", "max": 2, "dry_run": True}
         assert await call("POST", "d/dlq/replay", dry) == (
             200, {"action": "replay", "dry_run": True, "selected": ["m1", "m3"], "done": 0}

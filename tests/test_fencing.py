@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
-from skmq.codec import Frame
+from skmq.codec import PONG, Decoder, Frame
 from skmq.embedded import EmbeddedRedis
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import WAIT, FakeRecipient, RawClient
@@ -206,16 +208,14 @@ async def test_answers_from_another_address_change_nothing(
         for kind in ("ack", "reject", "error", "arrived", "extend"):
             resp = await answer_from(broker.server.port, ATTACKER, kind, msgid=msgid, appid=app)
             assert resp["status"] == "reject", (msgid, kind, resp)
-    # a guessed or replayed token is refused too
-    resp = await answer_from(
-        broker.server.port,
-        ATTACKER,
-        "ack",
-        msgid="fly",
-        appid=app,
-        token="1.AAAAAAAAAAAAAAAAAAAAAA",
-    )
-    assert resp["status"] == "reject"
+    # a guessed or replayed token is refused too, and so is one whose attempt is a digit
+    # of another script (`²`: str.isdigit says yes, int() says no)
+    for token in ("1.AAAAAAAAAAAAAAAAAAAAAA", "\u00b2.AAAAAAAAAAAAAAAAAAAAAA"):
+        resp = await answer_from(
+            broker.server.port, ATTACKER, "ack", msgid="fly", appid=app, token=token
+        )
+        assert (resp["status"], resp.get("msgid")) == ("reject", "fly"), resp
+        assert "token does not match" in str(resp["content"])
     base = f"{prefix}:{{{app}}}:"
     assert await redis.zscore(base + "inflight", "fly") is not None
     assert await redis.zscore(base + "delayed", "late") is not None
@@ -364,3 +364,55 @@ async def settled(broker: Broker, app: str) -> bool:
     counts = await broker.store.counts([app], 0)
     c = counts[app]
     return (c.pending, c.delayed, c.in_flight, c.dead) == (0, 0, 0, 0)
+
+
+async def test_a_recipient_flooding_answers_it_does_not_read_is_cut_off(
+    make_broker: BrokerFactory,
+) -> None:
+    """A registered recipient streams answers on its push connection and never reads the
+    broker's: it is read only while MAX_UNANSWERED_FRAMES of them wait (each unknown msgid
+    costs a look in the store), and cut off once MAX_WRITE_BUFFER_BYTES of answers wait
+    unread, while producers go on being answered."""
+    broker = await make_broker(max_unanswered_frames=16, max_write_buffer_bytes=1024)
+    app, rid = "flood", "r1"
+    pushed = asyncio.get_running_loop().create_future()
+    peak = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = Decoder()
+        while not pushed.done() and (data := await reader.read(65536)):
+            for frame in decoder.feed(data):
+                if isinstance(frame, Frame) and frame.type == "ping":
+                    writer.write(PONG)
+                elif isinstance(frame, Frame) and frame.type == "push":
+                    pushed.set_result(frame.fields["msgid"])
+        flood = b"".join(b"type=ack\r\nmsgid=nx%d\r\n\r\n" % i for i in range(20_000))
+        writer.write(flood)  # and never read again
+        await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        registration = {"id": rid, "app_id": app, "host": "127.0.0.1", "port": port,
+                        "caps": ["pipeline"]}  # fmt: skip
+        client = await RawClient.connect(broker.server.port)
+        assert (await client.request("register", json.dumps(registration).encode()))[
+            "status"
+        ] == "ack"
+        await produce(broker.server.port, app, {"m1": b"x"})
+        assert await asyncio.wait_for(pushed, WAIT) == "m1"
+        link = broker.engine.pusher.links[(app, rid)]
+
+        async def cut_off() -> bool:
+            nonlocal peak
+            peak = max([peak, *(c.unanswered for c in link.connections)])
+            return not link.connections
+
+        await eventually(cut_off)
+        assert peak <= 16  # the connection was read no faster than its answers went out
+        resp = await client.request("queue", b"y", appid="other", msgid="still")
+        assert resp["status"] == "ack"
+        await client.close()
+    finally:
+        server.close()

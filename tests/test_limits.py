@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,54 @@ from tests.peers import FakeRecipient, RawClient
 
 def queue_frame(msgid: str, content: bytes = b"x", appid: str = "a") -> bytes:
     return encode_frame("queue", {"appid": appid, "msgid": msgid}, content)
+
+
+# -- MAX_DELAY, MAX_TTL -------------------------------------------------------------
+async def test_delays_and_ttls_past_their_limits_are_refused(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(max_delay=60_000, max_ttl=120_000)
+    client = await RawClient.connect(broker.server.port)
+    an_hour_ahead = str(time.time_ns() // 1_000_000 + 3_600_000)
+    refused = [
+        ({"delay": "60001"}, "(MAX_DELAY)"),
+        ({"deliver_at": an_hour_ahead}, "(MAX_DELAY)"),
+        # Once stored, Redis read such a due time as infinity in every claim of its app.
+        ({"delay": "1" + "0" * 309}, "(MAX_DELAY)"),
+        ({"ttl": "120001"}, "(MAX_TTL)"),
+    ]
+    try:
+        for i, (fields, setting) in enumerate(refused):
+            resp = await client.request("queue", b"x", appid="a", msgid=f"far{i}", **fields)
+            assert (resp["status"], setting in resp["content"]) == ("error", True), fields
+        resp = await client.request(
+            "queue", b"x", appid="a", msgid="near", delay="60000", ttl="120000"
+        )
+        assert resp["status"] == "ack"
+        assert await broker.store.redis.hlen(broker.store.base("a") + "msgs") == 1
+    finally:
+        await client.close()
+
+
+async def test_a_due_time_redis_holds_as_infinity_stops_no_delivery(
+    broker: Broker, redis: aioredis.Redis
+) -> None:
+    """A store written before delays were bounded may hold a due time of inf: the app's
+    claims go on (they used to fail on it, and the broker stopped after 11 failures)."""
+    client = await RawClient.connect(broker.server.port)
+    resp = await client.request("queue", b"x", appid="inf", msgid="never", delay="60000")
+    assert resp["status"] == "ack"
+    delayed = broker.store.base("inf") + "delayed"
+    [held] = await redis.zrange(delayed, 0, -1)
+    await redis.zadd(delayed, {held: float("inf")})
+    rec = await FakeRecipient("inf", "r1").start()
+    try:
+        await rec.register(broker.server.port)
+        resp = await client.request("queue", b"y", appid="inf", msgid="after")
+        assert resp["status"] == "ack"
+        push = await rec.next_push()
+        assert push.fields["msgid"] == "after"
+    finally:
+        await rec.stop()
+        await client.close()
 
 
 # -- FRAME_TIMEOUT ------------------------------------------------------------------

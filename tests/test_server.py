@@ -117,6 +117,8 @@ async def test_malformed_inputs_get_error_and_connection_goes_on(broker: Broker)
         + "\uff15\uff16\uff11".encode()  # fullwidth digits
         + b'"}\r\n\r\n',
         b"type=queue\r\nappid=a\r\nmsgid=\x01bad\r\ncontent=x\r\n\r\n",  # control char in msgid
+        "type=queue\r\nappid=a\r\nmsgid=m\u0085x\r\ncontent=x\r\n\r\n".encode(),  # C1 control
+        "type=queue\r\nappid=a\u2028b\r\nmsgid=m\r\ncontent=x\r\n\r\n".encode(),  # line sep.
         b"type=queue\r\nappid=a\r\nmsgid=" + b"l" * 300 + b"\r\ncontent=x\r\n\r\n",  # too long
         b"type=register\r\ncontent=not json\r\n\r\n",
         b"type=ack\r\n\r\n",  # ack without msgid

@@ -77,7 +77,7 @@ _UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 def _when(text: str) -> int:
     """A point in time (unix ms): `2026-11-23T12:00` (UTC unless it says), unix ms, or
     a duration ago (`90s`, `15m`, `2h`, `3d`)."""
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return int(text)
     if ago := _AGO.fullmatch(text):
         return now_ms() - int(ago[1]) * _UNIT_MS[ago[2]]
@@ -93,7 +93,7 @@ def _when(text: str) -> int:
 
 
 def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
 

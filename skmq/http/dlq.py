@@ -103,7 +103,7 @@ class DlqRoutes:
     async def list_letters(self, request: web.Request) -> web.Response:
         app, _ = self._app(request)
         raw = request.query.get("limit", "1000")
-        if not raw.isdigit() or not 1 <= int(raw) <= 100_000:
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 100_000:
             raise ApiError(400, "limit: a whole number from 1 to 100000")
         letters = await self._letters(request.query.get("group")).dead_letters(app, int(raw))
         listed = DeadLetterList.model_validate({"dead_letters": [d.as_json() for d in letters]})

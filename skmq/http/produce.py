@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skmq.auth import Tokens
 from skmq.config import Settings
 from skmq.deliverylog import now_ms
-from skmq.handler import bad_app, bad_id
+from skmq.handler import bad_app, bad_id, bad_timing
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.registry.registration import is_text
@@ -184,6 +184,8 @@ class Producer:
             raise ApiError(400, f"{where}key: ordered delivery applies to queue messages only")
         msgid = m.msgid or uuid.uuid4().hex
         now = now_ms()
+        if (why := bad_timing(self.settings, now, m.delay, 0, m.ttl)) is not None:
+            raise ApiError(400, f"{where}{why}")
         due = now + m.delay if m.delay else 0
         ttl = self.settings.app_ttl(app) if m.ttl is None else m.ttl
         return NewMessage(msgid, m.kind, content, due, now + ttl if ttl else 0, m.key)

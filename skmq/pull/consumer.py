@@ -143,7 +143,8 @@ class PullConsumer:
             if resp.ok:
                 return json.loads(resp.content)
             code, _, why = resp.content.partition(" ")
-            if not code.isdigit():  # a refusal without the gateway's status first
+            # a refusal without the gateway's status first
+            if not (code.isascii() and code.isdigit()):
                 code, why = "503", resp.content
             raise PullError(int(code), why)
         if self._session is None:

@@ -79,7 +79,8 @@ class OwnAddresses:
             host, sep, port = part.rpartition(":")
             if not sep or "]" in port:
                 host, port = part, ""
-            self.add(host or "localhost", int(port) if port.isdigit() else default)
+            digits = port.isascii() and port.isdigit()
+            self.add(host or "localhost", int(port) if digits else default)
 
     def used_by_broker(self, host: str, port: int) -> bool:
         """True when host:port is (or reaches) an address this broker uses itself."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +53,16 @@ def parse_caps(value: Any) -> frozenset[str]:
     return frozenset(value) & KNOWN_CAPS
 
 
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators: characters
+# that break a line or drive a terminal where ids end up (logs, metrics labels, listings).
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def _text(obj: dict[str, Any], key: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or not value:
         raise RegistrationRefused(f"{key} must be a non-empty string")
-    if len(value) > MAX_ID or any(ord(c) < 32 or c == "\x7f" for c in value):
+    if len(value) > MAX_ID or CONTROL.search(value):
         raise RegistrationRefused(f"{key} must be at most {MAX_ID} printable characters")
     if not is_text(value):
         raise RegistrationRefused(f"{key} holds a lone surrogate (not Unicode text)")

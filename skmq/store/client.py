@@ -153,7 +153,7 @@ def url_hosts(url: str, default_port: int) -> list[tuple[str, int]]:
         if not part:
             continue
         host, sep, port = part.rpartition(":")
-        if not sep or "]" in port or not port.isdigit():
+        if not sep or "]" in port or not (port.isascii() and port.isdigit()):
             host, port = part, ""
         hosts.append((host.strip("[]") or "localhost", int(port) if port else default_port))
     return hosts

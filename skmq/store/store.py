@@ -10,6 +10,7 @@ delivery is in flight from one broker at most.
 from __future__ import annotations
 
 import json
+import math
 import random
 import secrets
 import time
@@ -615,7 +616,9 @@ class Store:
 
     @staticmethod
     def parse_claim(res: list[Any]) -> ClaimResult:
-        nxt = int(float(res[-2]))
+        # (a score Redis holds as inf, the due time of a message stored before delays
+        # were bounded, means never: not a time to wait for)
+        nxt = float(res[-2])
         out = []
         for i in range(0, len(res) - 2, 7):
             did = unpack(res[i])
@@ -623,7 +626,7 @@ class Store:
             kind = _KINDS[res[i + 1]]
             attempt, rid, stored = int(res[i + 3]), _s(res[i + 4]), int(res[i + 5])
             out.append(Claimed(did, msgid, kind, res[i + 2], attempt, rid, stored, _s(res[i + 6])))
-        return out, (None if nxt < 0 else nxt), int(res[-1]) / 1000
+        return out, (int(nxt) if 0 <= nxt < math.inf else None), int(res[-1]) / 1000
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         """acks: (delivery id, attempt or 0 for whichever is current). The call may wait

@@ -93,11 +93,21 @@ class LinkTimeouts:
     legacy_answer: float  # an original peer's push with no answer at all
 
 
+@dataclass(frozen=True, slots=True)
+class LinkLimits:
+    """What a recipient may make a push connection hold, as a producer's connection on the
+    broker's port (the same settings): a recipient is a peer like any other."""
+
+    max_frame_bytes: int
+    max_unanswered: int  # its frames read and not answered yet: past it, not read
+    max_write_buffer: int  # our answers it has not read: past it, cut off
+
+
 class PushConnection(FrameProtocol):
     """One TCP connection to the recipient: handshake, then pushes and their answers."""
 
     def __init__(self, link: RecipientLink, single_use: bool) -> None:
-        super().__init__(link.max_frame_bytes)
+        super().__init__(link.limits.max_frame_bytes)
         self.link = link
         self.single_use = single_use
         self.transport: asyncio.Transport | None = None
@@ -105,6 +115,8 @@ class PushConnection(FrameProtocol):
         self.closed = False
         self.queued: list[Delivery] = []  # waiting for the handshake: never written
         self.pushed: dict[str, Delivery] = {}  # written, not finally answered
+        self.unanswered = 0  # the recipient's frames not answered yet (MAX_UNANSWERED_FRAMES)
+        self.held: list[Frame | InvalidFrame] = []  # read past that limit: taken as it drops
         self.last_write = 0.0
         self._failure = "connection to recipient lost"
         self._timer: asyncio.TimerHandle | None = None
@@ -141,17 +153,25 @@ class PushConnection(FrameProtocol):
         has its final answer. (After `arrived` it stays open for ACK_WAIT, for a final
         answer on it; the original recipient may instead close it and answer on a
         connection of its own.)"""
+        self.unanswered -= 1
         if self.transport is None or self.closed:
             return
         self._out.add(encode_resp(resp[0], resp[1], msgid or None))
         if self.single_use and not self.pushed:
             self._out.flush()
             self.close()
+        elif self.held:
+            held, self.held = self.held, []
+            self.frames_received(held)
+            if not self.held and self.transport is not None:
+                self.transport.resume_reading()
 
     def _write_out(self, chunks: list[bytes]) -> None:
         if self.transport is not None:
             self.transport.write(b"".join(chunks))
             self.last_write = time.monotonic()
+            if self.transport.get_write_buffer_size() > self.link.limits.max_write_buffer:
+                self.abort("recipient does not read the broker's answers")
 
     def _arm(self, delay: float, why: str) -> None:
         self._disarm()
@@ -211,7 +231,7 @@ class PushConnection(FrameProtocol):
         self.abort(f"recipient sent an invalid stream: {exc}")
 
     def frames_received(self, frames: list[Frame | InvalidFrame]) -> None:
-        for frame in frames:
+        for i, frame in enumerate(frames):
             if not isinstance(frame, Frame):
                 self.refuse(f"recipient sent an invalid frame: {frame.reason}")
                 return
@@ -221,6 +241,15 @@ class PushConnection(FrameProtocol):
                     return
                 self._ready()
             elif frame.type not in ("pong", "resp"):
+                # Each answer gets its `resp` (`reply`) once the store has it: with so
+                # many waiting, the rest is held and the recipient not read (one read may
+                # hold thousands of answers) until they drop under the limit.
+                if self.unanswered >= self.link.limits.max_unanswered:
+                    self.held = frames[i:]
+                    if self.transport is not None:
+                        self.transport.pause_reading()
+                    return
+                self.unanswered += 1
                 self.link.on_frame(self, frame)
                 if self.closed:  # refused: nothing after it counts
                     return
@@ -240,6 +269,7 @@ class PushConnection(FrameProtocol):
         self.closed = True
         self._disarm()
         self._out.clear()
+        self.held = []
         self.link.connection_lost(self, self._failure)
 
     def answered(self, d: Delivery, arrived: bool) -> None:
@@ -263,7 +293,7 @@ class RecipientLink:
     _: KW_ONLY
     window: int
     timeouts: LinkTimeouts
-    max_frame_bytes: int
+    limits: LinkLimits
     inflight: dict[str, Delivery] = field(init=False, default_factory=dict)
     # Until then no new pushes: this recipient let pushes time out (SPEC 3: they go
     # elsewhere). An answer from it lifts the bench.

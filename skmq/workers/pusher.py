@@ -22,7 +22,7 @@ from skmq.registry.recipients import Recipient, Registry
 from skmq.signing import PushSigner
 from skmq.store import Claimed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher
-from skmq.workers.link import Delivery, LinkTimeouts, RecipientLink, Verdict
+from skmq.workers.link import Delivery, LinkLimits, LinkTimeouts, RecipientLink, Verdict
 from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.pusher")
@@ -69,7 +69,11 @@ class Pusher:
                     handshake=s.handshake_timeout,
                     legacy_answer=s.legacy_answer_timeout,
                 ),
-                max_frame_bytes=s.max_frame_bytes,
+                limits=LinkLimits(
+                    max_frame_bytes=s.max_frame_bytes,
+                    max_unanswered=s.max_unanswered_frames,
+                    max_write_buffer=s.max_write_buffer_bytes,
+                ),
             )
         return link
 

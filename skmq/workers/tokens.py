@@ -27,7 +27,7 @@ class DeliveryTokens:
     def attempt_of(self, token: str, app: str, delivery_id: str) -> int | None:
         """The attempt a token was made for, or None when it is not this delivery's."""
         head, _, mac = token.partition(".")
-        if not head.isdigit() or len(head) > 9:
+        if not (head.isascii() and head.isdigit()) or len(head) > 9:
             return None
         attempt = int(head)
         expected = self._mac(app, delivery_id, attempt).encode()
