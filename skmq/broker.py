@@ -225,7 +225,7 @@ class Broker:
             ),
             refusal=lambda: self.eviction.refusal,
         )
-        self.metrics.attach(self.engine)
+        self.metrics.attach(self.engine, self.enqueuer)
         self.groups = Groups(self.store)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)

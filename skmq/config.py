@@ -81,6 +81,7 @@ class Settings(BaseSettings):
     max_lease_extensions: NonNegativeInt = 10
     heartbeat_interval: Seconds = 10.0
     heartbeat_timeout: Seconds = 3.0
+    heartbeat_concurrency: Count = 256
     recipient_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     push_window: Count = 128
     legacy_window: Count = 8
@@ -101,6 +102,7 @@ class Settings(BaseSettings):
     max_line_bytes: Bytes = 4 << 10
     max_partial_bytes: Bytes = 64 << 20
     max_registration_bytes: Bytes = 4 << 10
+    max_recipients_per_app: Count = 1000
     max_store_pending_bytes: BufferBytes = 64 << 20
     max_unanswered_frames: Count = 4096
     max_unanswered_total: Count = 32768

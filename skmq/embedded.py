@@ -322,6 +322,9 @@ class EmbeddedRedis:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(info["pid"]), signal.SIGTERM)
+            # A stopped server (SIGSTOP: a stalled Redis) acts on SIGTERM only once it
+            # runs again, and its death signal when its broker was killed did not end it.
+            os.kill(int(info["pid"]), signal.SIGCONT)
         if not _wait_gone(int(info["pid"]), 10.0):
             raise RuntimeError(f"an earlier embedded redis (pid {info['pid']}) does not stop")
 
@@ -357,6 +360,10 @@ def _write_private(path: Path, text: str) -> None:
             f.write(text)
         os.chmod(tmp, 0o600)
         tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from exc
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

@@ -35,6 +35,7 @@ from skmq.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from skmq.workers.engine import Engine
+    from skmq.workers.enqueue import Enqueuer
 
 # delivery-log event -> (metric name, help)
 COUNTERS = {
@@ -105,6 +106,7 @@ class Metrics(Collector):
         self.registry.register(self)
         ProcessCollector(registry=self.registry)
         self._engine: Engine | None = None
+        self._enqueuer: Enqueuer | None = None
 
     # -- hot path -------------------------------------------------------------
     def observe(self, event: str, app: str) -> None:
@@ -248,6 +250,8 @@ class Metrics(Collector):
             return False, "unhealthy: the delivery engine cannot reach Redis"
         if not await self.probe():
             return False, f"unhealthy: no answer from Redis within {PROBE_TIMEOUT:g}s"
+        if self._enqueuer is not None and (refused := self._enqueuer.refusing) is not None:
+            return True, f"degraded: messages are not stored: {refused}"
         if self.dlog.error is not None:
             return True, (
                 f"degraded: delivery log not writable ({self.dlog.error}); "
@@ -262,6 +266,7 @@ class Metrics(Collector):
             )
         return True, "ok"
 
-    def attach(self, engine: Engine) -> None:
-        """The engine whose health /healthz reports."""
+    def attach(self, engine: Engine, enqueuer: Enqueuer) -> None:
+        """The engine and the enqueue worker whose health /healthz reports."""
         self._engine = engine
+        self._enqueuer = enqueuer

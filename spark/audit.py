@@ -32,6 +32,7 @@ from .inputs import (
     AuditInputError,
     BadFile,
     BadLinesError,
+    VanishedFile,
     check_files,
     is_remote,
     resolve_log_paths,
@@ -136,28 +137,43 @@ def _compute(
     prog: Progress,
 ) -> AuditResult:
     """The report; a file Spark fails on (that the checks let pass: a cut .zst, a remote
-    file) stops the audit, or with ``skip_bad_files`` is skipped and the audit run again."""
+    file, one gone since it was listed) stops the audit, or with ``skip_bad_files`` is
+    skipped and the audit run again. A log file its broker compressed meanwhile is read
+    compressed."""
     while True:
+        cause: Exception
         try:
             return compute_report(session, paths, options=options, progress=prog)
+        except VanishedFile as exc:
+            path = next((p for p in paths if _same_file(exc.named, p)), None)
+            if path is None:
+                raise
+            if path.endswith(".jsonl") and os.path.exists(path + ".gz"):
+                # Its broker compressed it meanwhile (skmq/logarchive.py): the same lines.
+                paths[paths.index(path)] = path + ".gz"
+                prog.note(f"{path} was compressed meanwhile: reading {path}.gz")
+                prog.index = 0
+                continue
+            bad, cause = BadFile(path, "gone while the audit ran"), exc
         except AuditInputError:
             raise
         except Exception as exc:
-            bad = _failed_file(exc, paths)
-            if bad is None:
+            found = _failed_file(exc, paths)
+            if found is None:
                 raise
-            if not skip_bad_files:
-                raise AuditInputError(
-                    f"cannot read 1 file(s): {bad.line()} (--skip-bad-files to audit the others)"
-                ) from exc
-            skipped.append(bad)
-            paths.remove(bad.path)
-            prog.note(f"skipping {bad.line()}; reading the others again")
-            if not paths:
-                raise AuditInputError(
-                    "no readable log file: " + "; ".join(b.line() for b in skipped)
-                ) from exc
-            prog.index = 0
+            bad, cause = found, exc
+        if not skip_bad_files:
+            raise AuditInputError(
+                f"cannot read 1 file(s): {bad.line()} (--skip-bad-files to audit the others)"
+            ) from cause
+        skipped.append(bad)
+        paths.remove(bad.path)
+        prog.note(f"skipping {bad.line()}; reading the others again")
+        if not paths:
+            raise AuditInputError(
+                "no readable log file: " + "; ".join(b.line() for b in skipped)
+            ) from cause
+        prog.index = 0
 
 
 def run_audit(

@@ -39,6 +39,7 @@ __all__ = [
     "BadFile",
     "BadLine",
     "BadLinesError",
+    "VanishedFile",
     "check_files",
     "is_remote",
     "read_events",
@@ -75,6 +76,15 @@ _CHUNK = 1 << 20
 
 class AuditInputError(Exception):
     """Nothing to audit, or input the user asked to be strict about: one line to show."""
+
+
+class VanishedFile(AuditInputError):
+    """A file listed for the audit was gone when Spark came to read it (a live log
+    directory: its broker compressed it meanwhile, `.jsonl` to `.jsonl.gz`)."""
+
+    def __init__(self, message: str, named: str) -> None:
+        super().__init__(message)
+        self.named = named  # as Spark names it (a URI)
 
 
 class BadLinesError(AuditInputError):
@@ -429,6 +439,9 @@ def _reason(columns: dict[str, Column]) -> Column:
     )
 
 
+_PATH_NOT_FOUND = re.compile(r"\[PATH_NOT_FOUND\] Path does not exist: (\S+?)\.?(?: SQLSTATE|$)")
+
+
 def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     """Every non-blank line of ``paths``: the fields of ``LOG_FIELDS``, ``reason`` (a
     :class:`BadLine` value, null for a valid event) and, for bad lines only,
@@ -443,7 +456,10 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     try:
         raw = spark.read.text(list(paths))
     except AnalysisException as exc:  # e.g. a path that Spark cannot find
-        raise AuditInputError(str(exc).splitlines()[0]) from exc
+        first = str(exc).splitlines()[0]
+        if gone := _PATH_NOT_FOUND.search(first):
+            raise VanishedFile(first, gone.group(1)) from exc
+        raise AuditInputError(first) from exc
     value = F.col("value")
     # JSON's white space around the value, and a byte order mark before it (a file's
     # first line, from an editor), are no part of it: trimmed off (a copy) only where

@@ -46,13 +46,16 @@ from pyspark.sql import SparkSession  # noqa: E402
 from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
 from skmq.audit_job.audit import (  # noqa: E402
     REPORT_KEYS,
+    STAGES,
     AuditInputError,
     Options,
+    Progress,
+    _compute,
     error_line,
     resolve_log_paths,
     run_audit,
 )
-from skmq.audit_job.inputs import BadLinesError, check_files  # noqa: E402
+from skmq.audit_job.inputs import BadFile, BadLinesError, check_files  # noqa: E402
 from skmq.audit_job.report import fill_buckets  # noqa: E402
 from skmq.audit_job.report_html import COLORS  # noqa: E402
 from skmq.audit_job.session import driver_address, local_cores, parse_conf  # noqa: E402
@@ -702,6 +705,29 @@ def test_a_file_spark_fails_on_is_named_and_skipped(spark: SparkSession, tmp_pat
     )
     assert [f["path"] for f in report["input"]["skipped_files"]] == [str(cut)]
     assert report["totals"]["acked"] == 1 and report["input"]["files"] == 1
+
+
+@needs_java
+def test_a_log_file_compressed_or_gone_while_the_audit_runs(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """On a live log directory a file listed for the audit may be compressed by its broker
+    (`.jsonl` to `.jsonl.gz`) or removed before Spark reads it: the compressed one is
+    read instead; a gone one stops the audit with one line, or is skipped."""
+    listed = _log_file(tmp_path / "delivery-a-000001.jsonl")
+    with listed.open("rb") as src, gzip.open(f"{listed}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    listed.unlink()
+    gone = tmp_path / "delivery-b-000001.jsonl"
+    prog = Progress(STAGES, None)
+    report = _compute(spark, [str(listed)], [], False, None, prog)
+    assert report.report["totals"]["acked"] == 1
+    with pytest.raises(AuditInputError, match=f"cannot read 1 file.s.: {gone}: gone while"):
+        _compute(spark, [str(listed), str(gone)], [], False, None, prog)
+    skipped: list[BadFile] = []
+    report = _compute(spark, [str(listed), str(gone)], skipped, True, None, prog)
+    assert report.report["totals"]["acked"] == 1
+    assert [b.path for b in skipped] == [str(gone)]
 
 
 def test_reports_are_replaced_whole(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ async def test_a_store_racing_a_forget_keeps_the_app(redis: aioredis.Redis, pref
     assert await store.drop_empty(["a", "r", "idle"]) == ["a", "r", "idle"]
     stored = await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW)
     assert stored == {"a": [True]}
-    await store.register("r", "rid", {"id": "rid"}, NOW)
+    await store.register("r", "rid", {"id": "rid"}, NOW, 10)
     assert await store.unlist(["a", "r", "idle"]) == ["idle"]
     assert await store.apps() == ["a", "r"]
     # The app holds its message: a later forget keeps it too.

@@ -4,7 +4,12 @@ was in flight goes out again at once on restart (not after ACK_TIMEOUT)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
 
+from skmq.embedded import read_info
 from tests.conftest import BrokerProcess
 from tests.peers import FakeRecipient, RawClient
 
@@ -36,5 +41,32 @@ async def test_in_flight_messages_return_at_once_after_kill_9(
     assert again == first
     # Well inside the 30 s lease: the restart handed the orphans back.
     assert loop.time() - restarted < 15
+    assert broker_process.terminate() == 0
+    await rec.stop()
+
+
+async def test_a_broker_starts_again_after_kill_9_while_its_redis_was_stopped(
+    broker_process: BrokerProcess,
+) -> None:
+    """kill -9 of a broker whose embedded Redis was stalled (SIGSTOP): the stopped server
+    ignored its death signal; the next start continues it, stops it, and runs, with
+    every acknowledged message still there."""
+    broker_process.start()
+    client = await RawClient.connect(broker_process.port)
+    assert (await client.request("queue", b"x", appid="stall", msgid="kept"))["status"] == "ack"
+    await client.close()
+    info = read_info(Path(broker_process.env["SKMQ_DATA_DIR"]))
+    assert info is not None
+    os.kill(int(info["pid"]), signal.SIGSTOP)
+    try:
+        broker_process.kill()
+        await asyncio.get_running_loop().run_in_executor(None, broker_process.start)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(info["pid"]), signal.SIGCONT)
+    rec = FakeRecipient("stall", "r1")
+    await rec.start()
+    assert (await rec.register(broker_process.port))["status"] == "ack"
+    assert (await rec.next_push(timeout=10)).fields["msgid"] == "kept"
     assert broker_process.terminate() == 0
     await rec.stop()

@@ -416,3 +416,46 @@ async def test_a_recipient_flooding_answers_it_does_not_read_is_cut_off(
         await client.close()
     finally:
         server.close()
+
+
+async def test_answers_on_a_push_connection_are_answered_in_order(
+    make_broker: BrokerFactory,
+) -> None:
+    """docs/PROTOCOL.md 6.1: each answer frame gets its `resp`, in order, although an
+    unknown msgid costs a look in the store, an ack its finish, and a refusal nothing."""
+    broker = await make_broker()
+    app, rid = "order", "r1"
+    resps: asyncio.Queue[Frame] = asyncio.Queue()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = Decoder()
+        while data := await reader.read(65536):
+            for frame in decoder.feed(data):
+                assert isinstance(frame, Frame)
+                if frame.type == "ping":
+                    writer.write(PONG)
+                elif frame.type == "push":
+                    writer.write(
+                        b"type=ack\r\nmsgid=unknown\r\n\r\n"
+                        b"type=ack\r\nmsgid=" + frame.fields["msgid"].encode() + b"\r\n\r\n"
+                        b"type=ack\r\nmsgid=named\r\nrecipient=other\r\n\r\n"
+                    )
+                elif frame.type == "resp":
+                    resps.put_nowait(frame)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        registration = {"id": rid, "app_id": app, "host": "127.0.0.1", "port": port,
+                        "caps": ["pipeline"]}  # fmt: skip
+        client = await RawClient.connect(broker.server.port)
+        assert (await client.request("register", json.dumps(registration).encode()))[
+            "status"
+        ] == "ack"
+        await client.close()
+        await produce(broker.server.port, app, {"m1": b"x"})
+        got = [await asyncio.wait_for(resps.get(), WAIT) for _ in range(3)]
+        assert [r.fields.get("msgid") for r in got] == ["unknown", "m1", "named"]
+        assert [json.loads(r.content or b"")["status"] for r in got] == ["reject", "ack", "reject"]
+    finally:
+        server.close()

@@ -79,6 +79,66 @@ async def test_a_due_time_redis_holds_as_infinity_stops_no_delivery(
         await client.close()
 
 
+# -- MAX_RECIPIENTS_PER_APP, HEARTBEAT_CONCURRENCY -----------------------------------
+async def test_an_app_holds_at_most_max_recipients(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(max_recipients_per_app=2)
+    client = await RawClient.connect(broker.server.port)
+
+    async def register(app: str, rid: str) -> dict[str, object]:
+        reg = {"id": rid, "app_id": app, "host": "127.0.0.1", "port": 9}
+        return await client.request("register", json.dumps(reg).encode())
+
+    try:
+        assert [(await register("a", r))["status"] for r in ("r1", "r2")] == ["ack", "ack"]
+        refused = await register("a", "r3")
+        assert refused["status"] == "reject" and "MAX_RECIPIENTS_PER_APP" in str(refused["content"])
+        assert (await register("a", "r1"))["status"] == "ack"  # a known one, again
+        assert (await register("b", "r3"))["status"] == "ack"  # another app's own count
+        assert await broker.store.redis.hlen(broker.store.base("a") + "recipients") == 2
+    finally:
+        await client.close()
+
+
+async def test_a_heartbeat_round_holds_at_most_its_concurrency_in_connections(
+    make_broker: BrokerFactory,
+) -> None:
+    """Recipients whose address accepts and never answers each hold a heartbeat's
+    connection for HEARTBEAT_TIMEOUT: a round opens HEARTBEAT_CONCURRENCY at a time."""
+    open_now = peak = accepted = 0
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_now, peak, accepted
+        open_now += 1
+        accepted += 1
+        peak = max(peak, open_now)
+        held.append(writer)
+        await reader.read()  # until the broker gives up on it
+        open_now -= 1
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    broker = await make_broker(
+        heartbeat_interval=0.2, heartbeat_timeout=0.3, heartbeat_concurrency=2
+    )
+    client = await RawClient.connect(broker.server.port)
+    try:
+        for i in range(6):
+            reg = {"id": f"r{i}", "app_id": "hb", "host": "127.0.0.1", "port": port}
+            resp = await client.request("register", json.dumps(reg).encode())
+            assert resp["status"] == "ack"
+
+        async def a_round_done() -> bool:
+            return accepted >= 6
+
+        await eventually(a_round_done)
+        assert peak <= 2
+    finally:
+        await client.close()
+        server.close()
+
+
 # -- FRAME_TIMEOUT ------------------------------------------------------------------
 async def test_slowloris_frame_is_refused_after_frame_timeout(make_broker: BrokerFactory) -> None:
     broker = await make_broker(frame_timeout=1.0, idle_timeout=30.0)

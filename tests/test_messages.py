@@ -71,7 +71,7 @@ async def test_each_form_goes_through_a_message_s_life(
     else:
         assert value == b"q" + str(NOW).encode() + content
 
-    await store.register(APP, "r1", {"id": "r1"}, NOW)
+    await store.register(APP, "r1", {"id": "r1"}, NOW, 10)
     alive = [AliveRecipient("r1", 10, True)]
     # (claimed by a broker whose clock is a second behind the one that stored)
     got, _, _ = await store.claim(APP, NOW - 1_000, 3, alive, ["r1", "r1"])

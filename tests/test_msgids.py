@@ -137,8 +137,8 @@ async def test_topic_copies_and_group_logs_read_back_as_text(store: Store) -> No
     groups = Groups(store)
     assert await groups.create(APP, "g1")
     t = "1f" * 16
-    await store.register(APP, "r1", {"id": "r1"}, NOW)
-    await store.register(APP, "r2", {"id": "r2"}, NOW)
+    await store.register(APP, "r1", {"id": "r1"}, NOW, 10)
+    await store.register(APP, "r2", {"id": "r2"}, NOW, 10)
     res = await store.store({APP: [NewMessage(t, "topic", b"fan", 0)]}, NOW)
     assert res[APP] == [True]
     alive = [AliveRecipient("r1", 10, True), AliveRecipient("r2", 10, True)]

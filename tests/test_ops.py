@@ -468,12 +468,16 @@ async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_sto
     acked = sum(a["content"] == "stored" for a in answers)  # before the watch saw it
     assert await admin.hlen(f"{broker.settings.key_prefix}:{{evict}}:msgs") == acked
     assert (await answer())["content"] == EVICTING_REFUSAL
+    assert await broker.metrics.health() == (
+        True, f"degraded: messages are not stored: {EVICTING_REFUSAL}"
+    )  # fmt: skip
     await admin.config_set("maxmemory-policy", "noeviction")
 
     async def stored() -> bool:
         return (await answer())["content"] == "stored"
 
     await eventually(stored)
+    assert await broker.metrics.health() == (True, "ok")
     await admin.aclose()
 
 

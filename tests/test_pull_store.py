@@ -72,7 +72,7 @@ async def test_pull_only_apps_skip_the_push_queue_push_recipients_keep_theirs(
     await stored(groups, "only-pulled")
     base = groups.store.base(APP)
     assert await groups.store.redis.hlen(base + "msgs") == 0
-    await groups.store.register(APP, "r1", {"id": "r1"}, NOW)
+    await groups.store.register(APP, "r1", {"id": "r1"}, NOW, 10)
     await stored(groups, "both")
     assert await groups.store.redis.lrange(base + "ready", 0, -1) == [b"both"]
     assert ids(await received(groups, "g")) == ["only-pulled", "both"]

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from skmq.codec import PING
+from skmq.codec import PING, CodecError, Decoder, Frame
 
 log = structlog.get_logger("skmq.heartbeat")
 
@@ -29,8 +29,9 @@ async def ping(host: str, port: int, timeout: float) -> bool:
                 if not chunk:
                     break
                 data += chunk
-            return data.lstrip(b"\r\n").startswith(b"pong")
-    except (OSError, TimeoutError):
+            frames = Decoder(max_frame_bytes=len(data) + 1).feed(data)
+            return bool(frames) and isinstance(frames[0], Frame) and frames[0].type == "pong"
+    except (OSError, TimeoutError, CodecError):
         return False
     finally:
         if writer is not None:
@@ -46,8 +47,15 @@ async def heartbeat_round(
     targets: list[Target],
     timeout: float,
     report: Callable[[str, str, bool], Awaitable[None]],
+    concurrency: int,
 ) -> None:
+    """Ping every target, at most `concurrency` at once (HEARTBEAT_CONCURRENCY: each ping
+    holds a connection, and recipients that never answer hold theirs for `timeout`)."""
+    slots = asyncio.Semaphore(concurrency)
+
     async def one(t: Target) -> None:
-        await report(t[0], t[1], await ping(t[2], t[3], timeout))
+        async with slots:
+            alive = await ping(t[2], t[3], timeout)
+        await report(t[0], t[1], alive)
 
     await asyncio.gather(*(one(t) for t in targets))

@@ -12,7 +12,7 @@ import structlog
 
 from skmq.deliverylog import DeliveryLog, now_ms
 from skmq.events import Event
-from skmq.registry.registration import KNOWN_CAPS, Registration
+from skmq.registry.registration import KNOWN_CAPS, Registration, RegistrationRefused
 from skmq.store import Store
 
 log = structlog.get_logger("skmq.registry")
@@ -38,8 +38,15 @@ def _caps(value: Any) -> frozenset[str]:
 
 
 class Registry:
-    def __init__(self, store: Store, dlog: DeliveryLog, on_change: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        dlog: DeliveryLog,
+        on_change: Callable[[str], None],
+        max_recipients: int,
+    ) -> None:
         self.store = store
+        self.max_recipients = max_recipients  # an app's, MAX_RECIPIENTS_PER_APP
         self.dlog = dlog
         self.on_change = on_change
         self._apps: dict[str, dict[str, Recipient]] = {}
@@ -117,7 +124,11 @@ class Registry:
     async def register(self, reg: Registration) -> None:
         now = now_ms()
         self._changed(reg.app)
-        await self.store.register(reg.app, reg.id, reg.as_json(), now)
+        if not await self.store.register(reg.app, reg.id, reg.as_json(), now, self.max_recipients):
+            raise RegistrationRefused(
+                f"app {reg.app!r} has {self.max_recipients} recipients already "
+                "(MAX_RECIPIENTS_PER_APP)"
+            )
         self._changed(reg.app)
         self._apps.setdefault(reg.app, {})[reg.id] = Recipient(
             reg.app, reg.id, reg.host, reg.port, reg.weight, True, now, reg.caps

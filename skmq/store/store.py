@@ -724,9 +724,14 @@ class Store:
         return None
 
     # -- recipients ---------------------------------------------------------
-    async def register(self, app: str, rid: str, registration: dict[str, Any], now: int) -> None:
-        await self._call("register", app, [rid, json.dumps(registration), now])
+    async def register(
+        self, app: str, rid: str, registration: dict[str, Any], now: int, most: int
+    ) -> bool:
+        """False when rid is new and the app has `most` recipients already (refused)."""
+        if not await self._call("register", app, [rid, json.dumps(registration), now, most]):
+            return False
         await self.directory.add([app])
+        return True
 
     async def unregister(self, app: str, rid: str) -> bool:
         return bool(await self._call("unregister", app, [rid]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from skmq.codec import Frame, Status
 from skmq.events import Event
@@ -31,6 +31,10 @@ class AnswerRouter:
     registry: Registry
     pusher: Pusher
     answers: AnswerBatcher
+    # One search of every app's messages at a time (an answer naming no app, for a push
+    # this broker did not make): each costs a look in every app, and a flood of them must
+    # not take the broker (they wait their turn, bounded by each connection's limits).
+    _searching: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
 
     async def answer(
         self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
@@ -43,7 +47,10 @@ class AnswerRouter:
             return (Status.ERROR, "msgid required")
         app = sender[0] if sender else frame.fields.get("appid") or None
         if app is None:
-            app = await self.store.find_app(msgid)
+            app = self.pusher.app_of(msgid)
+        if app is None:
+            async with self._searching:
+                app = await self.store.find_app(msgid)
             if app is None:
                 return (Status.REJECT, f"message {msgid!r} is not in flight")
         found = await self._delivery(frame, msgid, app, peer, sender)

@@ -62,7 +62,7 @@ class Engine:
         self.broker_id = broker_id
         self.supervisor = supervisor
         self.own = own or OwnAddresses()
-        self.registry = Registry(store, dlog, self.notify)
+        self.registry = Registry(store, dlog, self.notify, settings.max_recipients_per_app)
         self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.pusher = Pusher(
             settings, store, dlog, self.registry, self.answers, self.notify, self.own, signer
@@ -194,7 +194,7 @@ class Engine:
         async def report(app: str, rid: str, ok: bool) -> None:
             await self.registry.mark(app, rid, ok, "" if ok else "no pong within heartbeat_timeout")
 
-        await heartbeat_round(targets, s.heartbeat_timeout, report)
+        await heartbeat_round(targets, s.heartbeat_timeout, report, s.heartbeat_concurrency)
 
     async def _sweep_links(self) -> None:
         for app in self.pusher.sweep():

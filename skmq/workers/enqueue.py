@@ -116,6 +116,12 @@ class Enqueuer:
         (at most STORE_TIMEOUT: every waiting batch is stored or failed by then)."""
         await self._room.wait()
 
+    @property
+    def refusing(self) -> str | None:
+        """Why stores are refused now (an evicting Redis, the disk nearly full at the last
+        store), or None."""
+        return self.refusal() or (DISK_LOW if self.disk_low else None)
+
     def submit(self, batch: EnqueueBatch) -> None:
         if not batch.messages:
             batch.future.set_result({})

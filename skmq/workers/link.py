@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol, cast
@@ -116,6 +116,7 @@ class PushConnection(FrameProtocol):
         self.queued: list[Delivery] = []  # waiting for the handshake: never written
         self.pushed: dict[str, Delivery] = {}  # written, not finally answered
         self.unanswered = 0  # the recipient's frames not answered yet (MAX_UNANSWERED_FRAMES)
+        self.replies: deque[list[bytes]] = deque()  # theirs, in order: [] until ready
         self.held: list[Frame | InvalidFrame] = []  # read past that limit: taken as it drops
         self.last_write = 0.0
         self._failure = "connection to recipient lost"
@@ -148,16 +149,32 @@ class PushConnection(FrameProtocol):
         if self.single_use:
             self._arm(self.link.timeouts.legacy_answer, "no answer within legacy_answer_timeout")
 
-    def reply(self, msgid: str, resp: Verdict) -> None:
-        """Answer the recipient's frame; an original peer's connection closes once its push
-        has its final answer. (After `arrived` it stays open for ACK_WAIT, for a final
-        answer on it; the original recipient may instead close it and answer on a
-        connection of its own.)"""
-        self.unanswered -= 1
+    def replier(self, msgid: str) -> Callable[[Verdict], None]:
+        """How to answer the recipient's frame just read: its `resp` goes out after those
+        of the frames before it (docs/PROTOCOL.md 6.1), whichever is ready first."""
+        slot: list[bytes] = []
+        self.replies.append(slot)
+
+        def reply(resp: Verdict) -> None:
+            slot.append(encode_resp(resp[0], resp[1], msgid or None))
+            self._reply_ready()
+
+        return reply
+
+    def _reply_ready(self) -> None:
+        """Write the answers at the head that are ready; an original peer's connection
+        closes once its push has its final answer. (After `arrived` it stays open for
+        ACK_WAIT, for a final answer on it; the original recipient may instead close it
+        and answer on a connection of its own.)"""
+        replies = self.replies
+        while replies and replies[0]:
+            self.unanswered -= 1
+            resp = replies.popleft()[0]
+            if self.transport is not None and not self.closed:
+                self._out.add(resp)
         if self.transport is None or self.closed:
             return
-        self._out.add(encode_resp(resp[0], resp[1], msgid or None))
-        if self.single_use and not self.pushed:
+        if self.single_use and not self.pushed and not replies:
             self._out.flush()
             self.close()
         elif self.held:
@@ -270,6 +287,7 @@ class PushConnection(FrameProtocol):
         self._disarm()
         self._out.clear()
         self.held = []
+        self.replies.clear()
         self.link.connection_lost(self, self._failure)
 
     def answered(self, d: Delivery, arrived: bool) -> None:
@@ -345,9 +363,7 @@ class RecipientLink:
             conn.refuse("msgid required")
             return
 
-        def reply(resp: Verdict) -> None:
-            conn.reply(msgid, resp)
-
+        reply = conn.replier(msgid)
         named = frame.fields.get("recipient")
         if named and named != self.rid:  # PROTOCOL.md 7: it narrows to that recipient
             reply(

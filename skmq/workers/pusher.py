@@ -84,6 +84,14 @@ class Pusher:
             return None
         return link.inflight.get(msgid) or link.expired.get(msgid)
 
+    def app_of(self, msgid: str) -> str | None:
+        """The app of a push of msgid by this broker, still waiting or given up on, if any
+        (an original recipient's answer names no app)."""
+        for (app, _), link in self.links.items():
+            if msgid in link.inflight or msgid in link.expired:
+                return app
+        return None
+
     def settled(self, app: str, rid: str, msgid: str) -> None:
         """A final answer for that push came another way: free its window slot."""
         link = self.links.get((app, rid))
