@@ -45,6 +45,18 @@ async def register(port: int, rec: FakeRecipient, **extra: object) -> dict[str, 
         await client.close()
 
 
+async def register_at(broker_port: int, app: str, rid: str, port: int) -> None:
+    """Register a pipelining recipient at 127.0.0.1:`port` (a test's own raw service)."""
+    registration = {"id": rid, "app_id": app, "host": "127.0.0.1", "port": port,
+                    "caps": ["pipeline"]}  # fmt: skip
+    client = await RawClient.connect(broker_port)
+    try:
+        resp = await client.request("register", json.dumps(registration).encode())
+        assert resp["status"] == "ack", resp
+    finally:
+        await client.close()
+
+
 async def answer_from(port: int, source: str, kind: str, **fields: str) -> dict[str, object]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     client = RawClient(reader, writer)
@@ -394,12 +406,7 @@ async def test_a_recipient_flooding_answers_it_does_not_read_is_cut_off(
     server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     port = server.sockets[0].getsockname()[1]
     try:
-        registration = {"id": rid, "app_id": app, "host": "127.0.0.1", "port": port,
-                        "caps": ["pipeline"]}  # fmt: skip
-        client = await RawClient.connect(broker.server.port)
-        assert (await client.request("register", json.dumps(registration).encode()))[
-            "status"
-        ] == "ack"
+        await register_at(broker.server.port, app, rid, port)
         await produce(broker.server.port, app, {"m1": b"x"})
         assert await asyncio.wait_for(pushed, WAIT) == "m1"
         link = broker.engine.pusher.links[(app, rid)]
@@ -411,9 +418,7 @@ async def test_a_recipient_flooding_answers_it_does_not_read_is_cut_off(
 
         await eventually(cut_off)
         assert peak <= 16  # the connection was read no faster than its answers went out
-        resp = await client.request("queue", b"y", appid="other", msgid="still")
-        assert resp["status"] == "ack"
-        await client.close()
+        await produce(broker.server.port, "other", {"still": b"y"})
     finally:
         server.close()
 
@@ -446,13 +451,7 @@ async def test_answers_on_a_push_connection_are_answered_in_order(
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        registration = {"id": rid, "app_id": app, "host": "127.0.0.1", "port": port,
-                        "caps": ["pipeline"]}  # fmt: skip
-        client = await RawClient.connect(broker.server.port)
-        assert (await client.request("register", json.dumps(registration).encode()))[
-            "status"
-        ] == "ack"
-        await client.close()
+        await register_at(broker.server.port, app, rid, port)
         await produce(broker.server.port, app, {"m1": b"x"})
         got = [await asyncio.wait_for(resps.get(), WAIT) for _ in range(3)]
         assert [r.fields.get("msgid") for r in got] == ["unknown", "m1", "named"]
