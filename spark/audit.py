@@ -24,6 +24,7 @@ if __name__ == "__main__" and not __package__:
     # spark-submit spark/audit.py: run the installed package (relative imports below).
     sys.exit(importlib.import_module("skmq.audit_job.audit").main())
 
+from py4j.protocol import Py4JNetworkError
 from pyspark.sql import SparkSession
 
 from .arguments import add_arguments, check_arguments
@@ -241,8 +242,19 @@ def run_audit(
     return result.report
 
 
+JVM_GONE = (
+    "Spark's Java process is gone, most often out of memory (a huge line, or a driver "
+    "heap too small: --driver-memory)"
+)
+
+
 def error_line(exc: BaseException) -> str:
     """One line for a failure of Spark or its storage: the Java cause, the file named."""
+    if any(
+        isinstance(e, (ConnectionRefusedError, Py4JNetworkError))
+        for e in (exc, exc.__cause__, exc.__context__)
+    ):  # py4j could not reach the JVM: it died (the OOM killer, or its own heap)
+        return JVM_GONE
     text = str(exc).strip()
     lines = [
         line.strip()

@@ -45,6 +45,7 @@ needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or
 from pyspark.sql import SparkSession  # noqa: E402
 from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
 from skmq.audit_job.audit import (  # noqa: E402
+    JVM_GONE,
     REPORT_KEYS,
     STAGES,
     AuditInputError,
@@ -810,6 +811,19 @@ def test_error_line_names_the_file_without_the_trace() -> None:
         "SparkException: Job aborted due to stage failure: java.io.EOFException: Unexpected "
         "end of input stream (file hdfs://nn:8020/logs/delivery-b-3.jsonl.gz)"
     )
+
+
+def test_a_jvm_gone_is_told_as_such() -> None:
+    """A JVM that died (its heap, the OOM killer) leaves py4j nothing to connect to: the
+    line says so, not "[Errno 111] Connection refused"."""
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as exc:
+            raise RuntimeError("calling o42.collectToPython") from exc
+    except RuntimeError as failure:
+        assert error_line(failure) == JVM_GONE
+    assert "Java process" in JVM_GONE
 
 
 def test_spark_settings_and_driver_address() -> None:
