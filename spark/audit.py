@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import re
 import sys
@@ -248,12 +249,22 @@ JVM_GONE = (
 )
 
 
+def _jvm_gone(exc: BaseException) -> bool:
+    """py4j lost the JVM, somewhere in the chain of `exc`: it died (its own heap, or the
+    OOM killer). Python's only connection in an audit is py4j's, to the JVM."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, (ConnectionError, Py4JNetworkError)):
+            return True
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return False
+
+
 def error_line(exc: BaseException) -> str:
     """One line for a failure of Spark or its storage: the Java cause, the file named."""
-    if any(
-        isinstance(e, (ConnectionRefusedError, Py4JNetworkError))
-        for e in (exc, exc.__cause__, exc.__context__)
-    ):  # py4j could not reach the JVM: it died (the OOM killer, or its own heap)
+    if _jvm_gone(exc):
         return JVM_GONE
     text = str(exc).strip()
     lines = [
@@ -275,6 +286,10 @@ def error_line(exc: BaseException) -> str:
 
 def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int:
     """Run the audit for parsed arguments: the report, or an exit status after one line."""
+    if not args.debug:
+        # py4j logs a lost JVM's traces on the root logger, which would then configure
+        # itself to print them: the one line below says it, the traces come with --debug.
+        logging.getLogger().addHandler(logging.NullHandler())
     try:
         check_arguments(args)
         conf = parse_conf(args.conf)
