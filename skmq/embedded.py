@@ -360,13 +360,11 @@ def _write_private(path: Path, text: str) -> None:
             f.write(text)
         os.chmod(tmp, 0o600)
         tmp.replace(path)
-    except OSError as exc:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from exc
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from exc
         raise
 
 

@@ -115,8 +115,9 @@ class PushConnection(FrameProtocol):
         self.closed = False
         self.queued: list[Delivery] = []  # waiting for the handshake: never written
         self.pushed: dict[str, Delivery] = {}  # written, not finally answered
-        self.unanswered = 0  # the recipient's frames not answered yet (MAX_UNANSWERED_FRAMES)
-        self.replies: deque[list[bytes]] = deque()  # theirs, in order: [] until ready
+        # The `resp`s to the recipient's answers, in their order: [] until ready; those
+        # not written yet are its unanswered frames (MAX_UNANSWERED_FRAMES).
+        self.replies: deque[list[bytes]] = deque()
         self.held: list[Frame | InvalidFrame] = []  # read past that limit: taken as it drops
         self.last_write = 0.0
         self._failure = "connection to recipient lost"
@@ -149,6 +150,11 @@ class PushConnection(FrameProtocol):
         if self.single_use:
             self._arm(self.link.timeouts.legacy_answer, "no answer within legacy_answer_timeout")
 
+    @property
+    def unanswered(self) -> int:
+        """The recipient's frames read and not answered yet."""
+        return len(self.replies)
+
     def replier(self, msgid: str) -> Callable[[Verdict], None]:
         """How to answer the recipient's frame just read: its `resp` goes out after those
         of the frames before it (docs/PROTOCOL.md 6.1), whichever is ready first."""
@@ -168,7 +174,6 @@ class PushConnection(FrameProtocol):
         and answer on a connection of its own.)"""
         replies = self.replies
         while replies and replies[0]:
-            self.unanswered -= 1
             resp = replies.popleft()[0]
             if self.transport is not None and not self.closed:
                 self._out.add(resp)
@@ -266,7 +271,6 @@ class PushConnection(FrameProtocol):
                     if self.transport is not None:
                         self.transport.pause_reading()
                     return
-                self.unanswered += 1
                 self.link.on_frame(self, frame)
                 if self.closed:  # refused: nothing after it counts
                     return
