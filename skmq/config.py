@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -185,6 +186,18 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @field_validator("recipient_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        """Each an IP network (host bits may be set: 10.0.0.5/8 is 10.0.0.0/8), checked
+        at start rather than at the first registration it is needed for."""
+        for net in value:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"{net!r} is not an IP network (like 10.0.0.0/8)") from None
+        return value
 
     @field_validator("retry_backoff")
     @classmethod

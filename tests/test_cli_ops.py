@@ -135,6 +135,13 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "service name: redis+sentinel://HOST:PORT,.../SERVICE[/DB]",
     ),
     (
+        "recipient networks",  # checked at start, not at the first registration
+        lambda f: ["serve"],
+        {"SKMQ_RECIPIENT_NETWORKS": "10.0.0.0/8,10.0.0.0/33"},
+        "skmq serve: invalid setting RECIPIENT_NETWORKS='10.0.0.0/8,10.0.0.0/33': "
+        "'10.0.0.0/33' is not an IP network (like 10.0.0.0/8)",
+    ),
+    (
         "port",
         lambda f: ["serve", "--port", "x"],
         {},

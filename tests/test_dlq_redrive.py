@@ -208,7 +208,7 @@ async def bury_in_group(store: Store, app: str, group: str, *msgids: str) -> Gro
     await store.store({app: [NewMessage(m, "queue", m.encode()) for m in msgids]}, T0)
     got = (await groups.receive(app, group, T0, 100, 1000)).messages
     receipts = [r for p in got if (r := parse_receipt(p.receipt)) is not None]
-    assert await groups.nack(app, group, [(*r, -1) for r in receipts], T0) == [(2, T0)] * len(
+    assert await groups.nack(app, group, [(*r, -1) for r in receipts], T0) == [(2, T0, 1)] * len(
         msgids
     )
     return groups

@@ -199,6 +199,47 @@ async def test_extend_keeps_a_message_hidden(
     assert await settle(http, base, "x", "g", "ack", receipts=[got["receipt"]]) == ["acked"]
 
 
+async def test_a_waiting_poll_wakes_for_a_delayed_nack_and_a_shortened_lease(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """The poll waits 60 s: had the nack or the extend not woken it, it would still be
+    waiting (and then answer []) when the 30 s bound below ends the test."""
+    broker, base = await gateway(make_broker, pull_max_wait=60, retry_backoff=[0.2])
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    await produce(http, base, "x", "m")
+    (got,) = await receive(http, base, "x", "g", visibility=60)
+
+    async def one_waits() -> bool:
+        return broker.wakeups.count == 1
+
+    poll = asyncio.create_task(receive(http, base, "x", "g", wait=60))
+    await eventually(one_waits)
+    assert await settle(http, base, "x", "g", "nack", receipts=[got["receipt"]],
+                        delay=300) == ["retry"]  # fmt: skip
+    (again,) = await asyncio.wait_for(poll, 30)
+    assert (again["msgid"], again["attempt"]) == ("m", 2)
+    poll = asyncio.create_task(receive(http, base, "x", "g", wait=60))
+    await eventually(one_waits)
+    assert await settle(http, base, "x", "g", "extend", receipts=[again["receipt"]],
+                        visibility=0.3) == ["extended"]  # fmt: skip
+    (third,) = await asyncio.wait_for(poll, 30)
+    assert (third["msgid"], third["attempt"]) == ("m", 3)
+
+
+async def test_a_poll_finds_a_ready_message_behind_a_long_run_of_delayed_ones(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """One receive reads 1,000 new log entries at most; the poll reads on."""
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    for batch in range(3):
+        later = [{"msgid": f"d{batch}-{i}", "content": "x", "delay": 60_000} for i in range(500)]
+        status, _ = await call(http, "POST", f"{base}/x/messages", {"messages": later})
+        assert status == 200
+    await produce(http, base, "x", "now")
+    assert [m["msgid"] for m in await receive(http, base, "x", "g", wait=0)] == ["now"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "error"),
     [
@@ -208,6 +249,8 @@ async def test_extend_keeps_a_message_hidden(
         ("g/receive", {"max": 0}, 400, "max: Input should be greater than or equal to 1"),
         ("g/extend", {"receipts": ["x"], "visibility": 61}, 400, "visibility: at most 60 s"),
         ("g/ack", {"receipts": ["not-a-receipt"]}, 400, "not a receipt: 'not-a-receipt'"),
+        ("g/ack", {"receipts": ["١٢٣-0.1"]}, 400, "not a receipt: '١٢٣-0.1'"),
+        ("g/nack", {"receipts": ["1-0.1"], "delay": 10**30}, 400, "delay: at most 5000 ms"),
         ("g/ack", {"receipts": []}, 400, "receipts: List should have at least 1 item"),
         ("nope/receive", {}, 404, "no group 'nope' for app 'x'"),
         ("bad%20name/receive", {}, 400, "group must be 1 to 64 letters"),
@@ -222,7 +265,7 @@ async def test_pull_limits_and_refusals(
     error: str,
 ) -> None:
     _, base = await gateway(
-        make_broker, pull_max_messages=10, pull_max_wait=2, pull_max_visibility=60
+        make_broker, pull_max_messages=10, pull_max_wait=2, pull_max_visibility=60, max_delay=5000
     )
     await call(http, "POST", f"{base}/x/groups", {"group": "g"})
     got = await call(http, "POST", f"{base}/x/groups/{path}", body)

@@ -105,7 +105,18 @@ async def test_pull_ack_settles_only_the_current_attempt_while_its_lease_runs(
     again = await received(groups, "g", NOW + VIS + 1_001)
     assert ids(again) == ["b"] and again[0].attempt == 2
     assert await groups.ack(APP, "g", [receipt(b)], NOW + VIS + 1_001) == [False]  # stale
-    assert await groups.ack(APP, "g", [receipt(again[0])], NOW + VIS + 1_001) == [True]
+    assert await groups.ack(APP, "g", [receipt(again[0])], NOW + VIS + 1_001) == [2]
+
+
+async def test_a_lease_that_ran_out_waits_its_backoff_from_its_end_not_from_when_noticed(
+    groups: Groups,
+) -> None:
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    await received(groups, "g")
+    # nobody received for 5 s after the lease's end: its 1 s backoff is over already
+    (again,) = await received(groups, "g", NOW + VIS + 5_000)
+    assert again.attempt == 2
 
 
 async def test_pull_nack_waits_then_redelivers_and_dead_letters_after_retry_times(
@@ -114,12 +125,14 @@ async def test_pull_nack_waits_then_redelivers_and_dead_letters_after_retry_time
     await groups.create(APP, "g")
     await stored(groups, "a")
     (first,) = await received(groups, "g")
-    assert await groups.nack(APP, "g", [(*receipt(first), 5_000)], NOW) == [(1, NOW + 5_000)]
-    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(0, 0)]  # stale
+    assert await groups.nack(APP, "g", [(*receipt(first), 5_000)], NOW) == [(1, NOW + 5_000, 1)]
+    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(0, 0, 0)]  # stale
     assert await received(groups, "g", NOW + 4_999) == []
     (second,) = await received(groups, "g", NOW + 5_000)
     assert second.attempt == 2
-    assert await groups.nack(APP, "g", [(*receipt(second), -1)], NOW + 5_000) == [(2, NOW + 5_000)]
+    assert await groups.nack(APP, "g", [(*receipt(second), -1)], NOW + 5_000) == [
+        (2, NOW + 5_000, 2)
+    ]
     info = (await groups.describe(APP))[0]
     assert (info.name, info.dead, info.in_flight, info.delayed) == ("g", 1, 0, 0)
 
@@ -167,7 +180,7 @@ async def test_a_receipt_from_before_a_reset_or_a_delete_settles_nothing_after(
     # the same entry and attempt, another generation
     assert receipt(after)[:2] == receipt(before)[:2] and after.receipt != before.receipt
     assert await groups.ack(APP, "g", [receipt(before)], NOW) == [False]
-    assert await groups.nack(APP, "g", [(*receipt(before), -1)], NOW) == [(0, 0)]
+    assert await groups.nack(APP, "g", [(*receipt(before), -1)], NOW) == [(0, 0, 0)]
     assert await groups.extend(APP, "g", [(*receipt(before), 1)], NOW) == [False]
     assert await groups.delete(APP, "g") and await groups.create(APP, "g")
     assert await groups.reset(APP, "g", "earliest")
@@ -188,7 +201,7 @@ async def test_a_message_whose_ttl_ran_out_is_never_handed_to_a_group(groups: Gr
     await groups.store.store({APP: batch}, NOW)
     (first,) = (await groups.receive(APP, "g", NOW, 1, VIS)).messages
     assert first.msgid == "short"  # still alive at NOW
-    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(1, NOW)]
+    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(1, NOW, 1)]
     got = await groups.receive(APP, "g", NOW + 1_000, 10, VIS)
     assert ids(got.messages) == ["nacked", "forever"] and ids(got.expired) == ["short"]
     assert (got.expired[0].content, got.expired[0].attempt, got.expired[0].receipt) == (
@@ -198,7 +211,7 @@ async def test_a_message_whose_ttl_ran_out_is_never_handed_to_a_group(groups: Gr
     )
     assert got.next_due == NOW + 2_000  # the delayed one falls due at its expiry
     nack = [(*receipt(got.messages[0]), 5_000)]
-    assert await groups.nack(APP, "g", nack, NOW + 1_000) == [(1, NOW + 3_000)]  # its expiry
+    assert await groups.nack(APP, "g", nack, NOW + 1_000) == [(1, NOW + 3_000, 1)]  # its expiry
     got = await groups.receive(APP, "g", NOW + 2_000, 10, VIS)
     assert got.messages == [] and ids(got.expired) == ["delayed"]
     got = await groups.receive(APP, "g", NOW + 3_000, 10, VIS)
@@ -229,16 +242,16 @@ async def test_a_group_hands_out_one_message_of_an_ordering_key_at_a_time(
     assert ids([a1, b1, free]) == ["a1", "b1", "free"]
     assert await received(groups, "g") == []  # a2, a3, b2 wait for their key
     # a retry holds its key: a2 still waits
-    assert await groups.nack(APP, "g", [(*receipt(a1), 0)], NOW) == [(1, NOW)]
+    assert await groups.nack(APP, "g", [(*receipt(a1), 0)], NOW) == [(1, NOW, 1)]
     (again,) = await received(groups, "g")
     assert (again.msgid, again.attempt) == ("a1", 2)
-    assert await groups.ack(APP, "g", [receipt(again), receipt(b1)], NOW) == [True, True]
+    assert await groups.ack(APP, "g", [receipt(again), receipt(b1)], NOW) == [2, 1]
     a2, b2 = await received(groups, "g")
     assert ids([a2, b2]) == ["a2", "b2"]
     # a dead letter ends its turn too (retry_times 2, backoff 1 s)
-    assert await groups.nack(APP, "g", [(*receipt(a2), -1)], NOW) == [(1, NOW + 1_000)]
+    assert await groups.nack(APP, "g", [(*receipt(a2), -1)], NOW) == [(1, NOW + 1_000, 1)]
     (a2,) = await received(groups, "g", NOW + 1_000)
-    assert await groups.nack(APP, "g", [(*receipt(a2), -1)], NOW + 1_000) == [(2, NOW + 1_000)]
+    assert await groups.nack(APP, "g", [(*receipt(a2), -1)], NOW + 1_000) == [(2, NOW + 1_000, 2)]
     assert ids(await received(groups, "g", NOW + 1_000)) == ["a3"]
     # a reset starts every key again from the first entry it reads
     assert await groups.reset(APP, "g", "earliest")
@@ -254,7 +267,7 @@ async def test_an_expired_message_ends_its_keys_turn_in_a_group(groups: Groups) 
     await groups.store.store({APP: batch}, NOW)
     (k1,) = await received(groups, "g")
     # its retry falls due at its expiry
-    assert await groups.nack(APP, "g", [(*receipt(k1), 2_000)], NOW) == [(1, NOW + 1_000)]
+    assert await groups.nack(APP, "g", [(*receipt(k1), 2_000)], NOW) == [(1, NOW + 1_000, 1)]
     got = await groups.receive(APP, "g", NOW + 1_000, 10, VIS)
     assert ids(got.expired) == ["k1"] and got.messages == []
     assert ids(await received(groups, "g", NOW + 1_000)) == ["k2"]
@@ -266,9 +279,10 @@ async def test_a_groups_dead_letters_are_listed_replayed_and_purged(groups: Grou
     await stored(groups, "a", "b")
     await groups.store.store({APP: [expiring]}, NOW)
     for p in await received(groups, "g"):
-        assert await groups.nack(APP, "g", [(*receipt(p), -1)], NOW) == [(1, NOW + 1_000)]
+        assert await groups.nack(APP, "g", [(*receipt(p), -1)], NOW) == [(1, NOW + 1_000, 1)]
     for p in await received(groups, "g", NOW + 1_000):
-        assert await groups.nack(APP, "g", [(*receipt(p), -1)], NOW + 1_000) == [(2, NOW + 1_000)]
+        due = NOW + 1_000
+        assert await groups.nack(APP, "g", [(*receipt(p), -1)], due) == [(2, due, 2)]
     assert (await groups.receive(APP, "g", NOW + 1_000, 10, VIS)).messages == []
     dead = await GroupDeadLetters(groups, "g").dead_letters(APP)
     assert [(d.msgid, d.recipient, d.attempts, d.content) for d in dead] == [
@@ -290,6 +304,24 @@ async def test_a_groups_dead_letters_are_listed_replayed_and_purged(groups: Grou
     assert await GroupDeadLetters(groups, "g").dead_letters(APP) == []
     assert await groups.ack(APP, "g", [receipt(p) for p in again], NOW + 2_000) == [True, True]
     assert await groups.trim(APP) == 3  # nothing of the group held any more
+
+
+async def test_a_receipt_from_before_a_replay_settles_nothing_after_it(groups: Groups) -> None:
+    """A replay renews the attempts (attempt 1 again), not the receipts: the consumer
+    still holding attempt 1's receipt from before must not settle the new attempt 1."""
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (first,) = await received(groups, "g")
+    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(1, NOW, 1)]
+    (second,) = await received(groups, "g")
+    assert await groups.nack(APP, "g", [(*receipt(second), 0)], NOW) == [(2, NOW, 2)]  # dead
+    (dead,) = await GroupDeadLetters(groups, "g").dead_letters(APP)
+    assert await groups.replay(APP, "g", [dead.delivery_id], NOW) == [True]
+    (replayed,) = await received(groups, "g")
+    assert replayed.attempt == 1 and replayed.receipt != first.receipt
+    assert await groups.ack(APP, "g", [receipt(first)], NOW) == [0]
+    assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(0, 0, 0)]
+    assert await groups.ack(APP, "g", [receipt(replayed)], NOW) == [1]
 
 
 def test_receipts_parse_with_and_without_a_generation() -> None:

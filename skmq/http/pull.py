@@ -196,16 +196,17 @@ class PullApi:
         group: str,
         receipts: list[str],
         parsed: list[Receipt],
+        attempts: list[int],
         outcomes: list[list[tuple[Event, str]]],
     ) -> None:
         """The delivery log's lines of settled receipts: outcomes[i], (event, detail) each,
-        for receipt i (none: refused). The msgids come from the group log."""
+        for receipt i (none: refused) of attempts[i]. The msgids come from the group log."""
         if not any(outcomes):
             return
         entries = await self.groups.entries(app, [e for e, _, _ in parsed])
         who = GROUP_PREFIX + group
-        for receipt, (_, attempt, _), (msgid, kind), lines in zip(
-            receipts, parsed, entries, outcomes, strict=True
+        for receipt, attempt, (msgid, kind), lines in zip(
+            receipts, attempts, entries, outcomes, strict=True
         ):
             for event, detail in lines:
                 self.dlog.event(event, msgid, app, kind, who, attempt, f"{detail}receipt {receipt}")
@@ -278,24 +279,27 @@ class PullApi:
         parsed = self._receipts(body.receipts)
         done = await self.groups.ack(app, group, parsed, now_ms())
         logged = [[(Event.ACKED, "")] if ok else [] for ok in done]
-        await self._log_settled(app, group, body.receipts, parsed, logged)
+        await self._log_settled(app, group, body.receipts, parsed, done, logged)
         return self._results(body.receipts, ["acked" if ok else "stale" for ok in done])
 
     async def nack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, NackRequest)
+        if body.delay is not None and body.delay > self.settings.max_delay:
+            raise ApiError(400, f"delay: at most {self.settings.max_delay} ms (MAX_DELAY)")
         wait = -1 if body.delay is None else body.delay
         parsed = self._receipts(body.receipts)
         codes = await self.groups.nack(app, group, [(*r, wait) for r in parsed], now_ms())
         logged: list[list[tuple[Event, str]]] = []
-        for (code, due), (_, attempt, _) in zip(codes, parsed, strict=True):
+        for code, due, attempt in codes:
             then = {
                 1: (Event.RETRY_SCHEDULED, f"next attempt at {due}; "),
                 2: (Event.DEAD_LETTERED, f"after {attempt} attempts; last: errored; "),
             }
             logged.append([(Event.ERRORED, "nack; "), then[code]] if code else [])
-        await self._log_settled(app, group, body.receipts, parsed, logged)
+        attempts = [attempt for _, _, attempt in codes]
+        await self._log_settled(app, group, body.receipts, parsed, attempts, logged)
         names = {0: "stale", 1: "retry", 2: "dead"}
-        return self._results(body.receipts, [names[code] for code, _ in codes])
+        return self._results(body.receipts, [names[code] for code, _, _ in codes])
 
     async def extend(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, ExtendRequest)
@@ -303,7 +307,7 @@ class PullApi:
         parsed = self._receipts(body.receipts)
         done = await self.groups.extend(app, group, [(*r, lease) for r in parsed], now_ms())
         logged = [[(Event.EXTENDED, f"lease {lease} ms; ")] if ok else [] for ok in done]
-        await self._log_settled(app, group, body.receipts, parsed, logged)
+        await self._log_settled(app, group, body.receipts, parsed, done, logged)
         return self._results(body.receipts, ["extended" if ok else "stale" for ok in done])
 
 

@@ -1,8 +1,9 @@
 """The store calls of consumer groups and pull consumption (the `pull_*` and `group_*`
 Lua scripts; keys in skmq/store/lua/pull_lib.lua, transitions in skmq/lifecycle.py).
 
-A receipt handle is `<entry id>.<attempt>.<generation>`: it settles only that attempt
-of the group as it is now (not after a reset, or a delete and create), while its lease
+A receipt handle is `<entry id>.<n>.<generation>`, n counting the entry's attempts in
+the group, replays or not (`attempt` counts since the last replay): it settles only
+that attempt of the group as it is now (not after a reset, or a delete and create), while its lease
 runs. A group made before generations has generation 0, its receipts no third part."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from skmq.store import DeadLetter, Store
 from skmq.store.msgids import unpack
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})(?:\.(\d{1,24}))?")
+_RECEIPT = re.compile(r"(\d{1,20}-\d{1,20})\.(\d{1,9})(?:\.(\d{1,24}))?", re.ASCII)
 GROUP_KEYS = ("inflight", "delayed", "held", "gstate", "dead", "kq")
 _KINDS = {b"q": "queue", b"t": "topic"}
 
@@ -61,6 +62,7 @@ class Pulled:
 class Received:
     messages: list[Pulled]
     next_due: int | None  # unix ms at which a delay or a lease of the group runs out
+    more: bool  # the receive read as much of the log as one call may: call again at once
     # TTL ran out before they were handed out: receipt "", content b"dead" (dead-lettered
     # for the group) or b"drop" (EXPIRED=drop), attempt: those made before
     expired: list[Pulled] = field(default_factory=list)
@@ -169,13 +171,13 @@ class Groups:
         )
         if res == [b"no group"]:
             raise NoSuchGroup(group)
-        generation = res[-2].decode()
-        nxt = int(res[-1])
-        got = Received([], None if nxt < 0 else nxt)
-        for i in range(0, len(res) - 2, 5):
-            entry, msgid, kind, content, attempt = res[i : i + 5]
+        generation = res[-3].decode()
+        nxt = int(res[-2])
+        got = Received([], None if nxt < 0 else nxt, res[-1] == 1)
+        for i in range(0, len(res) - 3, 6):
+            entry, msgid, kind, content, n, attempt = res[i : i + 6]
             expired = kind[:1] == b"x"
-            receipt = "" if expired else make_receipt(entry.decode(), int(attempt), generation)
+            receipt = "" if expired else make_receipt(entry.decode(), int(n), generation)
             pulled = Pulled(
                 receipt, unpack(msgid), _KINDS.get(kind[-1:], "queue"), content, int(attempt)
             )
@@ -195,24 +197,27 @@ class Groups:
             out.append((msgid, _KINDS.get(fields.get(b"k", b"q"), "queue")))
         return out
 
-    async def ack(self, app: str, group: str, receipts: Sequence[Receipt], now: int) -> list[bool]:
+    async def ack(self, app: str, group: str, receipts: Sequence[Receipt], now: int) -> list[int]:
+        """The attempt each receipt acked (counted since its entry's last replay; 0:
+        refused, stale)."""
         args = [x for r in receipts for x in r]
-        return [bool(x) for x in await self._pull("pull_ack", app, group, now, args)]
+        return [int(x) for x in await self._pull("pull_ack", app, group, now, args)]
 
     async def nack(
         self, app: str, group: str, receipts: Sequence[tuple[str, int, str, int]], now: int
-    ) -> list[tuple[int, int]]:
-        """receipts: (entry id, attempt, generation, wait ms or -1 for the backoff); (code 0
-        refused | 1 retry | 2 dead, due ms) each."""
+    ) -> list[tuple[int, int, int]]:
+        """receipts: (entry id, n, generation, wait ms or -1 for the backoff); (code 0
+        refused | 1 retry | 2 dead, due ms, the attempt that failed) each."""
         args = [x for r in receipts for x in r]
         res = await self._pull("pull_nack", app, group, now, args)
-        return [(int(res[i]), int(res[i + 1])) for i in range(0, len(res), 2)]
+        return [(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
 
     async def extend(
         self, app: str, group: str, receipts: Sequence[tuple[str, int, str, int]], now: int
-    ) -> list[bool]:
+    ) -> list[int]:
+        """The attempt each receipt extended (0: refused, stale)."""
         args = [x for r in receipts for x in r]
-        return [bool(x) for x in await self._pull("pull_extend", app, group, now, args)]
+        return [int(x) for x in await self._pull("pull_extend", app, group, now, args)]
 
     # -- dead letters (skmq/dlq.py through GroupDeadLetters) ----------------
     async def dead_letters(
@@ -227,11 +232,12 @@ class Groups:
         pipe = self.store.redis.pipeline(transaction=False)
         for entry in ids:
             pipe.xrange(self.log_key(app), entry, entry)
-            pipe.hmget(gstate, f"{entry}\x1fn", f"{entry}\x1fe")  # attempts, last error
+            # attempts (all, and before the last replay), last error
+            pipe.hmget(gstate, f"{entry}\x1fn", f"{entry}\x1fb", f"{entry}\x1fe")
         res = await pipe.execute()
         out = []
         for i, (entry, (_, died)) in enumerate(zip(ids, dead, strict=True)):
-            found, (n, error) = res[2 * i], res[2 * i + 1]
+            found, (n, replayed, error) = res[2 * i], res[2 * i + 1]
             fields = found[0][1] if found else {}
             out.append(
                 DeadLetter(
@@ -241,7 +247,7 @@ class Groups:
                     _KINDS.get(fields.get(b"k", b"q"), "queue"),
                     GROUP_PREFIX + group,
                     fields.get(b"c", b""),
-                    int(n or 0),
+                    int(n or 0) - int(replayed or 0),
                     (error or b"").decode("utf-8", "replace"),
                     [],
                     int(died),

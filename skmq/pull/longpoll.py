@@ -11,6 +11,11 @@ from skmq.deliverylog import now_ms
 from skmq.pull.groups import Groups, Pulled
 from skmq.pull.wakeups import Wakeups
 
+# How long past its wait a receive goes on reading a log longer than one call reads
+# (entries delayed, or waiting for their key, read once each and set aside): a message
+# ready behind them is not answered as "nothing" unless the log is longer still.
+SCAN_GRACE = 1.0
+
 
 class TooManyWaiting(RuntimeError):
     pass
@@ -46,8 +51,12 @@ class LongPoll:
                 if got.expired:
                     on_expired(got.expired)
                 left = deadline - loop.time()
-                if got.messages or left <= 0 or (gone is not None and gone.is_set()):
+                if got.messages or (gone is not None and gone.is_set()):
                     return got.messages
+                if got.more and left > -SCAN_GRACE:
+                    continue  # (the log holds more than one call reads: read on)
+                if left <= 0:
+                    return []
                 if got.next_due is not None:
                     left = min(left, max(0.001, (got.next_due - now_ms()) / 1000))
                 waits = [asyncio.ensure_future(e.wait()) for e in (woken, gone) if e is not None]

@@ -1,5 +1,13 @@
 -- in flight (attempt n, lease running) -> in flight, its lease now + the ms given.
--- KEYS, ARGV: as pull_lib.lua, then (entry id, attempt, generation, ms)*. Returns 1 or 0 each.
-return each_live(4, function(id, ms)
-  redis.call('ZADD', inflight, 'XX', now + tonumber(ms), id)
+-- A lease made shorter is announced on the group log's channel: waiting receives wake,
+-- and learn that it runs out sooner than they thought.
+-- KEYS, ARGV: as pull_lib.lua, then (entry id, n, generation, ms)*. Returns, for each,
+-- the attempt extended (since the entry's last replay), or 0 (refused).
+local sooner = false
+local out = each_live(4, function(id, ms)
+  local deadline = now + tonumber(ms)
+  if deadline < tonumber(redis.call('ZSCORE', inflight, id)) then sooner = true end
+  redis.call('ZADD', inflight, 'XX', deadline, id)
 end)
+if sooner then redis.call('PUBLISH', glog, now) end
+return out

@@ -8,7 +8,10 @@
 --   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)
 --   held      ZSET    entry id -> its ms: every entry the group still needs (log trimming)
 --   gstate    HASH    <entry id>\31n attempts, <entry id>\31e last error, <entry id>\31t
---                     1 when a replay lifted its TTL, and \31g the
+--                     1 when a replay lifted its TTL, <entry id>\31b the attempts made
+--                     before its last replay (a replay renews the attempts a message
+--                     has, while `n` goes on counting: a receipt of attempt 1 before
+--                     the replay must not settle attempt 1 after it), and \31g the
 --                     group's generation: Redis's clock_us() when it was made or reset
 --                     (none: '0', a group made before generations)
 --   dead      ZSET    entry id -> ms it died (the group's dead letters)
@@ -17,8 +20,9 @@
 --                     the one the group may hand out, the others wait (not delayed, not
 --                     in flight) until it is over (acked, or dead); gstate's
 --                     <entry id>\31o holds an entry's member
--- A receipt names (entry id, attempt n, generation): it settles only attempt n of this
--- generation, while its lease runs; so after a reset, or a delete and create, a receipt
+-- A receipt names (entry id, n, generation), n counting every attempt of the entry in
+-- the group, replays or not: it settles only that attempt of this generation, while its
+-- lease runs; so after a reset, or a delete and create, a receipt
 -- of the group before never settles a delivery of the group now.
 -- KEYS: groups, glog, inflight, delayed, held, gstate, dead, kq
 -- ARGV: now, retry_times, nb, backoff ms * nb, then the script's own arguments
@@ -32,9 +36,14 @@ local function nfield(id) return id .. '\31n' end
 local function efield(id) return id .. '\31e' end
 local function ofield(id) return id .. '\31o' end
 local function tfield(id) return id .. '\31t' end
+local function bfield(id) return id .. '\31b' end
 -- An entry the group is done with (acked, purged, dropped): its own fields go.
 local function forget_entry(id)
-  redis.call('HDEL', gstate, nfield(id), efield(id), tfield(id))
+  redis.call('HDEL', gstate, nfield(id), efield(id), tfield(id), bfield(id))
+end
+-- Attempt n of an entry as its consumers count it: since its last replay.
+local function since_replay(id, n)
+  return n - tonumber(redis.call('HGET', gstate, bfield(id)) or '0')
 end
 local GEN = '\31g'
 local gen  -- read once a call: no script of this group changes it
@@ -79,13 +88,15 @@ local function release(id)
   end
 end
 
--- A failed attempt (nack, or a lease run out): retried after `wait` ms (negative: the
--- backoff of its attempt; at its expiry at the latest), or dead after retry_times.
+-- A failed attempt (nack, or a lease run out): retried `wait` ms after `since` (negative:
+-- the backoff of its attempt; at its expiry at the latest), or dead after retry_times.
+-- `since` is when it failed: now for a nack, the lease's end for a lease that ran out
+-- (noticed only at the next receive, which must not lengthen the wait).
 -- Returns {code 1 retry | 2 dead, due}.
 -- A retry keeps its ordering key held.
-local function fail_attempt(id, why, wait)
+local function fail_attempt(id, why, wait, since)
   redis.call('ZREM', inflight, id)
-  local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
+  local n = since_replay(id, tonumber(redis.call('HGET', gstate, nfield(id)) or '0'))
   redis.call('HSET', gstate, efield(id), why)
   if n >= retry_times then
     redis.call('ZADD', dead, now, id)
@@ -93,7 +104,7 @@ local function fail_attempt(id, why, wait)
     return {2, now}
   end
   if wait < 0 then wait = backoff[math.max(1, math.min(n, #backoff))] end
-  local due = now + wait
+  local due = since + wait
   local e = redis.call('XRANGE', glog, id, id)[1]
   local x = e and expires(id, fields(e[2])) or 0
   if x > 0 and due > x then due = x end  -- at its expiry at the latest
@@ -117,10 +128,20 @@ local function each_where(width, skip, ok, fn)
   return out
 end
 
--- Receipts (entry id, attempt n, generation, then the script's own arguments): fn where
--- attempt n is live.
+-- Receipts (entry id, n, generation, then the script's own arguments): fn where attempt
+-- n is live. Returns, for each, its attempt since the entry's last replay (0: not live).
 local function each_live(width, fn)
-  return each_where(width, 3, function(id, n, g) return live(id, tonumber(n), g) end, fn)
+  local out = {}
+  for i = rest, #ARGV, width do
+    local id, n = ARGV[i], tonumber(ARGV[i + 1])
+    if live(id, n, ARGV[i + 2]) then
+      out[#out + 1] = since_replay(id, n)
+      fn(id, unpack(ARGV, i + 3, i + width - 1))
+    else
+      out[#out + 1] = 0
+    end
+  end
+  return out
 end
 
 -- Entry ids: out of `dead`, then fn, where it is a dead letter of the group.

@@ -3,16 +3,24 @@
 -- pending -> waiting for its key, while an earlier entry of its ordering key is not over;
 -- first, the group's leases that ran out -> waiting retry | dead (a failed attempt).
 -- KEYS, ARGV: as pull_lib.lua, then group, max, visibility ms, drop 0|1.
--- Returns (entry id, msgid, kind q|t, content, attempt)*, an expired entry with kind xq|xt
--- and content `dead` or `drop` (attempt: those before), then the group's generation and
--- the ms at which the next delayed entry falls due or a lease runs out (-1: none);
--- {'no group'}: no such group.
+-- A call reads at most SCAN new log entries (a long run of delayed entries, or of entries
+-- waiting for their key, must not hold Redis): then it says `more`, and the caller calls
+-- again at once rather than wait.
+-- Returns (entry id, msgid, kind q|t, content, n for its receipt, attempt since its last
+-- replay)*, an expired entry with kind xq|xt and content `dead` or `drop` (attempts:
+-- those before), then the group's generation,
+-- the ms at which the next delayed entry falls due or a lease runs out (-1: none) and
+-- `more` (1|0); {'no group'}: no such group.
 local group, max, vis = ARGV[rest], tonumber(ARGV[rest + 1]), tonumber(ARGV[rest + 2])
 local drop = ARGV[rest + 3] == '1'
+local SCAN = 1000
 local cursor = redis.call('HGET', groups, group)
 if not cursor then return {'no group'} end
-local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'LIMIT', 0, 1000)
-for _, id in ipairs(ran_out) do fail_attempt(id, 'timeout: lease ran out', -1) end
+local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'WITHSCORES',
+                          'LIMIT', 0, 1000)
+for i = 1, #ran_out, 2 do
+  fail_attempt(ran_out[i], 'timeout: lease ran out', -1, tonumber(ran_out[i + 1]))
+end
 
 local out = {}
 local taken = 0
@@ -37,7 +45,7 @@ local function admitted(id, f)
 end
 local function emit(id, f, kind, content, n)
   out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
-  out[#out + 1] = n
+  out[#out + 1] = n; out[#out + 1] = since_replay(id, n)
 end
 local function expire(id, f)
   local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
@@ -76,7 +84,9 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0
   end
 end
 local scanned = 0
-while taken < max and scanned < 1000 do
+local more = 0  -- 1: the scan stopped at its bound with log entries left to read
+while taken < max do
+  if scanned >= SCAN then more = 1; break end
   local entries = redis.call('XRANGE', glog, '(' .. cursor, '+', 'COUNT', max - taken)
   if #entries == 0 then break end
   for _, e in ipairs(entries) do
@@ -103,4 +113,5 @@ local l = redis.call('ZRANGE', inflight, 0, 0, 'WITHSCORES')
 if l[2] and (nxt < 0 or tonumber(l[2]) + 1 < nxt) then nxt = tonumber(l[2]) + 1 end
 out[#out + 1] = generation()
 out[#out + 1] = nxt
+out[#out + 1] = more
 return out
