@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from skmq.admission import Admission
 from skmq.aio import cancel_and_wait
 from skmq.auth import broker_tokens, push_signer
+from skmq.clock import StoreClock
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis
@@ -164,6 +165,9 @@ class Broker:
             ) from None
         await check_eviction_policy(self.redis)
         await check_listpack_sizes(self.redis)
+        clock = StoreClock(self.redis, s.clock_interval)
+        await clock.follow()  # (before anything is stored: every time is the store's)
+        self.supervisor.start("store-clock", clock.run)
         self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
         self.supervisor.start("eviction-watch", self.eviction.run)
         self.store = make_store(s, self.redis)

@@ -64,6 +64,7 @@ class Settings(BaseSettings):
     redis_url: str = ""
     redis_wait: Wait = 30.0
     redis_check_interval: Seconds = 5.0
+    clock_interval: Seconds = 60.0
     redis_pool_size: Count = 64
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
     disk_free_limit: NonNegativeInt = 50 << 20

@@ -23,13 +23,13 @@ import asyncio
 import contextlib
 import json
 import os
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
+from skmq.clock import now_ms
 from skmq.coalesce import Coalescer
 from skmq.events import Event
 from skmq.logarchive import try_lock
@@ -53,10 +53,6 @@ def _q(value: str | None) -> str:
 _EVENTS = {e: f',"event":"{e.value}","msgid":' for e in Event}
 # Quoted names remembered by a log (app ids are bounded by the store, not here).
 MAX_NAMES = 4096
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class DeliveryLog:

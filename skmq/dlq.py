@@ -8,7 +8,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.clock import now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
 from skmq.pull.groups import GroupDeadLetters, Groups
 from skmq.ratelimit import TokenBucket

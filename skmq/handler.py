@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from skmq import __version__
 from skmq.aio import spawn
 from skmq.auth import Role, Tokens
+from skmq.clock import now_ms
 from skmq.codec import (
     ANSWER_TYPES,
     PONG,
@@ -36,7 +37,6 @@ from skmq.codec import (
     encode_resp,
 )
 from skmq.config import Settings
-from skmq.deliverylog import now_ms
 from skmq.errors import ApiError
 from skmq.peer import Peer
 from skmq.registry.registration import (

@@ -27,7 +27,8 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from skmq import __version__
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.clock import now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.logarchive import LogArchive
 from skmq.pull.groups import GroupInfo, Groups
 from skmq.store import AppCounts, Store

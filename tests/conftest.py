@@ -225,17 +225,20 @@ def wait_listening(
 class BrokerProcess:
     """`skmq serve` as a real child process, for kill -9, SIGTERM and CLI tests."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> None:
         self.env = env
         self.port = int(env["SKMQ_PORT"])
         self.log_path = log_path
+        self.command = command or [sys.executable, "-m", "skmq.cli", "serve"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> BrokerProcess:
         for _ in range(3):
             log = self.log_path.open("ab")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "skmq.cli", "serve"],
+                self.command,
                 env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
             )  # fmt: skip
             log.close()

@@ -21,8 +21,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
+from skmq.clock import now_ms
 from skmq.codec import PONG, Decoder, Frame, InvalidFrame, encode_frame
-from skmq.deliverylog import now_ms
 from skmq.logarchive import log_files, read_lines
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import WAIT, FakeRecipient, RawClient

@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 
 from skmq.broker import Broker
 from skmq.client import Producer
+from skmq.clock import now_ms
 from skmq.config import Settings, SettingsError
-from skmq.deliverylog import now_ms
 from skmq.lifecycle import State
 from skmq.store import Failed, NewMessage, Retries, Store
 from skmq.store.messages import read as read_message

@@ -12,8 +12,8 @@ import pytest
 from openapi_spec_validator import validate
 
 from skmq.broker import Broker
+from skmq.clock import now_ms
 from skmq.config import Settings
-from skmq.deliverylog import now_ms
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured
 from skmq.store.messages import read as read_message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import aiohttp
 import pytest
 
 from skmq.broker import Broker
-from tests.conftest import BrokerFactory, eventually, free_port
+from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.test_delivery import logged
 
 CONSUMER = "consumer-a-token-0123456789abcdef"
@@ -238,6 +239,48 @@ async def test_a_poll_finds_a_ready_message_behind_a_long_run_of_delayed_ones(
         assert status == 200
     await produce(http, base, "x", "now")
     assert [m["msgid"] for m in await receive(http, base, "x", "g", wait=0)] == ["now"]
+
+
+# `skmq serve` on a machine whose clock is 30 s ahead.
+SKEWED_SERVE = """
+import sys, time
+real = time.time_ns
+time.time_ns = lambda: real() + 30 * 10**9
+time.time = lambda: time.time_ns() / 1e9
+from skmq.cli import main
+sys.argv = ["skmq", "serve"]
+sys.exit(main())
+"""
+
+
+async def test_brokers_whose_machine_clocks_differ_agree_on_due_times_and_leases(
+    make_broker: BrokerFactory,
+    http: aiohttp.ClientSession,
+    broker_env: dict[str, str],
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+) -> None:
+    _, base = await gateway(make_broker)
+    script = tmp_path / "skewed_serve.py"
+    script.write_text(SKEWED_SERVE)
+    http_port = free_port()
+    env = {**broker_env, "SKMQ_REDIS_URL": redis_url, "SKMQ_KEY_PREFIX": prefix,
+           "SKMQ_HTTP_PORT": str(http_port)}  # fmt: skip
+    skewed = BrokerProcess(env, tmp_path / "skewed.log", [sys.executable, str(script)]).start()
+    try:
+        ahead = f"http://127.0.0.1:{http_port}/v1/apps"
+        await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+        later = {"messages": [{"msgid": "later", "content": "x", "delay": 10_000}]}
+        assert (await call(http, "POST", f"{base}/x/messages", later))[0] == 200
+        await produce(http, base, "x", "now")
+        # through the broker ahead: "later" is not due, and "now" stays leased for 20 s
+        (got,) = await receive(http, ahead, "x", "g", max=10, visibility=20)
+        assert got["msgid"] == "now"
+        assert await receive(http, base, "x", "g", max=10) == []
+        assert await settle(http, base, "x", "g", "ack", receipts=[got["receipt"]]) == ["acked"]
+    finally:
+        assert skewed.terminate() == 0
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from skmq.broker import Broker
 from skmq.client import Consumer, Message, Resp
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.store import Extended, Failed, NewMessage, Retries, Store
 from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory, eventually

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.embedded import EmbeddedRedis, _wait_port, server_binary
 from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory, free_port

@@ -8,7 +8,7 @@ import json
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory
 from tests.peers import RawClient

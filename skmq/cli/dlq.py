@@ -27,8 +27,9 @@ from rich.progress import Progress
 
 from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.clock import now_ms
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.dlq import CHUNK, DeadLetters, Filters, Verb, choose, dead_letters_of, redrive
 from skmq.errors import UsageError
 from skmq.handler import bad_app

@@ -15,8 +15,8 @@ from rich.table import Table
 
 from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.clock import now_ms
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
-from skmq.deliverylog import now_ms
 from skmq.pull.groups import Groups
 from skmq.store import Store
 

@@ -16,8 +16,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Tokens
+from skmq.clock import now_ms
 from skmq.config import Settings
-from skmq.deliverylog import now_ms
 from skmq.handler import bad_app, bad_id, bad_timing
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError

@@ -13,8 +13,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Role, Tokens
+from skmq.clock import now_ms
 from skmq.config import Settings
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.events import GROUP_PREFIX, Event
 from skmq.handler import bad_app
 from skmq.http.bearer import authorize

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.events import GROUP_PREFIX
 from skmq.store import DeadLetter, Store
 from skmq.store.msgids import unpack

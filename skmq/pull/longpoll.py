@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.pull.groups import Groups, Pulled
 from skmq.pull.wakeups import Wakeups
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import structlog
 
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.clock import now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
 from skmq.registry.registration import KNOWN_CAPS, Registration, RegistrationRefused
 from skmq.store import Store

@@ -13,7 +13,6 @@ import json
 import math
 import random
 import secrets
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -27,6 +26,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
+from skmq.clock import now_ms
 from skmq.store import scripts
 from skmq.store.client import (
     CLUSTER_SCHEME,
@@ -800,7 +800,7 @@ class Store:
             pipe.hmget(base + "state", *(state_field(member, a) for a in "nehr"))
         res = await pipe.execute()
         out = []
-        now = int(time.time() * 1000)
+        now = now_ms()
         for i, (member, died) in enumerate(entries):
             kind, stored, content = read_message(res[2 * i] or b"q0000000000000", now)
             n, last_error, history_b, last_rid = res[2 * i + 1]

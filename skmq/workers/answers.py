@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.clock import now_ms
 from skmq.codec import Status
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
 from skmq.store import Extended, Failed, Store, split_delivery
 from skmq.workers.link import Verdict

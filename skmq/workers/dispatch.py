@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 from redis.exceptions import RedisError
 
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.registry.balance import Balancer
 from skmq.registry.recipients import Recipient
 from skmq.store import AliveRecipient, ClaimArgs, Claimed, ClaimResult, Store

@@ -23,9 +23,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import cancel_and_wait
+from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.config import Settings
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.peer import Peer
 from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.own_addresses import OwnAddresses

@@ -24,8 +24,9 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import spawn
+from skmq.clock import now_ms
 from skmq.codec import encode_resp
-from skmq.deliverylog import DeliveryLog, now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
 from skmq.store import ClaimArgs, NewMessage, Store
 from skmq.store.disk import DiskSpace

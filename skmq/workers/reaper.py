@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from skmq.deliverylog import now_ms
+from skmq.clock import now_ms
 from skmq.events import Event
 from skmq.store import Failed, Store, split_delivery
 from skmq.workers.answers import AnswerBatcher
