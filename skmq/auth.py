@@ -63,15 +63,22 @@ def _digest(token: str | bytes) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
+def _given_twice(entries: list[tuple[bytes, Grant]]) -> str | None:
+    """Which entries give one token twice (digests), or None."""
+    digests = [d for d, _ in entries]
+    if len(set(digests)) == len(digests):
+        return None
+    names = sorted(g.name for d, g in entries if digests.count(d) > 1)
+    return f"one token is given twice (entries {', '.join(names)})"
+
+
 class Tokens:
     """The accepted tokens (as digests) and their grants."""
 
     def __init__(self, entries: Iterable[tuple[str, Grant]]) -> None:
         self._entries = [(_digest(token), grant) for token, grant in entries]
-        digests = [d for d, _ in self._entries]
-        if len(set(digests)) != len(digests):
-            names = sorted(g.name for d, g in self._entries if digests.count(d) > 1)
-            raise SecurityConfigError(f"one token is given twice (entries {', '.join(names)})")
+        if why := _given_twice(self._entries):
+            raise SecurityConfigError(why)
 
     def check(self, token: str | bytes) -> Grant | None:
         """The grant of `token`, None if no token matches. Every digest is compared (no
@@ -123,9 +130,12 @@ def read_auth_file(path: Path) -> list[tuple[str, Grant]]:
     if not isinstance(entries, list) or not entries:
         raise SecurityConfigError(f"AUTH_FILE {path}: needs at least one [[tokens]] table")
     try:
-        return [_entry(i, raw) for i, raw in enumerate(entries)]
+        read = [_entry(i, raw) for i, raw in enumerate(entries)]
     except ValueError as exc:
         raise SecurityConfigError(f"AUTH_FILE {path}: {exc}") from None
+    if why := _given_twice([(_digest(token), grant) for token, grant in read]):
+        raise SecurityConfigError(f"AUTH_FILE {path}: {why}")
+    return read
 
 
 def load_tokens(settings: Settings) -> Tokens | None:

@@ -82,7 +82,10 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
 
 
 async def wait_for_redis(redis: RedisClient, give_up: Callable[[], bool]) -> None:
+    """Ping until Redis answers or `give_up()`; said once as a warning (then at debug
+    level): a broker started before its Redis should not fill the terminal."""
     delay = 0.05
+    say = log.warning
     while True:
         try:
             await redis.ping()
@@ -91,7 +94,8 @@ async def wait_for_redis(redis: RedisClient, give_up: Callable[[], bool]) -> Non
             if give_up():
                 raise
             error = f"{type(exc).__name__}: {redis_error_text(exc)}"
-            log.warning("redis unreachable, retrying", error=error, retry_in=delay)
+            say("redis unreachable, retrying (REDIS_WAIT)", error=error, retry_in=delay)
+            say = log.debug
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import ipaddress
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,8 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
 
 # RocketMQ's delay levels, in seconds (the last one repeats).
 ROCKETMQ_BACKOFF = [1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600]
+
+BROKER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # The constraint families the settings share (a bad value is refused with the setting's name).
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -187,6 +190,21 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @field_validator("data_dir", "log_dir")
+    @classmethod
+    def _a_directory(cls, value: Path | None) -> Path | None:
+        if value is not None and value.exists() and not value.is_dir():
+            raise ValueError(f"{str(value)!r} is not a directory")
+        return value
+
+    @field_validator("broker_id")
+    @classmethod
+    def _file_name_part(cls, value: str) -> str:
+        """It names the broker's delivery log files (delivery-<BROKER_ID>-<n>.jsonl)."""
+        if value and BROKER_ID.fullmatch(value) is None:
+            raise ValueError("at most 64 letters, digits, '_', '.' or '-'")
+        return value
 
     @field_validator("recipient_networks")
     @classmethod

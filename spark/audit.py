@@ -211,8 +211,12 @@ def run_audit(
         prog.note(f"skipping {bad.line()}")
     session = spark
     if session is None:
-        prog.note(f"starting Spark ({master or 'local[*]'}) ...")
+        # (under spark-submit without --master here, its own --master holds)
+        submitted = master is None and "PYSPARK_GATEWAY_PORT" in os.environ
+        prog.note(f"starting Spark ({'as submitted' if submitted else master or 'local[*]'}) ...")
         session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
+        if submitted:
+            prog.note(f"Spark master: {session.sparkContext.master}")
         asked = [*(conf or {}), *(["spark.driver.memory"] if driver_memory else [])]
         if asked:
             spark_conf = session.sparkContext.getConf()

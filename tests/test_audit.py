@@ -982,13 +982,14 @@ def test_the_same_job_through_spark_submit(audited: Audited, tmp_path: Path) -> 
             "700m",
             str(REPO / "spark" / "audit.py"),
             *_job_args(logs, out),
-            "--quiet",
         ],
         tmp_path,
         env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / "report.json").read_text(encoding="utf-8")) == report
+    said = done.stdout + done.stderr  # (its progress lines, beside Spark's own)
+    assert "starting Spark (as submitted)" in said and "Spark master: local[2]" in said
 
 
 def _cli_args(tmp_path: Path) -> argparse.Namespace:

@@ -260,7 +260,7 @@ def test_bad_auth_file_is_one_clear_startup_error(
     done = _serve(broker_env, tmp_path, SKMQ_AUTH_FILE=str(path))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("skmq serve: "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"skmq serve: AUTH_FILE {path}: "), done.stderr
     assert expected in lines[0]
     assert TOKEN not in done.stderr
 

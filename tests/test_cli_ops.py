@@ -142,6 +142,20 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "'10.0.0.0/33' is not an IP network (like 10.0.0.0/8)",
     ),
     (
+        "broker id",  # it names the delivery log's files
+        lambda f: ["serve"],
+        {"SKMQ_BROKER_ID": "a b/c"},
+        "skmq serve: invalid setting BROKER_ID='a b/c': "
+        "at most 64 letters, digits, '_', '.' or '-'",
+    ),
+    (
+        "data dir a file",
+        lambda f: ["serve", "--data-dir", str(f["bad"])],
+        {},
+        "skmq serve: invalid setting DATA_DIR='{dir}/bad.toml': "
+        "'{dir}/bad.toml' is not a directory",
+    ),
+    (
         "port",
         lambda f: ["serve", "--port", "x"],
         {},
