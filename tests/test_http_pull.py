@@ -356,9 +356,36 @@ async def idle_polls(broker: Broker, base: str, http: aiohttp.ClientSession) -> 
     assert broker.wakeups.count == 200
     with_polls = await commands_in(1.0)
     assert with_polls - baseline < 100, (baseline, with_polls)  # 200 busy polls: thousands
+
+    async def scripts_run() -> int:
+        return int((await broker.redis.info("commandstats"))["cmdstat_evalsha"]["calls"])
+
+    before = await scripts_run()
     await produce(http, base, "x", "wake")
+    await asyncio.wait(polls, return_when=asyncio.FIRST_COMPLETED, timeout=15)
+    await asyncio.sleep(0.5)  # (a window for the other 199 to run a receive, if woken)
+    # the first waiting poll is woken, not all 200: a store and a few receives
+    assert await scripts_run() - before < 20
     results = await asyncio.wait_for(asyncio.gather(*polls), 15)
     assert sum(len(r) for r in results) == 1
+
+
+async def test_a_batch_reaches_every_waiting_poll_of_the_group_one_after_another(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """A wake-up goes to the group's first waiting poll, which passes it on once it took
+    a message: 20 polls, 20 messages in one store, each poll gets one, none waits out."""
+    broker, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    polls = [asyncio.create_task(receive(http, base, "x", "g", wait=20)) for _ in range(20)]
+
+    async def all_wait() -> bool:
+        return broker.wakeups.count == 20
+
+    await eventually(all_wait)
+    await produce(http, base, "x", *(f"m{i}" for i in range(20)))
+    results = await asyncio.wait_for(asyncio.gather(*polls), 10)
+    assert sorted(m["msgid"] for r in results for m in r) == sorted(f"m{i}" for i in range(20))
 
 
 @pytest.fixture

@@ -44,7 +44,8 @@ class LongPoll:
         deadline = loop.time() + wait
         if wait > 0 and self.wakeups.count >= self.max_waiting:
             raise TooManyWaiting(f"{self.max_waiting} receives wait already (PULL_MAX_WAITING)")
-        with self.wakeups.listen(self.groups.log_key(app)) as woken:
+        with self.wakeups.listen(self.groups.log_key(app), group) as waiting:
+            woken = waiting.event
             while True:
                 woken.clear()
                 got = await self.groups.receive(app, group, now_ms(), max_messages, visibility_ms)
@@ -52,6 +53,7 @@ class LongPoll:
                     on_expired(got.expired)
                 left = deadline - loop.time()
                 if got.messages or (gone is not None and gone.is_set()):
+                    waiting.took = bool(got.messages)
                     return got.messages
                 if got.more and left > -SCAN_GRACE:
                     continue  # (the log holds more than one call reads: read on)
