@@ -10,12 +10,20 @@ from collections import Counter
 
 from skmq.config import Settings
 
+# A refused connection (or one ended for an error) goes on being read for up to LINGER
+# seconds, what it sends dropped, before it is closed: closing with its bytes unread
+# would reset it, and the reset would take our answer (why it is refused) with it. At
+# most MAX_LINGERING refused ones linger at once: past that, a flood is closed at once.
+LINGER = 2.0
+MAX_LINGERING = 256
+
 
 class Admission:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.total = 0
         self.per_host: Counter[str] = Counter()
+        self.lingering = 0  # refused connections lingering now
 
     def refusal(self, host: str) -> str | None:
         """Why a new connection from `host` is refused, or None."""

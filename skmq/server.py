@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import structlog
 
-from skmq.admission import Admission
+from skmq.admission import LINGER, MAX_LINGERING, Admission
 from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
@@ -58,11 +58,21 @@ class LimitExceeded(CodecError):
     """A connection broke a server limit (not a codec rule): answered `error`, closed."""
 
 
+async def _drop_input(reader: asyncio.StreamReader) -> None:
+    """Read and drop what a peer sends until it closes or LINGER runs out."""
+    with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+        async with asyncio.timeout(LINGER):
+            while await reader.read(READ_SIZE):
+                pass
+
+
 class Connection:
     __slots__ = (
         "broken",
+        "closing",
         "decoded",
         "decoder",
+        "draining",
         "frame_started",
         "last_active",
         "partial",
@@ -89,6 +99,10 @@ class Connection:
         self.decoder = Decoder(settings.max_frame_bytes, settings.max_line_bytes)
         self.last_active = time.monotonic()
         self.broken = False
+        # A fatal error ended its stream: what the peer still sends is read and dropped
+        # (draining) until our answers are out (closing) and the peer closes, or LINGER.
+        self.draining = False
+        self.closing = False
         # When the incomplete frame at the head of the decoder began (None: no partial
         # frame), and its size as counted in Server.partial_bytes.
         self.frame_started: float | None = None
@@ -201,7 +215,7 @@ class Server:
         refusal = self.admission.refusal(host)
         if refusal is not None:
             writer.write(encode_resp("error", refusal))
-            writer.close()
+            await self._refuse(reader, writer)
             return
         conn = Connection(reader, writer, self.settings)
         self.connections.add(conn)
@@ -225,6 +239,8 @@ class Server:
                 conn.last_active = time.monotonic()
                 conn.queued += len(data)
                 await self.decode_q.put((conn, data))
+            if conn.broken:
+                await self._drain(conn)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -234,6 +250,32 @@ class Server:
                 # End of stream: answer what was read, then close (a `printf | nc` peer
                 # half-closes and still waits for its answers).
                 await self.decode_q.put((conn, None))
+
+    async def _drain(self, conn: Connection) -> None:
+        """Read and drop what the peer still sends, until it closes or LINGER runs out.
+        Closing with its bytes unread would reset the connection, and a peer that sends
+        all before it reads (an oversized frame, a pipelined flood) would lose our last
+        answer, the error saying why, to the reset."""
+        conn.draining = True
+        await _drop_input(conn.reader)
+        conn.draining = False
+        if conn.closing:
+            conn.writer.close()
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """End a refused connection after its answer (written), lingering as _drain does
+        while at most MAX_LINGERING refused connections linger."""
+        if self.admission.lingering >= MAX_LINGERING:
+            writer.close()
+            return
+        self.admission.lingering += 1
+        try:
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write_eof()
+            await _drop_input(reader)
+        finally:
+            self.admission.lingering -= 1
+            writer.close()
 
     def share(self) -> int:
         """The unanswered frames one connection may have now."""
@@ -392,7 +434,12 @@ class Server:
         self._release_partial(conn)
         conn.readable.set()  # let its connection stage see the end
         conn.decoded.set()
-        conn.writer.close()
+        if conn.draining:  # our answers, then the end of our side: _drain closes
+            conn.closing = True
+            with contextlib.suppress(OSError, RuntimeError):
+                conn.writer.write_eof()
+        else:
+            conn.writer.close()
         self.connections.discard(conn)
 
     # -- timeouts -------------------------------------------------------------

@@ -196,6 +196,19 @@ async def test_max_connections_bounds_http_alone(make_broker: BrokerFactory) -> 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data, _ = await read_until_closed(reader, 10)
     assert json_error(data) == (503, "too many connections (MAX_CONNECTIONS)")
+    # A client that sends its whole request before it reads still gets the 503: the
+    # refused connection is read (and its bytes dropped) until it closes, not reset.
+    loop = asyncio.get_running_loop()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setblocking(False)
+        body = b"x" * (4 << 20)
+        head = f"POST /v1/apps/a/messages HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n"
+        await asyncio.wait_for(loop.sock_sendall(sock, head.encode() + body), 30)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 503"), got[:200]
     for _, w in [*held, (reader, writer)]:
         w.close()
 

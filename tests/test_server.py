@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import redis.asyncio as aioredis
 
@@ -161,6 +162,23 @@ async def test_oversized_frame_gets_error_then_close(broker: Broker) -> None:
     resp = await client.resp()
     assert resp["status"] == "error" and "refused" in resp["content"]
     assert await client.closed()
+
+
+async def test_a_peer_that_sends_all_before_it_reads_gets_the_error_not_a_reset(
+    broker: Broker,
+) -> None:
+    """Closing with the rest of a 4 MB frame unread would reset the connection, and the
+    reset would take the answer with it: the broker drops what follows, then closes."""
+    loop = asyncio.get_running_loop()
+    with socket.create_connection(("127.0.0.1", broker.server.port)) as sock:
+        sock.setblocking(False)
+        frame = b"type=queue\r\nappid=a\r\ncontent=" + b"x" * (4 << 20) + b"\r\n\r\n"
+        await asyncio.wait_for(loop.sock_sendall(sock, frame), 30)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+            got += chunk
+    assert got.startswith(b"type=resp\r\n") and b'"status":"error"' in got, got
 
 
 async def test_overlong_header_line_gets_error_then_close(make_broker: BrokerFactory) -> None:

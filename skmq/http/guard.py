@@ -9,6 +9,7 @@ aiohttp's own (the keep-alive timer, see gateway.py) and the body reader's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -19,7 +20,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from skmq.admission import Admission
+from skmq.admission import LINGER, MAX_LINGERING, Admission
 
 log = structlog.get_logger("skmq.http")
 
@@ -47,6 +48,7 @@ class Counted(asyncio.Protocol):
         self._admission = admission
         self._inner: asyncio.Protocol | None = None
         self._host: str | None = None
+        self._linger: asyncio.TimerHandle | None = None  # refused, lingering (LINGER)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -55,8 +57,16 @@ class Counted(asyncio.Protocol):
         if why is not None:
             log.debug("http connection refused", peer=host, reason=why)
             # A transport of a stream socket (uvloop's too, though not a subclass).
-            cast(asyncio.WriteTransport, transport).write(refusal_response(why))
-            transport.close()
+            stream = cast(asyncio.WriteTransport, transport)
+            stream.write(refusal_response(why))
+            if self._admission.lingering >= MAX_LINGERING:
+                transport.close()
+                return
+            # what the client sends is dropped (data_received) until it closes, or LINGER
+            self._admission.lingering += 1
+            self._linger = asyncio.get_running_loop().call_later(LINGER, transport.close)
+            with contextlib.suppress(OSError, RuntimeError):
+                stream.write_eof()
             return
         self._admission.admit(host)
         self._host = host
@@ -64,6 +74,10 @@ class Counted(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+            self._admission.lingering -= 1
         if self._host is not None:
             self._admission.release(self._host)
             self._host = None
@@ -75,7 +89,7 @@ class Counted(asyncio.Protocol):
             self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._inner is not None else None
+        return self._inner.eof_received() if self._inner is not None else False
 
     def pause_writing(self) -> None:
         if self._inner is not None:
