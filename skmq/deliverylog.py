@@ -252,5 +252,8 @@ class DeliveryLog:
         if self._backlog:
             log.error("delivery log closed with unwritten lines", lines=self.backlog_lines)
         if self._fd >= 0:
+            if self._size == 0:  # nothing logged (a CLI command that changed nothing)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.dir / f"{self._prefix}{self._index:06d}.jsonl")
             os.close(self._fd)
             self._fd = -1

@@ -38,6 +38,7 @@ from skmq.codec import (
 )
 from skmq.config import Settings
 from skmq.errors import ApiError
+from skmq.jsonbody import parse_json
 from skmq.peer import Peer
 from skmq.registry.registration import (
     CONTROL,
@@ -362,9 +363,9 @@ class FrameHandler:
         if (refused := self._refusal(peer, "consume", app)) is not None:
             return self._resp(f"403 {refused}", msgid, Status.REJECT)
         try:
-            raw = json.loads(frame.content) if frame.content else None
-        except (ValueError, RecursionError):
-            return self._resp("400 content is not valid JSON", msgid, Status.REJECT)
+            raw = parse_json(frame.content) if frame.content else None
+        except ValueError as exc:
+            return self._resp(f"400 content {exc}", msgid, Status.REJECT)
         op, group = fields.get("op") or "", fields.get("group") or ""
         who = peer.principal or peer.host
         try:

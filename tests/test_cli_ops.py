@@ -142,6 +142,12 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "'10.0.0.0/33' is not an IP network (like 10.0.0.0/8)",
     ),
     (
+        "unknown flag",  # said for the command it was given to
+        lambda f: ["dlq", "list", "--since", "x"],
+        {},
+        "skmq dlq: unrecognized arguments: --since x (see skmq dlq --help)",
+    ),
+    (
         "broker id",  # it names the delivery log's files
         lambda f: ["serve"],
         {"SKMQ_BROKER_ID": "a b/c"},

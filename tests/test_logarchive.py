@@ -118,6 +118,15 @@ def test_a_restart_with_the_same_broker_id_never_reuses_a_compressed_index(
     assert sorted(_msgids(tmp_path)) == sorted(f"m{i}" for i in range(20))
 
 
+def test_a_log_that_logged_nothing_leaves_no_file(tmp_path: Path) -> None:
+    DeliveryLog(tmp_path, "cli-1").close()  # (a `dlq purge` that selected nothing)
+    assert _names(tmp_path) == []
+    dlog = DeliveryLog(tmp_path, "cli-2")
+    _write(dlog, 1)
+    dlog.close()
+    assert _names(tmp_path) == ["delivery-cli-2-000000.jsonl"]
+
+
 def test_a_restart_goes_on_with_an_uncompressed_last_file(tmp_path: Path) -> None:
     first = DeliveryLog(tmp_path, "b1", rotate_bytes=1 << 20)
     _write(first, 5)

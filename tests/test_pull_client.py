@@ -140,7 +140,12 @@ async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory
         assert json.loads(acked["content"])["results"][0]["status"] == "acked"
         for content, fields, said in (
             (b"{", {"group": "raw", "op": "ack"}, "400 content is not valid JSON"),
-            (b"[" * 60_000, {"group": "raw", "op": "ack"}, "400 content is not valid JSON"),
+            (b"[" * 60_000, {"group": "raw", "op": "ack"}, "400 content is nested too deeply"),
+            (
+                b'{"max": 1' + b"0" * 5000 + b"}",
+                {"group": "raw", "op": "receive"},
+                "400 content holds a number of more than 4300 digits",
+            ),
             (b"{}", {"group": "raw", "op": "reset"}, "400 op must be one of"),
             (b"{}", {"group": "bad name", "op": "receive"}, "400 group must be"),
             (b"{}", {"group": "none", "op": "receive"}, "404 no group 'none' for app 'shop'"),

@@ -74,7 +74,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(args_list).parse_args(args_list)
+    args, extra = build_parser(args_list).parse_known_args(args_list)
+    if extra:  # (said for the command they were given to, not for `skmq`)
+        command = args.subcommand
+        return fail(command, f"unrecognized arguments: {' '.join(extra)} "
+                             f"(see skmq {command} --help)", 2)  # fmt: skip
     try:
         result: int = args.func(args)
     except KeyboardInterrupt:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import uuid
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote_to_bytes
@@ -21,6 +20,7 @@ from skmq.config import Settings
 from skmq.handler import bad_app, bad_id, bad_timing
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
+from skmq.jsonbody import parse_json
 from skmq.registry.registration import is_text
 from skmq.store import NewMessage
 from skmq.workers.enqueue import UNAVAILABLE, EnqueueBatch, Enqueuer
@@ -100,11 +100,9 @@ async def read_json(request: web.Request) -> Any:
     except web.RequestPayloadError:
         raise ApiError(400, "body is malformed (chunked framing or Content-Encoding)") from None
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "body is not valid JSON") from None
-    except RecursionError:
-        raise ApiError(400, "body is nested too deeply") from None
+        return parse_json(body)
+    except ValueError as exc:
+        raise ApiError(400, f"body {exc}") from None
 
 
 def path_app(request: web.Request) -> str:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from skmq.jsonbody import parse_json
 
 MAX_ID = 256
 # What a recipient may declare it supports (extensions). One that declares none is an
@@ -103,11 +104,9 @@ def _object(content: bytes | None, max_bytes: int) -> dict[str, Any]:
     if len(content) > max_bytes:
         raise RegistrationRefused(f"content over {max_bytes} bytes (MAX_REGISTRATION_BYTES)")
     try:
-        obj = json.loads(content)
-    except (ValueError, UnicodeDecodeError):
-        raise RegistrationRefused("content is not valid JSON") from None
-    except RecursionError:
-        raise RegistrationRefused("content is nested too deeply") from None
+        obj = parse_json(content)
+    except ValueError as exc:
+        raise RegistrationRefused(f"content {exc}") from None
     if not isinstance(obj, dict):
         raise RegistrationRefused("content must be a JSON object")
     if any(isinstance(v, dict | list) for k, v in obj.items() if k != "caps"):
