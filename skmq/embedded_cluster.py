@@ -27,7 +27,16 @@ import redis
 from skmq.embedded import SERVER_ARGS, _die_with_parent, _wait_port, free_port, server_binary
 
 SLOTS = 16384
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000
+
+
+def _node_signals() -> None:
+    """In a node, before it runs: the stop signals that `main` blocks (to sigwait for
+    them) unblocked again, else a node never stops on SIGTERM (stop() waited 10 s a node
+    and then killed it), and SIGTERM once its parent dies."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _die_with_parent()
 
 
 def _free_cluster_port(host: str, taken: set[int]) -> int:
@@ -100,7 +109,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_node_signals,
         )
         _wait_port(self.host, port, self.procs[port], 10.0)
 
@@ -195,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(cluster.url + "\n")
     sys.stdout.flush()
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(STOP_SIGNALS)
     finally:
         cluster.stop()
     return 0
 
 
 if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     sys.exit(main())
