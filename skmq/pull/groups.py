@@ -3,8 +3,9 @@ Lua scripts; keys in skmq/store/lua/pull_lib.lua, transitions in skmq/lifecycle.
 
 A receipt handle is `<entry id>.<n>.<generation>`, n counting the entry's attempts in
 the group, replays or not (`attempt` counts since the last replay): it settles only
-that attempt of the group as it is now (not after a reset, or a delete and create), while its lease
-runs. A group made before generations has generation 0, its receipts no third part."""
+that attempt of the group as it is now (not after a reset, or a delete and create),
+while its lease runs. A group made before generations has generation 0, its receipts
+no third part."""
 
 from __future__ import annotations
 

@@ -112,22 +112,6 @@ local function fail_attempt(id, why, wait, since)
   return {1, due}
 end
 
--- For each item in ARGV from `rest` on, `width` arguments an item, the entry id first:
--- fn(entry id, the item's arguments from `skip` + 1 on) where ok(entry id, the item's
--- other arguments) holds. Returns 1 for each item it ran for, 0 for the others.
-local function each_where(width, skip, ok, fn)
-  local out = {}
-  for i = rest, #ARGV, width do
-    if ok(unpack(ARGV, i, i + width - 1)) then
-      fn(ARGV[i], unpack(ARGV, i + skip, i + width - 1))
-      out[#out + 1] = 1
-    else
-      out[#out + 1] = 0
-    end
-  end
-  return out
-end
-
 -- Receipts (entry id, n, generation, then the script's own arguments): fn where attempt
 -- n is live. Returns, for each, its attempt since the entry's last replay (0: not live).
 local function each_live(width, fn)
@@ -144,7 +128,17 @@ local function each_live(width, fn)
   return out
 end
 
--- Entry ids: out of `dead`, then fn, where it is a dead letter of the group.
+-- Entry ids (ARGV from `rest` on): out of `dead`, then fn, where it is a dead letter of
+-- the group. Returns 1 for each it ran for, 0 for the others.
 local function each_dead(fn)
-  return each_where(1, 1, function(id) return redis.call('ZREM', dead, id) == 1 end, fn)
+  local out = {}
+  for i = rest, #ARGV do
+    if redis.call('ZREM', dead, ARGV[i]) == 1 then
+      fn(ARGV[i])
+      out[#out + 1] = 1
+    else
+      out[#out + 1] = 0
+    end
+  end
+  return out
 end
