@@ -388,6 +388,47 @@ async def test_a_batch_reaches_every_waiting_poll_of_the_group_one_after_another
     assert sorted(m["msgid"] for r in results for m in r) == sorted(f"m{i}" for i in range(20))
 
 
+async def test_a_delay_falling_due_after_the_first_poll_left_reaches_the_next(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """Only the first waiting poll of a group sleeps until the next due time; leaving
+    before it, it hands its turn on. Had it not, the second would wait out its 30 s."""
+    broker, base = await gateway(make_broker, pull_max_wait=30)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    first = asyncio.create_task(receive(http, base, "x", "g", wait=0.5))
+
+    async def waiting(n: int) -> bool:
+        return broker.wakeups.count == n
+
+    await eventually(lambda: waiting(1))
+    second = asyncio.create_task(receive(http, base, "x", "g", wait=30))
+    await eventually(lambda: waiting(2))
+    later = {"messages": [{"msgid": "later", "content": "x", "delay": 1_500}]}
+    assert (await call(http, "POST", f"{base}/x/messages", later))[0] == 200
+    assert await asyncio.wait_for(first, 10) == []
+    got = await asyncio.wait_for(second, 10)
+    assert [m["msgid"] for m in got] == ["later"]
+
+
+async def test_a_reset_to_earliest_wakes_a_waiting_poll(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    broker, base = await gateway(make_broker, pull_max_wait=30)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    await produce(http, base, "x", "m")
+    (got,) = await receive(http, base, "x", "g")
+    assert await settle(http, base, "x", "g", "ack", receipts=[got["receipt"]]) == ["acked"]
+    poll = asyncio.create_task(receive(http, base, "x", "g", wait=30))
+
+    async def one_waits() -> bool:
+        return broker.wakeups.count == 1
+
+    await eventually(one_waits)
+    status, _ = await call(http, "POST", f"{base}/x/groups/g/reset", {"position": "earliest"})
+    assert status == 200
+    assert [m["msgid"] for m in await asyncio.wait_for(poll, 10)] == ["m"]
+
+
 @pytest.fixture
 def auth_file(tmp_path: Path) -> Path:
     path = tmp_path / "tokens.toml"

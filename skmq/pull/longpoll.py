@@ -44,7 +44,8 @@ class LongPoll:
         deadline = loop.time() + wait
         if wait > 0 and self.wakeups.count >= self.max_waiting:
             raise TooManyWaiting(f"{self.max_waiting} receives wait already (PULL_MAX_WAITING)")
-        with self.wakeups.listen(self.groups.log_key(app), group) as waiting:
+        channel = self.groups.log_key(app)
+        with self.wakeups.listen(channel, group) as waiting:
             woken = waiting.event
             while True:
                 woken.clear()
@@ -52,14 +53,15 @@ class LongPoll:
                 if got.expired:
                     on_expired(got.expired)
                 left = deadline - loop.time()
+                # (a due time to come: whoever waits next must learn it, if this one goes)
+                waiting.hand_on = bool(got.messages) or got.next_due is not None
                 if got.messages or (gone is not None and gone.is_set()):
-                    waiting.took = bool(got.messages)
                     return got.messages
                 if got.more and left > -SCAN_GRACE:
                     continue  # (the log holds more than one call reads: read on)
                 if left <= 0:
                     return []
-                if got.next_due is not None:
+                if got.next_due is not None and self.wakeups.is_first(channel, group, waiting):
                     left = min(left, max(0.001, (got.next_due - now_ms()) / 1000))
                 waits = [asyncio.ensure_future(e.wait()) for e in (woken, gone) if e is not None]
                 try:

@@ -5,9 +5,10 @@ Redis; a poll also wakes by itself when the group's next delay or lease runs out
 
 A wake-up goes to the first waiting poll of each group of the app, not to all: every
 poll a store woke would run a receive, and all but one would find nothing (2,000 polls
-of one group cost 850 receives a message). The poll woken passes the wake-up on to the
-next of its group when it took messages (there may be more) or leaves without using it
-(its client went away)."""
+of one group cost 850 receives a message). Only that first poll also sleeps until the
+group's next due time (a delay, a retry, a lease's end). It passes the turn on to the
+next poll of its group when it leaves having taken messages (there may be more), woken
+but not served, cancelled (a receive may have run), or knowing a due time to come."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ log = structlog.get_logger("skmq.pull.wakeups")
 @dataclass(eq=False)
 class Waiting:
     event: asyncio.Event  # set: woken, receive again
-    took: bool = False  # it took messages: the next poll of its group may find more
+    # It took messages (the next poll of its group may find more), was cancelled (its
+    # receive may have run), or knows the group's next due time: its turn goes on.
+    hand_on: bool = False
 
 
 def _first(polls: dict[asyncio.Event, None]) -> None:
@@ -55,15 +58,22 @@ class Wakeups:
         self.count += 1
         try:
             yield waiting
+        except BaseException:
+            waiting.hand_on = True
+            raise
         finally:
             self.count -= 1
             del polls[waiting.event]
-            if waiting.event.is_set() or waiting.took:
+            if waiting.event.is_set() or waiting.hand_on:
                 _first(polls)
             if not polls:
                 del self._waiting[channel][group]
                 if not self._waiting[channel]:
                     del self._waiting[channel]
+
+    def is_first(self, channel: str, group: str, waiting: Waiting) -> bool:
+        """Whether `waiting` is the first waiting poll of its group."""
+        return next(iter(self._waiting[channel][group])) is waiting.event
 
     def _wake(self, channel: str | None) -> None:
         for name, groups in self._waiting.items():

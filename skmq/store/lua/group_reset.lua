@@ -1,6 +1,7 @@
 -- A consumer group starts again from `latest` (only what is stored from now on) or
 -- `earliest` (everything still in the group log); its leases, waits and dead letters go,
 -- and a new generation starts: no receipt handed out before settles anything after.
+-- Waiting receives of the app wake.
 -- KEYS: as pull_lib.lua. ARGV: group, latest | earliest. Returns 1, or 0 (no such group).
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 local cursor = '0-0'
@@ -14,4 +15,5 @@ local gen = clock_us()
 if gen == old then gen = gen .. '1' end
 redis.call('HSET', KEYS[6], '\31g', gen)
 redis.call('HSET', KEYS[1], ARGV[1], cursor)
+redis.call('PUBLISH', KEYS[2], gen)  -- (waiting receives wake: `earliest` has work now)
 return 1
