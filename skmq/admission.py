@@ -11,10 +11,12 @@ from collections import Counter
 from skmq.config import Settings
 
 # A refused connection (or one ended for an error) goes on being read for up to LINGER
-# seconds, what it sends dropped, before it is closed: closing with its bytes unread
-# would reset it, and the reset would take our answer (why it is refused) with it. At
-# most MAX_LINGERING refused ones linger at once: past that, a flood is closed at once.
+# seconds and LINGER_BYTES, what it sends dropped, before it is closed: closing with its
+# bytes unread would reset it, and the reset would take our answer (why it is refused)
+# with it. At most MAX_LINGERING refused ones linger at once: past that, a flood is
+# closed at once.
 LINGER = 2.0
+LINGER_BYTES = 16 << 20  # (read past this, the connection is closed: reading costs CPU)
 MAX_LINGERING = 256
 
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import structlog
 
-from skmq.admission import LINGER, MAX_LINGERING, Admission
+from skmq.admission import LINGER, LINGER_BYTES, MAX_LINGERING, Admission
 from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
@@ -59,11 +59,13 @@ class LimitExceeded(CodecError):
 
 
 async def _drop_input(reader: asyncio.StreamReader) -> None:
-    """Read and drop what a peer sends until it closes or LINGER runs out."""
+    """Read and drop what a peer sends until it closes, or LINGER or LINGER_BYTES runs
+    out."""
+    dropped = 0
     with contextlib.suppress(TimeoutError, ConnectionError, OSError):
         async with asyncio.timeout(LINGER):
-            while await reader.read(READ_SIZE):
-                pass
+            while dropped < LINGER_BYTES and (data := await reader.read(READ_SIZE)):
+                dropped += len(data)
 
 
 class Connection:
