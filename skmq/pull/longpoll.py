@@ -53,8 +53,9 @@ class LongPoll:
                 if got.expired:
                     on_expired(got.expired)
                 left = deadline - loop.time()
-                # (a due time to come: whoever waits next must learn it, if this one goes)
-                waiting.hand_on = bool(got.messages) or got.next_due is not None
+                # (a due time to come, or log left unread: whoever waits next must learn
+                # it, if this one goes)
+                waiting.hand_on = bool(got.messages) or got.next_due is not None or got.more
                 if got.messages or (gone is not None and gone.is_set()):
                     return got.messages
                 if got.more and left > -SCAN_GRACE:
