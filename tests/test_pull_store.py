@@ -3,12 +3,14 @@ skmq/lifecycle.py over a real Redis, refusals (stale receipts) included."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
+from skmq.clock import now_ms
 from skmq.pull.groups import (
     GroupDeadLetters,
     Groups,
@@ -17,8 +19,11 @@ from skmq.pull.groups import (
     Receipt,
     parse_receipt,
 )
+from skmq.pull.longpoll import LongPoll
 from skmq.pull.trimmer import Trimmer
+from skmq.pull.wakeups import Wakeups
 from skmq.store import NewMessage, Retries, Store
+from tests.conftest import eventually
 
 APP = "pull"
 NOW = 1_700_000_000_000
@@ -322,6 +327,30 @@ async def test_a_receipt_from_before_a_replay_settles_nothing_after_it(groups: G
     assert await groups.ack(APP, "g", [receipt(first)], NOW) == [0]
     assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(0, 0, 0)]
     assert await groups.ack(APP, "g", [receipt(replayed)], NOW) == [1]
+
+
+async def test_a_receive_cancelled_mid_call_lets_what_it_leased_go(
+    groups: Groups, redis: aioredis.Redis, prefix: str
+) -> None:
+    """An HTTP client hanging up cancels its poll while the receive script runs: the
+    message it leased to nobody comes back after the retry backoff (1 s), not after its
+    lease of 10 minutes."""
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    poll = LongPoll(groups, Wakeups(redis, prefix), 10)
+    gone = asyncio.create_task(poll.receive(APP, "g", 1, 0, 600_000, lambda _: None))
+    await asyncio.sleep(0)  # (its receive is under way)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    got: list[Pulled] = []
+
+    async def back() -> bool:
+        got.extend((await groups.receive(APP, "g", now_ms(), 1, VIS)).messages)
+        return bool(got)
+
+    await eventually(back)
+    assert got[0].msgid == "a" and got[0].attempt == 2
 
 
 def test_receipts_parse_with_and_without_a_generation() -> None:

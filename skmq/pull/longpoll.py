@@ -7,9 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.aio import spawn
 from skmq.clock import now_ms
-from skmq.pull.groups import Groups, Pulled
+from skmq.pull.groups import Groups, Pulled, Received, parse_receipt
 from skmq.pull.wakeups import Wakeups
+
+log = structlog.get_logger("skmq.pull")
 
 # How long past its wait a receive goes on reading a log longer than one call reads
 # (entries delayed, or waiting for their key, read once each and set aside): a message
@@ -26,6 +32,7 @@ class LongPoll:
         self.groups = groups
         self.wakeups = wakeups
         self.max_waiting = max_waiting
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def receive(
         self,
@@ -49,7 +56,7 @@ class LongPoll:
             woken = waiting.event
             while True:
                 woken.clear()
-                got = await self.groups.receive(app, group, now_ms(), max_messages, visibility_ms)
+                got = await self._receive(app, group, max_messages, visibility_ms)
                 if got.expired:
                     on_expired(got.expired)
                 left = deadline - loop.time()
@@ -72,3 +79,32 @@ class LongPoll:
                         w.cancel()
                 if gone is not None and gone.is_set():
                     return []
+
+    async def _receive(self, app: str, group: str, max_messages: int, lease_ms: int) -> Received:
+        """One receive. Cancelled meanwhile (its HTTP client hung up), it still runs to
+        its end, and what it leased to nobody is let go at once: it comes back after the
+        retry backoff rather than the whole lease."""
+        call = asyncio.ensure_future(
+            self.groups.receive(app, group, now_ms(), max_messages, lease_ms)
+        )
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._let_go(app, group, done))
+            raise
+
+    def _let_go(self, app: str, group: str, call: asyncio.Future[Received]) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        receipts = [parse_receipt(p.receipt) for p in call.result().messages]
+        leases = [(*r, 1) for r in receipts if r is not None]
+        if leases:
+            spawn(self._end_leases(app, group, leases), self._releases)
+
+    async def _end_leases(
+        self, app: str, group: str, leases: list[tuple[str, int, str, int]]
+    ) -> None:
+        try:
+            await self.groups.extend(app, group, leases, now_ms())
+        except (RedisError, OSError) as exc:  # (their leases run out by themselves)
+            log.warning("leases of a gone poll not ended", app=app, error=repr(exc))
