@@ -213,17 +213,17 @@ async def test_a_waiting_poll_wakes_for_a_delayed_nack_and_a_shortened_lease(
     async def one_waits() -> bool:
         return broker.wakeups.count == 1
 
-    poll = asyncio.create_task(receive(http, base, "x", "g", wait=60))
-    await eventually(one_waits)
-    assert await settle(http, base, "x", "g", "nack", receipts=[got["receipt"]],
-                        delay=300) == ["retry"]  # fmt: skip
-    (again,) = await asyncio.wait_for(poll, 30)
+    async def woken_by(verb: str, receipt: str, answer: str, **body: Any) -> dict[str, Any]:
+        """What a poll waiting 60 s gets once `verb` settled `receipt`."""
+        poll = asyncio.create_task(receive(http, base, "x", "g", wait=60))
+        await eventually(one_waits)
+        assert await settle(http, base, "x", "g", verb, receipts=[receipt], **body) == [answer]
+        (woken,) = await asyncio.wait_for(poll, 30)
+        return woken
+
+    again = await woken_by("nack", got["receipt"], "retry", delay=300)
     assert (again["msgid"], again["attempt"]) == ("m", 2)
-    poll = asyncio.create_task(receive(http, base, "x", "g", wait=60))
-    await eventually(one_waits)
-    assert await settle(http, base, "x", "g", "extend", receipts=[again["receipt"]],
-                        visibility=0.3) == ["extended"]  # fmt: skip
-    (third,) = await asyncio.wait_for(poll, 30)
+    third = await woken_by("extend", again["receipt"], "extended", visibility=0.3)
     assert (third["msgid"], third["attempt"]) == ("m", 3)
 
 
