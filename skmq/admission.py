@@ -44,3 +44,14 @@ class Admission:
         self.per_host[host] -= 1
         if not self.per_host[host]:
             del self.per_host[host]
+
+    def linger(self) -> bool:
+        """Whether a refused connection may linger (then counted until `lingered`): at
+        most MAX_LINGERING at once."""
+        if self.lingering >= MAX_LINGERING:
+            return False
+        self.lingering += 1
+        return True
+
+    def lingered(self) -> None:
+        self.lingering -= 1

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import structlog
 
-from skmq.admission import LINGER, LINGER_BYTES, MAX_LINGERING, Admission
+from skmq.admission import LINGER, LINGER_BYTES, Admission
 from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
@@ -254,10 +254,10 @@ class Server:
                 await self.decode_q.put((conn, None))
 
     async def _drain(self, conn: Connection) -> None:
-        """Read and drop what the peer still sends, until it closes or LINGER runs out.
-        Closing with its bytes unread would reset the connection, and a peer that sends
-        all before it reads (an oversized frame, a pipelined flood) would lose our last
-        answer, the error saying why, to the reset."""
+        """Read and drop what the peer still sends (_drop_input): closing with its bytes
+        unread would reset the connection, and a peer that sends all before it reads (an
+        oversized frame, a pipelined flood) would lose our last answer, the error saying
+        why, to the reset."""
         conn.draining = True
         await _drop_input(conn.reader)
         conn.draining = False
@@ -267,16 +267,15 @@ class Server:
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """End a refused connection after its answer (written), lingering as _drain does
         while at most MAX_LINGERING refused connections linger."""
-        if self.admission.lingering >= MAX_LINGERING:
+        if not self.admission.linger():
             writer.close()
             return
-        self.admission.lingering += 1
         try:
             with contextlib.suppress(OSError, RuntimeError):
                 writer.write_eof()
             await _drop_input(reader)
         finally:
-            self.admission.lingering -= 1
+            self.admission.lingered()
             writer.close()
 
     def share(self) -> int:

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from skmq.admission import LINGER, MAX_LINGERING, Admission
+from skmq.admission import LINGER, Admission
 
 log = structlog.get_logger("skmq.http")
 
@@ -59,11 +59,10 @@ class Counted(asyncio.Protocol):
             # A transport of a stream socket (uvloop's too, though not a subclass).
             stream = cast(asyncio.WriteTransport, transport)
             stream.write(refusal_response(why))
-            if self._admission.lingering >= MAX_LINGERING:
+            if not self._admission.linger():
                 transport.close()
                 return
             # what the client sends is dropped (data_received) until it closes, or LINGER
-            self._admission.lingering += 1
             self._linger = asyncio.get_running_loop().call_later(LINGER, transport.close)
             with contextlib.suppress(OSError, RuntimeError):
                 stream.write_eof()
@@ -77,7 +76,7 @@ class Counted(asyncio.Protocol):
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
-            self._admission.lingering -= 1
+            self._admission.lingered()
         if self._host is not None:
             self._admission.release(self._host)
             self._host = None

@@ -456,6 +456,10 @@ class RecipientLink:
         oldest = next(iter(self.inflight.values()), None)
         return oldest is not None and now - oldest.pushed_at > after
 
+    def pushed(self, msgid: str) -> Delivery | None:
+        """Its push of msgid, still waiting or given up on, if any."""
+        return self.inflight.get(msgid) or self.expired.get(msgid)
+
     def take(self, msgid: str) -> Delivery | None:
         d = self.inflight.pop(msgid, None)
         if d is not None and d.conn is not None:

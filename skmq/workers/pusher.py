@@ -80,15 +80,13 @@ class Pusher:
     def pushed(self, app: str, rid: str, msgid: str) -> Delivery | None:
         """This broker's push of msgid to rid, still waiting or given up on, if any."""
         link = self.links.get((app, rid))
-        if link is None:
-            return None
-        return link.inflight.get(msgid) or link.expired.get(msgid)
+        return None if link is None else link.pushed(msgid)
 
     def app_of(self, msgid: str) -> str | None:
         """The app of a push of msgid by this broker, still waiting or given up on, if any
         (an original recipient's answer names no app)."""
         for (app, _), link in self.links.items():
-            if msgid in link.inflight or msgid in link.expired:
+            if link.pushed(msgid) is not None:
                 return app
         return None
 
