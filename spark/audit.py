@@ -200,19 +200,19 @@ def run_audit(
     line is bad under ``options.strict``.  ``debug``: Spark's log and traces on stderr.
     """
     prog = Progress(STAGES, (stream or sys.stderr) if progress else None)
+    # spark-submit started the JVM already, with its own --master (none given here)
+    submitted = spark is None and master is None and "PYSPARK_GATEWAY_PORT" in os.environ
     if spark is not None:
         local_mode = str(spark.sparkContext.master).startswith("local")
     elif master is not None:
         local_mode = local_cores(master) is not None
-    else:  # local[*], unless spark-submit already started the JVM with its own master
-        local_mode = "PYSPARK_GATEWAY_PORT" not in os.environ
+    else:  # local[*], unless submitted
+        local_mode = not submitted
     paths, skipped = _usable(resolve_log_paths(logs, must_exist=local_mode), skip_bad_files)
     for bad in skipped:
         prog.note(f"skipping {bad.line()}")
     session = spark
     if session is None:
-        # (under spark-submit without --master here, its own --master holds)
-        submitted = master is None and "PYSPARK_GATEWAY_PORT" in os.environ
         prog.note(f"starting Spark ({'as submitted' if submitted else master or 'local[*]'}) ...")
         session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
         if submitted:
