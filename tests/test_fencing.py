@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.broker import Broker
+from skmq.clock import now_ms
 from skmq.codec import PONG, Decoder, Frame
 from skmq.embedded import EmbeddedRedis
 from tests.conftest import BrokerFactory, eventually
@@ -241,6 +242,44 @@ async def test_answers_from_another_address_change_nothing(
     assert resp["status"] == "ack", resp
     assert not await redis.hexists(base + "msgs", "fly")
     await holder.stop()
+
+
+async def test_a_token_from_before_a_replay_does_not_settle_another_recipients_attempt(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+) -> None:
+    """A replay starts the attempts again: attempt 1 of the replayed message goes to r2
+    and the token r1 got for its attempt 1 before the replay does not settle it."""
+    broker = await make_broker(retry_times=1)
+    app = "replayed"
+    r1 = FakeRecipient(app, "r1", lambda f: "error")
+    await r1.start()
+    assert (await register(broker.server.port, r1))["status"] == "ack"
+    await produce(broker.server.port, app, {"m": b"x"})
+    old = await r1.next_push()
+    base = f"{prefix}:{{{app}}}:"
+
+    async def dead() -> bool:
+        return await redis.zscore(base + "dead", "m") is not None
+
+    await eventually(dead)
+    assert await broker.engine.registry.unregister(app, "r1")
+    r2 = FakeRecipient(app, "r2", lambda f: "silent")
+    await r2.start()
+    assert (await register(broker.server.port, r2))["status"] == "ack"
+    assert await broker.store.replay(app, ["m"], now_ms()) == [True]
+    new = await r2.next_push()
+    assert (old.fields["attempt"], new.fields["attempt"]) == ("1", "1")
+    resp = await answer_from(
+        broker.server.port, ATTACKER, "ack", msgid="m", appid=app, token=old.fields["token"]
+    )
+    assert resp["status"] == "reject" and "token does not match" in str(resp["content"]), resp
+    assert await redis.zscore(base + "inflight", "m") is not None
+    resp = await answer_from(
+        broker.server.port, ATTACKER, "ack", msgid="m", appid=app, token=new.fields["token"]
+    )
+    assert resp["status"] == "ack", resp
+    await r1.stop()
+    await r2.stop()
 
 
 async def test_an_answer_on_a_push_connection_naming_another_recipient_is_refused(

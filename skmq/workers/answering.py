@@ -94,7 +94,7 @@ class AnswerRouter:
         token = frame.fields.get("token")
         if token is not None:
             tokens = self.pusher.tokens
-            found = [f for f in found if tokens.attempt_of(token, app, f[0]) == f[2]]
+            found = [f for f in found if tokens.attempt_of(token, app, f[0], f[1]) == f[2]]
             if not found:
                 return "delivery token does not match a delivery in flight"
         elif sender is None:

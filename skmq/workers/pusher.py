@@ -165,7 +165,7 @@ class Pusher:
                 continue
             link = self.link(app, r)
             if "token" in link.caps:
-                d.token = self.tokens.make(app, c.delivery_id, c.attempt)
+                d.token = self.tokens.make(app, c.delivery_id, c.recipient, c.attempt)
             link.push(d)
             self.dlog.event(Event.PUSHED, c.msgid, app, c.kind, c.recipient, c.attempt,
                             f"traceparent={c.trace}" if c.trace else None)  # fmt: skip
