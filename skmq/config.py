@@ -113,6 +113,7 @@ class Settings(BaseSettings):
     max_unanswered_total: Count = 32768
     max_write_buffer_bytes: BufferBytes = 16 << 20
     max_peer_store_calls: Count = 16
+    max_searches_per_host: Count = 32
     max_store_calls_per_connection: Count = 32
     idle_timeout: Seconds = 5 * 60.0
     frame_timeout: Seconds = 30.0

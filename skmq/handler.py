@@ -321,8 +321,10 @@ class FrameHandler:
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")
         try:
-            async with peer.store_calls, self.peer_store_calls:
-                status, content = await self.engine.answer(frame, peer)
+            async with peer.store_calls:
+                apps = await self.engine.router.apps_of(frame, peer)  # (no shared slot)
+                async with self.peer_store_calls:
+                    status, content = await self.engine.answer(frame, peer, apps)
         except (RedisError, OSError):
             status, content = "error", "store unavailable, answer again later"
         return self._resp(content, msgid, status)

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from skmq.broker import Broker
 from skmq.clock import now_ms
-from skmq.codec import PONG, Decoder, Frame
+from skmq.codec import PONG, Decoder, Frame, encode_frame
 from skmq.embedded import EmbeddedRedis
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import WAIT, FakeRecipient, RawClient
@@ -497,3 +497,72 @@ async def test_answers_on_a_push_connection_are_answered_in_order(
         assert [json.loads(r.content or b"")["status"] for r in got] == ["reject", "ack", "reject"]
     finally:
         server.close()
+
+
+# -- answers naming no app ---------------------------------------------------------------
+
+
+async def register_from(port: int, rec: FakeRecipient) -> None:
+    """Register rec from its own host (a connection from that source address)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(rec.host, 0))
+    client = RawClient(reader, writer)
+    try:
+        assert (await client.request("register", rec.registration()))["status"] == "ack"
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("answered_at", ["pusher", "other broker"])
+async def test_an_answer_naming_no_app_settles_the_one_app_it_fits_or_none(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str, answered_at: str
+) -> None:
+    """One msgid in flight in two apps (their msgids are their own): an answer with only
+    the msgid settles the delivery of the app whose recipient is on the sender's host,
+    whether the broker it reaches pushed it or must search every app; from a host with
+    recipients in both it is ambiguous and settles nothing."""
+    broker = await make_broker()
+    other = await make_broker() if answered_at == "other broker" else broker
+    a1 = FakeRecipient("same-a", "r", lambda f: "silent", host="127.0.0.5")
+    a2 = FakeRecipient("same-b", "r", lambda f: "silent", host="127.0.0.6")
+    a3 = FakeRecipient("same-c", "r", lambda f: "silent", host="127.0.0.5")
+    for rec in (a1, a2, a3):
+        await rec.start()
+        await register_from(broker.server.port, rec)
+        await produce(broker.server.port, rec.app, {"SAME": b"x"})
+        await rec.next_push()
+
+    async def known() -> bool:  # the other broker's registry is refreshed from the store
+        return all(other.engine.registry.get(r.app, r.rid) for r in (a1, a2, a3))
+
+    await eventually(known)
+    resp = await answer_from(other.server.port, "127.0.0.6", "ack", msgid="SAME")
+    assert resp["status"] == "ack", resp
+    assert await redis.zscore(f"{prefix}:{{same-b}}:inflight", "SAME") is None
+    resp = await answer_from(other.server.port, "127.0.0.5", "ack", msgid="SAME")
+    assert resp["status"] == "reject" and "ambiguous" in str(resp["content"]), resp
+    for app in ("same-a", "same-c"):
+        assert await redis.zscore(f"{prefix}:{{{app}}}:inflight", "SAME") is not None
+    for rec in (a1, a2, a3):
+        await rec.stop()
+
+
+async def test_answers_naming_no_app_beyond_max_searches_per_host_are_refused_at_once(
+    make_broker: BrokerFactory,
+) -> None:
+    """Answers that need a search of every app: MAX_SEARCHES_PER_HOST of one host wait
+    for it, the rest are refused at once; a host's answers naming their app need none."""
+    broker = await make_broker(max_searches_per_host=2)
+    await produce(broker.server.port, "searched", {"held": b"x"})
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", broker.server.port, local_addr=(ATTACKER, 0)
+    )
+    client = RawClient(reader, writer)
+    frames = [encode_frame("ack", {"msgid": f"unknown-{i}"}, None) for i in range(5)]
+    frames.append(encode_frame("ack", {"msgid": "unknown", "appid": "searched"}, None))
+    client.send_raw(b"".join(frames))  # one write: all are handled before a search answers
+    resps = [await client.resp() for _ in range(6)]
+    await client.close()
+    assert [r["status"] for r in resps] == ["reject"] * 6
+    contents = [str(r["content"]) for r in resps]
+    assert all("is not in flight" in c for c in (*contents[:2], contents[5])), contents
+    assert all("MAX_SEARCHES_PER_HOST (2)" in c for c in contents[2:5]), contents

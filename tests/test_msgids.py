@@ -93,7 +93,7 @@ async def test_a_new_store_holds_hex_msgids_packed_through_their_life(store: Sto
     assert [g.msgid for g in got] == [a, b, c]
     assert set(await store.in_flight(APP)) == {a, b, c}
     assert await store.in_flight_of(APP, b) == [(b, "r1", 1)]
-    assert await store.find_app(c) == APP
+    assert await store.find_apps([c, "nowhere"]) == {c: [APP], "nowhere": []}
 
     finished = await store.finish(APP, [(a, 1)], NOW)
     assert [f.ok for f in finished] == [True]

@@ -29,6 +29,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "extend": ("msgs", "state", "inflight"),
     "release": ("msgs", "state", "ready", "delayed", "inflight"),
     "in_flight_of": ("msgs", "state", "inflight"),
+    "holding": ("msgs",),
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
     # the source app's; Store.move adds the target app's msgs, ready, listed, done:*

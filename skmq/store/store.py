@@ -709,19 +709,20 @@ class Store:
         res = await self._call("in_flight_of", app, await self._held([msgid]))
         return [(unpack(res[i]), _s(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
 
-    async def find_app(self, msgid: str) -> str | None:
-        """The app holding msgid, for an answer that names no appid (the original's `ack`)."""
+    async def find_apps(self, msgids: Sequence[str]) -> dict[str, list[str]]:
+        """The apps holding each msgid, for answers that name no appid (the original's
+        `ack`): one script call an app, however many msgids."""
         apps = await self.apps()
-        if not apps:
-            return None
-        [held] = await self._held([msgid])
-        pipe = self.redis.pipeline(transaction=False)
-        for app in apps:
-            pipe.hexists(self.base(app) + "msgs", held)
-        for app, found in zip(apps, await pipe.execute(), strict=True):
-            if found:
-                return app
-        return None
+        found: dict[str, list[str]] = {msgid: [] for msgid in msgids}
+        if not apps or not msgids:
+            return found
+        held = await self._held(msgids)
+        replies = await self._call_each("holding", [(app, held, ()) for app in apps])
+        for app, holds in zip(apps, replies, strict=True):
+            for msgid, h in zip(msgids, holds, strict=True):
+                if h:
+                    found[msgid].append(app)
+        return found
 
     # -- recipients ---------------------------------------------------------
     async def register(

@@ -2,15 +2,16 @@
 `arrived` a recipient may answer on a connection of its own, perhaps to another broker),
 or on a push connection that did not carry that push. They are fenced (docs/SECURITY.md):
 an answer changes a delivery only while it is in flight, and only from the recipient it
-was pushed to, or with its delivery token. Never guessed: an answer that fits no delivery
-in flight, or several, is refused. Whatever it settles goes the one way every answer
-goes, through the answer batcher."""
+was pushed to, or with its delivery token. An answer that fits no delivery in flight, or
+several (but for the one rule of docs/PROTOCOL.md 7: the copy whose recipient sent
+`arrived`), is refused. Whatever it settles goes the one way every answer goes, through
+the answer batcher."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from skmq.codec import Frame, Status
 from skmq.events import Event
@@ -19,6 +20,7 @@ from skmq.registry.own_addresses import same_host
 from skmq.registry.recipients import Registry
 from skmq.store import Store
 from skmq.workers.answers import AnswerBatcher
+from skmq.workers.app_search import AppSearch
 from skmq.workers.link import DETAILS, OUTCOMES, Verdict
 from skmq.workers.pusher import Pusher
 
@@ -31,32 +33,63 @@ class AnswerRouter:
     registry: Registry
     pusher: Pusher
     answers: AnswerBatcher
-    # One search of every app's messages at a time (an answer naming no app, for a push
-    # this broker did not make): each costs a look in every app, and a flood of them must
-    # not take the broker (they wait their turn, bounded by each connection's limits).
-    _searching: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    # The apps holding a msgid, for an answer naming no app for a push this broker did
+    # not make (a look in every app).
+    search: AppSearch
+
+    async def apps_of(
+        self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
+    ) -> list[str] | str:
+        """The apps the answer may be for (the one it names, or those holding its msgid),
+        or why none: a search of every app waits for its turn (skmq/workers/app_search.py),
+        taking none of MAX_PEER_STORE_CALLS from the answers that need no search."""
+        msgid = frame.fields.get("msgid") or ""
+        app = sender[0] if sender else frame.fields.get("appid")
+        if app:
+            return [app]
+        apps = self.pusher.apps_of(msgid) or await self.search.apps_of(
+            msgid, peer.host if peer is not None else ""
+        )
+        if apps is None:
+            return (
+                f"over MAX_SEARCHES_PER_HOST ({self.search.per_host}) answers naming no app "
+                "wait for a search from your address: name the app (appid=)"
+            )
+        return apps
 
     async def answer(
-        self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
+        self,
+        frame: Frame,
+        peer: Peer | None = None,
+        sender: tuple[str, str] | None = None,
+        apps: list[str] | str | None = None,
     ) -> Verdict:
         """`sender`: the (app, recipient) whose push connection it came on; else `peer`
         must be that recipient (its registered host, or a connection authenticated for
-        the app), or the frame must echo the push's delivery token."""
+        the app), or the frame must echo the push's delivery token. `apps`: apps_of's
+        answer, when the caller asked already."""
         msgid = frame.fields.get("msgid")
         if not msgid:
             return (Status.ERROR, "msgid required")
-        app = sender[0] if sender else frame.fields.get("appid") or None
-        if app is None:
-            app = self.pusher.app_of(msgid)
-        if app is None:
-            async with self._searching:
-                app = await self.store.find_app(msgid)
-            if app is None:
-                return (Status.REJECT, f"message {msgid!r} is not in flight")
-        found = await self._delivery(frame, msgid, app, peer, sender)
-        if isinstance(found, str):
-            return (Status.REJECT, found)
-        delivery_id, rid, attempt = found
+        if apps is None:
+            apps = await self.apps_of(frame, peer, sender)
+        if isinstance(apps, str):
+            return (Status.REJECT, apps)
+        matches: list[tuple[str, InFlight]] = []
+        why = f"message {msgid!r} is not in flight"
+        for candidate in apps:
+            found = await self._delivery(frame, msgid, candidate, peer, sender)
+            if isinstance(found, str):
+                why = found if len(apps) == 1 else why
+            else:
+                matches.append((candidate, found))
+        if not matches:
+            return (Status.REJECT, why)
+        if len(matches) > 1:
+            names = ", ".join(repr(a) for a, _ in matches)
+            return (Status.REJECT, f"ambiguous: {msgid!r} is in flight to you in apps {names}; "
+                    "name one (appid=)")  # fmt: skip
+        app, (delivery_id, rid, attempt) = matches[0]
         pushed = self.pusher.pushed(app, rid, msgid)
         if frame.type == "extend" or (
             frame.type == "arrived" and (pushed is None or pushed.arrived_at)

@@ -36,6 +36,7 @@ from skmq.store import Store
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import AnswerRouter
 from skmq.workers.answers import AnswerBatcher
+from skmq.workers.app_search import AppSearch
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.dispatchers import Dispatchers
 from skmq.workers.link import RecipientLink, Verdict
@@ -77,7 +78,13 @@ class Engine:
             settings.delivery_rate,
             settings.redis_pool_size // 2,
         )
-        self.router = AnswerRouter(store, self.registry, self.pusher, self.answers)
+        self.router = AnswerRouter(
+            store,
+            self.registry,
+            self.pusher,
+            self.answers,
+            AppSearch(store.find_apps, settings.max_searches_per_host),
+        )
         self.pusher.late_answer = lambda frame, sender: self.router.answer(frame, sender=sender)
         self.reaper = Reaper(
             store, self.apps.by_app, self.pusher, self.answers, self.notify, settings.ack_timeout
@@ -100,9 +107,12 @@ class Engine:
     async def note_apps(self, apps: set[str]) -> None:
         await self.apps.note_apps(apps)
 
-    async def answer(self, frame: Frame, peer: Peer | None = None) -> Verdict:
-        """An answer on the broker's port (skmq/workers/answering.py)."""
-        return await self.router.answer(frame, peer)
+    async def answer(
+        self, frame: Frame, peer: Peer | None = None, apps: list[str] | str | None = None
+    ) -> Verdict:
+        """An answer on the broker's port (skmq/workers/answering.py); `apps`: what
+        AnswerRouter.apps_of said of it."""
+        return await self.router.answer(frame, peer, apps=apps)
 
     def _answered(self, app: str, new_work: bool) -> None:
         self.apps.answered(app, new_work)

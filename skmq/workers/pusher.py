@@ -82,13 +82,11 @@ class Pusher:
         link = self.links.get((app, rid))
         return None if link is None else link.pushed(msgid)
 
-    def app_of(self, msgid: str) -> str | None:
-        """The app of a push of msgid by this broker, still waiting or given up on, if any
-        (an original recipient's answer names no app)."""
-        for (app, _), link in self.links.items():
-            if link.pushed(msgid) is not None:
-                return app
-        return None
+    def apps_of(self, msgid: str) -> list[str]:
+        """The apps of this broker's pushes of msgid, still waiting or given up on (an
+        original recipient's answer names no app)."""
+        links = self.links.items()
+        return list({app: None for (app, _), link in links if link.pushed(msgid) is not None})
 
     def settled(self, app: str, rid: str, msgid: str) -> None:
         """A final answer for that push came another way: free its window slot."""
