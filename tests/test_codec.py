@@ -271,6 +271,15 @@ def test_length_over_frame_limit_raises_before_content_arrives() -> None:
         Decoder(max_line_bytes=10_000).feed(b"length=" + b"9" * 5000 + b"\r\ncontent=x\r\n\r\n")
 
 
+@pytest.mark.parametrize(
+    ("length", "shown"),
+    [(b"2000", "length=2000"), (b"9" * 23, "a length= of over 18 digits")],
+)
+def test_a_length_over_the_frame_limit_is_refused_naming_it(length: bytes, shown: str) -> None:
+    with pytest.raises(FrameTooLarge, match=f"^{shown} makes the frame too large$"):
+        Decoder(max_frame_bytes=1000).feed(b"length=" + length + b"\r\ncontent=")
+
+
 def test_huge_length_without_content_is_not_an_error() -> None:
     assert decode_all(b"length=99999999999\r\ntype=x\r\n\r\n") == [Frame("x", {})]
 

@@ -52,6 +52,13 @@ def _parse_length(value: bytes | bytearray) -> int | None:
     return int(digits or b"0")
 
 
+def _too_large(length: int) -> FrameTooLarge:
+    shown = (
+        f"length={length}" if length < _HUGE else f"a length= of over {_MAX_LENGTH_DIGITS} digits"
+    )
+    return FrameTooLarge(f"{shown} makes the frame too large")
+
+
 def _show(line: bytes | bytearray) -> str:
     """A short repr of an offending line, for InvalidFrame.reason."""
     if len(line) > 40:
@@ -171,7 +178,7 @@ class Decoder:
             if length is not None and buf.startswith(b"content=", cur):
                 need = cur + 12 + length  # "content=" + content + CRLF CRLF
                 if need > self._max_frame:
-                    raise FrameTooLarge(f"length={length} makes the frame too large")
+                    raise _too_large(length)
                 self._cur = cur
                 self._need = need
                 return self._scan(0)
@@ -277,7 +284,7 @@ class Decoder:
                 cend = pos + 8 + length
                 end = cend + 4
                 if end - start > self._max_frame:
-                    raise FrameTooLarge(f"length={length} makes the frame too large")
+                    raise _too_large(length)
                 if len(buf) < end:
                     return None
                 content = buf[pos + 8 : cend]
