@@ -129,15 +129,18 @@ async def _redrive_app(
         results = [x == 1 for x in moved]
         for d, ok in zip(items, results, strict=True):
             if ok:
+                dlog.event(Event.PURGED, d.msgid, app, d.kind, d.recipient,
+                           detail=f"dead letter moved to app {to_app}")  # fmt: skip
                 detail = f"moved from the dead letters of app {app}"
                 dlog.event(Event.STORED, d.msgid, to_app, d.kind, detail=detail)
         return sum(results)
     if verb == "replay":
         results = await store.replay(app, ids, now_ms())
+        event, detail = Event.REPLAYED, "dead letter replayed by an operator"
     else:
         results = await store.purge(app, ids)
+        event, detail = Event.PURGED, "dead letter purged by an operator"
     for d, ok in zip(items, results, strict=True):
-        if ok and verb == "replay":
-            detail = "dead letter replayed by an operator"
-            dlog.event(Event.REPLAYED, d.msgid, app, d.kind, d.recipient, detail=detail)
+        if ok:
+            dlog.event(event, d.msgid, app, d.kind, d.recipient, detail=detail)
     return sum(results)

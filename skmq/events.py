@@ -30,6 +30,7 @@ class Event(str, Enum):  # noqa: UP042
     RETRY_SCHEDULED = "retry_scheduled"
     DEAD_LETTERED = "dead_lettered"
     REPLAYED = "replayed"
+    PURGED = "purged"
     EXPIRED = "expired"
     EXTENDED = "extended"
     RECIPIENT_REGISTERED = "recipient_registered"

@@ -97,6 +97,7 @@ _DELIVERY_FIELDS = (
     "n_rp",
     "last_rp",
     "sum_rp",
+    "last_pg",
     "last_ts",
     "last_retry",
     "next_at",
@@ -139,6 +140,7 @@ def _units(events: DataFrame) -> DataFrame:
         count_if(is_event(Event.REPLAYED)).alias("n_rp"),
         F.max(_when(Event.REPLAYED, ts)).alias("last_rp"),
         F.sum(_when(Event.REPLAYED, ts)).alias("sum_rp"),
+        F.max(_when(Event.PURGED, ts)).alias("last_pg"),
         F.max(ts).alias("last_ts"),
         F.max(_when(Event.RETRY_SCHEDULED, ts)).alias("last_retry"),
         F.max_by(
@@ -196,6 +198,7 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
     c = F.col
     acked = c("n_acked") > 0
     dead = ~acked & (c("n_dl") > 0) & (c("last_rp").isNull() | (c("last_dl") > c("last_rp")))
+    purged = dead & (c("last_pg") >= c("last_dl"))  # an operator removed the dead letter
     due = F.coalesce(c("due_at"), c("stored_ts"))
     first_ack_ts = ack_ts(c("first_ack"))
     # Time in the dead-letter queue before the ack: each replay ends a stay that its
@@ -213,6 +216,7 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
     pending_until = F.greatest(due, F.when(waiting_retry, c("next_at")))
     status = (
         F.when(acked, F.lit("acked"))
+        .when(purged, F.lit("purged"))
         .when(dead, F.lit("dead"))
         .when(pending_until > F.lit(as_of), F.lit("not_yet_due"))
         .when(c("last_ts") >= F.lit(as_of - stuck_after_ms), F.lit("in_flight"))
@@ -240,10 +244,14 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
 
 
 def message_table(deliveries: DataFrame) -> DataFrame:
-    """One row per message: ``status`` dead_lettered if any delivery is dead, else
-    unresolved if any is not acked, else acked."""
+    """One row per message: ``status`` dead_lettered if any delivery is dead (or its dead
+    letter purged), else unresolved if any is not acked, else acked."""
     status = F.col("status")
-    rank = F.when(status == "dead", F.lit(2)).when(status == "acked", F.lit(0)).otherwise(1)
+    rank = (
+        F.when(status.isin("dead", "purged"), F.lit(2))
+        .when(status == "acked", F.lit(0))
+        .otherwise(1)
+    )
     return (
         deliveries.groupBy("appid", "msgid")
         .agg(F.max("stored").alias("stored"), F.max(rank).alias("rank"))

@@ -396,6 +396,7 @@ class _Job:
                 .agg(
                     F.grouping("appid").alias("all"),
                     count_if(status == "dead").alias("dead_letter_entries"),
+                    count_if(status == "purged").alias("purged_dead_letters"),
                     F.percentile(latency, list(PERCENTILES)).alias("p"),
                     F.max(latency).alias("max"),
                     count_if(latency < 0).alias("negative"),
@@ -456,6 +457,7 @@ class _Job:
                 "unresolved": sum(a["unresolved"] for a in by_app),
                 "deliveries": 0,
                 "dead_letter_entries": sum(a["dead_letter_entries"] for a in by_app),
+                "purged_dead_letters": sum(int(r["purged_dead_letters"]) for r in app_rows),
                 "duplicates": stats["duplicates"],
                 "pushes": stats["pushes"],
             }
@@ -465,6 +467,7 @@ class _Job:
             totals["deliveries"] = (
                 sum(int(r["count"]) for r in attempt_rows)
                 + sum(int(r["dead_letter_entries"]) for r in app_rows)
+                + totals["purged_dead_letters"]
                 + sum(unresolved.values())
             )
             unresolved["as_of"] = stats["last_ts"]
@@ -500,8 +503,8 @@ class _Job:
         return _ref_rows(rows.collect())
 
     # ---- 4. the dead-letter queue
-    def dead_letters(self, messages: int) -> dict[str, Any]:
-        """The DLQ; ``messages`` is the number of dead-lettered messages (from totals)."""
+    def dead_letters(self) -> dict[str, Any]:
+        """The DLQ: the dead deliveries (not purged), and the messages they are of."""
         with self.prog.stage("dead-letter queue") as notes:
             dead = self.deliveries.where(F.col("stored") & (F.col("status") == "dead"))
             reason_rows = dead.groupBy("appid", "failure").count().collect()
@@ -536,6 +539,7 @@ class _Job:
             )
             histories = self._histories([*oldest_rows, *most_rows])
             entries = sum(r["entries"] for r in by_reason)
+            messages = dead.select("appid", "msgid").distinct().count() if entries else 0
             notes.append(f"{entries:,} entries of {messages:,} messages")
 
         def entry(r: Any) -> dict[str, Any]:
@@ -705,7 +709,7 @@ def compute_report(
         stats = job.read()
         job.group(stats["last_ts"])
         outcomes = job.outcomes(stats)
-        dead_letters = job.dead_letters(outcomes["totals"]["dead_lettered"])
+        dead_letters = job.dead_letters()
         by_recipient, recipient_extra, throughput = job.event_counts(stats)
         anomalies = job.anomalies(outcomes)
     finally:

@@ -118,6 +118,7 @@ class Delivery:
     acks: list[tuple[int, int]] = field(default_factory=list)  # (ts, attempt as the audit counts)
     first_push: int | None = None
     dead: bool = False  # in the dead-letter queue at the end
+    purged: bool = False  # dead, then purged by an operator
     dead_since: int | None = None
     dead_reason: str = "unknown"
     tries: int = 0  # attempts recorded by its dead letters
@@ -139,7 +140,7 @@ class Message:
     deliveries: list[Delivery] = field(default_factory=list)
 
     def status(self) -> str:
-        if any(d.dead for d in self.deliveries):
+        if any(d.dead or d.purged for d in self.deliveries):
             return "dead_lettered"
         if self.deliveries and all(d.acks for d in self.deliveries):
             return "acked"
@@ -329,7 +330,11 @@ class LogBuilder:
             d.acks.append((t, RETRY_TIMES))
             d.dead = False
             d.flags.add("acked_after_dead_letter")
-        elif roll < 0.45:  # replayed by an operator: attempts start again at 1
+        elif roll < 0.15:  # purged by an operator: gone from the dead-letter queue
+            t += rng.randint(60_000, 600_000)
+            self.emit(t, "purged", msg.msgid, msg.appid, msg.kind, d.recipient, None, "purge")
+            d.dead, d.purged = False, True
+        elif roll < 0.5:  # replayed by an operator: attempts start again at 1
             t += rng.randint(60_000, 600_000)
             self.emit(t, "replayed", msg.msgid, msg.appid, msg.kind, d.recipient, None, "replay")
             assert d.dead_since is not None
@@ -477,7 +482,9 @@ class LogBuilder:
         attempts = Counter(d.first_ack()[1] for _, d in acked)
         dead = [(m, d) for m, d in pairs if d.dead]
         states = Counter(
-            self._unresolved_state(m, d, as_of) for m, d in pairs if not d.acks and not d.dead
+            self._unresolved_state(m, d, as_of)
+            for m, d in pairs
+            if not d.acks and not d.dead and not d.purged
         )
         by_app = []
         for appid in sorted({m.appid for m in stored}):
@@ -507,7 +514,7 @@ class LogBuilder:
         for m, d in pairs:
             for flag in d.flags:
                 flagged[flag].append((m.appid, m.msgid, d.recipient))
-            if not d.acks and not d.dead:
+            if not d.acks and not d.dead and not d.purged:
                 unresolved.append((m.appid, m.msgid, d.recipient))
         reasons = Counter((m.appid, d.dead_reason) for m, d in dead)
 
@@ -534,6 +541,7 @@ class LogBuilder:
                 "unresolved": statuses["unresolved"],
                 "deliveries": len(pairs),
                 "dead_letter_entries": len(dead),
+                "purged_dead_letters": sum(d.purged for _, d in pairs),
                 "duplicates": self.counters["duplicate"],
                 "pushes": self.counters["pushed"],
             },

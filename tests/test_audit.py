@@ -99,7 +99,7 @@ def test_totals_exact(audited: Audited) -> None:
     totals = report["totals"]
     assert totals["messages"] == totals["acked"] + totals["dead_lettered"] + totals["unresolved"]
     # a topic copy dead for some recipients: more dead-letter entries than messages
-    assert totals["dead_letter_entries"] > totals["dead_lettered"]
+    assert totals["dead_letter_entries"] + totals["purged_dead_letters"] > totals["dead_lettered"]
     assert min(totals.values()) > 0  # the generated log exercises every outcome
 
 
@@ -112,7 +112,8 @@ def test_attempts_count_replays_as_new_attempts(audited: Audited) -> None:
     assert any(int(k) > 5 for k in report["attempts"])
     totals, unresolved = report["totals"], report["unresolved"]
     open_deliveries = sum(unresolved[s] for s in ("not_yet_due", "in_flight", "stuck"))
-    acked_deliveries = totals["deliveries"] - totals["dead_letter_entries"] - open_deliveries
+    closed = totals["dead_letter_entries"] + totals["purged_dead_letters"] + open_deliveries
+    acked_deliveries = totals["deliveries"] - closed
     assert sum(report["attempts"].values()) == acked_deliveries
 
 
@@ -317,6 +318,10 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
         _line(t + 5, "acked", "t1", "c", recipient="x", attempt=1, **topic),
         _line(t + 6, "dead_lettered", "t1", "c", recipient="y", **dead, **topic),
         _line(t + 7, "dead_lettered", "t1", "c", recipient="z", **dead, **topic),
+        # p1: dead, then purged by an operator: a dead-lettered message, no entry
+        _line(t, "stored", "p1", "e"),
+        _line(t + 8, "dead_lettered", "p1", "e", recipient="r", **dead),
+        _line(t + 9, "purged", "p1", "e", recipient="r"),
         # u1: waiting for a retry due after the log ends: not yet due
         _line(t, "stored", "u1", "d"),
         _line(t + 10, "pushed", "u1", "d", recipient="r", attempt=1),
@@ -336,12 +341,13 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
     (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(reversed(lines)), encoding="utf-8")
     report = _audit(spark, tmp_path, tmp_path / "out", stuck_after_ms=59_500)
     assert report["totals"] == {
-        "messages": 6,
+        "messages": 7,
         "acked": 2,
-        "dead_lettered": 1,
+        "dead_lettered": 2,
         "unresolved": 3,
-        "deliveries": 8,
+        "deliveries": 9,
         "dead_letter_entries": 2,
+        "purged_dead_letters": 1,
         "duplicates": 0,
         "pushes": 4,
     }
@@ -364,6 +370,7 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
     assert [h["event"] for h in dlq["oldest"][0]["history"]] == ["stored", "dead_lettered"]
     by_app = {a["appid"]: a for a in report["by_app"]}
     assert by_app["c"]["dead_letter_entries"] == 2 and by_app["c"]["dead_lettered"] == 1
+    assert by_app["e"]["dead_letter_entries"] == 0 and by_app["e"]["dead_lettered"] == 1
     assert report["anomalies"]["acked_after_dead_letter"] == 0  # acked after its replay
     assert report["input"]["bad_lines"]["total"] == 0  # a blank line is not bad
 
@@ -408,6 +415,7 @@ def test_pulled_deliveries_are_one_copy_a_group(spark: SparkSession, tmp_path: P
         "unresolved": 1,
         "deliveries": 6,
         "dead_letter_entries": 1,
+        "purged_dead_letters": 0,
         "duplicates": 0,
         "pushes": 6,
     }

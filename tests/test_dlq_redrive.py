@@ -62,7 +62,9 @@ async def dead_ids(store: Store, app: str) -> list[str]:
     return [d.msgid for d in await store.dead_letters(app)]
 
 
-async def test_filters_pick_by_reason_time_and_count(store: Store, cli: Cli) -> None:
+async def test_filters_pick_by_reason_time_and_count(
+    store: Store, cli: Cli, tmp_path: Path
+) -> None:
     for i, error in enumerate(["timeout A", "db down", "timeout B", "timeout C", "bad json"]):
         await bury(store, "f", f"m{i}", error, T0 + i * MIN)
     since, until = str(T0 + MIN), str(T0 + 4 * MIN)
@@ -71,6 +73,7 @@ async def test_filters_pick_by_reason_time_and_count(store: Store, cli: Cli) -> 
     assert code == 0, err
     assert json.loads(out) == {"purge": 2, "selected": 2}  # m2 and m3: m0 is before since
     assert await dead_ids(store, "f") == ["m0", "m1", "m4"]
+    assert logged(tmp_path) == [("purged", "f", "m2"), ("purged", "f", "m3")]  # for the audit
     code, out, err = await cli("replay", "--all", "--max", "2")
     assert (code, out.strip()) == (0, "replay: 2 of 2 dead letter(s)"), err
     assert await dead_ids(store, "f") == ["m4"]  # the oldest two went back to pending
@@ -108,12 +111,16 @@ async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> 
     assert "dst" in await store.apps()
     got, _, _ = await store.claim("dst", T0 + MIN, 5, [_alive()], ["r"] * 5)
     assert [(c.msgid, c.content, c.attempt) for c in got] == [("a", b"a", 1)]
-    logged = [
-        json.loads(line)
-        for path in (tmp_path / "cli" / "delivery-log").glob("delivery-*.jsonl")
-        for line in path.read_text().splitlines()
+    assert logged(tmp_path) == [("purged", "src", "a"), ("stored", "dst", "a")]
+
+
+def logged(tmp_path: Path) -> list[tuple[str, str, str]]:
+    """(event, appid, msgid) of each line the `cli` fixture's commands logged."""
+    return [
+        (e["event"], e["appid"], e["msgid"])
+        for path in sorted((tmp_path / "cli" / "delivery-log").glob("delivery-*.jsonl"))
+        for e in map(json.loads, path.read_text().splitlines())
     ]
-    assert [(e["event"], e["appid"], e["msgid"]) for e in logged] == [("stored", "dst", "a")]
 
 
 async def test_rate_paces_the_redrive(store: Store, cli: Cli) -> None:

@@ -5,9 +5,9 @@ Replay and purge take filters (`--reason`, `--since`/`--until`, `--max`), a pace
 --to-app OTHER` makes each dead letter a new message of OTHER (same msgid), purged
 from its own app in the same script.
 
-Replays are written to the delivery log (event `replayed`) under this command's own
-instance id, so the audit sees them; every replay and purge is also logged (a structlog
-line on stderr: who, what, how many). A MSGID that is not a dead letter fails the
+Replays and purges are written to the delivery log (events `replayed`, `purged`) under
+this command's own instance id, so the audit sees them; each is also logged (a
+structlog line on stderr: who, what, how many). A MSGID that is not a dead letter fails the
 command (status 1) before anything is done.
 """
 
