@@ -106,8 +106,42 @@ async def test_skmq_consume_pull_prints_and_acks_until_stopped(
     assert (infos[0].in_flight, infos[0].backlog) == (0, 0)
 
 
+@pytest.mark.parametrize("scheme", ["http", "tcp"])
+async def test_skmq_consume_pull_stops_on_sigterm_while_the_gateway_says_nothing(
+    scheme: str,
+) -> None:
+    """A gateway that accepts and never answers: SIGTERM ends the start at once, one
+    line, status 1 (it was waiting for the gateway, not for a message it holds)."""
+    accepted = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        await reader.read()  # until the consumer goes
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    where = f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "skmq.cli", "consume", "--pull", "--group", "g", "--app", "a",
+        "--gateway", where, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        await accepted.wait()  # (its signal handlers are set before it connects)
+        proc.send_signal(signal.SIGTERM)
+        _, err = await proc.communicate()
+    server.close()
+    assert (proc.returncode, err.decode()) == (
+        1,
+        f"skmq consume: stopped before {where} answered\n",
+    )
+
+
 async def test_skmq_consume_needs_a_group_to_pull_and_an_id_to_be_pushed_to() -> None:
     for args, said in (
+        (
+            ["--pull", "--group", "g", "--gateway", "ftp://h/"],
+            b"skmq consume: --gateway must be http://, https:// or tcp://HOST:PORT\n",
+        ),
         (["--pull"], b"skmq consume: --pull needs --group G\n"),
         ([], b"skmq consume: --id and --port are required (or --pull --group G)\n"),
     ):

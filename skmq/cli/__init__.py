@@ -29,6 +29,18 @@ COMMANDS = {
 }
 
 
+def unreachable(exc: BaseException) -> str:
+    """Why a peer could not be reached or did not answer, never empty (a timeout's own
+    message is)."""
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
 def describe(exc: BaseException) -> str:
     """One line for a failure, without the traceback."""
     if isinstance(exc, OSError) and exc.strerror:

@@ -18,7 +18,7 @@ import sys
 
 import uvloop
 
-from skmq.cli import fail
+from skmq.cli import fail, unreachable
 from skmq.cli.consume_pull import add_pull_flags, consume_pull
 from skmq.cli.send import broker_address, port_number
 from skmq.cli.tokens import add_token_flag
@@ -165,7 +165,8 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         where = f"{broker_host}:{broker_port}"
         return fail("consume", f"cannot reach broker at {where}: connection refused", 2)
     except (OSError, TimeoutError) as exc:
-        return fail("consume", f"cannot start: {exc or type(exc).__name__}", 2)
+        where = f"{broker_host}:{broker_port}"
+        return fail("consume", f"cannot start with the broker at {where}: {unreachable(exc)}", 2)
     print(
         f"skmq consume: {args.app}/{args.id} listening on {args.host}:{consumer.port}, "
         f"registered with {broker_host}:{broker_port}",

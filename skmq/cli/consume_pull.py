@@ -11,10 +11,11 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 import uvloop
 
-from skmq.cli import fail
+from skmq.cli import fail, unreachable
 from skmq.client import Handler, Message
 
 ExecHandler = Callable[[str, int | None, float], Handler]
@@ -38,14 +39,22 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
 
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
+    starting = asyncio.current_task()
+
+    def on_signal() -> None:  # while starting, nothing is held: stop at once
+        stopped.set()
+        if starting is not None:
+            starting.cancel()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopped.set)
+        loop.add_signal_handler(sig, on_signal)
     done = {"acked": 0, "nacked": 0}
     try:
         async with PullConsumer(
             args.gateway, args.app, args.group, token=args.token,
             batch=args.batch, visibility=args.visibility,
         ) as consumer:  # fmt: skip
+            starting = None
             print(f"skmq consume: pulling {args.app}/{args.group} from {args.gateway}",
                   file=sys.stderr, flush=True)  # fmt: skip
             messages = aiter(consumer)
@@ -69,8 +78,12 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
                     done["acked"] += 1
     except PullError as exc:
         return fail("consume", f"refused: {exc}", 1)
-    except OSError as exc:
-        return fail("consume", f"cannot reach {args.gateway}: {exc}", 2)
+    except (OSError, TimeoutError) as exc:
+        return fail("consume", f"cannot reach {args.gateway}: {unreachable(exc)}", 2)
+    except asyncio.CancelledError:
+        if not stopped.is_set():
+            raise
+        return fail("consume", f"stopped before {args.gateway} answered", 1)
     stats = " ".join(f"{k}={v}" for k, v in done.items())
     print(f"skmq consume: stopped ({stats})", file=sys.stderr, flush=True)
     return 0
@@ -83,6 +96,8 @@ def consume_pull(
 ) -> int:
     if not args.group:
         return fail("consume", "--pull needs --group G", 2)
+    if urlsplit(args.gateway).scheme not in ("http", "https", "tcp"):
+        return fail("consume", "--gateway must be http://, https:// or tcp://HOST:PORT", 2)
     handler = (
         print_message
         if args.command is None

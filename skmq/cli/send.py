@@ -15,7 +15,7 @@ import sys
 
 import uvloop
 
-from skmq.cli import fail
+from skmq.cli import fail, unreachable
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_HOST,
@@ -94,14 +94,8 @@ def run(args: argparse.Namespace) -> int:
     except TimeoutError:
         return fail("send", f"no answer from {host}:{port} in {args.timeout:g}s", 2)
     except OSError as exc:
-        return fail("send", f"cannot reach broker at {host}:{port}: {_why(exc)}", 2)
+        return fail("send", f"cannot reach broker at {host}:{port}: {unreachable(exc)}", 2)
     except ExtensionUnsupported as exc:
         return fail("send", f"not sent: {exc}", 1)
     print(json.dumps(resp.to_dict()), flush=True)
     return 0 if resp.ok else 1
-
-
-def _why(exc: OSError) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    return exc.strerror or str(exc)

@@ -28,6 +28,9 @@ from skmq.client import Producer
 if TYPE_CHECKING:
     import aiohttp
 
+# Connecting and creating the group, at most (a gateway that accepts and never answers).
+START_TIMEOUT = 10.0
+
 
 class PullError(RuntimeError):
     """The broker refused a call: the HTTP status that fits (over TCP too) and one line."""
@@ -112,19 +115,25 @@ class PullConsumer:
         self.errors: tuple[type[Exception], ...] = (OSError,)
 
     async def __aenter__(self) -> PullConsumer:
-        if self._tcp:
-            host, port = self._address
-            # settles and lease extensions wait behind a long poll on the same connection
-            self._broker = Producer(host, port, token=self.token)
-            await self._broker.connect()
-        else:
-            import aiohttp
+        """Connect and create the group, within START_TIMEOUT (TimeoutError)."""
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                if self._tcp:
+                    host, port = self._address
+                    # settles and extensions wait behind a long poll on one connection
+                    self._broker = Producer(host, port, token=self.token)
+                    await self._broker.connect()
+                else:
+                    import aiohttp
 
-            timeout = aiohttp.ClientTimeout(total=self.wait + 30)
-            self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
-            self.errors = (OSError, aiohttp.ClientError)
-        if self.create_group:
-            await self._call("create", {"group": self.group})
+                    timeout = aiohttp.ClientTimeout(total=self.wait + 30)
+                    self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
+                    self.errors = (OSError, aiohttp.ClientError)
+                if self.create_group:
+                    await self._call("create", {"group": self.group})
+        except BaseException:
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
