@@ -58,6 +58,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
     unknown.write_text("prot = 1800\n")
     good = tmp_path / "good.toml"
     good.write_text("port = 0\n")
+    (tmp_path / "etc" / "redis").mkdir(parents=True)  # a directory like /etc: not SKMQ's
     return {"bad": bad, "unknown": unknown, "good": good, "dir": tmp_path}
 
 
@@ -173,6 +174,12 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         lambda f: ["status", "--data-dir", str(f["dir"] / "empty")],
         {},
         "skmq status: no broker data in {dir}/empty (set --data-dir or REDIS_URL)",
+    ),
+    (
+        "status in another program's directory",
+        lambda f: ["status", "--data-dir", str(f["dir"] / "etc")],
+        {},
+        "skmq status: no broker data in {dir}/etc (set --data-dir or REDIS_URL)",
     ),
     (
         "host not of this machine",

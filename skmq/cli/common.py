@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from redis.exceptions import BusyLoadingError
 
 from skmq.broker import make_store
 from skmq.config import Settings
-from skmq.embedded import EmbeddedRedis, redis_url_for
+from skmq.embedded import SECRET_FILE, EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
 from skmq.store import Store, connect_redis
 from skmq.store.client import RedisClient
@@ -26,7 +27,7 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
     embedded: EmbeddedRedis | None = None
     url = settings.redis_url or redis_url_for(settings.data_dir)
     if url is None:
-        if not (settings.data_dir / "redis").is_dir():
+        if not is_broker_data(settings.data_dir):
             raise UsageError(f"no broker data in {settings.data_dir} (set --data-dir or REDIS_URL)")
         embedded = EmbeddedRedis(settings.data_dir, settings.redis_appendfsync)
         embedded.start()
@@ -41,6 +42,12 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
     finally:
         if embedded is not None:
             embedded.stop()
+
+
+def is_broker_data(data_dir: Path) -> bool:
+    """A DATA_DIR a broker ran with: files of SKMQ's own in it, not merely a `redis`
+    directory (a command must never start a server in, and write to, /etc/redis)."""
+    return (data_dir / SECRET_FILE).is_file() or (data_dir / "redis" / "skmq.conf").is_file()
 
 
 async def wait_loaded(redis: RedisClient, timeout: float) -> None:
