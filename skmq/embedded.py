@@ -222,7 +222,19 @@ class EmbeddedRedis:
                 if not chosen_here or attempt == 2:
                     raise
                 self.port = 0
-        _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
+        self._publish_info()
+
+    def _publish_info(self) -> None:
+        """Write INFO_FILE, for operator commands to find the server; on a full disk the
+        server runs all the same (a broker restarted after a crash must not fail for it)
+        and the commands cannot find it until space is freed."""
+        try:
+            _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
+        except OSError as exc:
+            log.warning("embedded redis runs, but its info file is not written: operator "
+                        "commands cannot find it until it is",
+                        file=str(self.data_dir / INFO_FILE),
+                        error=exc.strerror or str(exc))  # fmt: skip
 
     def info(self) -> dict[str, str | int]:
         assert self.proc is not None
@@ -291,13 +303,7 @@ class EmbeddedRedis:
                     f"(see {self.redis_dir / 'server.log'})"
                 )
             if await _answers_ping(self.host, self.port):
-                try:
-                    _write_private(self.data_dir / INFO_FILE, json.dumps(self.info()))
-                except OSError as exc:  # a full disk: the server runs, operators wait
-                    log.warning("embedded redis restarted, but its info file is not "
-                                "updated: operator commands cannot find it until it is",
-                                file=str(self.data_dir / INFO_FILE),
-                                error=exc.strerror or str(exc))  # fmt: skip
+                self._publish_info()
                 return
             await asyncio.sleep(0.02)
         raise RuntimeError(f"embedded redis did not listen on {self.host}:{self.port}")

@@ -339,7 +339,7 @@ async def test_the_embedded_redis_restarts_on_a_full_data_disk(
                 log = broker_process.log_path.read_text()
                 return (
                     metric(text, "skmq_embedded_redis_restarts_total") == 1.0
-                    and "its info file is not updated" in log
+                    and "its info file is not written" in log
                     and await http_get(mport, "/healthz") == (200, "ok\n")
                 )
 
@@ -359,6 +359,38 @@ async def test_the_embedded_redis_restarts_on_a_full_data_disk(
             _, text = await http_get(mport, "/metrics")
             assert metric(text, "skmq_embedded_redis_restarts_total") == 1.0
             assert await asyncio.to_thread(broker_process.terminate) == 0
+        finally:
+            if broker_process.proc is not None and broker_process.proc.poll() is None:
+                broker_process.proc.kill()
+                broker_process.proc.wait(10)
+
+
+async def test_a_broker_killed_on_a_full_data_disk_starts_again_with_its_messages(
+    broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """kill -9 with the data disk full: the new start cannot write its info file
+    (redis.json: the new server's pid), and serves all the same, what was stored kept."""
+    with small_disk(tmp_path / "disk") as disk:
+        data = disk / "data"
+        mport = free_port()
+        broker_env.update(SKMQ_DATA_DIR=str(data), SKMQ_METRICS_PORT=str(mport),
+                          SKMQ_LOG_DIR=str(tmp_path / "log"),
+                          SKMQ_DISK_FREE_LIMIT=str(1 << 20))  # fmt: skip
+        send = [sys.executable, "-m", "skmq.cli", "send", "--app", "full", "kept"]
+        try:
+            await asyncio.to_thread(broker_process.start)
+            sent = await asyncio.to_thread(
+                subprocess.run, [*send, "--port", str(broker_process.port)],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert sent.returncode == 0, sent.stderr
+            fill(disk)
+            await asyncio.to_thread(broker_process.kill)
+            await asyncio.to_thread(broker_process.start)
+            log = broker_process.log_path.read_text()
+            assert "its info file is not written" in log and "Traceback" not in log, log
+            _, text = await http_get(mport, "/metrics")
+            assert metric(text, 'skmq_pending_messages{app="full"}') == 1.0
         finally:
             if broker_process.proc is not None and broker_process.proc.poll() is None:
                 broker_process.proc.kill()
