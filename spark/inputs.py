@@ -14,6 +14,7 @@ import glob
 import os
 import re
 import stat
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 # ts is unix milliseconds: from 1973-03-03 (10**11; a ts in seconds is below) to 2109.
 MIN_TS = 10**11
 MAX_TS = 1 << 42
+# A ts later than the audit's own clock by more than this is a line from the future (a
+# broker's clock gone wrong): counted as bad, it must not decide the log's end (as_of).
+FUTURE_MS = 24 * 3600 * 1000
 SAMPLE_CHARS = 300
 _CHUNK = 1 << 20
 
@@ -104,6 +108,7 @@ class BadLine(str, Enum):  # noqa: UP042 (3.10, as skmq.events)
     MISSING_MSGID = "missing_msgid"  # a message event without a msgid
     TS_IN_SECONDS = "ts_in_seconds"  # 10**9 <= ts < 10**11: seconds, not milliseconds
     TS_OUT_OF_RANGE = "ts_out_of_range"
+    TS_IN_THE_FUTURE = "ts_in_the_future"  # over FUTURE_MS past the audit's clock
     UNKNOWN_EVENT = "unknown_event"  # includes "ACKED": names are case-sensitive
     BAD_KIND = "bad_kind"  # a message event whose kind is not queue or topic
     BAD_ATTEMPT = "attempt_below_1"
@@ -400,7 +405,7 @@ def _type_reason(line: Column, parsed: Column, recheck: Column, types: Column) -
     )
 
 
-def _reason(columns: dict[str, Column]) -> Column:
+def _reason(columns: dict[str, Column], now_ms: int) -> Column:
     """The BadLine of a (trimmed, non-blank) line, null for a valid event.
 
     ``parsed`` is the line read with the schema (Spark keeps the fields it could read on
@@ -425,6 +430,7 @@ def _reason(columns: dict[str, Column]) -> Column:
         .when(parsed["appid"].isNull(), lit(BadLine.MISSING_APPID))
         .when((ts >= 10**9) & (ts < MIN_TS), lit(BadLine.TS_IN_SECONDS))
         .when((ts < MIN_TS) | (ts >= MAX_TS), lit(BadLine.TS_OUT_OF_RANGE))
+        .when(ts > now_ms + FUTURE_MS, lit(BadLine.TS_IN_THE_FUTURE))
         .when(~event.isin(*event_names), lit(BadLine.UNKNOWN_EVENT))
         .when(
             message_event & (parsed["msgid"].isNull() | (parsed["msgid"] == "")),
@@ -507,7 +513,7 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
         .select(
             "line",
             *(F.col("parsed")[name].alias(name) for name in LOG_FIELDS),
-            _reason({name: F.col(name) for name in names}).alias("reason"),
+            _reason({name: F.col(name) for name in names}, int(time.time() * 1000)).alias("reason"),
         )
         .select(
             *LOG_FIELDS,

@@ -574,6 +574,8 @@ def test_lines_that_are_not_one_json_object_are_bad(spark: SparkSession, tmp_pat
             good("nan").replace(f'"ts": {t}', '"ts": NaN'),
         ],
         "ts_out_of_range": [good("huge", ts=10**30), good("huge2", ts=-(10**40))],
+        # (2100: a broker's clock gone wrong; it would make as_of, the log's end)
+        "ts_in_the_future": [good("future", ts=4_102_444_800_000)],
         "ts_not_an_integer": [good("exp", ts=1.76e12), good("text", ts=str(t))],
         "field_of_wrong_type": [good("obj", appid={"a": 1}), good("list", detail=[1, 2])],
         "attempt_not_an_integer": [good("att", attempt=10**20)],
@@ -594,6 +596,7 @@ def test_lines_that_are_not_one_json_object_are_bad(spark: SparkSession, tmp_pat
     assert report["input"]["bad_lines"]["by_reason"] == {k: len(v) for k, v in sorted(bad.items())}
     assert report["input"]["events"] == len(valid)
     assert report["totals"]["messages"] == len(valid)
+    assert report["unresolved"]["as_of"] == t
 
 
 @needs_java
