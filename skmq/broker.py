@@ -78,6 +78,7 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
         expired_drop=settings.expired == "drop",
         max_lease_extensions=settings.max_lease_extensions,
         ack_linger=settings.ack_linger,
+        lost_wait=settings.heartbeat_interval,
     )
 
 

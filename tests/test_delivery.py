@@ -1458,3 +1458,35 @@ async def test_a_crashed_brokers_in_flight_messages_are_redelivered_by_another(
         await rec.stop()
         if proc.proc is not None and proc.proc.poll() is None:
             await asyncio.to_thread(proc.terminate)
+
+
+async def test_a_lost_recipients_topic_copies_wait_for_it_spending_no_attempt(
+    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
+) -> None:
+    """docs/PROTOCOL.md 6.1: a copy whose push finds its recipient gone counts that
+    attempt; while the recipient is lost its copy is not pushed again (it waits, looked
+    at every HEARTBEAT_INTERVAL), so a subscriber that restarts gets it, not the DLQ."""
+    broker = await make_broker(retry_times=2, retry_backoff=[0.01], heartbeat_interval=2.0)
+    app = "subs"
+    stays, restarts = FakeRecipient(app, "stays"), FakeRecipient(app, "restarts")
+    for rec in (stays, restarts):
+        await rec.start()
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+    await restarts.stop()  # its port now refuses connections
+    client = await RawClient.connect(broker.server.port)
+    assert (await client.request("topic", b"x", appid=app, msgid="t"))["status"] == "ack"
+    await client.close()
+    assert (await stays.next_push()).fields["msgid"] == "t"
+    copy = f"{prefix}:{{{app}}}:delayed"
+
+    async def waiting() -> bool:  # retried at +10 ms, then parked by a claim for 2 s
+        score = await redis.zscore(copy, "t\x1frestarts")
+        return score is not None and score > now_ms() + 1000
+
+    await eventually(waiting)
+    assert await redis.zcard(f"{prefix}:{{{app}}}:dead") == 0
+    await restarts.start()  # the same port: the heartbeat finds it back
+    push = await restarts.next_push(timeout=10)
+    assert (push.fields["msgid"], push.fields["attempt"]) == ("t", "2")
+    await stays.stop()
+    await restarts.stop()

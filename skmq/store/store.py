@@ -282,6 +282,7 @@ class Store:
         expired_drop: bool = False,
         max_lease_extensions: int = 10,
         ack_linger: float = 0.0,
+        lost_wait: float = 10.0,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -290,6 +291,8 @@ class Store:
         self.replica_ack_ms = max(1, int(replica_ack_timeout * 1000))
         self.retries = retries
         self.lease_ms = int(ack_timeout * 1000)
+        # How long a topic copy of a lost recipient waits before a claim looks at it again.
+        self.lost_wait_ms = max(1, int(lost_wait * 1000))
         self.dedupe_ms = max(1, int(dedupe_window * 1000))
         self.expired_drop = expired_drop
         self.max_lease_extensions = max_lease_extensions
@@ -587,15 +590,18 @@ class Store:
         alive: Sequence[AliveRecipient],
         assignment: Sequence[str],
         rate: float = 0.0,
+        lost: Sequence[str] = (),
     ) -> ClaimResult:
         """Take up to n deliveries in flight; queue ones go to `assignment` in order, topic
-        copies only to recipients with free slots (the others wait).
+        copies only to recipients with free slots (the others wait; those of a `lost`
+        recipient wait LOST_WAIT, without spending an attempt, and again until it is back).
 
         Returns them (kind `dead` for one dead-lettered as undeliverable, its content the
         reason; kind `expired` for one whose TTL ran out, its content `dead` or `drop`),
         when the next delayed one falls due (unix ms), and how long the app's
         DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
-        res = await self._call("claim", app, self.claim_args(now, n, alive, assignment, rate))
+        args = self.claim_args(now, n, alive, assignment, rate, lost)
+        res = await self._call("claim", app, args)
         return self.parse_claim(res)
 
     def claim_args(
@@ -605,12 +611,16 @@ class Store:
         alive: Sequence[AliveRecipient],
         assignment: Sequence[str],
         rate: float = 0.0,
+        lost: Sequence[str] = (),
     ) -> list[Any]:
-        """The arguments of `claim` (lua/claim.lua)."""
+        """The arguments of `claim` (lua/claim.lua); `lost`: the app's recipients that are
+        registered and lost, whose topic copies wait for them."""
         drop = 1 if self.expired_drop else 0
         args: list[Any] = [now, self.lease_ms, n, len(alive), rate, drop]
+        args += (self.lost_wait_ms, len(lost))
         for r in alive:
             args += (r.rid, r.free, 1 if r.takes_length else 0)
+        args += lost
         args += assignment
         return args
 

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import structlog
 from redis.exceptions import RedisError
@@ -35,11 +36,21 @@ IDLE_POLL = 5.0
 NO_RECIPIENT_POLL = 60.0
 
 
+class Plan(NamedTuple):
+    """A claim to make: how many, the alive recipients, the queue messages' recipients in
+    order, and the lost recipients (whose topic copies wait)."""
+
+    n: int
+    alive: list[AliveRecipient]
+    assignment: list[str]
+    lost: list[str]
+
+
 @dataclass(eq=False)
 class Dispatcher:
     app: str
     store: Store
-    alive: Callable[[str], list[Recipient]]
+    registered: Callable[[str], list[Recipient]]
     free_slots: Callable[[str, list[Recipient]], dict[str, int]]
     deliver: Callable[[str, list[Claimed]], None]
     delivery_rate: float = 0.0
@@ -90,22 +101,23 @@ class Dispatcher:
         plan = self._plan()
         if isinstance(plan, float):
             return plan
-        n, alive, assignment = plan
+        n, alive, assignment, lost = plan
         self.claiming = True
         try:
             async with self.claims:
                 now = now_ms()
                 result = await self.store.claim(
-                    self.app, now, n, alive, assignment, self.delivery_rate
+                    self.app, now, n, alive, assignment, self.delivery_rate, lost
                 )
         finally:
             self.claiming = False
         return self._claimed(n, result)
 
-    def _plan(self, at_least: int = 0) -> tuple[int, list[AliveRecipient], list[str]] | float:
+    def _plan(self, at_least: int = 0) -> Plan | float:
         """How many to claim (the batch, or `at_least` up to CLAIM_BATCH), for which
         recipients; or how long to sleep (nothing to do)."""
-        recipients = [] if self.paused else self.alive(self.app)
+        registered = [] if self.paused else self.registered(self.app)
+        recipients = [r for r in registered if r.alive]
         if not recipients:
             return NO_RECIPIENT_POLL
         free = self.free_slots(self.app, recipients)
@@ -120,7 +132,7 @@ class Dispatcher:
             self.starved = True
             return POLL
         alive = [AliveRecipient(r.id, free.get(r.id, 0), "length" in r.caps) for r in recipients]
-        return n, alive, assignment
+        return Plan(n, alive, assignment, [r.id for r in registered if not r.alive])
 
     def _claimed(self, n: int, result: ClaimResult) -> float:
         """Push what a claim of n took; returns how long to sleep unless woken."""
@@ -155,9 +167,9 @@ class Dispatcher:
         plan = self._plan(at_least=stored + 1)
         if isinstance(plan, float):
             return None
-        n, alive, assignment = plan
+        n, alive, assignment, lost = plan
         self.carried = True
-        args = self.store.claim_args(now, n, alive, assignment, self.delivery_rate)
+        args = self.store.claim_args(now, n, alive, assignment, self.delivery_rate, lost)
 
         def done(result: ClaimResult | BaseException) -> None:
             self.carried = False

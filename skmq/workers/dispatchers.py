@@ -54,7 +54,7 @@ class Dispatchers:
             d = self.by_app[app] = Dispatcher(
                 app,
                 self.store,
-                self.registry.alive,
+                self.registry.all,
                 self.free_slots,
                 self.deliver,
                 self.delivery_rate,

@@ -4,14 +4,16 @@
 -- dropped when drop is 1.
 -- A message that dies or expires here lets the next message of its ordering key go.
 -- KEYS: msgs, state, ready, delayed, inflight, dead, rate, kq
--- ARGV: now, lease ms, n, k, rate, drop 0|1, (alive rid, free slots, length 0|1) * k,
---       queue assignment rid * n
+-- ARGV: now, lease ms, n, k, rate, drop 0|1, lost wait ms, l,
+--       (alive rid, free slots, length 0|1) * k, lost rid * l, queue assignment rid * n
 -- Takes up to n messages, due ones first, then the ready list. With a rate
 -- (DELIVERY_RATE, pushes/s for the app, whichever brokers push) a token bucket holding
 -- a tenth of a second's burst caps the pushes. A topic copy goes in flight only while
 -- its recipient has a free window slot (PUSH_WINDOW holds for topics too); the others
--- wait in `delayed`. Content holding CR or LF needs `length=`: it goes only to a
--- recipient that declared the `length` capability, else it is dead-lettered.
+-- wait in `delayed`, those of a lost recipient (registered, not alive: it gets no push
+-- until it is back) for the lost wait, spending no attempt. Content holding CR or LF
+-- needs `length=`: it goes only to a recipient that declared the `length` capability,
+-- else it is dead-lettered.
 -- Returns (delivery id, kind q|t|d|x, content, attempt, rid, stored ms, traceparent)* (kind d:
 -- dead-lettered here, the content then being the reason; x: expired here, the content
 -- then `dead` or `drop`), the next due ms (-1: none), and the ms until the
@@ -24,14 +26,19 @@ local n = tonumber(ARGV[3])
 local k = tonumber(ARGV[4])
 local rate = tonumber(ARGV[5])
 local drop = ARGV[6] == '1'
-local alive, budget, can_length = {}, {}, {}
+local lost_wait = tonumber(ARGV[7])
+local alive, budget, can_length, lost = {}, {}, {}, {}
 for j = 1, k do
-  local rid = ARGV[4 + 3 * j]
+  local rid = ARGV[6 + 3 * j]
   alive[j] = rid
-  budget[rid] = tonumber(ARGV[5 + 3 * j])
-  can_length[rid] = ARGV[6 + 3 * j] == '1'
+  budget[rid] = tonumber(ARGV[7 + 3 * j])
+  can_length[rid] = ARGV[8 + 3 * j] == '1'
 end
-local qi = 7 + 3 * k
+local qi = 9 + 3 * k
+for j = 1, tonumber(ARGV[8]) do
+  lost[ARGV[qi]] = true
+  qi = qi + 1
+end
 local tokens = 0
 if rate > 0 then
   local burst = math.max(1, rate / 10)
@@ -118,7 +125,10 @@ local function take(id, m, f, at)
   end
   local content = string.sub(m, start)
   if crid then
-    if budget[crid] and budget[crid] <= 0 then
+    if lost[crid] then
+      redis.call('ZADD', delayed, now + lost_wait, id)
+      return true
+    elseif budget[crid] and budget[crid] <= 0 then
       redis.call('ZADD', delayed, now + 200, id)
       return true
     elseif budget[crid] and not can_length[crid] and needs_length(content) then
