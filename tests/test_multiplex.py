@@ -6,7 +6,10 @@ calls on it, bounded, and the next call connects again."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -17,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from skmq.embedded import EmbeddedRedis
 from skmq.store import connect_redis
 from skmq.store.multiplex import MultiplexedConnection, _Protocol, multiplexed
+from tests.conftest import eventually
 
 
 @pytest.fixture(params=["unix", "tcp"])
@@ -162,3 +166,30 @@ async def test_a_closed_connection_fails_its_lingering_calls(url: str) -> None:
     with pytest.raises(RedisConnectionError):
         async with asyncio.timeout(5):
             await lingering
+
+
+async def test_a_stalled_redis_does_not_keep_what_was_not_written(tmp_path: Path) -> None:
+    """A Redis that stops reading (SIGSTOP): what waits in the connection's write buffer
+    when its calls time out is dropped with the connection, not kept for a Redis that
+    may never read it (the broker's memory while its store is stalled)."""
+    with EmbeddedRedis(tmp_path / "stalled") as server:
+        lane = lane_for(server.url, timeout=0.3)
+        await lane.pipeline([("PING",)])
+        protocol = lane._protocol
+        assert protocol is not None and protocol.transport is not None
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            value = b"x" * (8 << 20)
+            with pytest.raises(RedisTimeoutError):
+                await lane.pipeline([("SET", f"skmq-test:big{i}", value) for i in range(4)])
+            transport = protocol.transport
+
+            async def dropped() -> bool:  # (the transport lets go as it closes)
+                return transport.get_write_buffer_size() == 0
+
+            await eventually(dropped)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert await lane.pipeline([("ECHO", "back")]) == [b"back"]
+        lane.close()

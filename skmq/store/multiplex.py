@@ -100,7 +100,9 @@ class _Protocol(asyncio.Protocol):
         if self.lost is None:
             self.lost = error
         if self.transport is not None:
-            self.transport.close()
+            # abort, not close: close keeps what waits to be written until Redis reads it,
+            # and a stalled Redis may never (the memory of every batch sent meanwhile)
+            self.transport.abort()
         for timer in (self.timer, self.linger_timer):
             if timer is not None:
                 timer.cancel()
