@@ -39,7 +39,7 @@ from .inputs import (
     is_remote,
     resolve_log_paths,
 )
-from .outputs import render_files, write_files
+from .outputs import check_out, render_files, write_files
 from .report import (
     REPORT_KEYS,
     STAGES,
@@ -209,6 +209,8 @@ def run_audit(
     else:  # local[*], unless submitted
         local_mode = not submitted
     paths, skipped = _usable(resolve_log_paths(logs, must_exist=local_mode), skip_bad_files)
+    if (unusable := check_out(out)) is not None:
+        raise AuditInputError(unusable)
     for bad in skipped:
         prog.note(f"skipping {bad.line()}")
     session = spark

@@ -18,7 +18,14 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-__all__ = ["BY_APP_FIELDS", "BY_RECIPIENT_FIELDS", "join_uri", "render_files", "write_files"]
+__all__ = [
+    "BY_APP_FIELDS",
+    "BY_RECIPIENT_FIELDS",
+    "check_out",
+    "join_uri",
+    "render_files",
+    "write_files",
+]
 
 BY_APP_FIELDS = (
     "appid",
@@ -59,6 +66,22 @@ def render_files(report: dict[str, Any], html: Callable[[], str]) -> dict[str, s
         "by_app.csv": _csv(BY_APP_FIELDS, report["by_app"]),
         "by_recipient.csv": _csv(BY_RECIPIENT_FIELDS, report["by_recipient"]),
     }
+
+
+def check_out(out: str) -> str | None:
+    """Why the reports cannot go to the local directory ``out`` (created if missing), or
+    None: told before Spark reads a line, not after the whole job."""
+    if not _is_local(out):
+        return None
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out}: not a directory"
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: {exc.strerror or exc}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"--out {out}: not writable"
+    return None
 
 
 def _write_hadoop(spark: SparkSession, files: dict[str, str], out: str) -> list[str]:

@@ -959,6 +959,13 @@ def test_cli_failures_are_one_line(tmp_path: Path) -> None:
     args = [*_skmq_command(), "audit", "--logs", str(tmp_path / "good"), "--out", "o"]
     done = _run([*args, "--stuck-after", "inf"], tmp_path)
     assert (done.returncode, done.stderr.count("\n")) == (2, 1) and "--stuck-after" in done.stderr
+    # --out a file: told at once, before Spark starts (no progress line of Spark's)
+    (tmp_path / "a-file").write_text("")
+    done = _run([*args[:-1], str(tmp_path / "a-file")], tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"skmq audit: --out {tmp_path / 'a-file'}: not a directory\n",
+    )
     # a storage Spark cannot reach: one line, exit 1; the trace only with --debug
     args = [*_skmq_command(), "audit", "--logs", "s3a://no-such-bucket/logs", "--out", "o"]
     done = _run([*args, "--quiet"], tmp_path)
