@@ -83,13 +83,15 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
 
 
 async def wait_for_redis(redis: RedisClient, give_up: Callable[[], bool]) -> None:
-    """Ping until Redis answers or `give_up()`; said once as a warning (then at debug
-    level): a broker started before its Redis should not fill the terminal."""
+    """Ping until Redis answers (every primary of a cluster) or `give_up()`; said once as
+    a warning (then at debug level): a broker started before its Redis should not fill
+    the terminal."""
     delay = 0.05
     say = log.warning
+    every = {"target_nodes": RedisCluster.PRIMARIES} if isinstance(redis, RedisCluster) else {}
     while True:
         try:
-            await redis.ping()
+            await redis.ping(**every)
             return
         except (RedisError, OSError) as exc:
             if give_up():

@@ -365,3 +365,28 @@ def test_compose_cluster_file_is_valid_and_its_brokers_reach_the_cluster(
         assert svc["depends_on"]["redis-cluster-init"]["condition"] == (
             "service_completed_successfully"
         )
+
+
+async def test_a_broker_waits_redis_wait_for_every_master_of_a_cluster(
+    make_broker: BrokerFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A master down when the broker starts: it waits (REDIS_WAIT) for every master,
+    not only the one its first ping reached, and serves once the master is back."""
+    local = LocalCluster(tmp_path / "c", masters=3).start()
+    try:
+        down = local.master_ports[-1]
+        local.kill(down)
+        starting = asyncio.ensure_future(make_broker(redis_url=local.url, redis_wait=60))
+        said = []
+
+        async def waiting() -> bool:
+            said.append(capsys.readouterr().out)
+            assert not starting.done() or starting.exception() is None, starting.exception()
+            return "redis unreachable, retrying (REDIS_WAIT)" in "".join(said)
+
+        await eventually(waiting, timeout=20)
+        local.launch(down)
+        broker = await asyncio.wait_for(starting, 60)
+        assert await produce(broker.server.port, ["after"]) == ["after"]
+    finally:
+        local.stop()
