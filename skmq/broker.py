@@ -82,21 +82,27 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
     )
 
 
-async def wait_for_redis(redis: RedisClient, give_up: Callable[[], bool]) -> None:
-    """Ping until Redis answers (every primary of a cluster) or `give_up()`; said once as
-    a warning (then at debug level): a broker started before its Redis should not fill
-    the terminal."""
+async def wait_for_redis(
+    redis: RedisClient, deadline: float, least: float, stopping: Callable[[], bool]
+) -> None:
+    """Ping until Redis answers (every primary of a cluster), until `deadline` (monotonic)
+    or `stopping()`, each ping bounded by the time left, but at least `least` (a server
+    that accepts and never answers must not hold the start for a socket timeout and its
+    retries, and a Sentinel's refusal takes its retries to tell); said once as a warning
+    (then at debug level): a broker started before its Redis should not fill the
+    terminal."""
     delay = 0.05
     say = log.warning
     every = {"target_nodes": RedisCluster.PRIMARIES} if isinstance(redis, RedisCluster) else {}
     while True:
         try:
-            await redis.ping(**every)
+            async with asyncio.timeout(max(least, deadline - time.monotonic())):
+                await redis.ping(**every)
             return
-        except (RedisError, OSError) as exc:
-            if give_up():
+        except (RedisError, OSError, TimeoutError) as exc:
+            if stopping() or time.monotonic() >= deadline:
                 raise
-            error = f"{type(exc).__name__}: {redis_error_text(exc)}"
+            error = f"{type(exc).__name__}: {redis_error_text(exc) or 'no answer'}"
             say("redis unreachable, retrying (REDIS_WAIT)", error=error, retry_in=delay)
             say = log.debug
             await asyncio.sleep(delay)
@@ -159,16 +165,12 @@ class Broker:
         url = self.start_embedded_redis()
         self.redis = connect_redis(url, s.redis_pool_size, s.store_timeout)
         deadline = time.monotonic() + s.redis_wait
-
-        def give_up() -> bool:
-            return self.stopping.is_set() or time.monotonic() > deadline
-
         try:
-            await wait_for_redis(self.redis, give_up)
-        except (RedisError, OSError) as exc:
+            await wait_for_redis(self.redis, deadline, s.store_timeout, self.stopping.is_set)
+        except (RedisError, OSError, TimeoutError) as exc:
             raise Misconfigured(
                 f"cannot reach Redis at {redacted(url)} within {s.redis_wait:g}s "
-                f"(REDIS_WAIT): {redis_error_text(exc)}"
+                f"(REDIS_WAIT): {redis_error_text(exc) or 'no answer'}"
             ) from None
         await check_eviction_policy(self.redis)
         await check_listpack_sizes(self.redis)
@@ -212,7 +214,7 @@ class Broker:
                 await self.engine.start(orphans=self.embedded is not None)
                 break
             except (RedisError, OSError) as exc:
-                if give_up():
+                if self.stopping.is_set() or time.monotonic() > deadline:
                     raise
                 log.warning("redis not ready for the engine, retrying", error=repr(exc))
                 await asyncio.sleep(0.5)

@@ -108,7 +108,8 @@ class DeliveryLog:
     def _open(self, index: int) -> None:
         """Write to file `index`, or the next one that no sweep holds or has compressed
         (a restart with the same BROKER_ID); the current file stays open until the new
-        one is."""
+        one is). The directory is made again if an operator removed it."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         while True:
             path = self.dir / f"{self._prefix}{index:06d}.jsonl"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

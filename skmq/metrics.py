@@ -247,8 +247,13 @@ class Metrics(Collector):
 
     async def health(self) -> tuple[bool, str]:
         """(serving, one line why): within PROBE_TIMEOUT whatever Redis does."""
-        if self._engine is None or not self._engine.healthy:
-            return False, "unhealthy: the delivery engine cannot reach Redis"
+        if self._engine is None:
+            return False, "unhealthy: the delivery engine is not running"
+        if not self._engine.healthy:
+            return (
+                False,
+                f"unhealthy: the delivery engine's Redis calls fail: {self._engine.trouble}",
+            )
         if not await self.probe():
             return False, f"unhealthy: no answer from Redis within {PROBE_TIMEOUT:g}s"
         if self._enqueuer is not None and (refused := self._enqueuer.refusing) is not None:

@@ -170,6 +170,18 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "unable to parse string as an integer",
     ),
     (
+        "send timeout",
+        lambda f: ["send", "--timeout", "0", "--app", "a", "x"],
+        {},
+        "skmq send: argument --timeout: '0': expected seconds above 0 (see skmq send --help)",
+    ),
+    (
+        "send msgid with a CR",
+        lambda f: ["send", "--msgid", "a\rb", "--app", "a", "x"],
+        {},
+        "skmq send: not sent: CR or LF inside a field: 'msgid=a\\rb'",
+    ),
+    (
         "status without data",
         lambda f: ["status", "--data-dir", str(f["dir"] / "empty")],
         {},
@@ -260,10 +272,10 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     finally:
         taken.close()
 
-    def serve_with(redis_url: str) -> tuple[int, str]:
+    def serve_with(redis_url: str, *more: str) -> tuple[int, str]:
         code, _, err = skmq(
             "serve", "--redis-url", redis_url, "--redis-wait", "0.3", "--log-level", "error",
-            "--data-dir", str(tmp_path / "d"),
+            "--data-dir", str(tmp_path / "d"), *more,
         )  # fmt: skip
         return code, err
 
@@ -271,6 +283,20 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     code, err = serve_with(nowhere)
     assert code == 1
     assert one_line(err).startswith(f"skmq serve: cannot reach Redis at {nowhere} within 0.3s")
+
+    # A server that accepts and never answers: REDIS_WAIT bounds the wait (each ping at
+    # least STORE_TIMEOUT), not a socket timeout and its retries (12 s before)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        quiet = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        started = time.monotonic()
+        code, err = serve_with(quiet, "--store-timeout", "1")
+    assert (code, one_line(err)) == (
+        1,
+        f"skmq serve: cannot reach Redis at {quiet} within 0.3s (REDIS_WAIT): no answer",
+    )
+    assert time.monotonic() - started < 8
 
     (tmp_path / "file").write_text("")
     code, _, err = skmq("serve", "--data-dir", str(tmp_path / "file" / "data"))

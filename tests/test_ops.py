@@ -8,6 +8,7 @@ import errno
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -21,6 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
+from skmq.codec import Frame
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis, _write_private
 from skmq.events import Event
@@ -28,6 +30,7 @@ from skmq.supervisor import Supervisor
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
+from tests.test_delivery import log_events
 from tests.test_metrics import http_get
 
 
@@ -277,6 +280,18 @@ def test_a_failed_log_write_is_counted_once_however_often_it_is_retried(tmp_path
     dlog.close()
 
 
+def test_a_log_directory_removed_by_an_operator_is_made_again(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    dlog = DeliveryLog(logs, "b4")
+    dlog.event(Event.STORED, "m0", "app", "queue")
+    shutil.rmtree(logs)  # the open file goes with it: writes to it reach nothing
+    dlog._retry_flush()  # what the retry timer does after a failed write: opened again
+    dlog.event(Event.STORED, "m1", "app", "queue")
+    assert dlog.error is None
+    assert (logs / "delivery-b4-000000.jsonl").read_text().count('"event":"stored"') == 1
+    dlog.close()
+
+
 # -- 3. the embedded Redis: supervised and closed ----------------------------------------
 
 
@@ -318,15 +333,22 @@ def test_the_embedded_redis_is_restarted_after_kill9_and_keeps_every_message(
     assert apps["keep"]["pending"] == 1, (msgid, apps)
 
 
+def on_small_disk(broker_env: dict[str, str], data: Path, tmp_path: Path) -> int:
+    """The broker's DATA_DIR `data` on a small disk, its log apart; returns the metrics
+    port it gets."""
+    mport = free_port()
+    broker_env.update(SKMQ_DATA_DIR=str(data), SKMQ_METRICS_PORT=str(mport),
+                      SKMQ_LOG_DIR=str(tmp_path / "log"),
+                      SKMQ_DISK_FREE_LIMIT=str(1 << 20))  # fmt: skip
+    return mport
+
+
 async def test_the_embedded_redis_restarts_on_a_full_data_disk(
     broker_process: BrokerProcess, broker_env: dict[str, str], tmp_path: Path
 ) -> None:
     with small_disk(tmp_path / "disk") as disk:
         data = disk / "data"
-        mport = free_port()
-        broker_env.update(SKMQ_DATA_DIR=str(data), SKMQ_METRICS_PORT=str(mport),
-                          SKMQ_LOG_DIR=str(tmp_path / "log"),
-                          SKMQ_DISK_FREE_LIMIT=str(1 << 20))  # fmt: skip
+        mport = on_small_disk(broker_env, data, tmp_path)
         try:
             await asyncio.to_thread(broker_process.start)
             info = json.loads((data / "redis.json").read_text())
@@ -371,11 +393,7 @@ async def test_a_broker_killed_on_a_full_data_disk_starts_again_with_its_message
     """kill -9 with the data disk full: the new start cannot write its info file
     (redis.json: the new server's pid), and serves all the same, what was stored kept."""
     with small_disk(tmp_path / "disk") as disk:
-        data = disk / "data"
-        mport = free_port()
-        broker_env.update(SKMQ_DATA_DIR=str(data), SKMQ_METRICS_PORT=str(mport),
-                          SKMQ_LOG_DIR=str(tmp_path / "log"),
-                          SKMQ_DISK_FREE_LIMIT=str(1 << 20))  # fmt: skip
+        mport = on_small_disk(broker_env, disk / "data", tmp_path)
         send = [sys.executable, "-m", "skmq.cli", "send", "--app", "full", "kept"]
         try:
             await asyncio.to_thread(broker_process.start)
@@ -511,6 +529,93 @@ async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_sto
     await eventually(stored)
     assert await broker.metrics.health() == (True, "ok")
     await admin.aclose()
+
+
+async def test_a_message_stored_after_its_store_timed_out_is_logged_stored(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    """Redis stalled (SIGSTOP) past STORE_TIMEOUT: the producer hears `error` (it may be
+    stored); Redis runs the script once it goes on. The next store that Redis answers
+    has the broker look the message up, and log it `received` and `stored` (its own
+    stored time), so that the audit finds it stored when it is pushed and acked."""
+    broker = await make_broker(redis_url=own_redis.url, store_timeout=0.5)
+    client = await RawClient.connect(broker.server.port)
+    admin = aioredis.Redis.from_url(own_redis.url)
+    [first] = await client.produce("uncertain", ["first"])  # (the app is known from now)
+    assert first["content"] == "stored"
+    assert own_redis.proc is not None
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        [late] = await client.produce("uncertain", ["late"])
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    assert late["status"] == "error" and "may be stored" in late["content"], late
+    msgs = f"{broker.settings.key_prefix}:{{uncertain}}:msgs"
+
+    async def stored_anyway() -> bool:  # the script, queued on the stalled connection
+        return bool(await admin.hexists(msgs, "late"))
+
+    await eventually(stored_anyway)
+    assert log_events(broker, "late") == []
+    [after] = await client.produce("uncertain", ["after"])
+    assert after["content"] == "stored"
+
+    async def logged() -> bool:
+        return [e["event"] for e in log_events(broker, "late")] == ["received", "stored"]
+
+    await eventually(logged)
+    await client.close()
+    await admin.aclose()
+
+
+async def test_an_ack_recorded_after_its_finish_timed_out_is_logged_acked(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    """Redis stalled (SIGSTOP) as an ack comes: the recorded ack's call times out (the
+    connection's 10 s), the recipient hears `error`; Redis records the ack once it goes
+    on, and the next ack that Redis answers has the broker look the first up and log it
+    `acked`: not in flight for ever to the audit."""
+    broker = await make_broker(redis_url=own_redis.url)
+    assert own_redis.proc is not None
+    pid = own_redis.proc.pid
+
+    def ack_stalled(frame: Frame) -> str:
+        if frame.fields["msgid"] == "first":  # Redis stops before the ack goes
+            os.kill(pid, signal.SIGSTOP)
+        return "ack"
+
+    rec = FakeRecipient("unsure", "r1", ack_stalled)
+    await rec.start()
+    assert (await rec.register(broker.server.port))["status"] == "ack"
+    client = await RawClient.connect(broker.server.port)
+    admin = aioredis.Redis.from_url(own_redis.url)
+    try:
+        [first] = await client.produce("unsure", ["first"])
+        assert first["content"] == "stored"
+
+        async def told() -> bool:
+            return bool(rec.resps)
+
+        await eventually(told, timeout=30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert json.loads(rec.resps[0].content or b"")["status"] == "error", rec.resps[0]
+
+    async def recorded_anyway() -> bool:
+        return not await admin.hexists(f"{broker.settings.key_prefix}:{{unsure}}:msgs", "first")
+
+    await eventually(recorded_anyway)
+    assert "acked" not in [e["event"] for e in log_events(broker, "first")]
+    [second] = await client.produce("unsure", ["second"])
+    assert second["content"] == "stored"
+
+    async def logged() -> bool:
+        return "acked" in [e["event"] for e in log_events(broker, "first")]
+
+    await eventually(logged)
+    await client.close()
+    await admin.aclose()
+    await rec.stop()
 
 
 # -- 4. health and metrics never hang ----------------------------------------------------

@@ -29,6 +29,17 @@ COMMANDS = {
 }
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a time in seconds above 0 (and finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds above 0")
+    return value
+
+
 def unreachable(exc: BaseException) -> str:
     """Why a peer could not be reached or did not answer, never empty (a timeout's own
     message is)."""

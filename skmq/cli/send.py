@@ -15,7 +15,7 @@ import sys
 
 import uvloop
 
-from skmq.cli import fail, unreachable
+from skmq.cli import fail, seconds, unreachable
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_HOST,
@@ -25,6 +25,7 @@ from skmq.client import (
     Producer,
     Resp,
 )
+from skmq.codec import encode_frame
 
 
 def port_number(text: str) -> int:
@@ -57,7 +58,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deliver-at", type=int, metavar="MS", help="deliver at this unix time in ms")
     p.add_argument("--host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the resp")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the resp")
     add_token_flag(p, "token sent in an auth frame first (brokers with AUTH_TOKEN/AUTH_FILE)")
     p.add_argument(
         "content", nargs="?", default="-", metavar="CONTENT", help="the content; - reads stdin"
@@ -85,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         host, port = broker_address(args.host, args.port)
     except ValueError:
         return fail("send", f"invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", 2)
+    try:  # a field the protocol cannot carry (CR or LF in --msgid): a usage error
+        encode_frame("queue", {"appid": args.app, "msgid": args.msgid or ""}, None)
+    except ValueError as exc:
+        return fail("send", f"not sent: {exc}", 2)
     # os.fsencode gives back exactly the bytes of the argument, even non-UTF-8 ones.
     content = sys.stdin.buffer.read() if args.content == "-" else os.fsencode(args.content)
     try:

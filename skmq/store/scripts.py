@@ -30,6 +30,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "release": ("msgs", "state", "ready", "delayed", "inflight"),
     "in_flight_of": ("msgs", "state", "inflight"),
     "holding": ("msgs",),
+    "stored_of": ("msgs",),  # + done:<current>, done:<previous>
+    "settled_of": ("msgs", "inflight", "delayed", "dead"),  # + done:<cur>, done:<prev>
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
     # the source app's; Store.move adds the target app's msgs, ready, listed, done:*

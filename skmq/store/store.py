@@ -459,6 +459,11 @@ class Store:
     def _bucket(self, now: int) -> int:
         return now // self.dedupe_ms
 
+    def _dedupe_keys(self, now: int) -> tuple[str, str]:
+        """The dedupe sets of the current and the previous DEDUPE_WINDOW."""
+        bucket = self._bucket(now)
+        return self._done(bucket), self._done(bucket - 1)
+
     # -- producers ----------------------------------------------------------
     @property
     def carries_claims(self) -> bool:
@@ -481,8 +486,7 @@ class Store:
         `claims` (only where `carries_claims`) ride in the same round trip, each run
         after the stores: each hears its result (or the error) with `ClaimArgs.done`,
         after `stored`; a claim that fails never fails the store."""
-        bucket = self._bucket(now)
-        done = (self._done(bucket), self._done(bucket - 1))
+        done = self._dedupe_keys(now)
         hold = await self._holder()
         headers = await self._headers(now)
         calls = []
@@ -718,6 +722,19 @@ class Store:
         """The deliveries of msgid in flight: (delivery id, recipient, attempt)."""
         res = await self._call("in_flight_of", app, await self._held([msgid]))
         return [(unpack(res[i]), _s(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
+
+    async def stored_of(self, app: str, msgids: Sequence[str], now: int) -> list[int | None]:
+        """For messages whose store's answer was lost: each one's stored ms, 0 when it was
+        stored and has completed since (within DEDUPE_WINDOW), None when not stored."""
+        done = self._dedupe_keys(now)
+        found = await self._call("stored_of", app, [now, *await self._held(msgids)], *done)
+        return [None if f == 0 else max(0, int(f)) for f in found]
+
+    async def acked_of(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
+        """For deliveries whose finish's answer was lost: whether each was acked."""
+        done = self._dedupe_keys(now)
+        found = await self._call("settled_of", app, await self._held(delivery_ids), *done)
+        return [bool(f) for f in found]
 
     async def find_apps(self, msgids: Sequence[str]) -> dict[str, list[str]]:
         """The apps holding each msgid, for answers that name no appid (the original's

@@ -43,10 +43,10 @@ class AnswerRouter:
         """The apps the answer may be for (the one it names, or those holding its msgid),
         or why none: a search of every app waits for its turn (skmq/workers/app_search.py),
         taking none of MAX_PEER_STORE_CALLS from the answers that need no search."""
-        msgid = frame.fields.get("msgid") or ""
+        msgid = frame.fields.get("msgid")
         app = sender[0] if sender else frame.fields.get("appid")
-        if app:
-            return [app]
+        if app or not msgid:  # (no msgid: answer() says so)
+            return [app] if app else []
         apps = self.pusher.apps_of(msgid) or await self.search.apps_of(
             msgid, peer.host if peer is not None else ""
         )

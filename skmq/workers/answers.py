@@ -24,6 +24,10 @@ from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.answers")
 
+# Acks whose finish's answer was lost remembered at most, for the lookup that logs those
+# that were recorded after all (AnswerBatcher._reconcile).
+MAX_UNCERTAIN = 10_000
+
 
 @dataclass(slots=True)
 class Answer:
@@ -53,6 +57,9 @@ class AnswerBatcher:
         self.on_acked = on_acked
         self._pending: dict[str, list[Answer]] = {}
         self._task: asyncio.Task[None] | None = None
+        # app -> delivery id -> the ack whose finish's answer was lost
+        self._uncertain: dict[str, dict[str, Answer]] = {}
+        self._reconciling: asyncio.Task[None] | None = None
 
     def submit(
         self,
@@ -98,10 +105,16 @@ class AnswerBatcher:
                 )
             except (RedisError, OSError) as exc:
                 self._unavailable(app, acks, exc)
+                self._remember(app, acks)
             else:
+                uncertain = self._uncertain.get(app, {})
                 for a, f in zip(acks, done, strict=True):
+                    if f.ok:
+                        uncertain.pop(a.delivery_id, None)  # (the lost one was not recorded)
                     self._finished(app, a, f.ok, f.attempt, f.stored_ts, f.recipient, now)
                 released = any(f.released for f in done)
+                if self._uncertain and self._reconciling is None:
+                    self._reconciling = asyncio.get_running_loop().create_task(self._reconcile())
         if fails:
             items = [
                 (a.delivery_id, a.outcome, a.detail, a.recipient, a.attempt or 0) for a in fails
@@ -116,6 +129,36 @@ class AnswerBatcher:
                         self.record_failure(app, a.delivery_id, a.outcome, a.detail, a.recipient, r)
                     )
         self.on_done(app, bool(fails) or released)
+
+    def _remember(self, app: str, acks: list[Answer]) -> None:
+        """Acks whose finish's answer was lost: they may be recorded."""
+        room = MAX_UNCERTAIN - sum(map(len, self._uncertain.values()))
+        uncertain = self._uncertain.setdefault(app, {})
+        for a in acks[: max(0, room)]:
+            uncertain[a.delivery_id] = a
+
+    async def _reconcile(self) -> None:
+        """Log `acked` for the acks whose finish's answer was lost and that were recorded
+        after all (the audit must not find them in flight for ever): looked up once
+        Redis answers a finish again. The others' leases run out and they are retried."""
+        try:
+            while self._uncertain:
+                app, entries = self._uncertain.popitem()
+                now = now_ms()
+                try:
+                    acked = await self.store.acked_of(app, list(entries), now)
+                except (RedisError, OSError) as exc:
+                    log.warning("could not look up acks whose answer was lost", error=repr(exc))
+                    self._uncertain.setdefault(app, {}).update(entries)  # the next finish's
+                    return
+                for a, ok in zip(entries.values(), acked, strict=True):
+                    if ok:
+                        msgid = split_delivery(a.delivery_id)[0]
+                        kind = _kind(a.delivery_id)
+                        self.dlog.event(Event.ACKED, msgid, app, kind, a.recipient or None,
+                                        a.attempt, ts=now)  # fmt: skip
+        finally:
+            self._reconciling = None
 
     @staticmethod
     def _unavailable(app: str, answers: list[Answer], exc: BaseException) -> None:

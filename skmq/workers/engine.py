@@ -27,6 +27,7 @@ from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
+from skmq.errors import redis_error_text
 from skmq.peer import Peer
 from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.own_addresses import OwnAddresses
@@ -92,6 +93,7 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.healthy = True
+        self.trouble = ""  # why the last background step failed (while not healthy)
 
     @property
     def links(self) -> dict[tuple[str, str], RecipientLink]:
@@ -153,10 +155,10 @@ class Engine:
                 await asyncio.sleep(interval)
                 try:
                     await step()
-                    self.healthy = True
+                    self.healthy, self.trouble = True, ""
                 except (RedisError, OSError) as exc:
-                    self.healthy = False
-                    log.warning("background step failed", step=name, error=repr(exc))
+                    self.healthy, self.trouble = False, redis_error_text(exc) or repr(exc)
+                    log.warning("background step failed", step=name, error=self.trouble)
 
         return self.supervisor.start(name, run)
 

@@ -36,6 +36,9 @@ log = structlog.get_logger("skmq.enqueue")
 # A batch not acknowledged: each of its producers hears `error` and this. A store that
 # failed or timed out may have run: the message may be stored, hence the msgid.
 UNAVAILABLE = "store unavailable: send it again with the same msgid (it may be stored)"
+# Messages of batches whose store's answer was lost remembered at most, for the lookup
+# that logs those that were stored after all (Enqueuer._reconcile).
+MAX_UNCERTAIN = 10_000
 DISK_LOW = (
     "the store's disk is nearly full (DISK_FREE_LIMIT): send it again later with the same "
     "msgid (it may be stored)"
@@ -104,6 +107,11 @@ class Enqueuer:
     refusal: Callable[[], str | None] = lambda: None
     pending_bytes: int = field(init=False, default=0)
     disk_low: bool = field(init=False, default=False)
+    # app -> msgid -> (message, received ms): stored or not, nobody knows yet
+    _uncertain: dict[str, dict[str, tuple[NewMessage, int]]] = field(
+        init=False, default_factory=dict
+    )
+    _reconciling: bool = field(init=False, default=False)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
@@ -153,18 +161,54 @@ class Enqueuer:
         """`stored` carries the time the store stamped on the message (`received`): a
         dispatcher may push it, on another connection, before this broker hears it is
         stored, and the log must not show a push before the store."""
-        stored_ts = received
         event = self.dlog.event
         for app, msgs in batch.messages.items():
+            uncertain = self._uncertain.get(app, {})
             for m, ok in zip(msgs, results[app], strict=True):
-                event(Event.RECEIVED, m.msgid, app, m.kind, ts=received)
                 if ok:
-                    details = [f"deliver_at={m.deliver_at}"] if m.deliver_at else []
-                    details += [f"traceparent={m.trace}"] if m.trace else []
-                    detail = " ".join(details) or None
-                    event(Event.STORED, m.msgid, app, m.kind, detail=detail, ts=stored_ts)
+                    uncertain.pop(m.msgid, None)  # (the earlier try was not stored)
+                    self._log_stored(app, m, received, received)
                 else:
-                    event(Event.DUPLICATE, m.msgid, app, m.kind, ts=stored_ts)
+                    event(Event.RECEIVED, m.msgid, app, m.kind, ts=received)
+                    event(Event.DUPLICATE, m.msgid, app, m.kind, ts=received)
+
+    def _log_stored(self, app: str, m: NewMessage, received: int, stored: int) -> None:
+        details = [f"deliver_at={m.deliver_at}"] if m.deliver_at else []
+        details += [f"traceparent={m.trace}"] if m.trace else []
+        self.dlog.event(Event.RECEIVED, m.msgid, app, m.kind, ts=received)
+        self.dlog.event(Event.STORED, m.msgid, app, m.kind, detail=" ".join(details) or None,
+                        ts=stored)  # fmt: skip
+
+    def _remember(self, batch: EnqueueBatch, received: int) -> None:
+        """A batch whose store's answer was lost: its messages may be stored."""
+        room = MAX_UNCERTAIN - sum(map(len, self._uncertain.values()))
+        for app, msgs in batch.messages.items():
+            uncertain = self._uncertain.setdefault(app, {})
+            for m in msgs[: max(0, room)]:
+                uncertain[m.msgid] = (m, received)
+            room -= len(msgs)
+
+    async def _reconcile(self) -> None:
+        """Log `stored` for the messages whose store's answer was lost and that were
+        stored after all (the audit must not find them pushed and acked, never stored):
+        looked up once Redis answers a store again. Those not stored are forgotten: their
+        producers heard `error` and send them again."""
+        self._reconciling = True
+        try:
+            while self._uncertain:
+                app, entries = self._uncertain.popitem()
+                try:
+                    found = await self.store.stored_of(app, list(entries), now_ms())
+                except (RedisError, OSError, TimeoutError) as exc:
+                    log.warning("could not look up messages whose store's answer was lost",
+                                error=str(exc) or repr(exc))  # fmt: skip
+                    self._uncertain.setdefault(app, {}).update(entries)  # the next store's
+                    return
+                for (m, received), at in zip(entries.values(), found, strict=True):
+                    if at is not None:
+                        self._log_stored(app, m, received, at or received)
+        finally:
+            self._reconciling = False
 
     def _disk_is_low(self) -> bool:
         """Read the disk's free space; log when it goes under DISK_FREE_LIMIT and back."""
@@ -199,6 +243,7 @@ class Enqueuer:
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store unavailable", error=str(exc) or repr(exc))
             batch.future.set_result(UNAVAILABLE)
+            self._remember(batch, received)
             return
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
@@ -206,3 +251,5 @@ class Enqueuer:
         # have failed that append.
         batch.future.set_result(DISK_LOW if self._disk_is_low() else results)
         self.on_stored({app for app, res in results.items() if any(res)} - carried)
+        if self._uncertain and not self._reconciling:
+            spawn(self._reconcile(), self._tasks)
