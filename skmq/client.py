@@ -224,6 +224,7 @@ class _RespProtocol(FrameProtocol):
         self.closed: asyncio.Future[None] = loop.create_future()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._gave_up = ""  # why this side gave up on the connection (what it read)
 
     @property
     def is_open(self) -> bool:
@@ -235,7 +236,7 @@ class _RespProtocol(FrameProtocol):
         self.writer = Coalescer(transport_sink(self.transport))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        reason = f": {exc}" if exc else ""
+        reason = f": {self._gave_up or exc}" if self._gave_up or exc else ""
         while self.pending:
             fut = self.pending.popleft()
             if not fut.done():
@@ -281,7 +282,9 @@ class _RespProtocol(FrameProtocol):
             fut.set_result(Resp.from_frame(frame))
 
     def _fatal(self, reason: str) -> None:
-        log.error("%s; closing connection", reason)
+        """Give up on the connection; whoever waits for a resp hears why."""
+        log.debug("%s; closing connection", reason)
+        self._gave_up = reason
         if self.transport is not None:
             self.transport.abort()
 

@@ -210,6 +210,15 @@ async def test_send_writes_the_fields(fake_broker: FakeBroker) -> None:
     assert topic.type == "topic" and topic.fields == {"appid": "a", "msgid": "m2"}
 
 
+async def test_a_sender_hears_why_the_connection_was_given_up(fake_broker: FakeBroker) -> None:
+    """Something that is not the protocol (an HTTP server on the port): the send fails
+    with the reason, nothing logged beside it (a CLI prints one line)."""
+    fake_broker.answer = lambda frame: b"HTTP/1.1 400 Bad Request\r\n\r\n"
+    async with Producer("127.0.0.1", fake_broker.port) as producer:
+        with pytest.raises(ConnectionError, match="invalid frame from broker: line without"):
+            await within(producer.send("a", "x", msgid="m1"))
+
+
 async def test_msgid_generated_by_the_client_is_returned(fake_broker: FakeBroker) -> None:
     async with Producer("127.0.0.1", fake_broker.port) as producer:
         resp = await within(producer.send("a", b"x"))
