@@ -650,6 +650,27 @@ async def test_healthz_and_metrics_answer_within_a_second_while_redis_is_stalled
     await eventually(healthy, 15)
 
 
+async def test_healthz_names_the_error_redis_answers(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    """A Redis that refuses writes (here NOREPLICAS; MISCONF on a full disk): /healthz
+    says what Redis says, not that it cannot be reached."""
+    broker = await make_broker(metrics_port=free_port(), redis_url=own_redis.url)
+    mport = broker.settings.metrics_port
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.config_set("min-replicas-to-write", 1)
+    try:
+
+        async def named() -> bool:
+            status, body = await http_get(mport, "/healthz")
+            return status == 503 and "NOREPLICAS" in body
+
+        await eventually(named)
+    finally:
+        await admin.config_set("min-replicas-to-write", 0)
+        await admin.aclose()
+
+
 async def test_metrics_users_expect(make_broker: BrokerFactory) -> None:
     mport = (await make_broker(metrics_port=free_port())).settings.metrics_port
     _, text = await http_get(mport, "/metrics")
