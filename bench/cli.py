@@ -16,7 +16,8 @@ DATA_DIR and embedded Redis persisting with AOF):
            10,000 msg/s; results paced-1k, paced-2k, paced-10k), 1 producer and
            1 recipient, --latency-time s each: send-to-receipt p50/p99/max, the rate
            the producer achieved, CPU per delivered message of the broker (and of
-           SKMQ's Redis).
+           SKMQ's Redis); with system `floor` (bench/floor_bench.py), what the
+           protocol's steps alone cost through Redis at the same rate.
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
            Redis `used_memory` growth per message (SKMQ only); then --recipients
            recipients drain it (capped at --drain-backlog-time): drain msg/s, the
@@ -48,6 +49,7 @@ from typing import Any
 
 import uvloop
 
+from bench.floor_bench import run_floor
 from bench.harness import BenchError, LoadPlan, LoadResult, run_load
 from bench.report import (
     as_json,
@@ -73,7 +75,10 @@ LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "base", "latency")
 # e2e run.
 SKMQ_ONLY = frozenset({"ordered", "base"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
-ALL_SYSTEMS = ("skmq", "nats", "rabbitmq")
+ALL_SYSTEMS = ("skmq", "nats", "rabbitmq", "floor")
+# The floor (bench/floor_bench.py: the protocol's steps through Redis, no broker logic)
+# runs in the paced runs only.
+PACED_ONLY = frozenset({"floor"})
 
 # Process groups of brokers still running: killed by the last-resort alarm.
 _LIVE_BROKER_PGIDS: set[int] = set()
@@ -106,7 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "latency: the paced runs of --latency-rates; backlog only if it fits the time limit, "
         "unless --backlog)",
     )
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="skmq,nats,rabbitmq")
+    p.add_argument(
+        "--systems",
+        default=",".join(ALL_SYSTEMS),
+        help="skmq,nats,rabbitmq,floor (floor: paced only)",
+    )
     p.add_argument("--broker-cmd", default="skmq serve", help="command starting the SKMQ broker")
     p.add_argument(
         "--broker-env",
@@ -325,6 +334,8 @@ class Runner:
             for system in systems:
                 if scenario in SKMQ_ONLY and system != "skmq":
                     continue
+                if system in PACED_ONLY and scenario != "latency":
+                    continue
                 await self.one(system, scenario, rate)
         if "backlog" in a.scenario_list and "skmq" in systems:
             await self.backlog()
@@ -356,6 +367,9 @@ class Runner:
         )
         if system == "skmq":
             res = await self.skmq(plan)
+        elif system == "floor":
+            res = await run_floor(plan.messages, plan.rate)
+            res.scenario = plan.scenario
         elif system == "nats":
             stream = f"skmqbench{plan.scenario.replace('-', '')}{os.getpid()}"
             res = await self.external(NatsSystem(self.args.nats_url, stream), plan)
@@ -574,8 +588,10 @@ class Runner:
                 "schedule at worst (latency counts from the actual send); p50/p99/max: send to "
                 "receipt; CPU µs per delivered message, user+system, from the producer's start "
                 "to 0.5 s after the last delivery: broker = `skmq serve` (Redis apart), "
-                "nats-server or beam.smp; B+R: broker + Redis; other CPU %: the rest of the "
-                "machine.",
+                "nats-server or beam.smp, for `floor` the relay of bench/floor_bench.py (the "
+                "protocol's steps, store and finish in the embedded Redis with one plain command "
+                "each, no broker logic: what a Python process and Redis cannot go below); B+R: "
+                "broker + Redis; other CPU %: the rest of the machine.",
             ]
         bt = backlog_table(self.results)
         if bt:

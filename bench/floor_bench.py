@@ -1,10 +1,26 @@
-"""The floor under a paced run on this machine: what a message's path costs with no
-broker logic at all. A producer process sends timestamped 100-byte lines at a steady
-rate to a relay process (uvloop, asyncio protocols); the relay sends each through the
-embedded Redis (one trivial script call, by its unix socket, pipelined as they come) and
-writes the reply's line to a recipient process, which takes send-to-receipt latency.
-`--no-redis`: the relay forwards at once. Prints p50/p95/p99 and the relay's and
-Redis's CPU a message, to set beside `python -m bench --scenarios latency`.
+"""The floor under a paced run on this machine: what the protocol's steps cost a message
+in one Python process on uvloop with Redis, with no broker logic at all.
+
+A producer process, paced as the benchmark's are (`bench/pacing.py`: bursts of what is
+due, at least 1 ms apart), sends 100-byte messages to a relay process. The relay does
+what any broker of SKMQ's shape must do for each, and nothing else:
+
+1. store it in the embedded Redis (the broker's: AOF, `appendfsync everysec`, by its
+   unix socket) with one plain command, `SET <msgid> <content> NX` (the store and the
+   duplicate check), pipelined as the messages come;
+2. on its reply, answer the producer (`ok <msgid>`) and push the message to the
+   recipient process, on one connection the relay opened;
+3. on the recipient's `ack <msgid>`, drop the message with `DEL <msgid>`, lingering up to
+   2 ms to ride with the next store's write (as SKMQ's ACK_LINGER), and answer the
+   recipient (`ok`) on its reply.
+
+Plain commands are a lower bound: SKMQ's transitions are scripts that also queue, lease
+and dedupe over time. `--no-redis` drops the store: the relay pushes at once and answers
+acks at once (the process hops alone). The recipient takes send-to-receipt latency.
+
+Prints p50/p99 and the relay's and Redis's CPU a delivered message, to set beside
+`python -m bench --scenarios latency`, which runs it as system `floor` at each paced
+rate (`--systems ...,floor`) beside SKMQ and NATS JetStream in the same run.
 
 Usage: python -m bench.floor_bench [--rate 2000] [--messages 20000] [--no-redis]
 """
@@ -13,108 +29,212 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import hiredis
 import uvloop
 
-from bench.harness import latency_summary
+from bench.harness import LoadResult, latency_summary
+from bench.pacing import Pacer
 from skmq.embedded import EmbeddedRedis, free_port
 from skmq.store.client import hiredis_pack
 
-SCRIPT = "redis.call('RPUSH', KEYS[1], ARGV[1]); return redis.call('LPOP', KEYS[1])"
+LINGER = 0.002  # an ack's DEL waits this long for the next store's write (ACK_LINGER)
+PROCESS_WAIT = 60.0  # bound on each wait for a process of the run
 
 
-class _RedisSide(asyncio.Protocol):
-    """Replies of the relay's script calls, in order: each one's line to the recipient."""
+class _Relay:
+    """The three connections of the relay and the Redis replies awaited, in order: for a
+    store, (producer reply, push); for a finish, the reply to the recipient."""
 
-    def __init__(self, out: asyncio.StreamWriter) -> None:
-        self.out = out
+    def __init__(self, use_redis: bool) -> None:
+        self.use_redis = use_redis
+        self.producer: asyncio.Transport | None = None
+        self.recipient: asyncio.Transport | None = None
+        self.redis: asyncio.Transport | None = None
         self.parser = hiredis.Reader()
-        self.lines: list[bytes | None] = []  # (None: the AUTH's reply)
-        self.transport: asyncio.Transport | None = None
+        self.awaited: deque[tuple[bytes, bytes] | None] = deque()  # None: a finish
+        self.finishes: list[bytes] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def messages(self, lines: list[bytes]) -> None:
+        """A producer's messages (`<send µs> <msgid> <padding>`): stored, then pushed."""
+        if not self.use_redis:
+            assert self.producer is not None and self.recipient is not None
+            self.producer.write(b"".join(b"ok " + x.split(b" ", 2)[1] + b"\n" for x in lines))
+            self.recipient.write(b"".join(line + b"\n" for line in lines))
+            return
+        calls = self._take_finishes()
+        for line in lines:
+            msgid = line.split(b" ", 2)[1]
+            calls.append(hiredis_pack(("SET", msgid, line, "NX")))
+            self.awaited.append((b"ok " + msgid + b"\n", line + b"\n"))
+        assert self.redis is not None
+        self.redis.write(b"".join(calls))
+
+    def acks(self, msgids: list[bytes]) -> None:
+        """The recipient's acks: each message dropped, the ack answered once it is."""
+        if not self.use_redis:
+            assert self.recipient is not None
+            self.recipient.write(b"ok\n" * len(msgids))
+            return
+        self.finishes.extend(hiredis_pack(("DEL", msgid)) for msgid in msgids)
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(LINGER, self._flush_finishes)
+
+    def _take_finishes(self) -> list[bytes]:
+        calls, self.finishes = self.finishes, []
+        self.awaited.extend([None] * len(calls))
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return calls
+
+    def _flush_finishes(self) -> None:
+        self.timer = None
+        calls = self._take_finishes()
+        if calls and self.redis is not None:
+            self.redis.write(b"".join(calls))
+
+    def replies(self, data: bytes) -> None:
+        """Redis's replies, in the order of the calls."""
+        self.parser.feed(data)
+        answers, pushes, finished = [], [], 0
+        while self.parser.gets() is not False:
+            awaited = self.awaited.popleft()
+            if awaited is None:
+                finished += 1
+            else:
+                answers.append(awaited[0])
+                pushes.append(awaited[1])
+        assert self.producer is not None and self.recipient is not None
+        if answers and not self.producer.is_closing():  # (the producer may be gone)
+            self.producer.write(b"".join(answers))
+        out = b"".join(pushes) + b"ok\n" * finished
+        if out:
+            self.recipient.write(out)
+
+
+class _Lines(asyncio.Protocol):
+    """A connection read as newline-ended lines, handed on a read at a time."""
+
+    def __init__(
+        self,
+        on_lines: Callable[[list[bytes]], None],
+        on_connect: Callable[[asyncio.Transport], None] = lambda _: None,
+    ) -> None:
+        self.on_lines = on_lines
+        self.on_connect = on_connect
+        self.buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed(data)
-        while self.parser.gets() is not False:
-            line = self.lines.pop(0)
-            if line is not None:
-                self.out.write(line)
-
-
-class _ProducerSide(asyncio.Protocol):
-    def __init__(self, out: asyncio.StreamWriter, redis: _RedisSide | None) -> None:
-        self.out = out
-        self.redis = redis
-        self.buffer = b""
+        self.on_connect(transport)  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         *lines, self.buffer = (self.buffer + data).split(b"\n")
-        if not lines:
-            return
-        if self.redis is None:
-            self.out.write(b"".join(line + b"\n" for line in lines))
-            return
-        calls = []
-        for line in lines:
-            self.redis.lines.append(line + b"\n")
-            calls.append(hiredis_pack(("EVAL", SCRIPT, 1, "floor", line)))
-        assert self.redis.transport is not None
-        self.redis.transport.write(b"".join(calls))
+        if lines:
+            self.on_lines(lines)
+
+
+class _RedisSide(asyncio.Protocol):
+    def __init__(self, relay: _Relay) -> None:
+        self.relay = relay
+
+    def data_received(self, data: bytes) -> None:
+        self.relay.replies(data)
 
 
 async def relay(port: int, recipient_port: int, redis_socket: str, password: str) -> None:
     loop = asyncio.get_running_loop()
-    for _ in range(500):  # (until the recipient listens)
-        try:
-            _, out = await asyncio.open_connection("127.0.0.1", recipient_port)
-            break
-        except OSError:
-            await asyncio.sleep(0.02)
-    else:
-        raise RuntimeError(f"no recipient on {recipient_port}")
-    redis: _RedisSide | None = None
+    r = _Relay(use_redis=bool(redis_socket))
     if redis_socket:
-        _, redis = await loop.create_unix_connection(lambda: _RedisSide(out), redis_socket)
-        assert redis.transport is not None
-        redis.lines.append(None)
-        redis.transport.write(hiredis_pack(("AUTH", password)))
-    server = await loop.create_server(lambda: _ProducerSide(out, redis), "127.0.0.1", port)
+        auth = loop.create_future()
+        reader = hiredis.Reader()
+
+        class _Auth(asyncio.Protocol):
+            def data_received(self, data: bytes) -> None:
+                reader.feed(data)
+                if reader.gets() is not False and not auth.done():
+                    auth.set_result(None)
+
+        transport, _ = await loop.create_unix_connection(_Auth, redis_socket)
+        transport.write(hiredis_pack(("AUTH", password)))
+        await asyncio.wait_for(auth, PROCESS_WAIT)
+        transport.set_protocol(_RedisSide(r))
+        r.redis = transport
+    rec_transport, _ = await loop.create_connection(
+        lambda: _Lines(lambda lines: r.acks([x.split(b" ", 1)[1] for x in lines if x])),
+        "127.0.0.1",
+        recipient_port,
+    )
+    r.recipient = rec_transport
+
+    def producer_side() -> _Lines:
+        return _Lines(lambda lines: r.messages([x for x in lines if x]),
+                      lambda transport: setattr(r, "producer", transport))  # fmt: skip
+
+    server = await loop.create_server(producer_side, "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
 
 async def recipient(port: int, messages: int, out: str) -> None:
+    """Take `messages` pushes on the relay's connection, ack each; write the latencies."""
     latencies: list[int] = []
     done = asyncio.Event()
 
     async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while len(latencies) < messages and (line := await reader.readline()):
-            latencies.append(time.time_ns() // 1000 - int(line.split(b" ", 1)[0]))
-        done.set()
+        while len(latencies) < messages and (data := await reader.read(1 << 16)):
+            acks = []
+            now = time.time_ns() // 1000
+            for line in data.split(b"\n"):
+                parts = line.split(b" ", 2)
+                if len(parts) == 3:  # a push (the relay's `ok` lines have one word)
+                    latencies.append(now - int(parts[0]))
+                    acks.append(b"ack " + parts[1] + b"\n")
+            if acks:
+                writer.write(b"".join(acks))
+        if len(latencies) >= messages:  # (not a probe's connection: _listening)
+            done.set()
 
     async with await asyncio.start_server(take, "127.0.0.1", port):
-        await done.wait()
+        await asyncio.wait_for(done.wait(), messages / 100 + PROCESS_WAIT)
     Path(out).write_text("\n".join(map(str, latencies)))
 
 
-def producer(port: int, messages: int, rate: float) -> None:
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        start = time.perf_counter()
-        for i in range(messages):
-            while (wait := start + i / rate - time.perf_counter()) > 0:
-                time.sleep(wait)
-            sock.sendall(b"%d " % (time.time_ns() // 1000) + b"x" * 100 + b"\n")
+async def producer(port: int, messages: int, rate: float, out: str) -> None:
+    """Send `messages` at `rate`, paced as the benchmark's producers are; read the answers;
+    write the pacer's summary."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def drain_answers() -> None:
+        while await reader.read(1 << 16):
+            pass
+
+    answers = asyncio.create_task(drain_answers())
+    pacer = Pacer(rate, messages)
+    pacer.start()
+    pad = b"." * 80
+    stop_at = time.monotonic() + messages / rate + PROCESS_WAIT
+    while due := await pacer.next_batch(stop_at):
+        stamp = b"%d " % (time.time_ns() // 1000)
+        writer.write(b"".join(stamp + b"m%08x " % (pacer.sent + i) + pad + b"\n"
+                              for i in range(due)))  # fmt: skip
+        pacer.record(due)
+    Path(out).write_text(json.dumps(pacer.summary()))
+    answers.cancel()
+    writer.close()
 
 
 def _cpu(pid: int) -> float:
@@ -123,44 +243,64 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_listening(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+async def _listening(port: int) -> None:
+    for _ in range(500):
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
             return
         except OSError:
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
     raise RuntimeError(f"nothing listens on {port}")
 
 
-def run(messages: int, rate: float, use_redis: bool) -> None:
-    me = [sys.executable, "-m", "bench.floor_bench"]
+async def run_floor(messages: int, rate: float, use_redis: bool = True) -> LoadResult:
+    """One paced run of the floor, as a LoadResult of system `floor`: broker CPU is the
+    relay's, Redis CPU the embedded Redis's, a delivered message each."""
+    me = [sys.executable, "-m", "bench.floor_bench", "--role"]
+    result = LoadResult(system="floor" if use_redis else "floor-no-redis",
+                        scenario="", producers=1, recipients=1, planned=messages,
+                        target_rate=rate)  # fmt: skip
     with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d)) as redis:
-        port, recipient_port, out = free_port(), free_port(), f"{d}/latencies"
-        rec = subprocess.Popen(
-            [*me, "--role", "recipient", str(recipient_port), str(messages), out]
-        )
-        where = [str(redis.socket_path), redis._password] if use_redis else ["", ""]
-        rel = subprocess.Popen([*me, "--role", "relay", str(port), str(recipient_port), *where])
+        port, recipient_port = free_port(), free_port()
+        procs = [await asyncio.create_subprocess_exec(
+            *me, "recipient", str(recipient_port), str(messages), f"{d}/latencies")]  # fmt: skip
         try:
-            _wait_listening(port)
+            await _listening(recipient_port)
+            where = [str(redis.socket_path), redis._password] if use_redis else ["", ""]
+            rel = await asyncio.create_subprocess_exec(
+                *me, "relay", str(port), str(recipient_port), *where
+            )
+            procs.append(rel)
+            await _listening(port)
             assert redis.proc is not None
             before = _cpu(rel.pid), _cpu(redis.proc.pid)
-            producer(port, messages, rate)
-            rec.wait(timeout=60)
-            relay_cpu = (_cpu(rel.pid) - before[0]) / messages * 1e6
-            redis_cpu = (_cpu(redis.proc.pid) - before[1]) / messages * 1e6
+            prod = await asyncio.create_subprocess_exec(
+                *me, "producer", str(port), str(messages), str(rate), f"{d}/pacer"
+            )
+            procs.append(prod)
+            async with asyncio.timeout(messages / rate + PROCESS_WAIT):
+                await procs[0].wait()
+                await prod.wait()
+            delivered = max(1, messages)
+            result.broker_cpu_us = (_cpu(rel.pid) - before[0]) / delivered * 1e6
+            result.redis_cpu_us = (_cpu(redis.proc.pid) - before[1]) / delivered * 1e6
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            result.error = f"floor run failed: {exc or type(exc).__name__}"
+            return result
         finally:
-            rel.kill()
-            rec.kill()
-        summary = latency_summary([int(x) for x in Path(out).read_text().split()])
-    hop = "through Redis" if use_redis else "no Redis"
-    print(
-        f"floor, {hop}, {rate:,.0f} msg/s, {messages:,} messages: p50 {summary['p50']:.3f} "
-        f"p95 {summary['p95']:.3f} p99 {summary['p99']:.3f} ms; relay CPU {relay_cpu:.1f} "
-        f"µs/msg, Redis CPU {redis_cpu:.1f} µs/msg"
-    )
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+        latencies = [int(x) for x in Path(d, "latencies").read_text().split()]
+        pacer = json.loads(Path(d, "pacer").read_text())
+    result.sent = result.acked = result.received = result.unique = len(latencies)
+    result.lost = messages - len(latencies)
+    result.latency_ms = latency_summary(latencies)
+    result.achieved_rate = pacer["achieved_rate"]
+    result.lag_max_ms = pacer["lag_max_ms"]
+    return result
 
 
 def main() -> None:
@@ -170,13 +310,24 @@ def main() -> None:
             uvloop.run(relay(int(args[0]), int(args[1]), args[2], args[3]))
         elif role == "recipient":
             uvloop.run(recipient(int(args[0]), int(args[1]), args[2]))
+        elif role == "producer":
+            uvloop.run(producer(int(args[0]), int(args[1]), float(args[2]), args[3]))
         return
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rate", type=float, default=2000.0)
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--no-redis", action="store_true")
     a = p.parse_args()
-    run(a.messages, a.rate, not a.no_redis)
+    r = uvloop.run(run_floor(a.messages, a.rate, not a.no_redis))
+    if r.error:
+        raise SystemExit(r.error)
+    hop = "no Redis" if a.no_redis else "store and finish in Redis"
+    lat = r.latency_ms
+    print(
+        f"floor, {hop}, {a.rate:,.0f} msg/s, {r.unique:,} of {a.messages:,} delivered: "
+        f"p50 {lat['p50']:.3f} p99 {lat['p99']:.3f} max {lat['max']:.3f} ms; relay CPU "
+        f"{r.broker_cpu_us:.1f} µs/msg, Redis CPU {r.redis_cpu_us:.1f} µs/msg"
+    )
 
 
 if __name__ == "__main__":

@@ -124,6 +124,11 @@ def results_table(results: list[LoadResult]) -> str:
     return _table(headers, rows)
 
 
+# Systems whose CPU a message is a process's and its Redis's: SKMQ, and the floor (the
+# relay of bench/floor_bench.py in the broker's columns).
+WITH_REDIS = ("skmq", "floor")
+
+
 def _sum(*values: float | None) -> float | None:
     return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
@@ -172,7 +177,7 @@ def paced_table(results: list[LoadResult]) -> str:
                 _num(lat.get("max"), 2),
                 _num(r.broker_cpu_us, 1),
                 _num(r.redis_cpu_us, 1),
-                _num(_sum(r.broker_cpu_us, r.redis_cpu_us) if r.system == "skmq" else None, 1),
+                _num(_sum(r.broker_cpu_us, r.redis_cpu_us) if r.system in WITH_REDIS else None, 1),
                 _num(r.clients_cpu_us, 1),
                 _num(log_bytes_per_msg(r), 1),
                 _num(r.lost),
@@ -422,7 +427,7 @@ def _paced_p99(
         return
     p99 = r.latency_ms["p99"]
     others = []
-    for system, label in (("nats", "NATS"), ("rabbitmq", "RabbitMQ")):
+    for system, label in (("nats", "NATS"), ("rabbitmq", "RabbitMQ"), ("floor", "floor")):
         o = _paced(results, system, rate)
         if o is not None and _no_verdict(o) is None:
             others.append(f"{label} {o.latency_ms['p99']:.2f} ms")
@@ -453,11 +458,18 @@ def _paced_cpu(
     if ours is None or theirs is None:
         check(name, None, "CPU not measured (no broker, Redis or nats-server process seen)")
         return
+    f = _paced(results, "floor", rate)
+    floor = None if f is None or _no_verdict(f) else _sum(f.broker_cpu_us, f.redis_cpu_us)
+    beside = (
+        ""
+        if floor is None
+        else (f"; the floor (the protocol's steps through Redis, no broker logic) {floor:,.1f} µs")
+    )
     check(
         name,
         ours <= theirs,
         f"SKMQ {ours:,.1f} µs (broker {s.broker_cpu_us:,.1f} + Redis {s.redis_cpu_us:,.1f}) "
-        f"against nats-server {theirs:,.1f} µs a delivered message" + _caveat(s, n),
+        f"against nats-server {theirs:,.1f} µs a delivered message{beside}" + _caveat(s, n),
     )
 
 
