@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ import uvloop
 from bench.harness import LoadResult, latency_summary
 from bench.pacing import Pacer
 from skmq.embedded import EmbeddedRedis, free_port
+from skmq.errors import UsageError
 from skmq.store.client import hiredis_pack
 
 LINGER = 0.002  # an ack's DEL waits this long for the next store's write (ACK_LINGER)
@@ -193,10 +195,12 @@ async def recipient(port: int, messages: int, out: str) -> None:
     done = asyncio.Event()
 
     async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        rest = b""
         while len(latencies) < messages and (data := await reader.read(1 << 16)):
+            *lines, rest = (rest + data).split(b"\n")
             acks = []
             now = time.time_ns() // 1000
-            for line in data.split(b"\n"):
+            for line in lines:
                 parts = line.split(b" ", 2)
                 if len(parts) == 3:  # a push (the relay's `ok` lines have one word)
                     latencies.append(now - int(parts[0]))
@@ -256,51 +260,66 @@ async def _listening(port: int) -> None:
 
 async def run_floor(messages: int, rate: float, use_redis: bool = True) -> LoadResult:
     """One paced run of the floor, as a LoadResult of system `floor`: broker CPU is the
-    relay's, Redis CPU the embedded Redis's, a delivered message each."""
-    me = [sys.executable, "-m", "bench.floor_bench", "--role"]
+    relay's, Redis CPU the embedded Redis's, a delivered message each. A run that fails
+    says why in `error` (the last line a process of it wrote)."""
     result = LoadResult(system="floor" if use_redis else "floor-no-redis",
                         scenario="", producers=1, recipients=1, planned=messages,
                         target_rate=rate)  # fmt: skip
-    with tempfile.TemporaryDirectory() as d, EmbeddedRedis(Path(d)) as redis:
-        port, recipient_port = free_port(), free_port()
-        procs = [await asyncio.create_subprocess_exec(
-            *me, "recipient", str(recipient_port), str(messages), f"{d}/latencies")]  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
         try:
+            async with asyncio.timeout(messages / rate + 3 * PROCESS_WAIT):
+                await _run(Path(d), messages, rate, use_redis, result)
+        except (TimeoutError, RuntimeError, OSError, UsageError) as exc:
+            errs = [Path(d, f"{role}.err") for role in ("recipient", "relay", "producer")]
+            said = [e.read_text(errors="replace").strip() for e in errs if e.exists()]
+            last = next((x.splitlines()[-1] for x in said if x), "")
+            result.error = f"floor run failed: {exc or type(exc).__name__}" + (
+                f" ({last})" if last else ""
+            )
+    return result
+
+
+async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: LoadResult) -> None:
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(role: str, *args: str) -> asyncio.subprocess.Process:
+        with open(d / f"{role}.err", "wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bench.floor_bench", "--role", role, *args,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            )  # fmt: skip
+        procs.append(proc)
+        return proc
+
+    with EmbeddedRedis(d) as redis:
+        assert redis.proc is not None
+        port, recipient_port = free_port(), free_port()
+        try:
+            rec = await start("recipient", str(recipient_port), str(messages), str(d / "latencies"))
             await _listening(recipient_port)
             where = [str(redis.socket_path), redis._password] if use_redis else ["", ""]
-            rel = await asyncio.create_subprocess_exec(
-                *me, "relay", str(port), str(recipient_port), *where
-            )
-            procs.append(rel)
+            rel = await start("relay", str(port), str(recipient_port), *where)
             await _listening(port)
-            assert redis.proc is not None
             before = _cpu(rel.pid), _cpu(redis.proc.pid)
-            prod = await asyncio.create_subprocess_exec(
-                *me, "producer", str(port), str(messages), str(rate), f"{d}/pacer"
-            )
-            procs.append(prod)
-            async with asyncio.timeout(messages / rate + PROCESS_WAIT):
-                await procs[0].wait()
-                await prod.wait()
-            delivered = max(1, messages)
-            result.broker_cpu_us = (_cpu(rel.pid) - before[0]) / delivered * 1e6
-            result.redis_cpu_us = (_cpu(redis.proc.pid) - before[1]) / delivered * 1e6
-        except (TimeoutError, RuntimeError, OSError) as exc:
-            result.error = f"floor run failed: {exc or type(exc).__name__}"
-            return result
+            prod = await start("producer", str(port), str(messages), str(rate), str(d / "pacer"))
+            if await rec.wait() or await prod.wait():
+                raise RuntimeError("a process of the run failed")
+            relay_cpu, redis_cpu = _cpu(rel.pid) - before[0], _cpu(redis.proc.pid) - before[1]
         finally:
-            for p in procs:
+            for proc in procs:
                 with contextlib.suppress(ProcessLookupError):
-                    p.kill()
-                await p.wait()
-        latencies = [int(x) for x in Path(d, "latencies").read_text().split()]
-        pacer = json.loads(Path(d, "pacer").read_text())
+                    proc.kill()
+                await proc.wait()
+    latencies = [int(x) for x in (d / "latencies").read_text().split()]
+    pacer = json.loads((d / "pacer").read_text())
+    delivered = max(1, len(latencies))
+    result.broker_cpu_us = relay_cpu / delivered * 1e6
+    result.redis_cpu_us = redis_cpu / delivered * 1e6
     result.sent = result.acked = result.received = result.unique = len(latencies)
     result.lost = messages - len(latencies)
     result.latency_ms = latency_summary(latencies)
     result.achieved_rate = pacer["achieved_rate"]
     result.lag_max_ms = pacer["lag_max_ms"]
-    return result
 
 
 def main() -> None:
