@@ -337,6 +337,8 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--no-redis", action="store_true")
     a = p.parse_args()
+    if a.messages < 1 or a.rate <= 0:
+        p.error("--messages needs at least 1 and --rate more than 0")
     r = uvloop.run(run_floor(a.messages, a.rate, not a.no_redis))
     if r.error:
         raise SystemExit(r.error)
