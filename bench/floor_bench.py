@@ -190,7 +190,8 @@ async def relay(port: int, recipient_port: int, redis_socket: str, password: str
 
 
 async def recipient(port: int, messages: int, out: str) -> None:
-    """Take `messages` pushes on the relay's connection, ack each; write the latencies."""
+    """Take `messages` pushes on the relay's connection, ack each; write their latencies
+    (µs) and when the last came."""
     latencies: list[int] = []
     done = asyncio.Event()
 
@@ -212,7 +213,7 @@ async def recipient(port: int, messages: int, out: str) -> None:
 
     async with await asyncio.start_server(take, "127.0.0.1", port):
         await asyncio.wait_for(done.wait(), messages / 100 + PROCESS_WAIT)
-    Path(out).write_text("\n".join(map(str, latencies)))
+    Path(out).write_text(json.dumps({"latencies": latencies, "last_ns": time.time_ns()}))
 
 
 async def producer(port: int, messages: int, rate: float, out: str) -> None:
@@ -229,6 +230,7 @@ async def producer(port: int, messages: int, rate: float, out: str) -> None:
     answers = asyncio.create_task(drain_answers())
     pacer = Pacer(rate, messages)
     pacer.start()
+    start_ns = time.time_ns()
     pad = b"." * 80
     stop_at = time.monotonic() + messages / rate + PROCESS_WAIT
     while due := await pacer.next_batch(stop_at):
@@ -236,7 +238,7 @@ async def producer(port: int, messages: int, rate: float, out: str) -> None:
         writer.write(b"".join(stamp + b"m%08x " % (pacer.sent + i) + pad + b"\n"
                               for i in range(due)))  # fmt: skip
         pacer.record(due)
-    Path(out).write_text(json.dumps(pacer.summary()))
+    Path(out).write_text(json.dumps({**pacer.summary(), "start_ns": start_ns}))
     answers.cancel()
     writer.close()
 
@@ -310,7 +312,8 @@ async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: Loa
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-    latencies = [int(x) for x in (d / "latencies").read_text().split()]
+    received = json.loads((d / "latencies").read_text())
+    latencies: list[int] = received["latencies"]
     pacer = json.loads((d / "pacer").read_text())
     delivered = max(1, len(latencies))
     result.broker_cpu_us = relay_cpu / delivered * 1e6
@@ -318,8 +321,10 @@ async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: Loa
     result.sent = result.acked = result.received = result.unique = len(latencies)
     result.lost = messages - len(latencies)
     result.latency_ms = latency_summary(latencies)
-    result.achieved_rate = pacer["achieved_rate"]
+    result.achieved_rate = result.ingest_rate = pacer["achieved_rate"]
     result.lag_max_ms = pacer["lag_max_ms"]
+    span = (received["last_ns"] - pacer["start_ns"]) / 1e9
+    result.e2e_rate = len(latencies) / span if span > 0 else None
 
 
 def main() -> None:
