@@ -293,20 +293,23 @@ async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: Loa
         procs.append(proc)
         return proc
 
-    with EmbeddedRedis(d) as redis:
-        assert redis.proc is not None
+    with contextlib.ExitStack() as stack:
+        # (--no-redis: no Redis at all, so none of its CPU is counted)
+        redis = stack.enter_context(EmbeddedRedis(d)) if use_redis else None
+        where = ["", ""] if redis is None else [str(redis.socket_path), redis._password]
         port, recipient_port = free_port(), free_port()
         try:
             rec = await start("recipient", str(recipient_port), str(messages), str(d / "latencies"))
             await _listening(recipient_port)
-            where = [str(redis.socket_path), redis._password] if use_redis else ["", ""]
             rel = await start("relay", str(port), str(recipient_port), *where)
             await _listening(port)
-            before = _cpu(rel.pid), _cpu(redis.proc.pid)
+            redis_pid = None if redis is None or redis.proc is None else redis.proc.pid
+            before = _cpu(rel.pid), _cpu(redis_pid) if redis_pid else 0.0
             prod = await start("producer", str(port), str(messages), str(rate), str(d / "pacer"))
             if await rec.wait() or await prod.wait():
                 raise RuntimeError("a process of the run failed")
-            relay_cpu, redis_cpu = _cpu(rel.pid) - before[0], _cpu(redis.proc.pid) - before[1]
+            relay_cpu = _cpu(rel.pid) - before[0]
+            redis_cpu = _cpu(redis_pid) - before[1] if redis_pid else None
         finally:
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError):
@@ -317,7 +320,7 @@ async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: Loa
     pacer = json.loads((d / "pacer").read_text())
     delivered = max(1, len(latencies))
     result.broker_cpu_us = relay_cpu / delivered * 1e6
-    result.redis_cpu_us = redis_cpu / delivered * 1e6
+    result.redis_cpu_us = None if redis_cpu is None else redis_cpu / delivered * 1e6
     result.sent = result.acked = result.received = result.unique = len(latencies)
     result.lost = messages - len(latencies)
     result.latency_ms = latency_summary(latencies)
@@ -352,7 +355,8 @@ def main() -> None:
     print(
         f"floor, {hop}, {a.rate:,.0f} msg/s, {r.unique:,} of {a.messages:,} delivered: "
         f"p50 {lat['p50']:.3f} p99 {lat['p99']:.3f} max {lat['max']:.3f} ms; relay CPU "
-        f"{r.broker_cpu_us:.1f} µs/msg, Redis CPU {r.redis_cpu_us:.1f} µs/msg"
+        f"{r.broker_cpu_us:.1f} µs/msg"
+        + ("" if r.redis_cpu_us is None else f", Redis CPU {r.redis_cpu_us:.1f} µs/msg")
     )
 
 
