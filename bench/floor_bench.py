@@ -195,10 +195,10 @@ async def recipient(port: int, messages: int, out: str) -> None:
     latencies: list[int] = []
     done = asyncio.Event()
 
-    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        rest = b""
-        while len(latencies) < messages and (data := await reader.read(1 << 16)):
-            *lines, rest = (rest + data).split(b"\n")
+    def connection() -> _Lines:
+        transport: list[asyncio.Transport] = []
+
+        def take(lines: list[bytes]) -> None:
             acks = []
             now = time.time_ns() // 1000
             for line in lines:
@@ -207,11 +207,14 @@ async def recipient(port: int, messages: int, out: str) -> None:
                     latencies.append(now - int(parts[0]))
                     acks.append(b"ack " + parts[1] + b"\n")
             if acks:
-                writer.write(b"".join(acks))
-        if len(latencies) >= messages:  # (not a probe's connection: _listening)
-            done.set()
+                transport[0].write(b"".join(acks))
+            if len(latencies) >= messages:
+                done.set()
 
-    async with await asyncio.start_server(take, "127.0.0.1", port):
+        return _Lines(take, transport.append)
+
+    server = await asyncio.get_running_loop().create_server(connection, "127.0.0.1", port)
+    async with server:
         await asyncio.wait_for(done.wait(), messages / 100 + PROCESS_WAIT)
     Path(out).write_text(json.dumps({"latencies": latencies, "last_ns": time.time_ns()}))
 
