@@ -28,7 +28,7 @@ from skmq.auth import broker_tokens, push_signer
 from skmq.clock import StoreClock
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
-from skmq.embedded import EmbeddedRedis
+from skmq.embedded import EmbeddedRedis, preloaded_allocator
 from skmq.errors import Misconfigured, UsageError, redis_error_text
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
@@ -151,12 +151,15 @@ class Broker:
         """Start the embedded server (in the main thread: its death signal follows this thread)."""
         if self.settings.redis_url:
             return self.settings.redis_url
-        self.embedded = EmbeddedRedis(self.settings.data_dir, self.settings.redis_appendfsync)
+        self.embedded = EmbeddedRedis(
+            self.settings.data_dir, self.settings.redis_appendfsync, self.settings.redis_allocator
+        )
         self.embedded.start()
         log.info(
             "embedded redis started",
             url=redacted(self.embedded.url),
             data_dir=str(self.settings.data_dir),
+            allocator=preloaded_allocator(self.settings.redis_allocator) or "its own",
         )
         return self.embedded.url
 

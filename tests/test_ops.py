@@ -4,6 +4,7 @@ delivery, the embedded Redis kept alive and closed, health that never hangs."""
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import errno
 import itertools
 import json
@@ -465,6 +466,22 @@ async def test_the_embedded_redis_is_loopback_only_with_a_private_password(
         assert f":{secret}@" in again.url
     finally:
         again.stop()
+
+
+async def test_the_embedded_redis_runs_on_jemalloc_where_the_system_has_it(
+    tmp_path: Path,
+) -> None:
+    """REDIS_ALLOCATOR `auto` preloads jemalloc into the embedded server when the system
+    has it (skmq/embedded.py: JEMALLOC); `libc` leaves the server its own malloc."""
+    system_has_it = ctypes.util.find_library("jemalloc") is not None
+    for allocator, preloaded in (("auto", system_has_it), ("libc", False)):
+        with EmbeddedRedis(tmp_path / allocator, allocator=allocator) as server:
+            assert server.proc is not None
+            maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+            assert ("libjemalloc" in maps) == preloaded, allocator
+            client = aioredis.Redis.from_url(server.url)
+            assert await client.set("k", "v" * 1000) and await client.get("k") == b"v" * 1000
+            await client.aclose()
 
 
 # What the broker says of a Redis set to allkeys-lru, at start and while it runs.

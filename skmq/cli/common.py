@@ -29,7 +29,9 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
     if url is None:
         if not is_broker_data(settings.data_dir):
             raise UsageError(f"no broker data in {settings.data_dir} (set --data-dir or REDIS_URL)")
-        embedded = EmbeddedRedis(settings.data_dir, settings.redis_appendfsync)
+        embedded = EmbeddedRedis(
+            settings.data_dir, settings.redis_appendfsync, settings.redis_allocator
+        )
         embedded.start()
         url = embedded.url
     try:
