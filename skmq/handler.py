@@ -189,6 +189,10 @@ class FrameHandler:
         """Backpressure: wait while too much producer content waits for the store."""
         await self.enqueuer.room()
 
+    def has_store_room(self) -> bool:
+        """No backpressure now: producer frames may be handled at once."""
+        return self.enqueuer.has_room()
+
     def handle_batch(
         self, items: list[tuple[Peer, Frame | InvalidFrame | CodecError | None]]
     ) -> list[Outcome]:

@@ -125,6 +125,10 @@ class Enqueuer:
         (at most STORE_TIMEOUT: every waiting batch is stored or failed by then)."""
         await self._room.wait()
 
+    def has_room(self) -> bool:
+        """Whether less than MAX_STORE_PENDING_BYTES of content waits for the store now."""
+        return self._room.is_set()
+
     @property
     def refusing(self) -> str | None:
         """Why stores are refused now (an evicting Redis, the disk nearly full at the last
