@@ -188,23 +188,22 @@ class Connection(asyncio.Protocol):
         its answers), then close. True: the transport stays open for them."""
         if self.draining:
             self.end_drain()
-            return True
+        else:
+            self.stream_ended()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.draining:
+            self.end_drain()
+        self.stream_ended()  # (the answers to what was read go nowhere)
+        self.server.connections.discard(self)
+
+    def stream_ended(self) -> None:
+        """Nothing more comes: once what was read is decoded, the end joins the batch."""
         if not self.broken:
             self.ended = True
             self.decode()
         self.reading_ended()
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
-        if self.draining:
-            self.end_drain()
-        if not self.broken:  # what was read is answered still (the writes go nowhere)
-            self.ended = True
-            self.decode()
-        self.reading_ended()
-        self.server.connections.discard(self)
 
     # -- reading ------------------------------------------------------------
     def decode(self) -> None:
