@@ -17,7 +17,9 @@ DATA_DIR and embedded Redis persisting with AOF):
            1 recipient, --latency-time s each: send-to-receipt p50/p99/max, the rate
            the producer achieved, CPU per delivered message of the broker (and of
            SKMQ's Redis); with system `floor` (bench/floor_bench.py), what the
-           protocol's steps alone cost through Redis at the same rate.
+           protocol's steps alone cost through Redis at the same rate, and with
+           `floor-lifecycle` what they cost through SKMQ's own store, claim and
+           finish scripts (no broker logic either).
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
            Redis `used_memory` growth per message (SKMQ only); then --recipients
            recipients drain it (capped at --drain-backlog-time): drain msg/s, the
@@ -75,10 +77,11 @@ LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "base", "latency")
 # e2e run.
 SKMQ_ONLY = frozenset({"ordered", "base"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
-ALL_SYSTEMS = ("skmq", "nats", "rabbitmq", "floor")
-# The floor (bench/floor_bench.py: the protocol's steps through Redis, no broker logic)
-# runs in the paced runs only.
-PACED_ONLY = frozenset({"floor"})
+# The floors (bench/floor_bench.py: the protocol's steps through Redis, no broker logic;
+# plain commands, or SKMQ's lifecycle scripts) run in the paced runs only.
+FLOORS = {"floor": "plain", "floor-lifecycle": "lifecycle"}
+ALL_SYSTEMS = ("skmq", "nats", "rabbitmq", *FLOORS)
+PACED_ONLY = frozenset(FLOORS)
 
 # Process groups of brokers still running: killed by the last-resort alarm.
 _LIVE_BROKER_PGIDS: set[int] = set()
@@ -114,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default=",".join(ALL_SYSTEMS),
-        help="skmq,nats,rabbitmq,floor (floor: paced only)",
+        help="skmq,nats,rabbitmq,floor,floor-lifecycle (the floors: paced only)",
     )
     p.add_argument("--broker-cmd", default="skmq serve", help="command starting the SKMQ broker")
     p.add_argument(
@@ -367,8 +370,8 @@ class Runner:
         )
         if system == "skmq":
             res = await self.skmq(plan)
-        elif system == "floor":
-            res = await run_floor(plan.messages, plan.rate)
+        elif system in FLOORS:
+            res = await run_floor(plan.messages, plan.rate, FLOORS[system])
             res.scenario = plan.scenario
         elif system == "nats":
             stream = f"skmqbench{plan.scenario.replace('-', '')}{os.getpid()}"
@@ -590,7 +593,9 @@ class Runner:
                 "to 0.5 s after the last delivery: broker = `skmq serve` (Redis apart), "
                 "nats-server or beam.smp, for `floor` the relay of bench/floor_bench.py (the "
                 "protocol's steps, store and finish in the embedded Redis with one plain command "
-                "each, no broker logic: what a Python process and Redis cannot go below); B+R: "
+                "each, no broker logic: what a Python process and Redis cannot go below), for "
+                "`floor-lifecycle` the same relay running SKMQ's store, claim and finish "
+                "scripts (what SKMQ's lifecycle in Redis costs under no broker logic); B+R: "
                 "broker + Redis; other CPU %: the rest of the machine.",
             ]
         bt = backlog_table(self.results)

@@ -15,14 +15,19 @@ what any broker of SKMQ's shape must do for each, and nothing else:
    recipient (`ok`) on its reply.
 
 Plain commands are a lower bound: SKMQ's transitions are scripts that also queue, lease
-and dedupe over time. `--no-redis` drops the store: the relay pushes at once and answers
-acks at once (the process hops alone). The recipient takes send-to-receipt latency.
+and dedupe over time. `--lifecycle` (system `floor-lifecycle` in the benchmark) runs
+SKMQ's own scripts instead, with the relay's steps unchanged: each read's messages stored
+with `store.lua` and claimed with `claim.lua` in the same write (a claim carried by its
+store, as the broker does at best), pushed on the claim's reply, finished with
+`finish.lua`: what SKMQ's lifecycle in Redis costs under a broker that does nothing
+else. `--no-redis` drops the store: the relay pushes at once and answers acks at once
+(the process hops alone). The recipient takes send-to-receipt latency.
 
 Prints p50/p99 and the relay's and Redis's CPU a delivered message, to set beside
 `python -m bench --scenarios latency`, which runs it as system `floor` at each paced
 rate (`--systems ...,floor`) beside SKMQ and NATS JetStream in the same run.
 
-Usage: python -m bench.floor_bench [--rate 2000] [--messages 20000] [--no-redis]
+Usage: python -m bench.floor_bench [--rate 2000] [--messages 20000] [--no-redis | --lifecycle]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import hiredis
 import uvloop
@@ -48,24 +54,46 @@ from bench.harness import LoadResult, latency_summary
 from bench.pacing import Pacer
 from skmq.embedded import EmbeddedRedis, free_port
 from skmq.errors import UsageError
+from skmq.store import scripts
 from skmq.store.client import hiredis_pack
+from skmq.store.messages import header
+from skmq.store.msgids import pack
 
 LINGER = 0.002  # an ack's DEL waits this long for the next store's write (ACK_LINGER)
 PROCESS_WAIT = 60.0  # bound on each wait for a process of the run
+# The lifecycle relay's app, recipient and msgids: 32 hex digits, as the benchmark's
+# producers send (packed in 17 bytes by the store), the last 8 the floor's message number.
+APP_BASE = "skmq:{floor}:"
+RID = "r1"
+MSGID_HEAD = b"a1b2c3d4e5f6a7b8c9d0e1f2"
+LIFECYCLE = ("store", "claim", "finish")
+DEDUPE_MS = 600_000  # the dedupe window, DEDUPE_WINDOW's default
+LEASE_MS = 30_000
+
+
+class _Awaited(NamedTuple):
+    """What a Redis reply releases: the producer's answers, pushes (`claim`: those of the
+    claim's reply), and how many acks to answer."""
+
+    answers: bytes = b""
+    pushes: bytes = b""
+    acks: int = 0
+    claim: bool = False
 
 
 class _Relay:
-    """The three connections of the relay and the Redis replies awaited, in order: for a
-    store, (producer reply, push); for a finish, the reply to the recipient."""
+    """The three connections of the relay, and what each Redis reply awaited releases, in
+    order. `shas`: the lifecycle scripts' (`--lifecycle`), else plain commands."""
 
-    def __init__(self, use_redis: bool) -> None:
+    def __init__(self, use_redis: bool, shas: dict[str, str] | None = None) -> None:
         self.use_redis = use_redis
+        self.shas = shas
         self.producer: asyncio.Transport | None = None
         self.recipient: asyncio.Transport | None = None
         self.redis: asyncio.Transport | None = None
         self.parser = hiredis.Reader()
-        self.awaited: deque[tuple[bytes, bytes] | None] = deque()  # None: a finish
-        self.finishes: list[bytes] = []
+        self.awaited: deque[_Awaited] = deque()
+        self.finishes: list[tuple[bytes, _Awaited]] = []
         self.timer: asyncio.TimerHandle | None = None
 
     def messages(self, lines: list[bytes]) -> None:
@@ -76,12 +104,36 @@ class _Relay:
             self.recipient.write(b"".join(line + b"\n" for line in lines))
             return
         calls = self._take_finishes()
-        for line in lines:
-            msgid = line.split(b" ", 2)[1]
-            calls.append(hiredis_pack(("SET", msgid, line, "NX")))
-            self.awaited.append((b"ok " + msgid + b"\n", line + b"\n"))
+        if self.shas is not None:
+            calls += self._store_and_claim(lines)
+        else:
+            for line in lines:
+                msgid = line.split(b" ", 2)[1]
+                calls.append(hiredis_pack(("SET", msgid, line, "NX")))
+                self.awaited.append(_Awaited(b"ok " + msgid + b"\n", line + b"\n"))
         assert self.redis is not None
         self.redis.write(b"".join(calls))
+
+    def _store_and_claim(self, lines: list[bytes]) -> list[bytes]:
+        """store.lua for the messages, then claim.lua for as many, all to the recipient."""
+        assert self.shas is not None
+        now = time.time_ns() // 1_000_000
+        bucket = now // DEDUPE_MS
+        head = header("queue", now, True)
+        args: list[object] = [now]
+        answers = []
+        for line in lines:
+            msgid = line.split(b" ", 2)[1]
+            args += (_held(msgid), head, line, 0, 0, "", "")
+            answers.append(b"ok " + msgid + b"\n")
+        n = len(lines)
+        claim = [now, LEASE_MS, n, 1, 0, 0, 1000, 0, RID, n, 1, *[RID] * n]
+        self.awaited += (_Awaited(b"".join(answers)), _Awaited(claim=True))
+        done = (f"done:{bucket}", f"done:{bucket - 1}")
+        return [
+            hiredis_pack(("EVALSHA", self.shas["store"], *_keys("store", *done), *args)),
+            hiredis_pack(("EVALSHA", self.shas["claim"], *_keys("claim"), *claim)),
+        ]
 
     def acks(self, msgids: list[bytes]) -> None:
         """The recipient's acks: each message dropped, the ack answered once it is."""
@@ -89,17 +141,24 @@ class _Relay:
             assert self.recipient is not None
             self.recipient.write(b"ok\n" * len(msgids))
             return
-        self.finishes.extend(hiredis_pack(("DEL", msgid)) for msgid in msgids)
+        if self.shas is not None:
+            now = time.time_ns() // 1_000_000
+            args = [x for msgid in msgids for x in (_held(msgid), 0)]
+            keys = _keys("finish", f"done:{now // DEDUPE_MS}")
+            call = hiredis_pack(("EVALSHA", self.shas["finish"], *keys, now, DEDUPE_MS, *args))
+            self.finishes.append((call, _Awaited(acks=len(msgids))))
+        else:
+            self.finishes += [(hiredis_pack(("DEL", m)), _Awaited(acks=1)) for m in msgids]
         if self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(LINGER, self._flush_finishes)
 
     def _take_finishes(self) -> list[bytes]:
-        calls, self.finishes = self.finishes, []
-        self.awaited.extend([None] * len(calls))
+        taken, self.finishes = self.finishes, []
+        self.awaited.extend(awaited for _, awaited in taken)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        return calls
+        return [call for call, _ in taken]
 
     def _flush_finishes(self) -> None:
         self.timer = None
@@ -110,20 +169,34 @@ class _Relay:
     def replies(self, data: bytes) -> None:
         """Redis's replies, in the order of the calls."""
         self.parser.feed(data)
-        answers, pushes, finished = [], [], 0
-        while self.parser.gets() is not False:
+        answers, pushes, acks = [], [], 0
+        while (reply := self.parser.gets()) is not False:
             awaited = self.awaited.popleft()
-            if awaited is None:
-                finished += 1
-            else:
-                answers.append(awaited[0])
-                pushes.append(awaited[1])
+            if isinstance(reply, hiredis.ReplyError):
+                raise SystemExit(f"Redis: {reply}")
+            answers.append(awaited.answers)
+            pushes.append(awaited.pushes)
+            acks += awaited.acks
+            if awaited.claim:  # (delivery id, kind, content, ...) 7 a delivery, then 2
+                pushes += [content + b"\n" for content in reply[2:-2:7]]
         assert self.producer is not None and self.recipient is not None
-        if answers and not self.producer.is_closing():  # (the producer may be gone)
+        if any(answers) and not self.producer.is_closing():  # (the producer may be gone)
             self.producer.write(b"".join(answers))
-        out = b"".join(pushes) + b"ok\n" * finished
+        out = b"".join(pushes) + b"ok\n" * acks
         if out:
             self.recipient.write(out)
+
+
+def _held(msgid: bytes) -> bytes:
+    """The floor's msgid (`m` and 8 hex digits) as the lifecycle relay stores it: 32 hex
+    digits, packed."""
+    return pack((MSGID_HEAD + msgid[1:]).decode())
+
+
+def _keys(script: str, *extra: str) -> list[object]:
+    """The key count and keys of a lifecycle script for the relay's app."""
+    keys = [APP_BASE + key for key in (*scripts.KEYS[script], *extra)]
+    return [len(keys), *keys]
 
 
 class _Lines(asyncio.Protocol):
@@ -155,22 +228,31 @@ class _RedisSide(asyncio.Protocol):
         self.relay.replies(data)
 
 
-async def relay(port: int, recipient_port: int, redis_socket: str, password: str) -> None:
+async def relay(
+    port: int, recipient_port: int, redis_socket: str, password: str, lifecycle: bool
+) -> None:
     loop = asyncio.get_running_loop()
     r = _Relay(use_redis=bool(redis_socket))
     if redis_socket:
-        auth = loop.create_future()
+        setup: list[tuple[str, ...]] = [("AUTH", password)]
+        setup += [("SCRIPT", "LOAD", scripts.source(name)) for name in LIFECYCLE if lifecycle]
+        answered = loop.create_future()
         reader = hiredis.Reader()
+        replies: list[bytes] = []
 
-        class _Auth(asyncio.Protocol):
+        class _Setup(asyncio.Protocol):
             def data_received(self, data: bytes) -> None:
                 reader.feed(data)
-                if reader.gets() is not False and not auth.done():
-                    auth.set_result(None)
+                while (reply := reader.gets()) is not False:
+                    replies.append(reply)
+                if len(replies) == len(setup) and not answered.done():
+                    answered.set_result(None)
 
-        transport, _ = await loop.create_unix_connection(_Auth, redis_socket)
-        transport.write(hiredis_pack(("AUTH", password)))
-        await asyncio.wait_for(auth, PROCESS_WAIT)
+        transport, _ = await loop.create_unix_connection(_Setup, redis_socket)
+        transport.write(b"".join(hiredis_pack(c) for c in setup))
+        await asyncio.wait_for(answered, PROCESS_WAIT)
+        if lifecycle:
+            r.shas = {name: sha.decode() for name, sha in zip(LIFECYCLE, replies[1:], strict=True)}
         transport.set_protocol(_RedisSide(r))
         r.redis = transport
     rec_transport, _ = await loop.create_connection(
@@ -263,17 +345,22 @@ async def _listening(port: int) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-async def run_floor(messages: int, rate: float, use_redis: bool = True) -> LoadResult:
-    """One paced run of the floor, as a LoadResult of system `floor`: broker CPU is the
-    relay's, Redis CPU the embedded Redis's, a delivered message each. A run that fails
-    says why in `error` (the last line a process of it wrote)."""
-    result = LoadResult(system="floor" if use_redis else "floor-no-redis",
+# How the relay stores (plain commands, SKMQ's lifecycle scripts, nothing), and the
+# system name of its runs.
+SYSTEMS = {"plain": "floor", "lifecycle": "floor-lifecycle", "none": "floor-no-redis"}
+
+
+async def run_floor(messages: int, rate: float, store: str = "plain") -> LoadResult:
+    """One paced run of the floor, as a LoadResult of system `floor` (`SYSTEMS[store]`):
+    broker CPU is the relay's, Redis CPU the embedded Redis's, a delivered message each.
+    A run that fails says why in `error` (the last line a process of it wrote)."""
+    result = LoadResult(system=SYSTEMS[store],
                         scenario="", producers=1, recipients=1, planned=messages,
                         target_rate=rate)  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         try:
             async with asyncio.timeout(messages / rate + 3 * PROCESS_WAIT):
-                await _run(Path(d), messages, rate, use_redis, result)
+                await _run(Path(d), messages, rate, store, result)
         except (TimeoutError, RuntimeError, OSError, UsageError) as exc:
             errs = [Path(d, f"{role}.err") for role in ("recipient", "relay", "producer")]
             said = [e.read_text(errors="replace").strip() for e in errs if e.exists()]
@@ -284,7 +371,7 @@ async def run_floor(messages: int, rate: float, use_redis: bool = True) -> LoadR
     return result
 
 
-async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: LoadResult) -> None:
+async def _run(d: Path, messages: int, rate: float, store: str, result: LoadResult) -> None:
     procs: list[asyncio.subprocess.Process] = []
 
     async def start(role: str, *args: str) -> asyncio.subprocess.Process:
@@ -298,13 +385,14 @@ async def _run(d: Path, messages: int, rate: float, use_redis: bool, result: Loa
 
     with contextlib.ExitStack() as stack:
         # (--no-redis: no Redis at all, so none of its CPU is counted)
-        redis = stack.enter_context(EmbeddedRedis(d)) if use_redis else None
+        redis = None if store == "none" else stack.enter_context(EmbeddedRedis(d))
         where = ["", ""] if redis is None else [str(redis.socket_path), redis._password]
         port, recipient_port = free_port(), free_port()
         try:
             rec = await start("recipient", str(recipient_port), str(messages), str(d / "latencies"))
             await _listening(recipient_port)
-            rel = await start("relay", str(port), str(recipient_port), *where)
+            lifecycle = "1" if store == "lifecycle" else "0"
+            rel = await start("relay", str(port), str(recipient_port), *where, lifecycle)
             await _listening(port)
             redis_pid = None if redis is None or redis.proc is None else redis.proc.pid
             before = _cpu(rel.pid), _cpu(redis_pid) if redis_pid else 0.0
@@ -337,7 +425,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--role":
         role, args = sys.argv[2], sys.argv[3:]
         if role == "relay":
-            uvloop.run(relay(int(args[0]), int(args[1]), args[2], args[3]))
+            uvloop.run(relay(int(args[0]), int(args[1]), args[2], args[3], args[4] == "1"))
         elif role == "recipient":
             uvloop.run(recipient(int(args[0]), int(args[1]), args[2]))
         elif role == "producer":
@@ -346,14 +434,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rate", type=float, default=2000.0)
     p.add_argument("--messages", type=int, default=20000)
-    p.add_argument("--no-redis", action="store_true")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--no-redis", dest="store", action="store_const", const="none")
+    how.add_argument("--lifecycle", dest="store", action="store_const", const="lifecycle")
     a = p.parse_args()
     if a.messages < 1 or a.rate <= 0:
         p.error("--messages needs at least 1 and --rate more than 0")
-    r = uvloop.run(run_floor(a.messages, a.rate, not a.no_redis))
+    store = a.store or "plain"
+    r = uvloop.run(run_floor(a.messages, a.rate, store))
     if r.error:
         raise SystemExit(r.error)
-    hop = "no Redis" if a.no_redis else "store and finish in Redis"
+    hop = {"plain": "store and finish in Redis", "none": "no Redis",
+           "lifecycle": "SKMQ's store, claim and finish scripts"}[store]  # fmt: skip
     lat = r.latency_ms
     print(
         f"floor, {hop}, {a.rate:,.0f} msg/s, {r.unique:,} of {a.messages:,} delivered: "

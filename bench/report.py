@@ -124,9 +124,9 @@ def results_table(results: list[LoadResult]) -> str:
     return _table(headers, rows)
 
 
-# Systems whose CPU a message is a process's and its Redis's: SKMQ, and the floor (the
+# Systems whose CPU a message is a process's and its Redis's: SKMQ, and the floors (the
 # relay of bench/floor_bench.py in the broker's columns).
-WITH_REDIS = ("skmq", "floor")
+WITH_REDIS = ("skmq", "floor", "floor-lifecycle")
 
 
 def _sum(*values: float | None) -> float | None:
@@ -427,7 +427,10 @@ def _paced_p99(
         return
     p99 = r.latency_ms["p99"]
     others = []
-    for system, label in (("nats", "NATS"), ("rabbitmq", "RabbitMQ"), ("floor", "floor")):
+    for system, label in (
+        *(("nats", "NATS"), ("rabbitmq", "RabbitMQ"), ("floor", "floor")),
+        ("floor-lifecycle", "floor-lifecycle"),
+    ):
         o = _paced(results, system, rate)
         if o is not None and _no_verdict(o) is None:
             others.append(f"{label} {o.latency_ms['p99']:.2f} ms")
@@ -458,13 +461,17 @@ def _paced_cpu(
     if ours is None or theirs is None:
         check(name, None, "CPU not measured (no broker, Redis or nats-server process seen)")
         return
-    f = _paced(results, "floor", rate)
-    floor = None if f is None or _no_verdict(f) else _sum(f.broker_cpu_us, f.redis_cpu_us)
-    beside = (
-        ""
-        if floor is None
-        else (f"; the floor (the protocol's steps through Redis, no broker logic) {floor:,.1f} µs")
-    )
+    floors = []
+    for system, what in (
+        ("floor", "the protocol's steps through Redis, no broker logic"),
+        ("floor-lifecycle", "the same through SKMQ's lifecycle scripts"),
+    ):
+        f = _paced(results, system, rate)
+        total = None if f is None or _no_verdict(f) else _sum(f.broker_cpu_us, f.redis_cpu_us)
+        if f is not None and total is not None:
+            floors.append(f"{system} ({what}) {total:,.1f} µs (relay {f.broker_cpu_us:,.1f} "
+                          f"+ Redis {f.redis_cpu_us:,.1f})")  # fmt: skip
+    beside = "".join(f"; {x}" for x in floors)
     check(
         name,
         ours <= theirs,
