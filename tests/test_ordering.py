@@ -163,7 +163,8 @@ class OrderWatch:
             await asyncio.sleep(0.005)
 
 
-@pytest.mark.timeout(240)
+# (above the sum of its bounded waits, 360 s: a wait that runs out says which it was)
+@pytest.mark.timeout(420)
 async def test_order_per_key_across_two_brokers_and_a_kill_9(
     broker_process: BrokerProcess,
     make_broker: BrokerFactory,
