@@ -78,8 +78,10 @@ LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "base", "latency")
 SKMQ_ONLY = frozenset({"ordered", "base"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
 # The floors (bench/floor_bench.py: the protocol's steps through Redis, no broker logic;
-# plain commands, or SKMQ's lifecycle scripts) run in the paced runs only.
-FLOORS = {"floor": "plain", "floor-lifecycle": "lifecycle"}
+# plain commands, SKMQ's lifecycle scripts, or a lifecycle cut to its bones) run in the
+# paced runs only; the last only when asked for.
+FLOORS = {"floor": "plain", "floor-lifecycle": "lifecycle", "floor-bare-lifecycle": "bare"}
+DEFAULT_SYSTEMS = ("skmq", "nats", "rabbitmq", "floor", "floor-lifecycle")
 ALL_SYSTEMS = ("skmq", "nats", "rabbitmq", *FLOORS)
 PACED_ONLY = frozenset(FLOORS)
 
@@ -116,8 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--systems",
-        default=",".join(ALL_SYSTEMS),
-        help="skmq,nats,rabbitmq,floor,floor-lifecycle (the floors: paced only)",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"{','.join(ALL_SYSTEMS)} (default: all but floor-bare-lifecycle; the floors: "
+        "paced only)",
     )
     p.add_argument("--broker-cmd", default="skmq serve", help="command starting the SKMQ broker")
     p.add_argument(
@@ -595,7 +598,9 @@ class Runner:
                 "protocol's steps, store and finish in the embedded Redis with one plain command "
                 "each, no broker logic: what a Python process and Redis cannot go below), for "
                 "`floor-lifecycle` the same relay running SKMQ's store, claim and finish "
-                "scripts (what SKMQ's lifecycle in Redis costs under no broker logic); B+R: "
+                "scripts (what SKMQ's lifecycle in Redis costs under no broker logic), for "
+                "`floor-bare-lifecycle` through a lifecycle cut to its bones "
+                "(bench/floor_lifecycles.py); B+R: "
                 "broker + Redis; other CPU %: the rest of the machine.",
             ]
         bt = backlog_table(self.results)

@@ -16,18 +16,20 @@ what any broker of SKMQ's shape must do for each, and nothing else:
 
 Plain commands are a lower bound: SKMQ's transitions are scripts that also queue, lease
 and dedupe over time. `--lifecycle` (system `floor-lifecycle` in the benchmark) runs
-SKMQ's own scripts instead, with the relay's steps unchanged: each read's messages stored
-with `store.lua` and claimed with `claim.lua` in the same write (a claim carried by its
-store, as the broker does at best), pushed on the claim's reply, finished with
-`finish.lua`: what SKMQ's lifecycle in Redis costs under a broker that does nothing
-else. `--no-redis` drops the store: the relay pushes at once and answers acks at once
-(the process hops alone). The recipient takes send-to-receipt latency.
+SKMQ's own store, claim and finish scripts instead, and `--bare-lifecycle` a lifecycle
+cut to its bones (bench/floor_lifecycles.py), with the relay's steps unchanged: each
+read's messages stored and claimed in the same write (a claim carried by its store, as
+the broker does at best), pushed on the claim's reply, finished on the ack: what such a
+lifecycle in Redis costs under a broker that does nothing else. `--no-redis` drops the
+store: the relay pushes at once and answers acks at once (the process hops alone). The
+recipient takes send-to-receipt latency.
 
 Prints p50/p99 and the relay's and Redis's CPU a delivered message, to set beside
 `python -m bench --scenarios latency`, which runs it as system `floor` at each paced
 rate (`--systems ...,floor`) beside SKMQ and NATS JetStream in the same run.
 
-Usage: python -m bench.floor_bench [--rate 2000] [--messages 20000] [--no-redis | --lifecycle]
+Usage: python -m bench.floor_bench [--rate 2000] [--messages 20000]
+       [--no-redis | --lifecycle | --bare-lifecycle]
 """
 
 from __future__ import annotations
@@ -50,25 +52,15 @@ from typing import NamedTuple
 import hiredis
 import uvloop
 
+from bench.floor_lifecycles import LIFECYCLES, Lifecycle
 from bench.harness import LoadResult, latency_summary
 from bench.pacing import Pacer
 from skmq.embedded import EmbeddedRedis, free_port
 from skmq.errors import UsageError
-from skmq.store import scripts
 from skmq.store.client import hiredis_pack
-from skmq.store.messages import header
-from skmq.store.msgids import pack
 
 LINGER = 0.002  # an ack's DEL waits this long for the next store's write (ACK_LINGER)
 PROCESS_WAIT = 60.0  # bound on each wait for a process of the run
-# The lifecycle relay's app, recipient and msgids: 32 hex digits, as the benchmark's
-# producers send (packed in 17 bytes by the store), the last 8 the floor's message number.
-APP_BASE = "skmq:{floor}:"
-RID = "r1"
-MSGID_HEAD = b"a1b2c3d4e5f6a7b8c9d0e1f2"
-LIFECYCLE = ("store", "claim", "finish")
-DEDUPE_MS = 600_000  # the dedupe window, DEDUPE_WINDOW's default
-LEASE_MS = 30_000
 
 
 class _Awaited(NamedTuple):
@@ -83,11 +75,12 @@ class _Awaited(NamedTuple):
 
 class _Relay:
     """The three connections of the relay, and what each Redis reply awaited releases, in
-    order. `shas`: the lifecycle scripts' (`--lifecycle`), else plain commands."""
+    order. `lifecycle`: the scripts it stores, claims and finishes with (else plain
+    commands)."""
 
-    def __init__(self, use_redis: bool, shas: dict[str, str] | None = None) -> None:
+    def __init__(self, use_redis: bool, lifecycle: Lifecycle | None = None) -> None:
         self.use_redis = use_redis
-        self.shas = shas
+        self.lifecycle = lifecycle
         self.producer: asyncio.Transport | None = None
         self.recipient: asyncio.Transport | None = None
         self.redis: asyncio.Transport | None = None
@@ -104,8 +97,11 @@ class _Relay:
             self.recipient.write(b"".join(line + b"\n" for line in lines))
             return
         calls = self._take_finishes()
-        if self.shas is not None:
-            calls += self._store_and_claim(lines)
+        if self.lifecycle is not None:
+            msgids = [line.split(b" ", 2)[1] for line in lines]
+            calls += self.lifecycle.store_and_claim(msgids, lines)
+            answers = b"".join(b"ok " + msgid + b"\n" for msgid in msgids)
+            self.awaited += (_Awaited(answers), _Awaited(claim=True))
         else:
             for line in lines:
                 msgid = line.split(b" ", 2)[1]
@@ -114,39 +110,14 @@ class _Relay:
         assert self.redis is not None
         self.redis.write(b"".join(calls))
 
-    def _store_and_claim(self, lines: list[bytes]) -> list[bytes]:
-        """store.lua for the messages, then claim.lua for as many, all to the recipient."""
-        assert self.shas is not None
-        now = time.time_ns() // 1_000_000
-        bucket = now // DEDUPE_MS
-        head = header("queue", now, True)
-        args: list[object] = [now]
-        answers = []
-        for line in lines:
-            msgid = line.split(b" ", 2)[1]
-            args += (_held(msgid), head, line, 0, 0, "", "")
-            answers.append(b"ok " + msgid + b"\n")
-        n = len(lines)
-        claim = [now, LEASE_MS, n, 1, 0, 0, 1000, 0, RID, n, 1, *[RID] * n]
-        self.awaited += (_Awaited(b"".join(answers)), _Awaited(claim=True))
-        done = (f"done:{bucket}", f"done:{bucket - 1}")
-        return [
-            hiredis_pack(("EVALSHA", self.shas["store"], *_keys("store", *done), *args)),
-            hiredis_pack(("EVALSHA", self.shas["claim"], *_keys("claim"), *claim)),
-        ]
-
     def acks(self, msgids: list[bytes]) -> None:
         """The recipient's acks: each message dropped, the ack answered once it is."""
         if not self.use_redis:
             assert self.recipient is not None
             self.recipient.write(b"ok\n" * len(msgids))
             return
-        if self.shas is not None:
-            now = time.time_ns() // 1_000_000
-            args = [x for msgid in msgids for x in (_held(msgid), 0)]
-            keys = _keys("finish", f"done:{now // DEDUPE_MS}")
-            call = hiredis_pack(("EVALSHA", self.shas["finish"], *keys, now, DEDUPE_MS, *args))
-            self.finishes.append((call, _Awaited(acks=len(msgids))))
+        if self.lifecycle is not None:
+            self.finishes.append((self.lifecycle.finish(msgids), _Awaited(acks=len(msgids))))
         else:
             self.finishes += [(hiredis_pack(("DEL", m)), _Awaited(acks=1)) for m in msgids]
         if self.timer is None:
@@ -177,26 +148,15 @@ class _Relay:
             answers.append(awaited.answers)
             pushes.append(awaited.pushes)
             acks += awaited.acks
-            if awaited.claim:  # (delivery id, kind, content, ...) 7 a delivery, then 2
-                pushes += [content + b"\n" for content in reply[2:-2:7]]
+            if awaited.claim:
+                assert self.lifecycle is not None
+                pushes += [content + b"\n" for content in self.lifecycle.contents(reply)]
         assert self.producer is not None and self.recipient is not None
         if any(answers) and not self.producer.is_closing():  # (the producer may be gone)
             self.producer.write(b"".join(answers))
         out = b"".join(pushes) + b"ok\n" * acks
         if out:
             self.recipient.write(out)
-
-
-def _held(msgid: bytes) -> bytes:
-    """The floor's msgid (`m` and 8 hex digits) as the lifecycle relay stores it: 32 hex
-    digits, packed."""
-    return pack((MSGID_HEAD + msgid[1:]).decode())
-
-
-def _keys(script: str, *extra: str) -> list[object]:
-    """The key count and keys of a lifecycle script for the relay's app."""
-    keys = [APP_BASE + key for key in (*scripts.KEYS[script], *extra)]
-    return [len(keys), *keys]
 
 
 class _Lines(asyncio.Protocol):
@@ -229,13 +189,15 @@ class _RedisSide(asyncio.Protocol):
 
 
 async def relay(
-    port: int, recipient_port: int, redis_socket: str, password: str, lifecycle: bool
+    port: int, recipient_port: int, redis_socket: str, password: str, store: str
 ) -> None:
     loop = asyncio.get_running_loop()
-    r = _Relay(use_redis=bool(redis_socket))
+    lifecycle = LIFECYCLES[store]() if store in LIFECYCLES else None
+    r = _Relay(use_redis=bool(redis_socket), lifecycle=lifecycle)
     if redis_socket:
+        sources = lifecycle.sources() if lifecycle is not None else {}
         setup: list[tuple[str, ...]] = [("AUTH", password)]
-        setup += [("SCRIPT", "LOAD", scripts.source(name)) for name in LIFECYCLE if lifecycle]
+        setup += [("SCRIPT", "LOAD", source) for source in sources.values()]
         answered = loop.create_future()
         reader = hiredis.Reader()
         replies: list[bytes] = []
@@ -251,8 +213,9 @@ async def relay(
         transport, _ = await loop.create_unix_connection(_Setup, redis_socket)
         transport.write(b"".join(hiredis_pack(c) for c in setup))
         await asyncio.wait_for(answered, PROCESS_WAIT)
-        if lifecycle:
-            r.shas = {name: sha.decode() for name, sha in zip(LIFECYCLE, replies[1:], strict=True)}
+        if lifecycle is not None:
+            lifecycle.shas = {name: sha.decode()
+                              for name, sha in zip(sources, replies[1:], strict=True)}  # fmt: skip
         transport.set_protocol(_RedisSide(r))
         r.redis = transport
     rec_transport, _ = await loop.create_connection(
@@ -345,9 +308,14 @@ async def _listening(port: int) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-# How the relay stores (plain commands, SKMQ's lifecycle scripts, nothing), and the
-# system name of its runs.
-SYSTEMS = {"plain": "floor", "lifecycle": "floor-lifecycle", "none": "floor-no-redis"}
+# How the relay stores (plain commands, SKMQ's lifecycle scripts, a bare-bones lifecycle,
+# nothing), and the system name of its runs.
+SYSTEMS = {
+    "plain": "floor",
+    "lifecycle": "floor-lifecycle",
+    "bare": "floor-bare-lifecycle",
+    "none": "floor-no-redis",
+}
 
 
 async def run_floor(messages: int, rate: float, store: str = "plain") -> LoadResult:
@@ -391,8 +359,7 @@ async def _run(d: Path, messages: int, rate: float, store: str, result: LoadResu
         try:
             rec = await start("recipient", str(recipient_port), str(messages), str(d / "latencies"))
             await _listening(recipient_port)
-            lifecycle = "1" if store == "lifecycle" else "0"
-            rel = await start("relay", str(port), str(recipient_port), *where, lifecycle)
+            rel = await start("relay", str(port), str(recipient_port), *where, store)
             await _listening(port)
             redis_pid = None if redis is None or redis.proc is None else redis.proc.pid
             before = _cpu(rel.pid), _cpu(redis_pid) if redis_pid else 0.0
@@ -425,7 +392,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--role":
         role, args = sys.argv[2], sys.argv[3:]
         if role == "relay":
-            uvloop.run(relay(int(args[0]), int(args[1]), args[2], args[3], args[4] == "1"))
+            uvloop.run(relay(int(args[0]), int(args[1]), args[2], args[3], args[4]))
         elif role == "recipient":
             uvloop.run(recipient(int(args[0]), int(args[1]), args[2]))
         elif role == "producer":
@@ -437,6 +404,7 @@ def main() -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--no-redis", dest="store", action="store_const", const="none")
     how.add_argument("--lifecycle", dest="store", action="store_const", const="lifecycle")
+    how.add_argument("--bare-lifecycle", dest="store", action="store_const", const="bare")
     a = p.parse_args()
     if a.messages < 1 or a.rate <= 0:
         p.error("--messages needs at least 1 and --rate more than 0")
@@ -444,8 +412,12 @@ def main() -> None:
     r = uvloop.run(run_floor(a.messages, a.rate, store))
     if r.error:
         raise SystemExit(r.error)
-    hop = {"plain": "store and finish in Redis", "none": "no Redis",
-           "lifecycle": "SKMQ's store, claim and finish scripts"}[store]  # fmt: skip
+    lifecycle = LIFECYCLES.get(store)
+    hop = (
+        lifecycle.name
+        if lifecycle
+        else {"plain": "store and finish in Redis", "none": "no Redis"}[store]
+    )
     lat = r.latency_ms
     print(
         f"floor, {hop}, {a.rate:,.0f} msg/s, {r.unique:,} of {a.messages:,} delivered: "

@@ -126,7 +126,7 @@ def results_table(results: list[LoadResult]) -> str:
 
 # Systems whose CPU a message is a process's and its Redis's: SKMQ, and the floors (the
 # relay of bench/floor_bench.py in the broker's columns).
-WITH_REDIS = ("skmq", "floor", "floor-lifecycle")
+WITH_REDIS = ("skmq", "floor", "floor-lifecycle", "floor-bare-lifecycle")
 
 
 def _sum(*values: float | None) -> float | None:
@@ -429,7 +429,7 @@ def _paced_p99(
     others = []
     for system, label in (
         *(("nats", "NATS"), ("rabbitmq", "RabbitMQ"), ("floor", "floor")),
-        ("floor-lifecycle", "floor-lifecycle"),
+        *(("floor-lifecycle", "floor-lifecycle"), ("floor-bare-lifecycle", "floor-bare")),
     ):
         o = _paced(results, system, rate)
         if o is not None and _no_verdict(o) is None:
@@ -465,6 +465,7 @@ def _paced_cpu(
     for system, what in (
         ("floor", "the protocol's steps through Redis, no broker logic"),
         ("floor-lifecycle", "the same through SKMQ's lifecycle scripts"),
+        ("floor-bare-lifecycle", "through a lifecycle cut to its bones"),
     ):
         f = _paced(results, system, rate)
         total = None if f is None or _no_verdict(f) else _sum(f.broker_cpu_us, f.redis_cpu_us)
