@@ -428,8 +428,11 @@ def _paced_p99(
     p99 = r.latency_ms["p99"]
     others = []
     for system, label in (
-        *(("nats", "NATS"), ("rabbitmq", "RabbitMQ"), ("floor", "floor")),
-        *(("floor-lifecycle", "floor-lifecycle"), ("floor-bare-lifecycle", "floor-bare")),
+        ("nats", "NATS"),
+        ("rabbitmq", "RabbitMQ"),
+        ("floor", "floor"),
+        ("floor-lifecycle", "floor-lifecycle"),
+        ("floor-bare-lifecycle", "floor-bare"),
     ):
         o = _paced(results, system, rate)
         if o is not None and _no_verdict(o) is None:
