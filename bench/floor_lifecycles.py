@@ -10,10 +10,10 @@ as SKMQ's store holds them), the last 8 the floor's message number.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from skmq.clock import now_ms
 from skmq.store import scripts
 from skmq.store.client import hiredis_pack
 from skmq.store.messages import header
@@ -83,10 +83,6 @@ def held(msgid: bytes) -> bytes:
     return pack((MSGID_HEAD + msgid[1:]).decode())
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class Lifecycle(ABC):
     """Store and claim, push, finish: the calls, once `shas` holds the loaded scripts'."""
 
@@ -128,7 +124,7 @@ class SkmqLifecycle(Lifecycle):
         return [self.base + key for key in (*scripts.KEYS[script], *extra)]
 
     def store_and_claim(self, msgids: list[bytes], lines: list[bytes]) -> list[bytes]:
-        now = _now_ms()
+        now = now_ms()
         bucket = now // DEDUPE_MS
         head = header("queue", now, True)
         args: list[Any] = [now]
@@ -143,7 +139,7 @@ class SkmqLifecycle(Lifecycle):
         ]
 
     def finish(self, msgids: list[bytes]) -> bytes:
-        now = _now_ms()
+        now = now_ms()
         args = [now, DEDUPE_MS, *(x for msgid in msgids for x in (held(msgid), 0))]
         return self._call("finish", self._keys("finish", f"done:{now // DEDUPE_MS}"), args)
 
@@ -164,7 +160,7 @@ class BareLifecycle(Lifecycle):
         return [self.base + name for name in names]
 
     def store_and_claim(self, msgids: list[bytes], lines: list[bytes]) -> list[bytes]:
-        now = _now_ms()
+        now = now_ms()
         bucket = now // DEDUPE_MS
         head = header("queue", now, True)
         args = [x for msgid, line in zip(msgids, lines, strict=True)
@@ -177,7 +173,7 @@ class BareLifecycle(Lifecycle):
         ]
 
     def finish(self, msgids: list[bytes]) -> bytes:
-        now = _now_ms()
+        now = now_ms()
         keys = self._keys("inflight", "msgs", "state", f"done:{now // DEDUPE_MS}")
         args = [DEDUPE_MS, *(x for msgid in msgids for x in (held(msgid), 0))]
         return self._call("finish", keys, args)
