@@ -20,6 +20,7 @@ from skmq.errors import UsageError, redis_error_text
 # name -> one-line help; the command is the module skmq.cli.<name>
 COMMANDS = {
     "serve": "run the broker",
+    "config": "the settings in effect and where each comes from",
     "send": "send one message to the broker",
     "consume": "receive pushed messages",
     "status": "apps, depths and recipients",
