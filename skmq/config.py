@@ -306,8 +306,8 @@ class Settings(BaseSettings):
     )
     store_timeout: Seconds = Field(
         5.0,
-        description="Seconds a producer's message may wait for Redis; past it the producer "
-        "gets error (store unavailable)",
+        description="Seconds a producer's message may wait for Redis (a free connection, then "
+        "the call); past it the producer gets error (store unavailable)",
     )
     # Replicas a stored message waits for before its `ack`.
     replica_acks: int = Field(

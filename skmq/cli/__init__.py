@@ -23,7 +23,7 @@ COMMANDS = {
     "config": "the settings in effect and where each comes from",
     "send": "send one message to the broker",
     "consume": "receive pushed messages",
-    "status": "apps, depths and recipients",
+    "status": "apps, depths, recipients and how Redis persists them",
     "dlq": "list, replay or purge dead letters",
     "groups": "list, create, reset or delete consumer groups",
     "audit": "audit delivery logs with Spark (report.json, report.html, CSV)",
