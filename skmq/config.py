@@ -415,7 +415,7 @@ class Settings(BaseSettings):
     auth_file: Path | None = Field(
         None,
         description="TOML file of tenants' tokens, each with its apps and roles "
-        "(docs/SECURITY.md). Unset: none",
+        "(docs/SECURITY.md). Unset: no tenants",
     )
     allow_unauthenticated: bool = Field(
         False,

@@ -178,7 +178,8 @@ def markdown() -> str:
     for title, names in sections():
         out += ["", f"## {title}", "", "| Setting | Default | Meaning |", "|---|---|---|"]
         for name in names:
-            about = str(Settings.model_fields[name].description).replace("|", "\\|")
+            about = str(Settings.model_fields[name].description)
+            about = about.replace("|", "\\|").replace("<", "&lt;")  # (text, not markup)
             default = shown_default(name)
             default = "none" if default == "none" else f"`{default}`"
             out.append(f"| `{name.upper()}` | {default} | {about} |")
