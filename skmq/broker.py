@@ -52,6 +52,7 @@ from skmq.store import (
     redacted,
     tcp_port,
 )
+from skmq.store.checks import check_persistence
 from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
 from skmq.supervisor import Supervisor
@@ -176,6 +177,7 @@ class Broker:
                 f"(REDIS_WAIT): {redis_error_text(exc) or 'no answer'}"
             ) from None
         await check_eviction_policy(self.redis)
+        volatile = await check_persistence(self.redis, s.allow_volatile_redis)
         await check_listpack_sizes(self.redis)
         clock = StoreClock(self.redis, s.clock_interval)
         await clock.follow()  # (before anything is stored: every time is the store's)
@@ -190,7 +192,7 @@ class Broker:
         self.archive = LogArchive(s.delivery_log_dir, s.log_retention_bytes, s.log_retention_age)
         self.dlog.on_rotate = self.archive.wake
         self.supervisor.start("log-archive", self.archive.run)
-        self.metrics = Metrics(self.store, self.dlog, self.archive, self.supervisor)
+        self.metrics = Metrics(self.store, self.dlog, self.archive, self.supervisor, volatile)
         self.dlog.listener = self.metrics.observe
         self.own = OwnAddresses()
         self.own.add_redis_url(url)

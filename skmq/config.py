@@ -7,9 +7,9 @@ import difflib
 import ipaddress
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import Field, NonNegativeInt, SecretStr, ValidationError, field_validator
@@ -58,99 +58,375 @@ PUSH_ROOM = 4096
 
 
 class Settings(BaseSettings):
+    """Every setting of the broker, each with its meaning (`Field(description=...)`): the
+    one source of `skmq serve --help`, `skmq config` and docs/CONFIG.md."""
+
     model_config = SettingsConfigDict(env_prefix="SKMQ_", extra="ignore")
     _toml_file: ClassVar[Path | None] = None
 
     # Where: the listener, the store, files.
-    host: str = "127.0.0.1"
-    port: Port = 1734
-    redis_url: str = ""
-    redis_wait: Wait = 30.0
-    redis_check_interval: Seconds = 5.0
-    clock_interval: Seconds = 60.0
-    redis_pool_size: Count = 64
-    redis_appendfsync: Literal["always", "everysec", "no"] = "everysec"
-    redis_allocator: Literal["auto", "libc"] = "auto"
-    disk_free_limit: NonNegativeInt = 50 << 20
-    data_dir: Path = Path("./skmq-data")
-    key_prefix: str = "skmq"
-    broker_id: str = ""
-    # Delivery: retries, leases, heartbeats, rates (docs/PROTOCOL.md).
-    retry_times: Count = 5
-    retry_backoff: Annotated[list[float], NoDecode] = Field(
-        default_factory=lambda: [float(s) for s in ROCKETMQ_BACKOFF]
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the broker listens on (PORT and HTTP_PORT); one other than "
+        "loopback needs auth or ALLOW_UNAUTHENTICATED",
     )
-    retry_jitter: float = Field(0.1, ge=0, le=1)
-    ack_timeout: Seconds = 60.0
-    ack_wait: Wait = 5.0
-    ack_linger: Wait = 0.002
-    max_lease_extensions: NonNegativeInt = 10
-    heartbeat_interval: Seconds = 10.0
-    heartbeat_timeout: Seconds = 3.0
-    heartbeat_concurrency: Count = 256
-    recipient_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    push_window: Count = 128
-    legacy_window: Count = 8
-    legacy_answer_timeout: Seconds = 10.0
-    handshake_timeout: Seconds = 3.0
-    rate: PerSecond = 0.0
-    delivery_rate: PerSecond = 0.0
-    dedupe_window: Seconds = 3600.0
-    default_ttl: NonNegativeInt = 0
-    max_delay: Horizon = 730 * DAY_MS
-    max_ttl: Horizon = 3650 * DAY_MS
-    ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
-    expired: Literal["dead", "drop"] = "dead"
+    port: Port = Field(
+        1734, description="TCP port of the broker's protocol (producers, recipients); 0: any free"
+    )
+    redis_url: str = Field(
+        "",
+        description="The Redis that stores messages: redis://, rediss://, unix://, "
+        "redis+sentinel://HOSTS/SERVICE[/DB] or redis+cluster://HOSTS; empty: an embedded "
+        "Redis under DATA_DIR",
+    )
+    redis_wait: Wait = Field(
+        30.0, description="Seconds to wait at start for Redis to answer and load its data"
+    )
+    redis_check_interval: Seconds = Field(
+        5.0,
+        description="Seconds between checks of Redis's maxmemory-policy while running: while "
+        "it may evict keys, nothing is stored (producers get error)",
+    )
+    clock_interval: Seconds = Field(
+        60.0,
+        description="Seconds between reads of Redis's clock, which every due time and lease "
+        "follows (brokers on machines whose clocks differ agree)",
+    )
+    redis_pool_size: Count = Field(
+        64,
+        description="Redis connections of the broker; more calls at once wait for one "
+        "(up to STORE_TIMEOUT)",
+    )
+    allow_volatile_redis: bool = Field(
+        False,
+        description="Start on a Redis without AOF (appendonly no), accepting that a restart of "
+        "it loses every message acked since its last snapshot",
+    )
+    redis_appendfsync: Literal["always", "everysec", "no"] = Field(
+        "everysec",
+        description="Embedded Redis: when its AOF reaches the disk: always (each write; slow), "
+        "everysec (a power loss loses up to a second), no (when the OS decides)",
+    )
+    redis_allocator: Literal["auto", "libc"] = Field(
+        "auto",
+        description="Embedded Redis: auto preloads jemalloc where the system has it (less CPU "
+        "a message), libc keeps the C library's malloc",
+    )
+    disk_free_limit: NonNegativeInt = Field(
+        50 << 20,
+        description="Embedded Redis: while its disk has fewer bytes free, nothing is stored or "
+        "acked (producers get error); 0: no check",
+    )
+    data_dir: Path = Field(
+        Path("./skmq-data"),
+        description="Directory of the embedded Redis's data (AOF) and of redis.json, by which "
+        "operator commands find it",
+    )
+    key_prefix: str = Field(
+        "skmq",
+        description="Prefix of every Redis key; brokers on one Redis with the same prefix "
+        "share their apps",
+    )
+    broker_id: str = Field(
+        "",
+        description="This broker's name in the delivery log and its file names; "
+        "empty: host-pid-random",
+    )
+    # Delivery: retries, leases, heartbeats, rates (docs/PROTOCOL.md).
+    retry_times: Count = Field(
+        5, description="Failed attempts after which a message is dead (in the dead-letter queue)"
+    )
+    retry_backoff: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [float(s) for s in ROCKETMQ_BACKOFF],
+        description="Seconds to wait before attempt 2, 3, ... (comma-separated); the last "
+        "one repeats",
+    )
+    retry_jitter: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Fraction (0-1) by which each retry wait may be longer or shorter, so that "
+        "failures do not come back in lockstep",
+    )
+    ack_timeout: Seconds = Field(
+        60.0,
+        description="Seconds a push may go without a final answer before the attempt fails "
+        "(the lease of a message in flight)",
+    )
+    ack_wait: Wait = Field(
+        5.0,
+        description="Seconds a push connection that only waits for final answers to `arrived` "
+        "pushes stays open",
+    )
+    ack_linger: Wait = Field(
+        0.002,
+        description="Longest wait (seconds) of an ack's Redis write for the next store or claim "
+        "to share its round trip; 0: write at once",
+    )
+    max_lease_extensions: NonNegativeInt = Field(
+        10,
+        description="Times one attempt's lease may be extended (`arrived` again, `extend`); "
+        "past it the recipient gets reject",
+    )
+    heartbeat_interval: Seconds = Field(
+        10.0, description="Seconds between pings of every registered recipient"
+    )
+    heartbeat_timeout: Seconds = Field(
+        3.0, description="Seconds a recipient has to answer a ping before it is marked lost"
+    )
+    heartbeat_concurrency: Count = Field(
+        256, description="Pings of one heartbeat round in flight at once"
+    )
+    recipient_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="IP networks (comma-separated, like 10.0.0.0/8) recipients may register "
+        "in, besides loopback and their own address",
+    )
+    push_window: Count = Field(
+        128, description="Pushes awaiting an answer at once on one recipient's connection"
+    )
+    legacy_window: Count = Field(
+        8,
+        description="Connections at once to one original-protocol recipient (one push each, "
+        "no pipelining)",
+    )
+    legacy_answer_timeout: Seconds = Field(
+        10.0,
+        description="Seconds an original-protocol recipient has to answer a push at all; "
+        "else the attempt fails and the connection closes",
+    )
+    handshake_timeout: Seconds = Field(
+        3.0, description="Seconds a new push connection has to answer its first ping"
+    )
+    rate: PerSecond = Field(
+        0.0,
+        description="Frames a second read on PORT, all connections together (reading slows, "
+        "nothing is dropped); 0: unlimited",
+    )
+    delivery_rate: PerSecond = Field(
+        0.0, description="Pushes a second of each app, on this broker; 0: unlimited"
+    )
+    dedupe_window: Seconds = Field(
+        3600.0,
+        description="Seconds a finished message's msgid is still refused as a duplicate",
+    )
+    default_ttl: NonNegativeInt = Field(
+        0,
+        description="Milliseconds after which a message sent without a ttl expires "
+        "(see EXPIRED); 0: never",
+    )
+    max_delay: Horizon = Field(
+        730 * DAY_MS,
+        description="Furthest a message's delay or deliver_at may reach, in ms (730 days); "
+        "further is refused",
+    )
+    max_ttl: Horizon = Field(
+        3650 * DAY_MS,
+        description="Longest ttl a message may give, in ms (3650 days); longer is refused",
+    )
+    ttl_by_app: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict,
+        description="Default TTL of some apps, beating DEFAULT_TTL: app1:5000,app2:100 (ms)",
+    )
+    expired: Literal["dead", "drop"] = Field(
+        "dead",
+        description="What becomes of an expired message: dead (the dead-letter queue) or "
+        "drop (forgotten, logged)",
+    )
     # Bounds on what peers may send and hold (docs/PROTOCOL.md, limits).
-    max_connections: Count = 10_000
-    max_connections_per_host: Count = 1000
-    max_frame_bytes: int = Field(1 << 20, ge=2 * PUSH_ROOM)
-    max_line_bytes: Bytes = 4 << 10
-    max_partial_bytes: Bytes = 64 << 20
-    max_registration_bytes: Bytes = 4 << 10
-    max_recipients_per_app: Count = 1000
-    max_store_pending_bytes: BufferBytes = 64 << 20
-    max_unanswered_frames: Count = 4096
-    max_unanswered_total: Count = 32768
-    max_write_buffer_bytes: BufferBytes = 16 << 20
-    max_peer_store_calls: Count = 16
-    max_searches_per_host: Count = 32
-    max_store_calls_per_connection: Count = 32
-    idle_timeout: Seconds = 5 * 60.0
-    frame_timeout: Seconds = 30.0
-    store_timeout: Seconds = 5.0
+    max_connections: Count = Field(
+        10_000,
+        description="Connections at once to PORT and HTTP_PORT together; one more is refused",
+    )
+    max_connections_per_host: Count = Field(
+        1000,
+        description="Connections at once from one peer address to PORT and HTTP_PORT; one "
+        "more is refused",
+    )
+    max_frame_bytes: int = Field(
+        1 << 20,
+        ge=2 * PUSH_ROOM,
+        description="Largest frame, in bytes; a message's content may be 4096 less (the room "
+        "its push needs)",
+    )
+    max_line_bytes: Bytes = Field(4 << 10, description="Largest header line of a frame, in bytes")
+    max_partial_bytes: Bytes = Field(
+        64 << 20,
+        description="Bytes of incomplete frames held, all connections together; past it the "
+        "connection holding most is closed",
+    )
+    max_registration_bytes: Bytes = Field(
+        4 << 10, description="Largest register or unregister content (JSON), in bytes"
+    )
+    max_recipients_per_app: Count = Field(
+        1000, description="Recipients one app may have registered; a new one past it is refused"
+    )
+    max_store_pending_bytes: BufferBytes = Field(
+        64 << 20,
+        description="Bytes of producer content waiting for Redis; past it the broker reads no "
+        "more frames until Redis catches up",
+    )
+    max_unanswered_frames: Count = Field(
+        4096,
+        description="Frames of one connection read but not answered yet; past it the broker "
+        "stops reading that connection",
+    )
+    max_unanswered_total: Count = Field(
+        32768,
+        description="Frames read but not answered yet, all connections together (each gets "
+        "a share, at most MAX_UNANSWERED_FRAMES)",
+    )
+    max_write_buffer_bytes: BufferBytes = Field(
+        16 << 20,
+        description="Bytes of the broker's answers a peer has not read yet; past it that "
+        "connection is closed",
+    )
+    max_peer_store_calls: Count = Field(
+        16,
+        description="Answers and registrations at Redis at once, all connections together "
+        "(at most half of REDIS_POOL_SIZE); more wait",
+    )
+    max_searches_per_host: Count = Field(
+        32,
+        description="Answers from one host that name no app (an original peer's late ack) "
+        "waiting for a search of every app; more are refused",
+    )
+    max_store_calls_per_connection: Count = Field(
+        32,
+        description="Answers and registrations of one connection at Redis at once; more wait "
+        "their turn",
+    )
+    idle_timeout: Seconds = Field(
+        5 * 60.0, description="Seconds a silent connection stays open (TCP and HTTP keep-alive)"
+    )
+    frame_timeout: Seconds = Field(
+        30.0,
+        description="Seconds a started frame (or HTTP request) has to arrive whole; else the "
+        "connection is closed",
+    )
+    store_timeout: Seconds = Field(
+        5.0,
+        description="Seconds a producer's message may wait for Redis (a free connection, then "
+        "the call); past it the producer gets error (store unavailable)",
+    )
     # Replicas a stored message waits for before its `ack`.
-    replica_acks: int = Field(0, ge=0, le=16)
-    replica_ack_timeout: float = Field(1.0, gt=0, le=60)
+    replica_acks: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Replicas that must hold a stored message before its producer gets ack "
+        "(Redis WAIT); 0: do not wait",
+    )
+    replica_ack_timeout: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Seconds to wait for REPLICA_ACKS replicas; fewer: the producer gets error",
+    )
     # The broker's own health: shutdown, supervision, its log, /metrics.
-    shutdown_timeout: Wait = 5.0
-    task_max_restarts: NonNegativeInt = 10
-    log_level: str = "info"
-    log_format: Literal["console", "json"] = "console"
-    metrics_host: str = "127.0.0.1"
-    metrics_port: Port = 0
+    shutdown_timeout: Wait = Field(
+        5.0,
+        description="Seconds a stopping broker gives answers to frames read, then pushes in "
+        "flight, before handing them back",
+    )
+    task_max_restarts: NonNegativeInt = Field(
+        10,
+        description="Restarts in a minute of one failing background task after which the "
+        "broker stops (status 1)",
+    )
+    log_level: str = Field(
+        "info", description="Least level of the server log: debug, info, warning, error, critical"
+    )
+    log_format: Literal["console", "json"] = Field(
+        "console", description="Server log as console text or json lines"
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address of METRICS_PORT's listener (/metrics and /healthz)"
+    )
+    metrics_port: Port = Field(
+        0,
+        description="Port serving only /metrics and /healthz (both are on HTTP_PORT too); 0: none",
+    )
     # The delivery log (SPEC 7): files, compression, retention, a full disk.
-    log_dir: Path | None = None
-    log_rotate_bytes: int = Field(16 << 20, ge=4096)
-    log_retention_bytes: NonNegativeInt = 1 << 30
-    log_retention_age: Wait = 7 * 86400.0
-    log_backlog_bytes: NonNegativeInt = 16 << 20
+    log_dir: Path | None = Field(
+        None,
+        description="Directory of the delivery log (what the audit reads); unset: "
+        "DATA_DIR/delivery-log",
+    )
+    log_rotate_bytes: int = Field(
+        16 << 20,
+        ge=4096,
+        description="Size in bytes at which a delivery-log file is closed (then gzipped) and "
+        "the next begins",
+    )
+    log_retention_bytes: NonNegativeInt = Field(
+        1 << 30,
+        description="Bytes of delivery log kept on disk; past it the oldest compressed files "
+        "go; 0: no bound",
+    )
+    log_retention_age: Wait = Field(
+        7 * 86400.0,
+        description="Seconds after which a compressed delivery-log file is removed "
+        "(7 days); 0: kept",
+    )
+    log_backlog_bytes: NonNegativeInt = Field(
+        16 << 20,
+        description="Bytes of delivery-log lines kept while writes fail (disk full); past it "
+        "the oldest are dropped and counted",
+    )
     # The HTTP gateway (docs/HTTP.md) on HOST; 0: off.
-    http_port: Port = 1735
-    http_max_body_bytes: BufferBytes = 8 << 20
-    http_max_batch: Count = 1000
+    http_port: Port = Field(
+        1735,
+        description="Port of the HTTP gateway on HOST (produce, pull, /metrics, /healthz); 0: off",
+    )
+    http_max_body_bytes: BufferBytes = Field(
+        8 << 20, description="Largest HTTP request body, in bytes (larger: 413)"
+    )
+    http_max_batch: Count = Field(
+        1000, description="Most messages in one HTTP produce request (more: 413)"
+    )
     # Pull consumption (docs/HTTP.md).
-    pull_max_messages: Count = 100
-    pull_max_wait: Wait = 20.0
-    pull_max_visibility: Seconds = 12 * 60 * 60.0
-    pull_visibility: Seconds = 30.0
-    pull_max_waiting: Count = 10_000
-    group_log_trim_interval: Seconds = 5.0
+    pull_max_messages: Count = Field(
+        100, description="Most messages one pull receive may ask for (more: 400)"
+    )
+    pull_max_wait: Wait = Field(
+        20.0, description="Longest long poll a pull receive may ask for, in seconds (more: 400)"
+    )
+    pull_max_visibility: Seconds = Field(
+        12 * 60 * 60.0,
+        description="Longest lease, in seconds, a pull receive or extend may ask for (12 hours)",
+    )
+    pull_visibility: Seconds = Field(
+        30.0, description="Seconds a pulled message stays leased when the receive names none"
+    )
+    pull_max_waiting: Count = Field(
+        10_000, description="Long polls waiting at once on this broker (more: 503)"
+    )
+    group_log_trim_interval: Seconds = Field(
+        5.0,
+        description="Seconds between trims of the consumer groups' log (one broker a round)",
+    )
     # Security (docs/SECURITY.md). SecretStr: a secret never shows in a repr or a log.
-    auth_token: SecretStr | None = None
-    auth_file: Path | None = None
-    allow_unauthenticated: bool = False
-    signing_secret: SecretStr | None = None
+    auth_token: SecretStr | None = Field(
+        None,
+        description="One token every connection must present first; it may do everything. "
+        "Unset: no token",
+    )
+    auth_file: Path | None = Field(
+        None,
+        description="TOML file of tenants' tokens, each with its apps and roles "
+        "(docs/SECURITY.md). Unset: no tenants",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Let a HOST other than loopback run without auth (else the broker "
+        "refuses to start)",
+    )
+    signing_secret: SecretStr | None = Field(
+        None,
+        description="Secret signing every push (HMAC-SHA256, Standard Webhooks style: "
+        "whsec_<base64> or any text). Unset: unsigned",
+    )
 
     @property
     def max_content_bytes(self) -> int:
@@ -271,11 +547,17 @@ class Settings(BaseSettings):
             if config_file is None:
                 return cls(**given)
             check_toml(config_file)
-            with_file = type("FileSettings", (cls,), {"_toml_file": config_file})
-            settings: Settings = with_file(**given)
+            return cls.reading(config_file)(**given)
         except ValidationError as exc:
             raise SettingsError(one_line(exc)) from None
-        return settings
+
+    @classmethod
+    def reading(cls, config_file: Path | None) -> type[Settings]:
+        """These settings, read from `config_file` (TOML) too, if given."""
+        if config_file is None:
+            return cls
+        with_file: type[Settings] = type("FileSettings", (cls,), {"_toml_file": config_file})
+        return with_file
 
 
 def check_redis_url(url: str) -> None:
@@ -360,7 +642,8 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
 
 
 def check_toml(path: Path) -> None:
-    """The settings file exists, parses, and names only known settings."""
+    """The settings file exists, parses, and names only known settings, each once: in
+    lower or upper case alike (`redis_url`, `REDIS_URL`), as the environment's names."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -369,31 +652,169 @@ def check_toml(path: Path) -> None:
         raise SettingsError(f"config file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
+    seen: dict[str, str] = {}
     for key in data:
-        if key not in Settings.model_fields:
-            close = difflib.get_close_matches(key, list(Settings.model_fields), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        name = key.lower()
+        if name not in Settings.model_fields:
+            close = difflib.get_close_matches(name, list(Settings.model_fields), n=1)
+            hint = f" (did you mean {_same_case(close[0], key)!r}?)" if close else ""
             raise SettingsError(f"config file {path}: unknown setting {key!r}{hint}")
+        if name in seen:
+            raise SettingsError(f"config file {path}: {seen[name]!r} and {key!r} name one setting")
+        seen[name] = key
+
+
+def _same_case(name: str, like: str) -> str:
+    return name.upper() if like.isupper() else name
 
 
 # Settings that operator commands also take as flags (they only need to find the store).
 STORE_FLAGS = ("data_dir", "redis_url", "key_prefix")
 
+# The settings in groups, for --help and docs/CONFIG.md: the first setting of each group
+# (in the order Settings declares them) and its title.
+SECTIONS = {
+    "host": "Listener and store",
+    "retry_times": "Delivery",
+    "max_connections": "Limits on peers",
+    "replica_acks": "Replication",
+    "shutdown_timeout": "The broker's own log, health and metrics",
+    "log_dir": "Delivery log",
+    "http_port": "HTTP gateway",
+    "pull_max_messages": "Pull consumption",
+    "auth_token": "Security",
+}
+
+# How a flag's value is written, where its type does not say it well enough.
+METAVARS = {
+    "host": "ADDRESS",
+    "metrics_host": "ADDRESS",
+    "redis_url": "URL",
+    "retry_backoff": "SECONDS,...",
+    "retry_jitter": "FRACTION",
+    "recipient_networks": "CIDR,...",
+    "ttl_by_app": "APP:MS,...",
+    "rate": "PER_SECOND",
+    "delivery_rate": "PER_SECOND",
+    "default_ttl": "MS",
+    "max_delay": "MS",
+    "max_ttl": "MS",
+    "disk_free_limit": "BYTES",
+    "log_dir": "DIR",
+    "data_dir": "DIR",
+    "log_level": "LEVEL",
+}
+
+
+def sections() -> list[tuple[str, list[str]]]:
+    """(title, setting names) a group, every setting in one, in declaration order."""
+    groups: list[tuple[str, list[str]]] = []
+    for name in Settings.model_fields:
+        if name in SECTIONS:
+            groups.append((SECTIONS[name], []))
+        groups[-1][1].append(name)
+    return groups
+
+
+def metavar(name: str) -> str:
+    """How the value of setting `name` is written on a command line."""
+    if name in METAVARS:
+        return METAVARS[name]
+    annotation = Settings.model_fields[name].annotation
+    if get_origin(annotation) is Literal:
+        return "{" + ",".join(get_args(annotation)) + "}"
+    if annotation is bool:
+        return "{true,false}"
+    if annotation is float:
+        return "SECONDS"
+    if annotation is int:
+        return "BYTES" if name.endswith("_bytes") else "PORT" if name.endswith("port") else "N"
+    if SecretStr in get_args(annotation):
+        return "SECRET"
+    if Path in (annotation, *get_args(annotation)):
+        return "PATH"
+    return "TEXT"
+
+
+def shown_default(name: str) -> str:
+    """Setting `name`'s default as it is written (a size in bytes also in KiB/MiB/GiB)."""
+    return shown(name, Settings.model_fields[name].get_default(call_default_factory=True))
+
+
+def shown(name: str, value: Any) -> str:
+    """A setting's value as an operator writes it; a secret never (`***`)."""
+    if value is None or value == "" or value == [] or value == {}:
+        return "none"
+    if isinstance(value, SecretStr):
+        return "***"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(shown(name, v) for v in value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v}" for k, v in value.items())
+    if isinstance(value, int) and metavar(name) == "BYTES":
+        return f"{value}{_in_units(value)}"
+    if name == "redis_url":
+        return redacted(str(value))
+    if isinstance(value, Path) and not value.is_absolute() and not str(value).startswith("."):
+        return f"./{value}"  # (as the default is written: a path of the working directory)
+    return str(value)
+
+
+def _in_units(size: int) -> str:
+    """` (16 MiB)` for a size that is a whole number of KiB, MiB or GiB; else nothing."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f" ({size >> shift} {unit})"
+    return ""
+
+
+def env_name(name: str) -> str:
+    return f"SKMQ_{name.upper()}"
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def setting_help(name: str) -> str:
+    """A setting's meaning, default and environment variable: its line in --help."""
+    about = Settings.model_fields[name].description
+    return f"{about}. Default {shown_default(name)}; env {env_name(name)}."
+
 
 def add_settings_flags(
     parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None
 ) -> None:
-    """Add `--config` and one `--name` flag a setting (all of them, or just `names`)."""
-    parser.add_argument("--config", type=Path, default=None, help="TOML file with settings")
-    for name in names if names is not None else tuple(Settings.model_fields):
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(
-            flag,
-            dest=name,
-            default=None,
-            metavar=name.upper(),
-            help=f"setting {name.upper()} (env SKMQ_{name.upper()})",
-        )
+    """Add `--config` and one `--name` flag a setting: all of them, grouped as SECTIONS,
+    or just `names`."""
+    parser.add_argument(
+        "--config", type=Path, default=None, metavar="PATH",
+        help="TOML file of settings (keys as the settings' names, in either case: "
+        "port = 1734 or PORT = 1734). Flags beat SKMQ_* environment variables, which beat it.",
+    )  # fmt: skip
+    if names is not None:
+        _add_flags(parser.add_argument, names)
+        return
+    for title, group in sections():
+        _add_flags(parser.add_argument_group(title).add_argument, group)
+
+
+def _add_flags(add_argument: Callable[..., argparse.Action], names: Iterable[str]) -> None:
+    for name in names:
+        add_argument(
+            flag_name(name), dest=name, default=None, metavar=metavar(name),
+            help=setting_help(name),
+        )  # fmt: skip
+
+
+def settings_help(prog: str) -> argparse.HelpFormatter:
+    """--help of a command taking every setting: each flag on its own line, its meaning
+    below it (the flags are too long for a column of their own)."""
+    return argparse.HelpFormatter(prog, max_help_position=8)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

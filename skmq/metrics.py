@@ -89,9 +89,17 @@ def _label(value: str) -> str:
 
 class Metrics(Collector):
     def __init__(
-        self, store: Store, dlog: DeliveryLog, archive: LogArchive, supervisor: Supervisor
+        self,
+        store: Store,
+        dlog: DeliveryLog,
+        archive: LogArchive,
+        supervisor: Supervisor,
+        volatile: str | None = None,
     ) -> None:
         self.store = store
+        # Why the store may lose acked messages (a Redis without AOF, ALLOW_VOLATILE_REDIS):
+        # a line of /healthz and skmq_store_volatile 1. None: it persists them.
+        self.volatile = volatile
         self.dlog = dlog
         self.archive = archive
         self.supervisor = supervisor
@@ -204,6 +212,12 @@ class Metrics(Collector):
             "Delivery-log lines waiting for a write to succeed",
             value=self.dlog.backlog_lines,
         )
+        yield GaugeMetricFamily(
+            "skmq_store_volatile",
+            "1: the store's Redis runs without AOF (ALLOW_VOLATILE_REDIS), so a restart of it "
+            "loses the messages acked since its last snapshot",
+            value=int(self.volatile is not None),
+        )
         rtt = GaugeMetricFamily(
             "skmq_redis_roundtrip_seconds", "Last Redis PING round trip (NaN: no answer)"
         )
@@ -246,7 +260,14 @@ class Metrics(Collector):
             await asyncio.sleep(PROBE_INTERVAL)
 
     async def health(self) -> tuple[bool, str]:
-        """(serving, one line why): within PROBE_TIMEOUT whatever Redis does."""
+        """(serving, one line why, then a line of each standing caveat): within
+        PROBE_TIMEOUT whatever Redis does."""
+        serving, why = await self._serving()
+        if self.volatile is not None:
+            why += f"\nvolatile store: {self.volatile}"
+        return serving, why
+
+    async def _serving(self) -> tuple[bool, str]:
         if self._engine is None:
             return False, "unhealthy: the delivery engine is not running"
         if not self._engine.healthy:

@@ -219,7 +219,7 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "unknown command",
         lambda f: ["sned"],
         {},
-        "skmq: argument COMMAND: invalid choice: 'sned' (choose from 'serve', 'send', "
+        "skmq: argument COMMAND: invalid choice: 'sned' (choose from 'serve', 'config', 'send', "
         "'consume', 'status', 'dlq', 'groups', 'audit') (see skmq --help)",
     ),
     (

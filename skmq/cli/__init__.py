@@ -20,9 +20,10 @@ from skmq.errors import UsageError, redis_error_text
 # name -> one-line help; the command is the module skmq.cli.<name>
 COMMANDS = {
     "serve": "run the broker",
+    "config": "the settings in effect and where each comes from",
     "send": "send one message to the broker",
     "consume": "receive pushed messages",
-    "status": "apps, depths and recipients",
+    "status": "apps, depths, recipients and how Redis persists them",
     "dlq": "list, replay or purge dead letters",
     "groups": "list, create, reset or delete consumer groups",
     "audit": "audit delivery logs with Spark (report.json, report.html, CSV)",

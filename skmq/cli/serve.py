@@ -6,9 +6,14 @@ import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from skmq.config import add_settings_flags
+    from skmq.config import add_settings_flags, settings_help
 
-    parser.description = "Run the broker. Every setting is also SKMQ_<NAME>."
+    parser.description = (
+        "Run the broker. Each setting is a flag, an SKMQ_* environment variable or a key of "
+        "the --config file; `skmq config` shows those in effect and where each comes from."
+    )
+    parser.usage = "skmq serve [--config PATH] [--SETTING VALUE ...]"
+    parser.formatter_class = settings_help
     add_settings_flags(parser)
     parser.set_defaults(func=run)
 

@@ -1,5 +1,5 @@
-"""`skmq status [--json] [--watch]`: per app depths, each recipient's state, and each
-consumer group's backlog, in flight, delayed and dead."""
+"""`skmq status [--json] [--watch]`: per app depths, each recipient's state, each
+consumer group's backlog, in flight, delayed and dead, and how Redis persists them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
@@ -19,6 +20,7 @@ from skmq.clock import now_ms
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.pull.groups import Groups
 from skmq.store import Store
+from skmq.store.checks import persistence
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +42,7 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
     groups = await Groups(store).describe_apps(apps)
     return {
         "ts": now,
+        "redis": await persistence(store.redis),
         "apps": [
             {
                 "appid": app,
@@ -117,7 +120,16 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
         for g in a.get("groups", []):
             groups.add_row(a["appid"], g["group"], str(g["backlog"]), str(g["in_flight"]),
                            str(g["delayed"]), str(g["dead"]))  # fmt: skip
-    return Group(apps, recips, groups) if groups.row_count else Group(apps, recips)
+    tables = (apps, recips, groups) if groups.row_count else (apps, recips)
+    return Group(*tables, Text(persisted(snap["redis"])))
+
+
+def persisted(redis: dict[str, str | None]) -> str:
+    """`Redis: appendonly yes, appendfsync everysec` (a cluster's nodes differing: each
+    value found; unknown where CONFIG is not allowed)."""
+    found = ", ".join(f"{name} {value or 'unknown'}" for name, value in redis.items())
+    volatile = "" if redis.get("appendonly") in ("yes", None) else " (volatile: no AOF)"
+    return f"Redis: {found}{volatile}"
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -19,9 +19,12 @@ EVICTING = ("allkeys-", "volatile-")
 LISTPACK_WARN_ABOVE = 128  # Redis's default for sorted sets
 
 
-async def _config_values(redis: RedisClient, name: str, unreadable: str | None) -> list[str] | None:
-    """The setting `name` of the Redis (on a cluster: of each node); [] if it has no such
-    setting, None if CONFIG is not allowed (then warning that `unreadable`, if given)."""
+async def _config_by_node(
+    redis: RedisClient, name: str, unreadable: str | None
+) -> dict[str, str] | None:
+    """The setting `name` of the Redis, by node ("host:port"; one Redis: ""); a node
+    without such a setting is left out; None if CONFIG is not allowed (then warning that
+    `unreadable`, if given). On a cluster: every node known, masters and replicas."""
     try:
         if isinstance(redis, RedisCluster):
             reply = await redis.config_get(name, target_nodes=RedisCluster.ALL_NODES)
@@ -33,12 +36,19 @@ async def _config_values(redis: RedisClient, name: str, unreadable: str | None) 
         return None
     # A cluster answers {node: {name: value}} (one node: {name: value}).
     nested = reply and all(isinstance(v, dict) for v in reply.values())
-    values = []
-    for node_reply in reply.values() if nested else [reply]:
+    values = {}
+    for node, node_reply in reply.items() if nested else [("", reply)]:
         raw = next(iter(node_reply.values()), None)
         if raw is not None:
-            values.append(raw.decode() if isinstance(raw, bytes) else str(raw))
+            values[str(node)] = raw.decode() if isinstance(raw, bytes) else str(raw)
     return values
+
+
+async def _config_values(redis: RedisClient, name: str, unreadable: str | None) -> list[str] | None:
+    """The setting `name` of the Redis (on a cluster: of each node); [] if it has no such
+    setting, None if CONFIG is not allowed (then warning that `unreadable`, if given)."""
+    by_node = await _config_by_node(redis, name, unreadable)
+    return None if by_node is None else list(by_node.values())
 
 
 def _evicting(policies: list[str]) -> str | None:
@@ -95,6 +105,67 @@ class EvictionWatch:
                 else:
                     log.warning("Redis evicts no keys again: storing messages")
             self.refusal = refusal
+
+
+def _without_aof(nodes: list[str]) -> str:
+    """`Redis runs with appendonly no`, naming the nodes of a cluster that do."""
+    return "Redis runs with appendonly no" + (f" (nodes {', '.join(nodes)})" if any(nodes) else "")
+
+
+async def check_persistence(redis: RedisClient, allow_volatile: bool) -> str | None:
+    """Refuse a Redis without AOF (on a cluster: any node of it, master or replica): it
+    keeps acknowledged messages in memory only, and a restart loses them. With
+    ALLOW_VOLATILE_REDIS, a warning instead, and what /healthz and /metrics then say
+    (None: the Redis persists every write, or CONFIG is not allowed)."""
+    by_node = await _config_by_node(redis, "appendonly", "make sure this Redis runs with AOF")
+    if by_node is not None and isinstance(redis, RedisCluster):
+        await _warn_unchecked(redis, set(by_node))
+    volatile = sorted(node for node, value in (by_node or {}).items() if value != "yes")
+    if not volatile:
+        return None
+    if not allow_volatile:
+        raise Misconfigured(
+            f"{_without_aof(volatile)}: every message acked since its last snapshot is lost "
+            "when it restarts; set appendonly yes (redis.conf, or CONFIG SET appendonly yes), "
+            "or SKMQ_ALLOW_VOLATILE_REDIS=true to accept the loss"
+        )
+    volatile_store = (
+        f"{_without_aof(volatile)}: a restart of it loses the messages acked since its last "
+        "snapshot (ALLOW_VOLATILE_REDIS)"
+    )
+    log.warning(volatile_store)
+    return volatile_store
+
+
+async def _warn_unchecked(redis: RedisCluster, checked: set[str]) -> None:
+    """Name the nodes of the cluster that the client does not reach yet (a replica is
+    left out of CLUSTER SLOTS until it has synced): their AOF is for the operator to see."""
+    try:
+        nodes = await redis.cluster_nodes()
+    except RedisError:
+        return
+    unchecked = sorted(
+        node for node, about in nodes.items()
+        if node not in checked and not {"fail", "noaddr", "handshake"} & set(
+            str(about.get("flags", "")).split(",")
+        )
+    )  # fmt: skip
+    if unchecked:
+        log.warning(
+            "cannot check appendonly of these cluster nodes (not serving slots yet): "
+            "make sure they run with appendonly yes",
+            nodes=", ".join(unchecked),
+        )
+
+
+async def persistence(redis: RedisClient) -> dict[str, str | None]:
+    """appendonly and appendfsync of the Redis, for `skmq status` (a cluster whose nodes
+    differ: each value found, comma-separated; None: CONFIG is not allowed)."""
+    found: dict[str, str | None] = {}
+    for name in ("appendonly", "appendfsync"):
+        values = await _config_values(redis, name, None)
+        found[name] = None if values is None else ",".join(sorted(set(values)))
+    return found
 
 
 async def check_listpack_sizes(redis: RedisClient) -> None:
