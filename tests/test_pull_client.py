@@ -183,6 +183,11 @@ async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory
             (b"{}", {"group": "raw", "op": "reset"}, "400 op must be one of"),
             (b"{}", {"group": "bad name", "op": "receive"}, "400 group must be"),
             (b"{}", {"group": "none", "op": "receive"}, "404 no group 'none' for app 'shop'"),
+            (
+                body,  # the receipt of group raw, in a group that does not exist
+                {"group": "none", "op": "ack"},
+                "404 no group 'none' for app 'shop'",
+            ),
             (b'{"max": 100000}', {"group": "raw", "op": "receive"}, "400 max: at most"),
         ):
             refused = await client.request("pull", content, appid="shop", **fields)
