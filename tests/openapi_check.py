@@ -7,7 +7,7 @@ have) is not checked: the document does not promise anything for it."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 from openapi_core import OpenAPI
@@ -30,11 +30,18 @@ def spec() -> OpenAPI:
     return _spec
 
 
-def check_response(method: str, url: URL, status: int, content_type: str, body: bytes) -> None:
-    """AssertionError unless the document has this answer (status, content type, body)
-    for the operation; nothing for a request outside the document."""
+def check_response(
+    method: str,
+    url: URL,
+    status: int,
+    content_type: str,
+    body: bytes,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """AssertionError unless the document has this answer (status, content type, body,
+    the headers it names) for the operation; nothing for a request outside it."""
     request = MockRequest(str(url.origin()), method.lower(), url.path)
-    response = MockResponse(body, status, content_type=content_type)
+    response = MockResponse(body, status, dict(headers or {}), content_type)
     try:
         spec().validate_response(request, response)
     except (PathNotFound, OperationNotFound):
@@ -55,5 +62,8 @@ async def check_against_openapi(
     from the cache), checked by check_response."""
     response = await handler(request)
     body = await response.read()
-    check_response(request.method, request.url, response.status, response.content_type, body)
+    check_response(
+        request.method, request.url, response.status, response.content_type, body,
+        response.headers,
+    )  # fmt: skip
     return response

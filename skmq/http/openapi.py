@@ -37,7 +37,16 @@ def _errors(*codes: int) -> dict[str, Any]:
         "be stored: resend with the same msgid), too many long polls, or too many "
         "connections: try again",
     }
-    return {str(c): _json(_ref("Error"), why[c]) for c in codes}
+    headers = {
+        401: ("WWW-Authenticate", 'Bearer realm="skmq"'),
+        503: ("Retry-After", "seconds to wait before trying again (1)"),
+    }
+    out = {str(c): _json(_ref("Error"), why[c]) for c in codes}
+    for code, (name, text) in headers.items():
+        if str(code) in out:
+            header = {"description": text, "schema": {"type": "string"}}
+            out[str(code)]["headers"] = {name: header}
+    return out
 
 
 def document() -> dict[str, Any]:
