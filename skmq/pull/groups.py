@@ -198,7 +198,7 @@ class Groups:
             out.append((msgid, _KINDS.get(fields.get(b"k", b"q"), "queue")))
         return out
 
-    async def _exists_if_none(self, app: str, group: str, settled: Sequence[int]) -> None:
+    async def _no_group_if_all_refused(self, app: str, group: str, settled: Sequence[int]) -> None:
         """Raise NoSuchGroup when no receipt settled (each 0) and the group does not
         exist: the settling scripts refuse every receipt of a group that is not there,
         which its consumer must hear as such (404), not as `stale`. Asked only then, so
@@ -213,7 +213,7 @@ class Groups:
         refused, stale). NoSuchGroup if the group does not exist."""
         args = [x for r in receipts for x in r]
         done = [int(x) for x in await self._pull("pull_ack", app, group, now, args)]
-        await self._exists_if_none(app, group, done)
+        await self._no_group_if_all_refused(app, group, done)
         return done
 
     async def nack(
@@ -225,7 +225,7 @@ class Groups:
         args = [x for r in receipts for x in r]
         res = await self._pull("pull_nack", app, group, now, args)
         codes = [(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
-        await self._exists_if_none(app, group, [code for code, _, _ in codes])
+        await self._no_group_if_all_refused(app, group, [code for code, _, _ in codes])
         return codes
 
     async def extend(
@@ -235,7 +235,7 @@ class Groups:
         does not exist."""
         args = [x for r in receipts for x in r]
         done = [int(x) for x in await self._pull("pull_extend", app, group, now, args)]
-        await self._exists_if_none(app, group, done)
+        await self._no_group_if_all_refused(app, group, done)
         return done
 
     # -- dead letters (skmq/dlq.py through GroupDeadLetters) ----------------
