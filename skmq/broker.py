@@ -110,6 +110,11 @@ async def wait_for_redis(
             delay = min(delay * 2, 2.0)
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 address in brackets (`[::1]:1734`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class BadAddress(UsageError):
     """HOST or METRICS_HOST is not an address this machine can listen on."""
 
@@ -263,14 +268,25 @@ class Broker:
         await self.start_gateway()
         log.info(
             "broker listening",
-            host=s.host,
-            port=self.server.port,
+            **self.listening_addresses(),
             auth="on" if self.tokens is not None else "off",
             signed_pushes=self.signer is not None,
             broker=self.broker_id,
             redis=redacted(url),
             log_dir=str(s.delivery_log_dir),
         )
+
+    def listening_addresses(self) -> dict[str, str]:
+        """Every address the broker listens on, for its start-up line: the protocol port,
+        the HTTP gateway ("off" with HTTP_PORT=0), and /metrics when on a port of its own."""
+        s = self.settings
+        where = {
+            "protocol": host_port(s.host, self.server.port),
+            "http": host_port(s.host, self.gateway.port) if self.gateway.port else "off",
+        }
+        if s.metrics_port:
+            where["metrics"] = host_port(s.metrics_host, s.metrics_port)
+        return where
 
     async def start_gateway(self) -> None:
         """The HTTP gateway on HOST:HTTP_PORT, /metrics and /healthz on METRICS_PORT."""

@@ -160,8 +160,13 @@ async def make_broker(redis_url: str, prefix: str, tmp_path: Path) -> AsyncItera
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A real HTTP client for the gateway tests."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session:
+    """A real HTTP client for the gateway tests; it checks every answer against the
+    gateway's OpenAPI document (tests/openapi_check.py)."""
+    from tests.openapi_check import check_against_openapi
+
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=15), middlewares=(check_against_openapi,)
+    ) as session:
         yield session
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from skmq.codec import (
     PING,
     PONG,
+    BareLineFeed,
     CodecError,
     Decoder,
     Frame,
@@ -314,6 +315,74 @@ def test_line_after_content_is_a_header_line() -> None:
         Decoder(max_line_bytes=50).feed(b"content=x\r\nmsgid=" + b"m" * 60 + b"\r\n\r\n")
 
 
+# --- bare LF (docs/PROTOCOL.md, section 1) ---------------------------------------------
+
+LF_FRAME = b"type=queue\nappid=a\nmsgid=m\ncontent=hello\n\n"
+
+
+def bare_lf(chunks: list[bytes], decoder: Decoder | None = None) -> list[Result]:
+    """The frames completed before the BareLineFeed that `chunks` must raise."""
+    decoder = decoder or Decoder()
+    out: list[Result] = []
+    with pytest.raises(BareLineFeed, match=r"^bare LF in a header line: lines end with CRLF") as e:
+        for chunk in chunks:
+            out.extend(decoder.feed(chunk))
+    return out + e.value.frames
+
+
+def test_a_frame_with_lf_line_endings_is_refused_at_its_first_line() -> None:
+    assert bare_lf([LF_FRAME]) == []
+    assert bare_lf(bytewise(LF_FRAME)) == []
+    decoder = Decoder()
+    assert bare_lf([b"type=queue\n"], decoder) == []  # at once, not at a terminator never sent
+    with pytest.raises(BareLineFeed):  # broken for good, as for the limits
+        decoder.feed(b"type=ack\r\n\r\n")
+
+
+def test_frames_before_a_bare_lf_are_kept() -> None:
+    data = b"type=ack\r\nmsgid=1\r\n\r\n" + LF_FRAME
+    expected: list[Result] = [Frame("ack", {"msgid": "1"})]
+    assert bare_lf([data]) == expected
+    assert bare_lf(bytewise(data)) == expected
+    assert bare_lf([data + b"type=ack\r\n\r\n"]) == expected  # a CRLF CRLF later changes nothing
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"type=queue\r\nappid=a\nmsgid=m\r\n\r\n",  # inside a CRLF frame: no field holds a LF
+        b"type=queue\r\n\nappid=a\r\n\r\n",  # a line made of a LF after a CRLF
+        b"\ntype=ack\r\n\r\n",  # before a frame
+        b"ping\n\n",
+        b"content=x\r\nmsgid=m\n\r\n\r\n",  # a header line after the content
+        b"length=3\ncontent=a\nb\r\n\r\n",
+    ],
+)
+def test_a_bare_lf_in_any_header_line_is_refused(data: bytes) -> None:
+    assert bare_lf([data]) == []
+    assert bare_lf(bytewise(data)) == []
+    slow = Decoder()
+    slow._fast = False
+    assert bare_lf([data], slow) == []
+
+
+def test_lf_stays_legitimate_in_content_and_cr_alone_in_a_header() -> None:
+    body = b"a\nb\n\nc\r\n\r\nd\n"
+    cases = [
+        (b"type=push\r\nlength=%d\r\ncontent=%b\r\n\r\n" % (len(body), body),
+         Frame("push", {}, body)),
+        # content without length=: raw bytes up to CRLF, a LF (even two) among them
+        (b"type=queue\r\ncontent=a\nb\n\nc\r\n\r\n", Frame("queue", {}, b"a\nb\n\nc")),
+        (b"type=queue\r\ncontent=x\n\r\nmsgid=m\r\n\r\n", Frame("queue", {"msgid": "m"}, b"x\n")),
+        # a CR alone ends no line: part of the value, as before
+        (b"type=ack\r\nx_note=a\rb\r\n\r\n", Frame("ack", {"x_note": "a\rb"})),
+    ]  # fmt: skip
+    for data, frame in cases:
+        assert decode_all(data) == [frame]
+        assert decode_chunks(bytewise(data)) == [frame]
+        assert outcome([data], {}, fast=False) == ([frame], "")
+
+
 # --- encoder --------------------------------------------------------------------------
 
 
@@ -446,9 +515,14 @@ def test_roundtrip_with_blank_lines(
     assert decode_chunks(bytewise(data)) == frames
 
 
+def with_lf_endings(data: bytes) -> bytes:
+    return data.replace(b"\r\n", b"\n")
+
+
 pieces = st.one_of(
     st.binary(max_size=30),
     frames_st.map(encode),
+    frames_st.map(encode).map(with_lf_endings),
     st.sampled_from(
         [
             b"\r\n",
@@ -507,3 +581,16 @@ def test_random_binary_only_raises_codec_errors(data: bytes, limits: dict[str, i
     except CodecError:
         pass
     assert decoder.buffered <= limits.get("max_frame_bytes", 1 << 20)
+
+
+@FAST
+@given(st.lists(frames_st, max_size=4), frames_st, st.lists(st.integers(0, 10_000), max_size=12))
+def test_a_frame_with_lf_endings_after_good_ones_is_refused_however_chunked(
+    good: list[Frame], bad: Frame, points: list[int]
+) -> None:
+    """Every frame the encoder writes starts with a header line (its fields, or type=):
+    written with LF alone, it is refused with BareLineFeed, after the frames before it."""
+    data = b"".join(map(encode, good)) + with_lf_endings(encode(bad))
+    assert bare_lf([data]) == good
+    assert bare_lf(cut(data, points)) == good
+    assert bare_lf(bytewise(data)) == good

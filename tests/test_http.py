@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from openapi_spec_validator import validate
+from yarl import URL
 
 from skmq.broker import Broker
 from skmq.clock import now_ms
@@ -19,6 +20,7 @@ from skmq.errors import Misconfigured
 from skmq.store.messages import read as read_message
 from skmq.workers.enqueue import UNAVAILABLE
 from tests.conftest import FAST, BrokerFactory, eventually, free_port
+from tests.openapi_check import check_response
 from tests.peers import FakeRecipient
 
 TENANT_A = "tenant-a-token-0123456789abcdef"
@@ -227,6 +229,40 @@ async def test_openapi_document_is_valid_and_names_every_route(
     message = doc["components"]["schemas"]["OutgoingMessage"]
     assert message["properties"]["kind"]["enum"] == ["queue", "topic"]
     assert message["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "body", "why"),
+    [
+        # the answers the document once had wrong: createGroup's 201 was not in it, and
+        # deleteGroup's and resetGroup's answers were checked against request schemas
+        ("POST", "/v1/apps/a/groups", 202, {"group": "g", "created": True}, "202"),
+        ("DELETE", "/v1/apps/a/groups/g", 200, {"group": "g"}, "deleted"),
+        ("POST", "/v1/apps/a/groups/g/reset", 200, {"group": "g", "position": "x"}, "position"),
+        ("POST", "/v1/apps/a/groups/g/ack", 404, {"no": "error"}, "error"),
+        ("POST", "/v1/apps/a/groups/g/ack", 200, {"results": [{"receipt": "r"}]}, "status"),
+    ],
+)
+def test_the_openapi_check_refuses_an_answer_the_document_does_not_describe(
+    method: str, path: str, status: int, body: dict[str, Any], why: str
+) -> None:
+    """The check every HTTP test's client makes (tests/openapi_check.py) can fail."""
+    url = URL(f"http://127.0.0.1:1735{path}")
+    with pytest.raises(AssertionError, match=why):
+        check_response(method, url, status, "application/json", json.dumps(body).encode())
+
+
+def test_the_openapi_check_passes_the_documented_group_answers() -> None:
+    for method, path, status, body in (
+        ("POST", "/v1/apps/a/groups", 201, {"group": "g", "created": True}),
+        ("POST", "/v1/apps/a/groups", 200, {"group": "g", "created": False}),
+        ("DELETE", "/v1/apps/a/groups/g", 200, {"group": "g", "deleted": True}),
+        ("POST", "/v1/apps/a/groups/g/reset", 200, {"group": "g", "position": "earliest"}),
+        ("POST", "/v1/apps/a/groups/g/nack", 404, {"error": "no group 'g' for app 'a'"}),
+        ("GET", "/nowhere", 404, {"error": "not found"}),  # outside the document: unchecked
+    ):
+        url = URL(f"http://127.0.0.1:1735{path}")
+        check_response(method, url, status, "application/json", json.dumps(body).encode())
 
 
 async def test_metrics_and_healthz_are_served_by_the_gateway(

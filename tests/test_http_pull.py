@@ -16,6 +16,7 @@ import pytest
 
 from skmq.broker import Broker
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
+from tests.openapi_check import check_against_openapi
 from tests.test_delivery import logged
 
 CONSUMER = "consumer-a-token-0123456789abcdef"
@@ -24,7 +25,9 @@ ADMIN = "admin-a-token-0123456789abcdefgh"
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=30), middlewares=(check_against_openapi,)
+    ) as session:
         yield session
 
 
@@ -171,6 +174,26 @@ async def test_a_receipt_from_before_a_group_reset_is_stale(
     assert await settle(http, base, "x", "g", "ack", receipts=[after["receipt"]]) == ["acked"]
 
 
+async def test_settling_in_a_group_that_is_gone_is_404_and_after_it_is_made_again_stale(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """ack, nack and extend answer 404 for a group that does not exist (as receive does),
+    not 200 `stale`: the consumer's group is gone, not its lease."""
+    _, base = await gateway(make_broker)
+    assert (await call(http, "POST", f"{base}/x/groups", {"group": "g"}))[0] == 201
+    await produce(http, base, "x", "m1", "m2")
+    first, second = await receive(http, base, "x", "g", max=2)
+    assert await settle(http, base, "x", "g", "ack", receipts=[first["receipt"]]) == ["acked"]
+    assert (await call(http, "DELETE", f"{base}/x/groups/g"))[0] == 200
+    gone = {"error": "no group 'g' for app 'x'"}
+    receipts = [first["receipt"], second["receipt"]]
+    for verb, extra in (("ack", {}), ("nack", {"delay": 0}), ("extend", {"visibility": 5})):
+        url = f"{base}/x/groups/g/{verb}"
+        assert await call(http, "POST", url, {"receipts": receipts, **extra}) == (404, gone)
+    assert (await call(http, "POST", f"{base}/x/groups", {"group": "g"}))[0] == 201
+    assert await settle(http, base, "x", "g", "ack", receipts=receipts) == ["stale", "stale"]
+
+
 async def test_nacks_retry_then_dead_letter_after_retry_times(
     make_broker: BrokerFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -296,6 +319,9 @@ async def test_brokers_whose_machine_clocks_differ_agree_on_due_times_and_leases
         ("g/nack", {"receipts": ["1-0.1"], "delay": 10**30}, 400, "delay: at most 5000 ms"),
         ("g/ack", {"receipts": []}, 400, "receipts: List should have at least 1 item"),
         ("nope/receive", {}, 404, "no group 'nope' for app 'x'"),
+        ("nope/ack", {"receipts": ["1-0.1"]}, 404, "no group 'nope' for app 'x'"),
+        ("nope/nack", {"receipts": ["1-0.1"]}, 404, "no group 'nope' for app 'x'"),
+        ("nope/extend", {"receipts": ["1-0.1"], "visibility": 5}, 404, "no group 'nope' for"),
         ("bad%20name/receive", {}, 400, "group must be 1 to 64 letters"),
     ],
 )

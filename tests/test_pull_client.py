@@ -8,11 +8,14 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from skmq.broker import Broker
+from skmq.cli.broker_settings import BrokerAddresses, broker_addresses
+from skmq.errors import UsageError
 from skmq.pull.consumer import PullConsumer, PullError
 from tests.conftest import BrokerFactory, free_port
 from tests.peers import RawClient
@@ -183,6 +186,11 @@ async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory
             (b"{}", {"group": "raw", "op": "reset"}, "400 op must be one of"),
             (b"{}", {"group": "bad name", "op": "receive"}, "400 group must be"),
             (b"{}", {"group": "none", "op": "receive"}, "404 no group 'none' for app 'shop'"),
+            (
+                body,  # the receipt of group raw, in a group that does not exist
+                {"group": "none", "op": "ack"},
+                "404 no group 'none' for app 'shop'",
+            ),
             (b'{"max": 100000}', {"group": "raw", "op": "receive"}, "400 max: at most"),
         ):
             refused = await client.request("pull", content, appid="shop", **fields)
@@ -190,3 +198,90 @@ async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory
             assert refused["content"].startswith(said), refused
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("found_by", ["environment", "config file", "http off: tcp", "flag"])
+async def test_skmq_consume_pull_finds_the_gateway_from_the_brokers_settings(
+    make_broker: BrokerFactory, tmp_path: Path, found_by: str
+) -> None:
+    """Without --gateway, the broker's own settings say where: SKMQ_HOST and
+    SKMQ_HTTP_PORT, or its TOML file (--config); the protocol port (tcp://) when
+    HTTP_PORT is 0. --gateway still wins over them."""
+    broker, url = await gateway(make_broker)
+    http_port, port = broker.gateway.port, broker.server.port
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
+    args: list[str] = []
+    expected = url
+    if found_by == "environment":
+        env.update(SKMQ_HOST="0.0.0.0", SKMQ_HTTP_PORT=str(http_port))  # (any address)
+    elif found_by == "config file":
+        config = tmp_path / "skmq.toml"
+        config.write_text(f'host = "127.0.0.1"\nhttp_port = {http_port}\nport = 9\n')
+        env["SKMQ_PORT"] = str(port)  # (the environment beats the file, as for the broker)
+        args = ["--config", str(config)]
+    elif found_by == "http off: tcp":
+        env.update(SKMQ_HTTP_PORT="0", SKMQ_PORT=str(port))
+        expected = f"tcp://127.0.0.1:{port}"
+    else:
+        env.update(SKMQ_HTTP_PORT=str(free_port()))  # nothing there: the flag is what counts
+        args = ["--gateway", url]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "skmq.cli", "consume", "--pull", "--group", "cli", "--app", "shop",
+        *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    async with asyncio.timeout(30):
+        said = await proc.stderr.readline()
+        assert said == f"skmq consume: pulling shop/cli from {expected}\n".encode(), said
+        await produce(url, "shop", "c1")
+        assert await proc.stdout.readline() == b"shop c1 body c1\n"
+    proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        await proc.communicate()
+    assert proc.returncode == 0
+
+
+def test_broker_addresses_are_read_as_the_broker_reads_its_settings(tmp_path: Path) -> None:
+    config = tmp_path / "skmq.toml"
+    config.write_text('host = "::"\nport = 2000\nhttp_port = 2001\nlog_level = "debug"\n')
+    assert broker_addresses(None, {}) == BrokerAddresses("127.0.0.1", 1734, 1735)
+    from_file = broker_addresses(config, {})
+    assert from_file == BrokerAddresses("::1", 2000, 2001)
+    assert from_file.gateway == "http://[::1]:2001"
+    env = {"SKMQ_HOST": "broker.internal", "SKMQ_HTTP_PORT": "0"}
+    assert broker_addresses(config, env).gateway == "tcp://broker.internal:2000"
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "said"),
+    [
+        (None, {"SKMQ_HTTP_PORT": "http"}, "invalid setting SKMQ_HTTP_PORT='http': not a port"),
+        (None, {"SKMQ_PORT": "70000"}, "invalid setting SKMQ_PORT='70000': not a port"),
+        ("http_port = true", {}, "invalid setting http_port in {config}=True: not a port"),
+        ("host = 5", {}, "invalid setting host in {config}=5: not a host"),
+        ("host = ", {}, "config file {config}: not valid TOML"),
+    ],
+)
+def test_a_broker_setting_the_broker_would_refuse_is_one_line(
+    tmp_path: Path, toml: str | None, env: dict[str, str], said: str
+) -> None:
+    config = tmp_path / "skmq.toml"
+    if toml is not None:
+        config.write_text(toml + "\n")
+    with pytest.raises(UsageError) as refused:
+        broker_addresses(config if toml is not None else None, env)
+    assert str(refused.value).startswith(said.format(config=config))
+
+
+async def test_skmq_consume_with_a_config_file_that_is_not_there_says_so(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    for args in (["--pull", "--group", "g"], ["--id", "r", "--port", "0"]):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "skmq.cli", "consume", "--app", "a", "--config", str(missing),
+            *args, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await proc.communicate()
+        assert (proc.returncode, err) == (
+            2,
+            f"skmq consume: config file {missing}: no such file\n".encode(),
+        )

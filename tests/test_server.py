@@ -190,6 +190,33 @@ async def test_overlong_header_line_gets_error_then_close(make_broker: BrokerFac
     assert await client.closed()
 
 
+async def test_a_frame_with_bare_lf_line_endings_gets_an_error_naming_crlf_then_close(
+    make_broker: BrokerFactory, redis: aioredis.Redis
+) -> None:
+    """`queue\\nappid=...\\n\\n` never ends a frame: refused as soon as its first line
+    ends (not at FRAME_TIMEOUT), after the frames before it, and the connection closed as
+    for a frame over a limit (docs/PROTOCOL.md, section 1)."""
+    broker = await make_broker(frame_timeout=60.0)
+    client = await RawClient.connect(broker.server.port)
+    client.send_raw(
+        b"type=queue\r\nappid=lf\r\nmsgid=before\r\ncontent=x\r\n\r\n"
+        b"type=queue\nappid=lf\nmsgid=bare\ncontent=y\n\n"
+    )
+    first = await client.resp(timeout=10)
+    assert (first["status"], first["msgid"]) == ("ack", "before")
+    refused = await client.resp(timeout=10)
+    assert refused["status"] == "error"
+    assert refused["content"] == (
+        "frame refused, closing: bare LF in a header line: lines end with CRLF, "
+        "a frame with CRLF CRLF"
+    )
+    assert await client.closed(timeout=10)
+    await client.close()
+    base = broker.store.base("lf")
+    assert await redis.hexists(f"{base}msgs", "before")
+    assert not await redis.hexists(f"{base}msgs", "bare")
+
+
 async def test_frames_before_an_oversized_one_are_answered(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
     client.send_raw(

@@ -15,12 +15,14 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import uvloop
 
 from skmq.cli import fail, unreachable
+from skmq.cli.broker_settings import broker_addresses
 from skmq.cli.consume_pull import add_pull_flags, consume_pull
-from skmq.cli.send import broker_address, port_number
+from skmq.cli.send import port_number
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -63,9 +65,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="the broker's SIGNING_SECRET: reject pushes not signed with it, or stale"
         " (default: $SKMQ_SIGNING_SECRET)",
     )
-    p.add_argument("--broker-host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
     p.add_argument(
-        "--broker-port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)"
+        "--broker-host", help="broker host (default: $SKMQ_HOST, --config's, or 127.0.0.1)"
+    )
+    p.add_argument(
+        "--broker-port",
+        type=port_number,
+        help="broker port (default: $SKMQ_PORT, --config's, or 1734)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the broker's TOML settings file (as given to skmq serve): its HOST, PORT and "
+        "HTTP_PORT say where the broker is when no flag or SKMQ_* variable does",
     )
     p.add_argument(
         "--unregister-on-exit",
@@ -202,10 +215,9 @@ def run(args: argparse.Namespace) -> int:
         return consume_pull(args, exec_handler, print_message)
     if args.id is None or args.port is None:
         return fail("consume", "--id and --port are required (or --pull --group G)", 2)
-    try:
-        broker_host, broker_port = broker_address(args.broker_host, args.broker_port)
-    except ValueError:
-        return fail("consume", f"invalid SKMQ_PORT {os.environ.get('SKMQ_PORT')!r}", 2)
+    broker = broker_addresses(args.config)
+    broker_host = broker.host if args.broker_host is None else args.broker_host
+    broker_port = broker.port if args.broker_port is None else args.broker_port
     try:
         if args.signing_secret is not None:
             secret_key(args.signing_secret)

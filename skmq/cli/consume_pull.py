@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -16,6 +15,7 @@ from urllib.parse import urlsplit
 import uvloop
 
 from skmq.cli import fail, unreachable
+from skmq.cli.broker_settings import broker_addresses
 from skmq.client import Handler, Message
 
 ExecHandler = Callable[[str, int | None, float], Handler]
@@ -26,9 +26,10 @@ def add_pull_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", help="the consumer group to pull for (created if missing)")
     p.add_argument(
         "--gateway",
-        default=os.environ.get("SKMQ_GATEWAY", "http://127.0.0.1:1735"),
-        help="the HTTP gateway, or tcp://HOST:PORT for the broker port (default: "
-        "$SKMQ_GATEWAY or http://127.0.0.1:1735)",
+        help="the HTTP gateway (http[s]://HOST:PORT), or tcp://HOST:PORT for the broker port "
+        "(default: where the broker's settings put it: http://HOST:HTTP_PORT from "
+        "$SKMQ_HOST, $SKMQ_HTTP_PORT or --config, else http://127.0.0.1:1735; "
+        "tcp://HOST:PORT when HTTP_PORT is 0)",
     )
     p.add_argument("--visibility", type=float, default=30.0, help="lease seconds (pull)")
     p.add_argument("--batch", type=int, default=10, help="messages a receive (pull)")
@@ -96,6 +97,8 @@ def consume_pull(
 ) -> int:
     if not args.group:
         return fail("consume", "--pull needs --group G", 2)
+    if args.gateway is None:
+        args.gateway = broker_addresses(args.config).gateway
     if urlsplit(args.gateway).scheme not in ("http", "https", "tcp"):
         return fail("consume", "--gateway must be http://, https:// or tcp://HOST:PORT", 2)
     handler = (

@@ -3,7 +3,7 @@ FrameProtocol, the asyncio protocol that feeds it a connection's bytes."""
 
 from skmq.codec.decoder import Decoder
 from skmq.codec.encoder import PING, PONG, encode_frame, encode_resp
-from skmq.codec.errors import CodecError, FrameTooLarge, LineTooLong
+from skmq.codec.errors import BareLineFeed, CodecError, FrameTooLarge, LineTooLong
 from skmq.codec.frame import Frame, InvalidFrame
 from skmq.codec.protocol import FrameProtocol
 from skmq.codec.vocabulary import ANSWER_TYPES, PRODUCER_TYPES, FrameType, Status
@@ -13,6 +13,7 @@ __all__ = [
     "PING",
     "PONG",
     "PRODUCER_TYPES",
+    "BareLineFeed",
     "CodecError",
     "Decoder",
     "Frame",

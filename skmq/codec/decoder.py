@@ -8,7 +8,9 @@ far it got (current line start, a pending ``length=``, the byte count a
 ``length=`` content needs), so a frame arriving one byte at a time costs O(1)
 per byte; it also enforces the limits on the partial frame, so a peer sending
 endless bytes cannot make the buffer grow past ``max_frame_bytes`` (or a header
-line past ``max_line_bytes``).
+line past ``max_line_bytes``); it also refuses a header line holding a bare LF (one
+not after a CR) as soon as that LF arrives: a peer ending its lines with LF alone never
+ends a frame (docs/PROTOCOL.md, section 1).
 
 When a frame can complete, the buffer is turned into ``bytes`` once and
 :meth:`Decoder._decode` takes every complete frame out of it. The hot path there
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from itertools import repeat
 
-from skmq.codec.errors import CodecError, FrameTooLarge, LineTooLong
+from skmq.codec.errors import BARE_LF, BareLineFeed, CodecError, FrameTooLarge, LineTooLong
 from skmq.codec.frame import Frame, InvalidFrame
 
 __all__ = ["Decoder"]
@@ -72,8 +74,8 @@ class Decoder:
     ``max_frame_bytes`` bounds a frame from its first byte to its terminator
     included; ``max_line_bytes`` bounds a header line (CRLF excluded; the content
     line is exempt). Breaking either raises :class:`FrameTooLarge` or
-    :class:`LineTooLong`; the decoder is then broken and every later ``feed()``
-    raises the same error again.
+    :class:`LineTooLong`, and a bare LF in a header line :class:`BareLineFeed`; the
+    decoder is then broken and every later ``feed()`` raises the same error again.
     """
 
     __slots__ = (
@@ -111,8 +113,8 @@ class Decoder:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame | InvalidFrame]:
         """Add bytes from the peer; return every frame they complete, in order.
 
-        Raises :class:`FrameTooLarge` or :class:`LineTooLong` (with the frames
-        completed before the error in ``exc.frames``).
+        Raises :class:`FrameTooLarge`, :class:`LineTooLong` or :class:`BareLineFeed`
+        (with the frames completed before the error in ``exc.frames``).
         """
         if self._error is not None:
             raise type(self._error)(str(self._error))
@@ -182,7 +184,14 @@ class Decoder:
                 self._cur = cur
                 self._need = need
                 return self._scan(0)
-            eol = buf.find(b"\r\n", start)
+            if buf.startswith(b"content=", cur):  # raw bytes up to CRLF: a LF is content
+                eol = buf.find(b"\r\n", start)
+            else:
+                eol = buf.find(b"\n", start)
+                if eol >= 0:
+                    if eol == cur or buf[eol - 1] != 13:
+                        raise BareLineFeed(BARE_LF)
+                    eol -= 1
             if eol < 0:
                 break
             if eol == cur:  # the blank line ending the frame (or one before it)
@@ -243,7 +252,8 @@ class Decoder:
                     head = block
                 if len(head) <= max_line:
                     try:
-                        fields = dict(map(_split, head.decode().split("\r\n"), _EQUALS))
+                        lines = head.decode().split("\r\n")
+                        fields = dict(map(_split, lines, _EQUALS))
                     except ValueError:
                         pass
                     else:
@@ -251,6 +261,8 @@ class Decoder:
                             "" not in fields
                             and "content" not in fields
                             and "length" not in fields
+                            # each LF ends a line (a bare one: the slow path raises)
+                            and head.count(b"\n") < len(lines)
                             and (content is None or b"\r\n" not in content)
                         ):
                             append(Frame(fields.pop("type", ""), fields, content))
@@ -312,6 +324,8 @@ class Decoder:
             if sep and key == b"content":  # old-style content: up to CRLF, no line limit
                 content = value
                 continue
+            if b"\n" in line:
+                raise BareLineFeed(BARE_LF)
             if len(line) > max_line:
                 raise LineTooLong(f"header line over {max_line} bytes")
             if not sep:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from skmq.codec.frame import Frame, InvalidFrame
 
-__all__ = ["CodecError", "FrameTooLarge", "LineTooLong"]
+__all__ = ["BareLineFeed", "CodecError", "FrameTooLarge", "LineTooLong"]
 
 
 class CodecError(Exception):
@@ -31,3 +31,12 @@ class FrameTooLarge(CodecError):
 
 class LineTooLong(CodecError):
     """A header line is over ``max_line_bytes``: the stream cannot be resynced."""
+
+
+class BareLineFeed(CodecError):
+    """A header line holds a LF not preceded by CR: the peer ends its lines with LF
+    alone. Its frames would never end (a frame ends at CRLF CRLF), so the stream cannot
+    be resynced. Raised with BARE_LF as its message."""
+
+
+BARE_LF = "bare LF in a header line: lines end with CRLF, a frame with CRLF CRLF"

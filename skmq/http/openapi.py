@@ -32,10 +32,21 @@ def _errors(*codes: int) -> dict[str, Any]:
         408: "body not complete within FRAME_TIMEOUT",
         413: "body, batch or content too large",
         415: "not application/json",
+        500: "a fault of the broker (the traceback is in its log, never here)",
         503: "store unavailable or its disk nearly full (nothing acknowledged; a produce may "
-        "be stored: resend with the same msgid), or too many long polls: try again",
+        "be stored: resend with the same msgid), too many long polls, or too many "
+        "connections: try again",
     }
-    return {str(c): _json(_ref("Error"), why[c]) for c in codes}
+    headers = {
+        401: ("WWW-Authenticate", 'Bearer realm="skmq"'),
+        503: ("Retry-After", "seconds to wait before trying again (1)"),
+    }
+    out = {str(c): _json(_ref("Error"), why[c]) for c in codes}
+    for code, (name, text) in headers.items():
+        if str(code) in out:
+            header = {"description": text, "schema": {"type": "string"}}
+            out[str(code)]["headers"] = {name: header}
+    return out
 
 
 def document() -> dict[str, Any]:
@@ -85,7 +96,7 @@ def document() -> dict[str, Any]:
                     {"oneOf": [_ref("StoreResult"), _ref("BatchResult")]},
                     "stored (or a duplicate of a msgid stored before): one result each",
                 ),
-                **_errors(400, 401, 403, 408, 413, 415, 503),
+                **_errors(400, 401, 403, 408, 413, 415, 500, 503),
             },
         }
     }
@@ -100,59 +111,72 @@ def document() -> dict[str, Any]:
     def op(
         op_id: str, summary: str, body: str | None, ok: str, ok_why: str, *codes: int
     ) -> dict[str, Any]:
+        """An operation answering 200 `ok`, or an Error: 400 (a bad app id, body or
+        parameter), 401/403 (auth on), 500, 503, with a body 408/413/415, and `codes`."""
         spec: dict[str, Any] = {
             "operationId": op_id,
             "summary": summary,
             "security": [{"bearer": []}, {}],
-            "responses": {"200": _json(_ref(ok), ok_why), **_errors(*codes)},
         }
+        common = [400, 401, 403, 500, 503, *codes]
         if body is not None:
+            common += [408, 413, 415]
             content = {"application/json": {"schema": _ref(body)}}
             spec["requestBody"] = {"required": True, "content": content}
+        spec["responses"] = {"200": _json(_ref(ok), ok_why), **_errors(*sorted(set(common)))}
         return spec
 
-    pull_codes = (400, 401, 403, 404, 408, 415, 503)
+    create_group = op(
+        "createGroup",
+        "Subscribe a consumer group (201 created, 200 exists)",
+        "NewGroup",
+        "GroupCreated",
+        "the group existed already (created false)",
+    )
+    create_group["responses"] = {
+        "201": _json(_ref("GroupCreated"), "the group was created (created true)"),
+        **create_group["responses"],
+    }
     on_group = {"parameters": [app_param, group_param]}
     pull_paths: dict[str, Any] = {
         "/v1/apps/{app}/groups": {
             "parameters": [app_param],
             "get": op("listGroups", "The app's consumer groups", None, "GroupList",
-                      "each group with its backlog", 401, 403, 503),
-            "post": op("createGroup", "Subscribe a consumer group (201 created, 200 exists)",
-                       "NewGroup", "NewGroup", "the group", 400, 401, 403, 408, 415, 503),
+                      "each group with its backlog"),
+            "post": create_group,
         },
         "/v1/apps/{app}/groups/{group}": {
             **on_group,
-            "delete": op("deleteGroup", "Delete a group (admin role)", None, "NewGroup",
-                         "deleted", 400, 401, 403, 404, 503),
+            "delete": op("deleteGroup", "Delete a group (admin role)", None, "GroupDeleted",
+                         "deleted", 404),
         },
         "/v1/apps/{app}/groups/{group}/reset": {
             **on_group,
             "post": op("resetGroup", "Move a group to latest or earliest (admin role)",
-                       "GroupReset", "GroupReset", "reset", *pull_codes),
+                       "GroupReset", "GroupPosition", "where the group reads from now", 404),
         },
         "/v1/apps/{app}/groups/{group}/receive": {
             **on_group,
             "post": op("receive", "Up to max messages, each leased for visibility seconds; "
                        "waits up to wait seconds for one", "ReceiveRequest", "ReceiveResult",
-                       "the messages (none when the wait ran out)", *pull_codes),
+                       "the messages (none when the wait ran out)", 404),
         },
         "/v1/apps/{app}/groups/{group}/ack": {
             **on_group,
             "post": op("ack", "Settle received messages by receipt", "AckRequest",
                        "ReceiptResults", "acked, or stale (another attempt, lease ran out)",
-                       *pull_codes),
+                       404),
         },
         "/v1/apps/{app}/groups/{group}/nack": {
             **on_group,
             "post": op("nack", "A failed attempt: retried after delay (or the backoff), "
                        "dead after RETRY_TIMES", "NackRequest", "ReceiptResults",
-                       "retry, dead, or stale", *pull_codes),
+                       "retry, dead, or stale", 404),
         },
         "/v1/apps/{app}/groups/{group}/extend": {
             **on_group,
             "post": op("extend", "Lease received messages for visibility more seconds",
-                       "ExtendRequest", "ReceiptResults", "extended, or stale", *pull_codes),
+                       "ExtendRequest", "ReceiptResults", "extended, or stale", 404),
         },
     }  # fmt: skip
     limit_param = {
@@ -165,27 +189,28 @@ def document() -> dict[str, Any]:
         "description": "the dead letters of this consumer group (absent: of the pushes)",
         "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
     }  # fmt: skip
-    dlq_codes = (400, 401, 403, 404, 408, 415, 503)
     dlq_paths: dict[str, Any] = {
         "/v1/apps/{app}/dlq": {
             "parameters": [app_param],
             "get": {**op("listDeadLetters", "The app's dead letters (admin role)", None,
-                         "DeadLetterList", "oldest first", 400, 401, 403, 503),
+                         "DeadLetterList", "oldest first"),
                     "parameters": [limit_param, group_param]},
         },
         "/v1/apps/{app}/dlq/replay": {
             "parameters": [app_param],
             "post": op("replayDeadLetters", "Replay dead letters (filters, dry run, into "
                        "another app; admin role)", "DlqRequest", "DlqResult",
-                       "what was selected and done", *dlq_codes),
+                       "what was selected and done", 404),
         },
         "/v1/apps/{app}/dlq/purge": {
             "parameters": [app_param],
             "post": op("purgeDeadLetters", "Delete dead letters (filters, dry run; admin role)",
-                       "DlqRequest", "DlqResult", "what was selected and done", *dlq_codes),
+                       "DlqRequest", "DlqResult", "what was selected and done", 404),
         },
     }  # fmt: skip
     text = {"text/plain": {"schema": {"type": "string"}}}
+    # Any route: one connection too many is refused before routing (skmq/http/guard.py).
+    crowded = _errors(503)["503"]["content"]
     return {
         "openapi": "3.1.0",
         "info": {
@@ -201,7 +226,10 @@ def document() -> dict[str, Any]:
                 "get": {
                     "operationId": "metrics",
                     "summary": "Prometheus metrics",
-                    "responses": {"200": {"description": "Prometheus text", "content": text}},
+                    "responses": {
+                        "200": {"description": "Prometheus text", "content": text},
+                        "503": {"description": "too many connections", "content": crowded},
+                    },
                 }
             },
             "/healthz": {
@@ -210,7 +238,10 @@ def document() -> dict[str, Any]:
                     "summary": "Health: ok, degraded (200) or unhealthy (503), one line why",
                     "responses": {
                         "200": {"description": "serving", "content": text},
-                        "503": {"description": "not serving", "content": text},
+                        "503": {
+                            "description": "not serving (text), or too many connections",
+                            "content": {**text, **crowded},
+                        },
                     },
                 }
             },
@@ -218,7 +249,13 @@ def document() -> dict[str, Any]:
                 "get": {
                     "operationId": "openapi",
                     "summary": "This document",
-                    "responses": {"200": {"description": "OpenAPI 3.1 document"}},
+                    "responses": {
+                        "200": {
+                            "description": "OpenAPI 3.1 document",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        "503": {"description": "too many connections", "content": crowded},
+                    },
                 }
             },
         },

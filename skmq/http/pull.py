@@ -38,8 +38,11 @@ class NewGroup(_Body):
     group: str = Field(description="1 to 64 letters, digits, '_', '.' or '-'")
 
 
+Position = Literal["latest", "earliest"]
+
+
 class GroupReset(_Body):
-    position: Literal["latest", "earliest"] = Field(
+    position: Position = Field(
         description="latest: only what is stored from now on; earliest: all the log holds"
     )
 
@@ -92,6 +95,21 @@ class ReceiptResults(BaseModel):
     results: list[ReceiptResult]
 
 
+class GroupCreated(BaseModel):
+    group: str
+    created: bool = Field(description="false: the group existed already (answered 200)")
+
+
+class GroupDeleted(BaseModel):
+    group: str
+    deleted: Literal[True]
+
+
+class GroupPosition(BaseModel):
+    group: str
+    position: Position = Field(description="where the group reads from now")
+
+
 class GroupState(BaseModel):
     group: str
     backlog: int = Field(description="messages not yet received (at most 10001 counted)")
@@ -107,6 +125,7 @@ class GroupList(BaseModel):
 MODELS = (
     NewGroup, GroupReset, ReceiveRequest, AckRequest, NackRequest, ExtendRequest,
     PulledMessage, ReceiveResult, ReceiptResult, ReceiptResults, GroupState, GroupList,
+    GroupCreated, GroupDeleted, GroupPosition,
 )  # fmt: skip
 
 
@@ -157,10 +176,17 @@ class PullApi:
         group = self.group_name(group)
         if op == "create":  # the frame's group field names it; a body is not needed
             return (await self.create(app, {"group": group}))[1]
-        if op == "receive":  # no content: every field of ReceiveRequest as its default
-            return await self.receive(app, group, {} if raw is None else raw, who, gone)
-        calls = {"ack": self.ack, "nack": self.nack, "extend": self.extend}
-        return await calls[op](app, group, raw)
+        try:
+            if op == "receive":  # no content: every field of ReceiveRequest as its default
+                return await self.receive(app, group, {} if raw is None else raw, who, gone)
+            calls = {"ack": self.ack, "nack": self.nack, "extend": self.extend}
+            return await calls[op](app, group, raw)
+        except NoSuchGroup:
+            raise self.no_such_group(app, group) from None
+
+    @staticmethod
+    def no_such_group(app: str, group: str) -> ApiError:
+        return ApiError(404, f"no group {group!r} for app {app!r}")
 
     @staticmethod
     def group_name(name: str) -> str:
@@ -238,18 +264,18 @@ class PullApi:
         """(created, answer): False when the group existed already."""
         group = self.group_name(self._body(raw, NewGroup).group)
         created = await self.groups.create(app, group)
-        return created, {"group": group, "created": created}
+        return created, GroupCreated(group=group, created=created).model_dump()
 
     async def delete(self, app: str, group: str) -> dict[str, Any]:
         if not await self.groups.delete(app, group):
-            raise ApiError(404, f"no group {group!r} for app {app!r}")
-        return {"group": group, "deleted": True}
+            raise self.no_such_group(app, group)
+        return GroupDeleted(group=group, deleted=True).model_dump()
 
     async def reset(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         position = self._body(raw, GroupReset).position
         if not await self.groups.reset(app, group, position):
-            raise ApiError(404, f"no group {group!r} for app {app!r}")
-        return {"group": group, "position": position}
+            raise self.no_such_group(app, group)
+        return GroupPosition(group=group, position=position).model_dump()
 
     # -- pull ---------------------------------------------------------------
     async def receive(
@@ -265,8 +291,6 @@ class PullApi:
         try:
             expired = functools.partial(self._expired, app, group)
             got = await self.longpoll.receive(app, group, body.max, body.wait, lease, expired, gone)
-        except NoSuchGroup:
-            raise ApiError(404, f"no group {group!r} for app {app!r}") from None
         except TooManyWaiting as exc:
             raise ApiError(503, str(exc), {"Retry-After": "1"}) from None
         by = f"pulled by {who}; " if who else "pulled; "

@@ -198,27 +198,45 @@ class Groups:
             out.append((msgid, _KINDS.get(fields.get(b"k", b"q"), "queue")))
         return out
 
+    async def _no_group_if_all_refused(self, app: str, group: str, settled: Sequence[int]) -> None:
+        """Raise NoSuchGroup when no receipt settled (each 0) and the group does not
+        exist: the settling scripts refuse every receipt of a group that is not there,
+        which its consumer must hear as such (404), not as `stale`. Asked only then, so
+        a settle that did something costs no second round trip."""
+        if any(settled):
+            return
+        if not await self.store.redis.hexists(self.store.base(app) + "groups", group):
+            raise NoSuchGroup(group)
+
     async def ack(self, app: str, group: str, receipts: Sequence[Receipt], now: int) -> list[int]:
         """The attempt each receipt acked (counted since its entry's last replay; 0:
-        refused, stale)."""
+        refused, stale). NoSuchGroup if the group does not exist."""
         args = [x for r in receipts for x in r]
-        return [int(x) for x in await self._pull("pull_ack", app, group, now, args)]
+        done = [int(x) for x in await self._pull("pull_ack", app, group, now, args)]
+        await self._no_group_if_all_refused(app, group, done)
+        return done
 
     async def nack(
         self, app: str, group: str, receipts: Sequence[tuple[str, int, str, int]], now: int
     ) -> list[tuple[int, int, int]]:
         """receipts: (entry id, n, generation, wait ms or -1 for the backoff); (code 0
-        refused | 1 retry | 2 dead, due ms, the attempt that failed) each."""
+        refused | 1 retry | 2 dead, due ms, the attempt that failed) each. NoSuchGroup if
+        the group does not exist."""
         args = [x for r in receipts for x in r]
         res = await self._pull("pull_nack", app, group, now, args)
-        return [(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
+        codes = [(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)]
+        await self._no_group_if_all_refused(app, group, [code for code, _, _ in codes])
+        return codes
 
     async def extend(
         self, app: str, group: str, receipts: Sequence[tuple[str, int, str, int]], now: int
     ) -> list[int]:
-        """The attempt each receipt extended (0: refused, stale)."""
+        """The attempt each receipt extended (0: refused, stale). NoSuchGroup if the group
+        does not exist."""
         args = [x for r in receipts for x in r]
-        return [int(x) for x in await self._pull("pull_extend", app, group, now, args)]
+        done = [int(x) for x in await self._pull("pull_extend", app, group, now, args)]
+        await self._no_group_if_all_refused(app, group, done)
+        return done
 
     # -- dead letters (skmq/dlq.py through GroupDeadLetters) ----------------
     async def dead_letters(

@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 
 from skmq.aio import spawn
 from skmq.clock import now_ms
-from skmq.pull.groups import Groups, Pulled, Received, parse_receipt
+from skmq.pull.groups import Groups, NoSuchGroup, Pulled, Received, parse_receipt
 from skmq.pull.wakeups import Wakeups
 
 log = structlog.get_logger("skmq.pull")
@@ -106,5 +106,7 @@ class LongPoll:
     ) -> None:
         try:
             await self.groups.extend(app, group, leases, now_ms())
+        except NoSuchGroup:  # deleted meanwhile: its leases went with it
+            pass
         except (RedisError, OSError) as exc:  # (their leases run out by themselves)
             log.warning("leases of a gone poll not ended", app=app, error=repr(exc))
