@@ -13,10 +13,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-import uvloop
-
 from skmq.cli import fail, unreachable
 from skmq.client import Handler, Message
+from skmq.loop import run_main
 
 ExecHandler = Callable[[str, int | None, float], Handler]
 
@@ -103,5 +102,5 @@ def consume_pull(
         if args.command is None
         else exec_handler(args.command, args.reject_exit_code, args.exec_timeout)
     )
-    code: int = uvloop.run(_pull(args, handler))
+    code: int = run_main(_pull(args, handler))
     return code
