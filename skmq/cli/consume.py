@@ -17,8 +17,6 @@ import signal
 import sys
 from pathlib import Path
 
-import uvloop
-
 from skmq.cli import fail, unreachable
 from skmq.cli.broker_settings import broker_addresses
 from skmq.cli.consume_pull import add_pull_flags, consume_pull
@@ -34,6 +32,7 @@ from skmq.client import (
     RegistrationError,
     Reject,
 )
+from skmq.loop import run_main
 from skmq.signing import secret_key
 
 
@@ -223,5 +222,5 @@ def run(args: argparse.Namespace) -> int:
             secret_key(args.signing_secret)
     except ValueError as exc:  # says what is wrong, never the secret
         return fail("consume", f"signing secret: {exc}", 2)
-    code: int = uvloop.run(_consume(args, broker_host, broker_port))
+    code: int = run_main(_consume(args, broker_host, broker_port))
     return code

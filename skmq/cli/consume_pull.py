@@ -12,11 +12,10 @@ import sys
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-import uvloop
-
 from skmq.cli import fail, unreachable
 from skmq.cli.broker_settings import broker_addresses
 from skmq.client import Handler, Message
+from skmq.loop import run_main
 
 ExecHandler = Callable[[str, int | None, float], Handler]
 
@@ -106,5 +105,5 @@ def consume_pull(
         if args.command is None
         else exec_handler(args.command, args.reject_exit_code, args.exec_timeout)
     )
-    code: int = uvloop.run(_pull(args, handler))
+    code: int = run_main(_pull(args, handler))
     return code

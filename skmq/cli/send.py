@@ -13,8 +13,6 @@ import json
 import os
 import sys
 
-import uvloop
-
 from skmq.cli import fail, seconds, unreachable
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
@@ -26,6 +24,7 @@ from skmq.client import (
     Resp,
 )
 from skmq.codec import encode_frame
+from skmq.loop import run_main
 
 
 def port_number(text: str) -> int:
@@ -93,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     # os.fsencode gives back exactly the bytes of the argument, even non-UTF-8 ones.
     content = sys.stdin.buffer.read() if args.content == "-" else os.fsencode(args.content)
     try:
-        resp: Resp = uvloop.run(_send(args, host, port, content))
+        resp: Resp = run_main(_send(args, host, port, content))
     except AuthenticationError as exc:
         resp = exc.resp
     except TimeoutError:

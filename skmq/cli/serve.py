@@ -24,15 +24,15 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     import structlog
-    import uvloop
 
     from skmq.broker import serve
     from skmq.config import settings_from_args, unknown_env
     from skmq.logs import configure_logging
+    from skmq.loop import run_main
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
     for name in unknown_env(os.environ):
         structlog.get_logger("skmq").warning("environment variable names no setting", name=name)
-    uvloop.run(serve(settings))
+    run_main(serve(settings))
     return 0
