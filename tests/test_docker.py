@@ -936,6 +936,11 @@ def test_audit_image_audits_the_broker_images_delivery_log(
         )
         produce(int(env["SKMQ_PORT"]), token, ["a-1", "a-2", "a-3"])
     assert proc.returncode == 0
+    # The audit extra alone (no server dependencies, none of the test's packages) and
+    # its PySpark, from the audit image's own virtualenv.
+    found = imports_from(audit_image, ["redis", "pytest", "pyspark"])
+    assert (found["redis"], found["pytest"]) == ("", ""), found
+    assert Path(found["pyspark"]).is_relative_to(audit_image.venv), found
     # The audit image's command (`skmq audit --help`), then the audit of that log.
     command = audit_image.command()
     helped = run(command, audit_image.env(), tmp_path)
