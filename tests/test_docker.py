@@ -265,7 +265,7 @@ def test_dockerfile_installs_each_image_with_the_install_script(
         assert words[2:4] == [extra, VENV], f"{target}: {words}"
         chain = stage_chain(stages, stage.name)
         sources = copy_sources(chain)
-        for needed in ("pyproject.toml", "README*", "skmq", "spark", INSTALL_SCRIPT):
+        for needed in ("pyproject.toml", "README.md", "skmq", "spark", INSTALL_SCRIPT):
             assert needed in sources, f"{target}: {needed} is not copied"
         for source in sources:
             if not any(ch in source for ch in "*?["):
