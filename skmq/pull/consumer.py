@@ -7,6 +7,18 @@
                 handle(msg.content)
             await msg.ack()               # or: await msg.nack(delay_ms=5000)
 
+or a batch at a time, settled in one request:
+
+        while True:
+            msgs = await consumer.receive()   # up to `batch` (default 100, the broker's cap)
+            ...
+            await consumer.ack_all(msgs)      # or consumer.nack_all(msgs, delay_ms=5000)
+
+Settling is batched either way: the broker takes 1 to 1,000 receipts an ack, nack or
+extend, and the acks (nacks with one delay, extends with one lease) made in one
+event-loop turn go in one request, e.g. `asyncio.gather(*(m.ack() for m in msgs))` or
+acks from many handler tasks. Each call still answers its own message's outcome.
+
 `PullConsumer("tcp://127.0.0.1:1734", ...)` does the same over TCP (one connection; a
 long poll holds it, so it serves this consumer only). HTTP needs aiohttp (the `server`
 extra); TCP needs nothing more than the client."""
@@ -18,18 +30,25 @@ import base64
 import contextlib
 import json
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
+from skmq.aio import spawn
 from skmq.client import Producer
+from skmq.coalesce import Coalescer
 
 if TYPE_CHECKING:
     import aiohttp
 
 # Connecting and creating the group, at most (a gateway that accepts and never answers).
 START_TIMEOUT = 10.0
+# Messages a receive asks for by default: the broker's cap unless configured otherwise
+# (PULL_MAX_MESSAGES; asking more is refused, 400).
+DEFAULT_BATCH = 100
+# Receipts one ack, nack or extend may carry (the broker's limit); more go in several.
+MAX_RECEIPTS = 1000
 
 
 class PullError(RuntimeError):
@@ -49,19 +68,22 @@ class PulledMessage:
     attempt: int
     receipt: str
     consumer: PullConsumer = field(repr=False)
+    # When the lease runs out, on the event loop's clock (as far as this client knows).
+    lease_ends: float = field(default=0.0, repr=False)
 
     async def ack(self) -> bool:
-        """True when settled; False for a stale receipt (the lease ran out)."""
+        """True when settled; False for a stale receipt (the lease ran out). Acks made in
+        the same event-loop turn go to the broker in one request."""
         return await self.consumer.settle("ack", self.receipt) == "acked"
 
     async def nack(self, delay_ms: int | None = None) -> str:
         """A failed attempt: `retry` (after delay_ms, or the broker's backoff), `dead`, or
-        `stale`."""
-        extra = {} if delay_ms is None else {"delay": delay_ms}
-        return await self.consumer.settle("nack", self.receipt, **extra)
+        `stale`. Batched as ack() is, with the nacks of the same delay."""
+        return await self.consumer.settle("nack", self.receipt, **_nack_args(delay_ms))
 
     async def extend(self, seconds: float) -> bool:
-        return await self.consumer.settle("extend", self.receipt, visibility=seconds) == "extended"
+        """Lease it for `seconds` from now; False for a stale receipt."""
+        return (await self.consumer.extend_all([self], seconds))[0]
 
     @contextlib.asynccontextmanager
     async def leased(self) -> AsyncIterator[None]:
@@ -83,7 +105,25 @@ class PulledMessage:
                 await task
 
 
+def _nack_args(delay_ms: int | None) -> dict[str, Any]:
+    return {} if delay_ms is None else {"delay": delay_ms}
+
+
+class _Settle(NamedTuple):
+    """One receipt to settle, waiting for the end of the event-loop turn."""
+
+    verb: str
+    args: tuple[tuple[str, Any], ...]  # the request's other fields (nack's delay, ...)
+    receipt: str
+    outcome: asyncio.Future[str]
+
+
 class PullConsumer:
+    """Receives up to `batch` messages a request (default DEFAULT_BATCH, 100: the
+    broker's PULL_MAX_MESSAGES, which refuses more with 400), each leased for
+    `visibility` seconds; `async for` hands them out one by one, extending the leases of
+    those still waiting in one request once they are half gone."""
+
     def __init__(
         self,
         gateway: str,
@@ -91,7 +131,7 @@ class PullConsumer:
         group: str,
         *,
         token: str | None = None,
-        batch: int = 10,
+        batch: int = DEFAULT_BATCH,
         wait: float = 20.0,
         visibility: float = 30.0,
         create_group: bool = True,
@@ -113,6 +153,8 @@ class PullConsumer:
         self._session: aiohttp.ClientSession | None = None
         # What a call may raise when the broker cannot be reached (HTTP adds aiohttp's).
         self.errors: tuple[type[Exception], ...] = (OSError,)
+        self._settles: Coalescer[_Settle] = Coalescer(self._send_settles)
+        self._settling: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> PullConsumer:
         """Connect and create the group, within START_TIMEOUT (TimeoutError)."""
@@ -137,6 +179,9 @@ class PullConsumer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._settles.flush()  # settles asked for just before: sent, and answered
+        if self._settling:
+            await asyncio.wait(self._settling)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -166,25 +211,115 @@ class PullConsumer:
             return answer
 
     async def settle(self, verb: str, receipt: str, **extra: Any) -> str:
-        answer = await self._call(verb, {"receipts": [receipt], **extra})
-        status: str = answer["results"][0]["status"]
-        return status
+        """ack, nack or extend one receipt (extra: the request's other fields); its status.
+        The settles of one verb and the same fields asked for in one event-loop turn go
+        in one request."""
+        return await self._settle_soon(verb, receipt, extra)
+
+    def _settle_soon(self, verb: str, receipt: str, extra: dict[str, Any]) -> asyncio.Future[str]:
+        outcome = asyncio.get_running_loop().create_future()
+        self._settles.add(_Settle(verb, tuple(sorted(extra.items())), receipt, outcome))
+        return outcome
+
+    def _send_settles(self, settles: list[_Settle]) -> None:
+        """The turn is over: one request for each verb and its fields (MAX_RECEIPTS
+        receipts at most a request)."""
+        calls: dict[tuple[str, tuple[tuple[str, Any], ...]], list[_Settle]] = {}
+        for s in settles:
+            calls.setdefault((s.verb, s.args), []).append(s)
+        for batch in calls.values():
+            for start in range(0, len(batch), MAX_RECEIPTS):
+                spawn(self._settle_batch(batch[start : start + MAX_RECEIPTS]), self._settling)
+
+    async def _settle_batch(self, batch: list[_Settle]) -> None:
+        """Answer each settle of the batch with its receipt's status, or with the error
+        that refused or lost the whole request."""
+        try:
+            answer = await self._call(
+                batch[0].verb, {"receipts": [s.receipt for s in batch], **dict(batch[0].args)}
+            )
+            statuses = [str(r["status"]) for r in answer["results"]]
+            if len(statuses) != len(batch):
+                raise PullError(502, f"{len(statuses)} results for {len(batch)} receipts")
+        except Exception as exc:
+            for s in batch:
+                if not s.outcome.done():  # (its caller may have been cancelled)
+                    s.outcome.set_exception(exc)
+            return
+        except asyncio.CancelledError:  # (the loop closing): so are its callers
+            for s in batch:
+                s.outcome.cancel()
+            raise
+        for s, status in zip(batch, statuses, strict=True):
+            if not s.outcome.done():
+                s.outcome.set_result(status)
+
+    async def _settle_all(
+        self, verb: str, messages: Iterable[PulledMessage], **extra: Any
+    ) -> list[str]:
+        outcomes = [m.consumer._settle_soon(verb, m.receipt, extra) for m in messages]
+        if not outcomes:
+            return []
+        statuses = await asyncio.gather(*outcomes, return_exceptions=True)
+        for status in statuses:
+            if isinstance(status, BaseException):
+                raise status
+        return [str(status) for status in statuses]
+
+    async def ack_all(self, messages: Iterable[PulledMessage]) -> list[bool]:
+        """Ack these messages in one request (a request a MAX_RECEIPTS); for each, in
+        order, True when settled, False for a stale receipt. A refusal (PullError) or a
+        lost broker raises, as ack() does."""
+        return [status == "acked" for status in await self._settle_all("ack", messages)]
+
+    async def nack_all(
+        self, messages: Iterable[PulledMessage], delay_ms: int | None = None
+    ) -> list[str]:
+        """nack() for each message, in one request: `retry`, `dead` or `stale` each."""
+        return await self._settle_all("nack", messages, **_nack_args(delay_ms))
+
+    async def extend_all(self, messages: Iterable[PulledMessage], seconds: float) -> list[bool]:
+        """Lease each message for `seconds` from now, in one request; False: stale."""
+        held = list(messages)
+        ends = asyncio.get_running_loop().time() + seconds  # (before asking: on the safe side)
+        statuses = await self._settle_all("extend", held, visibility=seconds)
+        for msg, status in zip(held, statuses, strict=True):
+            if status == "extended":
+                msg.lease_ends = ends
+        return [status == "extended" for status in statuses]
 
     async def receive(self) -> list[PulledMessage]:
         """One receive: up to `batch` messages, waiting up to `wait` seconds."""
         body = {"max": self.batch, "wait": self.wait, "visibility": self.visibility}
+        ends = asyncio.get_running_loop().time() + self.visibility
         answer = await self._call("receive", body)
         out = []
         for m in answer["messages"]:
             text: str = m["content"]
             raw = base64.b64decode(text) if m["encoding"] == "base64" else text.encode()
-            out.append(PulledMessage(m["msgid"], raw, m["kind"], m["attempt"], m["receipt"], self))
+            out.append(
+                PulledMessage(m["msgid"], raw, m["kind"], m["attempt"], m["receipt"], self, ends)
+            )
         return out
 
     def __aiter__(self) -> PullConsumer:
         return self
 
     async def __anext__(self) -> PulledMessage:
-        while not self._buffer:
-            self._buffer.extend(await self.receive())
-        return self._buffer.popleft()
+        while True:
+            while not self._buffer:
+                self._buffer.extend(await self.receive())
+            await self._keep_buffer_leased()
+            if self._buffer:
+                return self._buffer.popleft()
+
+    async def _keep_buffer_leased(self) -> None:
+        """The messages of a batch wait here while those before them are handled: once
+        the oldest lease is half gone, extend them all in one request, and drop those
+        whose lease ran out already (the broker hands them out again)."""
+        left = self._buffer[0].lease_ends - asyncio.get_running_loop().time()
+        if left > self.visibility / 2:
+            return
+        held = list(self._buffer)
+        kept = await self.extend_all(held, self.visibility)
+        self._buffer = deque(msg for msg, ok in zip(held, kept, strict=True) if ok)
