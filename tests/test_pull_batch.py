@@ -8,6 +8,7 @@ them."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from skmq.config import Settings
 from skmq.pull.consumer import DEFAULT_BATCH, PullConsumer, PullError
 from tests.conftest import BrokerFactory
 from tests.test_pull_client import consumer_url, gateway, produce
+from tests.test_smoke import SERVER_MODULES
 
 Call = Callable[[str, str, Any], Awaitable[dict[str, Any]]]
 
@@ -152,3 +154,30 @@ async def test_messages_waiting_in_the_buffer_keep_their_leases(
         await asyncio.sleep(1.2)  # handling b: past the leases b and c were received with
         assert [m.msgid for m in (first, second, third)] == ["a", "b", "c"]
         assert await c.ack_all([first, second, third]) == [False, True, True]  # a's ran out
+
+
+async def test_a_client_only_install_pulls_and_settles_in_batches_over_tcp(
+    make_broker: BrokerFactory,
+) -> None:
+    """Without the server's modules (structlog, aiohttp, ...) or uvloop, as `pip install`
+    of the client alone leaves it: the TCP pull consumer still works."""
+    broker, url = await gateway(make_broker)
+    assert await broker.groups.create("shop", "g")
+    await produce(url, "shop", "a", "b")
+    hidden = sorted({"uvloop", *SERVER_MODULES})
+    code = (
+        f"import asyncio, sys; sys.modules.update(dict.fromkeys({hidden!r}))\n"
+        "from skmq.pull.consumer import PullConsumer\n"
+        "async def main():\n"
+        f"    async with PullConsumer('tcp://127.0.0.1:{broker.server.port}', 'shop', 'g',"
+        " wait=5) as c:\n"
+        "        msgs = await c.receive()\n"
+        "        print([m.msgid for m in msgs], await c.ack_all(msgs))\n"
+        "asyncio.run(main())\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(30):
+        out, err = await proc.communicate()
+    assert (proc.returncode, out) == (0, b"['a', 'b'] [True, True]\n"), err

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
-from skmq.aio import spawn
 from skmq.client import Producer
 from skmq.coalesce import Coalescer
 
@@ -44,6 +43,8 @@ if TYPE_CHECKING:
 
 # Connecting and creating the group, at most (a gateway that accepts and never answers).
 START_TIMEOUT = 10.0
+# Closing waits this long at most for the settles still being answered.
+CLOSE_TIMEOUT = 10.0
 # Messages a receive asks for by default: the broker's cap unless configured otherwise
 # (PULL_MAX_MESSAGES; asking more is refused, 400).
 DEFAULT_BATCH = 100
@@ -181,7 +182,9 @@ class PullConsumer:
     async def __aexit__(self, *exc: object) -> None:
         self._settles.flush()  # settles asked for just before: sent, and answered
         if self._settling:
-            await asyncio.wait(self._settling)
+            await asyncio.wait(self._settling, timeout=CLOSE_TIMEOUT)
+            for task in list(self._settling):  # (no answer: their callers are cancelled)
+                task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -227,9 +230,12 @@ class PullConsumer:
         calls: dict[tuple[str, tuple[tuple[str, Any], ...]], list[_Settle]] = {}
         for s in settles:
             calls.setdefault((s.verb, s.args), []).append(s)
+        loop = asyncio.get_running_loop()
         for batch in calls.values():
             for start in range(0, len(batch), MAX_RECEIPTS):
-                spawn(self._settle_batch(batch[start : start + MAX_RECEIPTS]), self._settling)
+                task = loop.create_task(self._settle_batch(batch[start : start + MAX_RECEIPTS]))
+                self._settling.add(task)  # (held: the loop keeps only weak references)
+                task.add_done_callback(self._settling.discard)
 
     async def _settle_batch(self, batch: list[_Settle]) -> None:
         """Answer each settle of the batch with its receipt's status, or with the error
