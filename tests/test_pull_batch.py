@@ -17,7 +17,7 @@ import pytest
 from skmq.broker import Broker
 from skmq.config import Settings
 from skmq.pull.consumer import DEFAULT_BATCH, PullConsumer, PullError
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, free_port
 from tests.test_pull_client import consumer_url, gateway, produce
 from tests.test_smoke import SERVER_MODULES
 
@@ -57,6 +57,20 @@ async def test_the_default_batch_is_the_brokers_cap(
             await over.receive()
     assert refused.value.status == 400
     assert "max: at most 100 (PULL_MAX_MESSAGES)" in refused.value.error
+
+
+async def test_the_default_batch_follows_a_broker_with_a_lower_cap(
+    make_broker: BrokerFactory, transport: str
+) -> None:
+    broker = await make_broker(http_port=free_port(), pull_max_messages=30)
+    url = f"http://127.0.0.1:{broker.gateway.port}"
+    async with PullConsumer(consumer_url(broker, url, transport), "shop", "g", wait=1) as c:
+        await produce(url, "shop", *(f"m{i}" for i in range(50)))
+        assert len(await c.receive()) == 30  # refused at 100, then asked for 30
+        assert (c.batch, len(await c.receive())) == (30, 20)
+    async with PullConsumer(url, "shop", "g", batch=50) as given:  # asked for: refused
+        with pytest.raises(PullError, match="max: at most 30"):
+            await given.receive()
 
 
 async def test_acks_made_in_one_turn_go_in_one_request(

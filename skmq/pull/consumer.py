@@ -17,7 +17,9 @@ or a batch at a time, settled in one request:
 Settling is batched either way: the broker takes 1 to 1,000 receipts an ack, nack or
 extend, and the acks (nacks with one delay, extends with one lease) made in one
 event-loop turn go in one request, e.g. `asyncio.gather(*(m.ack() for m in msgs))` or
-acks from many handler tasks. Each call still answers its own message's outcome.
+acks from many handler tasks. Each call still answers its own message's outcome. (An
+ack awaited before the next message is taken is a request of its own: for throughput,
+ack_all a batch, or handle messages concurrently.)
 
 `PullConsumer("tcp://127.0.0.1:1734", ...)` does the same over TCP (one connection; a
 long poll holds it, so it serves this consumer only). HTTP needs aiohttp (the `server`
@@ -29,6 +31,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -48,6 +51,8 @@ CLOSE_TIMEOUT = 10.0
 # Messages a receive asks for by default: the broker's cap unless configured otherwise
 # (PULL_MAX_MESSAGES; asking more is refused, 400).
 DEFAULT_BATCH = 100
+# How the broker refuses a receive asking more than its cap.
+OVER_THE_CAP = re.compile(r"max: at most (\d+) \(PULL_MAX_MESSAGES\)")
 # Receipts one ack, nack or extend may carry (the broker's limit); more go in several.
 MAX_RECEIPTS = 1000
 
@@ -120,10 +125,11 @@ class _Settle(NamedTuple):
 
 
 class PullConsumer:
-    """Receives up to `batch` messages a request (default DEFAULT_BATCH, 100: the
-    broker's PULL_MAX_MESSAGES, which refuses more with 400), each leased for
-    `visibility` seconds; `async for` hands them out one by one, extending the leases of
-    those still waiting in one request once they are half gone."""
+    """Receives up to `batch` messages a request, each leased for `visibility` seconds;
+    `async for` hands them out one by one, extending the leases of those still waiting
+    in one request once they are half gone. Without `batch`: DEFAULT_BATCH (100), the
+    broker's default PULL_MAX_MESSAGES, or the broker's own cap when it says it is lower
+    (a `batch` above the cap is refused: PullError 400)."""
 
     def __init__(
         self,
@@ -132,7 +138,7 @@ class PullConsumer:
         group: str,
         *,
         token: str | None = None,
-        batch: int = DEFAULT_BATCH,
+        batch: int | None = None,
         wait: float = 20.0,
         visibility: float = 30.0,
         create_group: bool = True,
@@ -145,7 +151,8 @@ class PullConsumer:
         self._tcp = where.scheme == "tcp"
         self._address = (where.hostname or "127.0.0.1", where.port or 1734)
         self._broker: Producer | None = None
-        self.batch = batch
+        self.batch = DEFAULT_BATCH if batch is None else batch
+        self._batch_given = batch is not None
         self.wait = wait
         self.visibility = visibility
         self.create_group = create_group
@@ -298,7 +305,14 @@ class PullConsumer:
         """One receive: up to `batch` messages, waiting up to `wait` seconds."""
         body = {"max": self.batch, "wait": self.wait, "visibility": self.visibility}
         ends = asyncio.get_running_loop().time() + self.visibility
-        answer = await self._call("receive", body)
+        try:
+            answer = await self._call("receive", body)
+        except PullError as exc:
+            cap = OVER_THE_CAP.match(exc.error) if not self._batch_given else None
+            if cap is None or int(cap[1]) >= self.batch:
+                raise
+            self.batch = int(cap[1])  # a broker with a lower PULL_MAX_MESSAGES: its cap
+            return await self.receive()
         out = []
         for m in answer["messages"]:
             text: str = m["content"]
