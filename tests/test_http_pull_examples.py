@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -43,6 +44,7 @@ def shell_loop(url: str, tmp_path: Path) -> list[str]:
     return ["bash", str(script)]
 
 
+Loop = Callable[[str, Path], list[str]]  # the gateway's URL, a directory: its command
 LOOPS = [
     pytest.param(node_loop, marks=pytest.mark.skipif(NODE is None, reason="no node")),
     pytest.param(
@@ -67,14 +69,13 @@ async def all_acked(broker: Broker) -> bool:
 
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_the_pull_loop_acks_each_batch_in_one_request(
-    make_broker: BrokerFactory, tmp_path: Path, loop: object
+    make_broker: BrokerFactory, tmp_path: Path, loop: Loop
 ) -> None:
     broker, url = await gateway(make_broker)
     acks = requests_of(broker, "ack")
     await create_group(url, "orders", "billing")
     msgids = [f"n{i:03}" for i in range(150)]
     await produce(url, "orders", *msgids)
-    assert callable(loop)
     proc = await asyncio.create_subprocess_exec(
         *loop(url, tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -92,11 +93,10 @@ async def test_the_pull_loop_acks_each_batch_in_one_request(
 
 @pytest.mark.parametrize("loop", LOOPS)
 async def test_the_pull_loop_stops_with_the_brokers_error(
-    make_broker: BrokerFactory, tmp_path: Path, loop: object
+    make_broker: BrokerFactory, tmp_path: Path, loop: Loop
 ) -> None:
     """No group `billing`: the receive is refused (404), and the loop says so and stops."""
     _, url = await gateway(make_broker)
-    assert callable(loop)
     proc = await asyncio.create_subprocess_exec(
         *loop(url, tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )

@@ -129,7 +129,7 @@ async def test_a_stale_receipt_in_a_batch_is_stale_alone(
         assert await b.ack()  # b's receipt is spent: stale from now on
         assert await c.ack_all([a, b, c_]) == [True, False, True]
         outcomes = await asyncio.gather(d.ack(), b.ack(), b.nack())
-        assert outcomes == [True, False, "stale"]
+        assert list(outcomes) == [True, False, "stale"]
     assert [len(body["receipts"]) for body in acks] == [1, 3, 2]
 
 
