@@ -156,16 +156,16 @@ async def test_messages_waiting_in_the_buffer_keep_their_leases(
     broker, url = await gateway(make_broker)
     extends = requests_of(broker, "extend")
     where = consumer_url(broker, url, transport)
-    async with PullConsumer(where, "shop", "g", wait=1, visibility=2) as c:
+    async with PullConsumer(where, "shop", "g", wait=1, visibility=3) as c:
         await produce(url, "shop", "a", "b", "c")
         messages = aiter(c)
         first = await anext(messages)
-        await asyncio.sleep(1.2)  # handling it: past half the 2 s lease of b and c
+        await asyncio.sleep(1.8)  # handling it: past half the 3 s lease of b and c
         second = await anext(messages)
         assert [len(b["receipts"]) for b in extends] == [2]  # b and c, in one request
         third = await anext(messages)
         assert len(extends) == 1  # (their leases are whole again)
-        await asyncio.sleep(1.2)  # handling b: past the leases b and c were received with
+        await asyncio.sleep(1.8)  # handling b: past the leases b and c were received with
         assert [m.msgid for m in (first, second, third)] == ["a", "b", "c"]
         assert await c.ack_all([first, second, third]) == [False, True, True]  # a's ran out
 
