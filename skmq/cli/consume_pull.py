@@ -31,7 +31,12 @@ def add_pull_flags(p: argparse.ArgumentParser) -> None:
         "tcp://HOST:PORT when HTTP_PORT is 0)",
     )
     p.add_argument("--visibility", type=float, default=30.0, help="lease seconds (pull)")
-    p.add_argument("--batch", type=int, default=10, help="messages a receive (pull)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="messages a receive (pull; default: the broker's cap, PULL_MAX_MESSAGES, 100)",
+    )
 
 
 async def _pull(args: argparse.Namespace, handler: Handler) -> int:
