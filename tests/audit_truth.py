@@ -379,6 +379,8 @@ class LogBuilder:
 
     def _expire(self, msg: Message, d: Delivery, t: int, attempts: int, dead: bool) -> None:
         made = attempts or None  # never pushed: no attempt
+        if d.last_to is None:  # a copy's events name its recipient, pushed or not
+            d.last_to = d.recipient
         fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
         self.emit(t, "expired", msg.msgid, msg.appid, msg.kind, d.recipient, made, fate)
         if dead:
