@@ -76,7 +76,11 @@ from skmq.audit_job.report import fill_buckets  # noqa: E402
 from skmq.audit_job.report_html import COLORS  # noqa: E402
 from skmq.audit_job.session import driver_address, local_cores, parse_conf  # noqa: E402
 
+from skmq.clock import now_ms  # noqa: E402
 from skmq.events import Event  # noqa: E402
+from skmq.pull.consumer import PullConsumer  # noqa: E402
+from tests.conftest import BrokerFactory, eventually  # noqa: E402
+from tests.test_delivery import log_events, produce  # noqa: E402
 
 SEED = 20251121
 N_MESSAGES = 1500
@@ -645,6 +649,70 @@ def test_pulled_deliveries_are_one_copy_a_group(spark: SparkSession, tmp_path: P
     assert [h["event"] for h in dlq["oldest"][0]["history"]] == [
         "stored", "pushed", "dead_lettered"
     ]  # fmt: skip
+
+
+@needs_java
+async def test_a_pulled_lease_that_runs_out_on_its_last_attempt_is_dead_in_a_real_log(
+    make_broker: BrokerFactory, spark: SparkSession, tmp_path: Path
+) -> None:
+    """A real broker: a group pulls a message and lets its lease run out on each of its
+    two attempts (RETRY_TIMES=2): the broker logs the timeouts, the retry and the dead
+    letter, and the audit of its log counts it dead (not unresolved), the consumer named.
+    A message whose TTL ran out before the group pulled it is dead-lettered with no
+    attempt (a line the audit reads), and counted dead as expired."""
+    broker = await make_broker(data_dir=tmp_path / "data", retry_times=2, retry_backoff=[0.05])
+    where = f"tcp://127.0.0.1:{broker.server.port}"
+    port = broker.server.port
+    async with PullConsumer(where, "leases", "g", wait=1, batch=10, visibility=0.2) as group:
+        await produce(port, "leases", ["old"], ttl="20")
+        stored_by = now_ms()
+
+        async def expired() -> bool:
+            return now_ms() > stored_by + 20
+
+        await eventually(expired)
+        await produce(port, "leases", ["m1", "k1"])
+        attempts: dict[str, list[int]] = {"m1": [], "k1": []}
+
+        async def pulled(msgid: str, attempt: int) -> bool:
+            for msg in await group.receive():
+                attempts[msg.msgid].append(msg.attempt)
+                if msg.msgid == "k1":
+                    assert await msg.ack()
+            return attempt in attempts[msgid]
+
+        await eventually(lambda: pulled("m1", 1))
+        await eventually(lambda: pulled("m1", 2))  # its first lease ran out: retried
+
+        async def dead() -> bool:  # the next receive finds its last lease run out
+            await group.receive()
+            return bool(log_events(broker, "m1", "dead_lettered"))
+
+        await eventually(dead)
+    assert attempts == {"m1": [1, 2], "k1": [1]}
+    broker.stopping.set()
+    await broker.stop()  # flushes the delivery log
+    (last,) = log_events(broker.settings.delivery_log_dir, "m1", "dead_lettered")
+    assert (last["recipient"], last["attempt"]) == ("group:g", 2)
+    assert last["detail"].startswith("after 2 attempts; last: timeout; receipt ")
+    timeouts = log_events(broker.settings.delivery_log_dir, "m1", "timeout")
+    assert [e["attempt"] for e in timeouts] == [1, 2]
+
+    report = _audit(spark, broker.settings.delivery_log_dir, tmp_path / "out")
+    assert report["input"]["bad_lines"]["total"] == 0
+    totals = report["totals"]
+    assert (totals["messages"], totals["acked"], totals["dead_lettered"]) == (3, 1, 2)
+    assert totals["unresolved"] == 0
+    assert _rows(report, "messages") == {
+        "acked": 1,
+        "dead_lettered_attempts": 1,
+        "dead_lettered_expired": 1,
+    }
+    assert report["outcomes"]["holds"] is True
+    entries = {e["msgid"]: e for e in report["dead_letters"]["oldest"]}
+    assert (entries["m1"]["reason"], entries["m1"]["attempts"]) == ("timeout", 2)
+    assert entries["m1"]["last_recipient"].startswith("group:g/")  # the consumer named
+    assert entries["old"]["reason"] == "expired"
 
 
 @needs_java
