@@ -95,14 +95,16 @@ PRECEDENCE = (
     "not_yet_due",
     "acked",
 )
-# The dead-lettered outcome of a last failure (FAILURES' index + 1; 0: unnamed).
+# The dead-lettered outcome of each failure code (FAILURES' index + 1; 0: unnamed): any
+# failure but these is `dead_lettered_attempts`.
+_DEAD_OUTCOME_OF = {
+    Event.REJECTED.value: "dead_lettered_rejected",
+    UNDELIVERABLE: "dead_lettered_undeliverable",
+    EXPIRED_REASON: "dead_lettered_expired",
+}
 _DEAD_OUTCOMES = (
     "dead_lettered_unnamed",
-    "dead_lettered_rejected",
-    *["dead_lettered_attempts"] * 3,
-    "dead_lettered_undeliverable",
-    "dead_lettered_expired",
-    "dead_lettered_attempts",
+    *(_DEAD_OUTCOME_OF.get(f, "dead_lettered_attempts") for f in FAILURES),
 )
 
 
