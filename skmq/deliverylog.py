@@ -31,7 +31,7 @@ import structlog
 
 from skmq.clock import now_ms
 from skmq.coalesce import Coalescer
-from skmq.events import Event
+from skmq.events import DROPPED, EXPIRED_REASON, Event
 from skmq.logarchive import try_lock
 
 log = structlog.get_logger("skmq.deliverylog")
@@ -156,11 +156,12 @@ class DeliveryLog:
         self, msgid: str, appid: str, kind: str, recipient: str | None, attempt: int, dead: bool
     ) -> str:
         """Log a message whose TTL ran out: dead-lettered (reason `expired`) or dropped;
-        its fate, in words."""
-        fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
-        self.event(Event.EXPIRED, msgid, appid, kind, recipient, attempt, fate)
+        its fate, in words. `attempt`: those made (0, never pushed: logged as none)."""
+        fate = "dead-lettered" if dead else f"{DROPPED} (EXPIRED=drop)"
+        made = attempt or None
+        self.event(Event.EXPIRED, msgid, appid, kind, recipient, made, fate)
         if dead:
-            self.event(Event.DEAD_LETTERED, msgid, appid, kind, recipient, attempt, "expired")
+            self.event(Event.DEAD_LETTERED, msgid, appid, kind, recipient, made, EXPIRED_REASON)
         return fate
 
     def _name(self, value: str | None) -> str:

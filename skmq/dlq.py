@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 
 from skmq.clock import now_ms
 from skmq.deliverylog import DeliveryLog
-from skmq.events import Event
+from skmq.events import MOVED_TO_APP, Event
 from skmq.pull.groups import GroupDeadLetters, Groups
 from skmq.ratelimit import TokenBucket
 from skmq.store import DeadLetter, Store
@@ -130,7 +130,7 @@ async def _redrive_app(
         for d, ok in zip(items, results, strict=True):
             if ok:
                 dlog.event(Event.PURGED, d.msgid, app, d.kind, d.recipient,
-                           detail=f"dead letter moved to app {to_app}")  # fmt: skip
+                           detail=f"{MOVED_TO_APP} {to_app}")  # fmt: skip
                 detail = f"moved from the dead letters of app {app}"
                 dlog.event(Event.STORED, d.msgid, to_app, d.kind, detail=detail)
         return sum(results)

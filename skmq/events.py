@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["GROUP_PREFIX", "LOG_FIELDS", "MESSAGE_EVENTS", "RECIPIENT_EVENTS", "Event", "Kind"]
+__all__ = [
+    "DROPPED",
+    "EXPIRED_REASON",
+    "GROUP_PREFIX",
+    "LOG_FIELDS",
+    "MESSAGE_EVENTS",
+    "MOVED_TO_APP",
+    "PENDING_PURGED",
+    "RECIPIENT_EVENTS",
+    "UNDELIVERABLE",
+    "Event",
+    "Kind",
+]
 
 
 # str + Enum, not StrEnum: the official Spark images run the audit on Python 3.10.
@@ -63,3 +75,16 @@ GROUP_PREFIX = "group:"
 
 # The fields of one line, in the order the broker writes them.
 LOG_FIELDS = ("ts", "event", "msgid", "appid", "kind", "recipient", "attempt", "broker", "detail")
+
+# The starts of the `detail`s the audit reads to tell how a delivery ended (docs/AUDIT.md).
+# `dead_lettered`: a message whose TTL ran out (its detail is just this), one no recipient
+# can take (the rest says why); else `after <n> attempts; last: <failure>`.
+EXPIRED_REASON = "expired"
+UNDELIVERABLE = "undeliverable"
+# `expired`: the fate of a message whose TTL ran out with EXPIRED=drop (else `dead-lettered`).
+DROPPED = "dropped"
+# `purged`: a dead letter moved to another app (`skmq dlq replay --to-app`), and a message
+# purged while pending, before any end (every delivery of it ends so); else a dead letter
+# purged by an operator.
+MOVED_TO_APP = "dead letter moved to app"
+PENDING_PURGED = "pending message purged"

@@ -3,18 +3,35 @@
 ``delivery_table`` folds the events of each delivery into one row (a queue message is
 one delivery, a topic message one per recipient) with fixed-width aggregates only, so
 Spark hash-aggregates with map-side partial aggregation and never sorts the events.
-``message_table`` folds deliveries into messages.
+``message_table`` folds deliveries into messages. Each row has its ``outcome``, one of
+``OUTCOMES``: how it ended, or how it waits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from skmq.events import GROUP_PREFIX, RECIPIENT_EVENTS, Event, Kind
+from skmq.events import (
+    DROPPED,
+    EXPIRED_REASON,
+    GROUP_PREFIX,
+    MOVED_TO_APP,
+    PENDING_PURGED,
+    RECIPIENT_EVENTS,
+    UNDELIVERABLE,
+    Event,
+    Kind,
+)
 
 __all__ = [
     "FAILURES",
+    "OUTCOMES",
+    "OUTCOME_GROUPS",
+    "PRECEDENCE",
     "ack_attempt",
     "ack_key",
     "ack_ts",
@@ -29,12 +46,66 @@ __all__ = [
 _ATTEMPT_BITS = 20
 _NO_ATTEMPT = (1 << _ATTEMPT_BITS) - 1
 _MAX_ATTEMPT = _NO_ATTEMPT - 1
-# The outcome named by a dead letter's detail ("after 5 attempts; last: timeout"),
-# as a small number so that the aggregation stays fixed-width; 0: not named.
-FAILURES = (Event.REJECTED, Event.ERRORED, Event.TIMEOUT, Event.UNREACHABLE)
+# Why the last dead letter of a delivery was written, named by its detail, as a small
+# number so that the aggregation stays fixed-width (0: not named): the last failure of
+# "after 5 attempts; last: timeout", then a message whose TTL ran out, one no recipient
+# can take, and "after N attempts" naming no known failure.
+FAILURES = (
+    Event.REJECTED.value,
+    Event.ERRORED.value,
+    Event.TIMEOUT.value,
+    Event.UNREACHABLE.value,
+    UNDELIVERABLE,
+    EXPIRED_REASON,
+    "attempts",
+)
 _DELIVER_AT = r"deliver_at=(\d+)"
 _NEXT_AT = r"next attempt at (\d+)"
 _LAST_FAILURE = r"last: (\w+)"
+_AFTER_ATTEMPTS = r"^after \d+ attempts"
+
+# Every way a delivery (and a message) ends or waits, in the report's order, with the
+# group its message counts in (totals): docs/AUDIT.md defines each.
+OUTCOME_GROUPS = {
+    "acked": "acked",
+    "dead_lettered_attempts": "dead_lettered",
+    "dead_lettered_rejected": "dead_lettered",
+    "dead_lettered_undeliverable": "dead_lettered",
+    "dead_lettered_expired": "dead_lettered",
+    "dead_lettered_unnamed": "dead_lettered",
+    "dead_letter_purged": "dead_lettered",
+    "dead_letter_moved": "dead_lettered",
+    "expired_dropped": "dropped",
+    "purged_pending": "dropped",
+    "not_yet_due": "unresolved",
+    "waiting_for_recipient": "unresolved",
+    "in_flight": "unresolved",
+    "stuck": "unresolved",
+}
+OUTCOMES = tuple(OUTCOME_GROUPS)
+# A message's outcome: the first of these that one of its deliveries has (a dead letter
+# before a drop, before anything open, before acked).
+PRECEDENCE = (
+    *(o for o in OUTCOMES if OUTCOME_GROUPS[o] == "dead_lettered"),
+    "expired_dropped",
+    "purged_pending",
+    "stuck",
+    "in_flight",
+    "waiting_for_recipient",
+    "not_yet_due",
+    "acked",
+)
+# The dead-lettered outcome of each failure code (FAILURES' index + 1; 0: unnamed): any
+# failure but these is `dead_lettered_attempts`.
+_DEAD_OUTCOME_OF = {
+    Event.REJECTED.value: "dead_lettered_rejected",
+    UNDELIVERABLE: "dead_lettered_undeliverable",
+    EXPIRED_REASON: "dead_lettered_expired",
+}
+_DEAD_OUTCOMES = (
+    "dead_lettered_unnamed",
+    *(_DEAD_OUTCOME_OF.get(f, "dead_lettered_attempts") for f in FAILURES),
+)
 
 
 def is_event(event: Event) -> Column:
@@ -69,12 +140,24 @@ def _number_in(pattern: str) -> Column:
     return F.regexp_extract(F.col("detail"), pattern, 1).try_cast("long")
 
 
+def _detail_starts(prefix: str) -> Column:
+    return F.col("detail").startswith(prefix)
+
+
+def _code(name: str) -> Column:
+    return F.lit(FAILURES.index(name) + 1)
+
+
 def _failure_code() -> Column:
+    """FAILURES' index + 1 of a dead letter's detail; 0: not named."""
     named = F.regexp_extract(F.col("detail"), _LAST_FAILURE, 1)
-    code = F.lit(0)
-    for index, failure in reversed(list(enumerate(FAILURES, start=1))):
-        code = F.when(named == failure.value, F.lit(index)).otherwise(code)
-    return code
+    after = F.col("detail").rlike(_AFTER_ATTEMPTS)
+    code = F.when(_detail_starts(EXPIRED_REASON), _code(EXPIRED_REASON)).when(
+        _detail_starts(UNDELIVERABLE), _code(UNDELIVERABLE)
+    )
+    for failure in FAILURES[:4]:
+        code = code.when(after & (named == failure), _code(failure))
+    return code.when(after, _code("attempts")).otherwise(F.lit(0))
 
 
 def _when(event: Event, value: Column) -> Column:
@@ -83,6 +166,9 @@ def _when(event: Event, value: Column) -> Column:
 
 # The per-delivery aggregates: the message-level ones (stored) and the delivery ones.
 _MESSAGE_FIELDS = ("n_stored", "stored_ts", "due_at")
+# A delivery field that a copy takes from its message's row too: a purge of the pending
+# message ends every delivery of it.
+_WHOLE_MESSAGE = "pending_pg"
 _DELIVERY_FIELDS = (
     "n_acked",
     "first_ack",
@@ -98,6 +184,9 @@ _DELIVERY_FIELDS = (
     "last_rp",
     "sum_rp",
     "last_pg",
+    "last_mv",
+    _WHOLE_MESSAGE,
+    "last_drop",
     "last_ts",
     "last_retry",
     "next_at",
@@ -141,6 +230,11 @@ def _units(events: DataFrame) -> DataFrame:
         F.max(_when(Event.REPLAYED, ts)).alias("last_rp"),
         F.sum(_when(Event.REPLAYED, ts)).alias("sum_rp"),
         F.max(_when(Event.PURGED, ts)).alias("last_pg"),
+        F.max(F.when(is_event(Event.PURGED) & _detail_starts(MOVED_TO_APP), ts)).alias("last_mv"),
+        F.max(F.when(is_event(Event.PURGED) & _detail_starts(PENDING_PURGED), ts)).alias(
+            _WHOLE_MESSAGE
+        ),
+        F.max(F.when(is_event(Event.EXPIRED) & _detail_starts(DROPPED), ts)).alias("last_drop"),
         F.max(ts).alias("last_ts"),
         F.max(_when(Event.RETRY_SCHEDULED, ts)).alias("last_retry"),
         F.max_by(
@@ -164,13 +258,14 @@ def _joined_deliveries(units: DataFrame) -> DataFrame:
     copies = units.where(rkey.isNotNull()).select(
         "appid", "msgid", "rkey", F.col("topic").alias("c_topic"), *_DELIVERY_FIELDS
     )
+    whole = F.greatest(F.col(_WHOLE_MESSAGE), F.col("m_" + _WHOLE_MESSAGE))
     copy_rows = message_rows.join(copies, ["appid", "msgid"], "right").select(
         "appid",
         "msgid",
         rkey.alias("recipient"),
         F.coalesce(F.col("m_topic"), F.col("c_topic")).alias("topic"),
         *_MESSAGE_FIELDS,
-        *_DELIVERY_FIELDS,
+        *(whole.alias(f) if f == _WHOLE_MESSAGE else F.col(f) for f in _DELIVERY_FIELDS),
     )
     copied = copies.select("appid", "msgid").distinct().withColumn("copied", F.lit(True))
     pushed = F.col("m_first_push").isNotNull() | (F.col("m_n_acked") > 0) | (F.col("m_n_dl") > 0)
@@ -192,13 +287,22 @@ def _joined_deliveries(units: DataFrame) -> DataFrame:
 def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFrame:
     """One row per delivery of the valid ``events``, with the columns the report uses.
 
-    ``as_of`` is the time the log ends (its last ts): unresolved deliveries are split
-    by it into not yet due, in flight and stuck (no event for ``stuck_after_ms``).
+    ``as_of`` is the time the log ends (its last ts): open deliveries are split by it
+    into not yet due, waiting for a recipient (never pushed), in flight and stuck (no
+    event for ``stuck_after_ms``). ``outcome`` is one of OUTCOMES; ``status`` groups
+    them as the report's sections do: acked, dead (in the dead-letter queue), purged
+    (a dead letter an operator purged or moved), dropped, not_yet_due,
+    waiting_for_recipient, in_flight, stuck.
     """
     c = F.col
     acked = c("n_acked") > 0
     dead = ~acked & (c("n_dl") > 0) & (c("last_rp").isNull() | (c("last_dl") > c("last_rp")))
-    purged = dead & (c("last_pg") >= c("last_dl"))  # an operator removed the dead letter
+    # an operator removed the dead letter (or the whole message)
+    purged = dead & (F.greatest(c("last_pg"), c(_WHOLE_MESSAGE)) >= c("last_dl"))
+    moved = dead & (c("last_mv") >= c("last_dl"))  # ... into another app
+    ended = acked | dead
+    dropped = ~ended & c("last_drop").isNotNull()
+    purged_pending = ~ended & c(_WHOLE_MESSAGE).isNotNull()
     due = F.coalesce(c("due_at"), c("stored_ts"))
     first_ack_ts = ack_ts(c("first_ack"))
     # Time in the dead-letter queue before the ack: each replay ends a stay that its
@@ -214,13 +318,26 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
     ).otherwise(F.lit(0))
     waiting_retry = c("last_retry").isNotNull() & (c("last_retry") == c("last_ts"))
     pending_until = F.greatest(due, F.when(waiting_retry, c("next_at")))
-    status = (
+    dead_outcome = F.element_at(
+        F.array(*(F.lit(o) for o in _DEAD_OUTCOMES)), F.coalesce(c("failure"), F.lit(0)) + 1
+    )
+    outcome = (
         F.when(acked, F.lit("acked"))
-        .when(purged, F.lit("purged"))
-        .when(dead, F.lit("dead"))
+        .when(moved, F.lit("dead_letter_moved"))
+        .when(purged, F.lit("dead_letter_purged"))
+        .when(dead, dead_outcome)
+        .when(dropped, F.lit("expired_dropped"))
+        .when(purged_pending, F.lit("purged_pending"))
         .when(pending_until > F.lit(as_of), F.lit("not_yet_due"))
+        .when(c("first_push").isNull(), F.lit("waiting_for_recipient"))
         .when(c("last_ts") >= F.lit(as_of - stuck_after_ms), F.lit("in_flight"))
         .otherwise(F.lit("stuck"))
+    )
+    status = (
+        F.when(outcome.isin("dead_letter_moved", "dead_letter_purged"), F.lit("purged"))
+        .when(dead, F.lit("dead"))
+        .when(outcome.isin("expired_dropped", "purged_pending"), F.lit("dropped"))
+        .otherwise(outcome)
     )
     return _joined_deliveries(_units(events)).select(
         "appid",
@@ -229,6 +346,7 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
         "topic",
         (c("n_stored") > 0).alias("stored"),
         status.alias("status"),
+        outcome.alias("outcome"),
         due.alias("due_ts"),
         F.when(acked, first_ack_ts - due - F.coalesce(in_dlq, F.lit(0))).alias("latency"),
         (c("first_push") - due).alias("push_latency"),
@@ -244,24 +362,19 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
 
 
 def message_table(deliveries: DataFrame) -> DataFrame:
-    """One row per message: ``status`` dead_lettered if any delivery is dead (or its dead
-    letter purged), else unresolved if any is not acked, else acked."""
-    status = F.col("status")
-    rank = (
-        F.when(status.isin("dead", "purged"), F.lit(2))
-        .when(status == "acked", F.lit(0))
-        .otherwise(1)
-    )
+    """One row per message: its ``outcome``, the first in PRECEDENCE that one of its
+    deliveries has, and ``status``, the outcome's group (OUTCOME_GROUPS: acked,
+    dead_lettered, dropped, unresolved)."""
+
+    def lookup(pairs: Iterable[tuple[str, Any]]) -> Column:
+        return F.create_map(*(F.lit(v) for pair in pairs for v in pair))
+
+    rank = lookup((o, i) for i, o in enumerate(PRECEDENCE))[F.col("outcome")]
+    first = F.element_at(F.array(*(F.lit(o) for o in PRECEDENCE)), F.col("rank") + 1)
+    group = lookup(OUTCOME_GROUPS.items())[F.col("outcome")]
     return (
         deliveries.groupBy("appid", "msgid")
-        .agg(F.max("stored").alias("stored"), F.max(rank).alias("rank"))
-        .select(
-            "appid",
-            "msgid",
-            "stored",
-            F.when(F.col("rank") == 2, F.lit("dead_lettered"))
-            .when(F.col("rank") == 1, F.lit("unresolved"))
-            .otherwise(F.lit("acked"))
-            .alias("status"),
-        )
+        .agg(F.max("stored").alias("stored"), F.min(rank).alias("rank"))
+        .select("appid", "msgid", "stored", first.alias("outcome"))
+        .withColumn("status", group)
     )

@@ -32,6 +32,7 @@ BY_APP_FIELDS = (
     "messages",
     "acked",
     "dead_lettered",
+    "dropped",
     "unresolved",
     "dead_letter_entries",
     "p99_ms",

@@ -8,6 +8,7 @@ samples; nothing grows with the number of messages.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,11 +19,13 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from skmq.events import LOG_FIELDS, Event
+from skmq.events import GROUP_PREFIX, LOG_FIELDS, Event
 
 from .arguments import DEFAULT_SAMPLE, DEFAULT_STUCK_AFTER_MS
 from .deliveries import (
     FAILURES,
+    OUTCOME_GROUPS,
+    OUTCOMES,
     copy_key,
     count_if,
     delivery_table,
@@ -44,6 +47,7 @@ __all__ = [
 REPORT_KEYS = (
     "input",
     "totals",
+    "outcomes",
     "latency_ms",
     "first_push_ms",
     "attempts",
@@ -59,7 +63,12 @@ BAD_LINE_SAMPLES = 5
 DLQ_TABLE = 20
 HISTORY_EVENTS = 50
 MAX_TIME_BUCKETS = 120
-UNRESOLVED_STATES = ("not_yet_due", "in_flight", "stuck")
+UNRESOLVED_STATES = tuple(o for o in OUTCOMES if OUTCOME_GROUPS[o] == "unresolved")
+MESSAGE_GROUPS = ("acked", "dead_lettered", "dropped", "unresolved")
+INVARIANT = (
+    "messages = acked + dead_lettered + dropped + unresolved = the sum of the rows' "
+    "messages, each stored message in one row; deliveries = the sum of the rows' deliveries"
+)
 # Bucket widths for the throughput chart, in ms: the smallest giving <= MAX_TIME_BUCKETS.
 _TIME_WIDTHS = [
     s * 1000 for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600)
@@ -195,7 +204,19 @@ def _attempt_key(attempt: Any) -> tuple[int, int]:
 
 
 def _failure_name(code: Any) -> str:
-    return FAILURES[int(code) - 1].value if code else "unknown"
+    return FAILURES[int(code) - 1] if code else "unknown"
+
+
+def _invariant_holds(totals: dict[str, int], rows: Sequence[dict[str, Any]]) -> bool:
+    """Every stored message is in one outcome row, and in its row's group; every delivery
+    in one row."""
+    groups = {g: sum(r["messages"] for r in rows if r["group"] == g) for g in MESSAGE_GROUPS}
+    return (
+        sum(r["messages"] for r in rows) == totals["messages"]
+        and sum(totals[g] for g in MESSAGE_GROUPS) == totals["messages"]
+        and all(groups[g] == totals[g] for g in MESSAGE_GROUPS)
+        and sum(r["deliveries"] for r in rows) == totals["deliveries"]
+    )
 
 
 def _ref_order() -> list[Column]:
@@ -203,6 +224,9 @@ def _ref_order() -> list[Column]:
 
 
 _KEYS = "k_appid string, k_msgid string, k_recipient string"
+_Ref = tuple[str, str, str | None]
+# A pull's `pushed` detail: "pulled by <consumer>; receipt <receipt>".
+_PULLED_BY = re.compile(r"pulled by (.+?); receipt ")
 
 
 def _delivery_events(events: DataFrame, keys: DataFrame) -> DataFrame:
@@ -383,18 +407,19 @@ class _Job:
             count = self.deliveries.count()
             notes.append(f"{count:,} deliveries")
 
-    # ---- 3. totals per app, latencies, attempts, unresolved
+    # ---- 3. totals and outcomes per app, latencies, attempts, unresolved
     def outcomes(self, stats: dict[str, Any]) -> dict[str, Any]:
         stored = self.deliveries.where(F.col("stored"))
-        status = F.col("status")
+        status, outcome = F.col("status"), F.col("outcome")
         acked = status == "acked"
-        with self.prog.stage("totals, latencies and attempts") as notes:
+        with self.prog.stage("totals, outcomes, latencies and attempts") as notes:
             # per app and (the rollup's total row) for all apps, in one job
             latency = F.when(acked, F.col("latency"))
             rolled = (
                 stored.rollup("appid")
                 .agg(
                     F.grouping("appid").alias("all"),
+                    F.count(F.lit(1)).alias("deliveries"),
                     count_if(status == "dead").alias("dead_letter_entries"),
                     count_if(status == "purged").alias("purged_dead_letters"),
                     F.percentile(latency, list(PERCENTILES)).alias("p"),
@@ -402,7 +427,7 @@ class _Job:
                     count_if(latency < 0).alias("negative"),
                     F.percentile("push_latency", list(PERCENTILES)).alias("push_p"),
                     F.max("push_latency").alias("push_max"),
-                    *(count_if(status == s).alias(s) for s in UNRESOLVED_STATES),
+                    *(count_if(outcome == o).alias(o) for o in OUTCOMES),
                     count_if(F.col("topic")).alias("topic_deliveries"),
                     *(count_if(F.col(f)).alias(f) for f in _COUNTED_FLAGS),
                 )
@@ -410,29 +435,28 @@ class _Job:
             )
             app_rows = [r for r in rolled if not r["all"]]
             empty: dict[str, Any] = dict.fromkeys(("p", "max", "push_p", "push_max"))
-            empty["negative"] = 0
-            lat = push = next((r.asDict() for r in rolled if r["all"]), empty)
+            empty |= dict.fromkeys(("negative", "deliveries", *OUTCOMES), 0)
+            empty |= dict.fromkeys(("dead_letter_entries", "purged_dead_letters"), 0)
+            everything = next((r.asDict() for r in rolled if r["all"]), empty)
             per_app = {r["appid"]: r for r in app_rows}
             message_rows = (
                 self.messages.groupBy("appid")
                 .agg(
                     count_if(F.col("stored")).alias("messages"),
-                    *(
-                        count_if(F.col("stored") & (F.col("status") == s)).alias(s)
-                        for s in ("acked", "dead_lettered", "unresolved")
-                    ),
+                    *(count_if(F.col("stored") & (F.col("status") == g)).alias(g)
+                      for g in MESSAGE_GROUPS),
+                    *(count_if(F.col("stored") & (F.col("outcome") == o)).alias("m_" + o)
+                      for o in OUTCOMES),
                     count_if(~F.col("stored")).alias("unstored"),
                 )
                 .orderBy("appid")
                 .collect()
-            )
+            )  # fmt: skip
             by_app = [
                 {
                     "appid": r["appid"],
                     "messages": int(r["messages"]),
-                    "acked": int(r["acked"]),
-                    "dead_lettered": int(r["dead_lettered"]),
-                    "unresolved": int(r["unresolved"]),
+                    **{g: int(r[g]) for g in MESSAGE_GROUPS},
                     "dead_letter_entries": int(per_app[r["appid"]]["dead_letter_entries"]),
                     "p99_ms": _round((per_app[r["appid"]]["p"] or [None] * 3)[2]),
                 }
@@ -452,36 +476,40 @@ class _Job:
                 hist[int(r["bucket"])] = hist.get(int(r["bucket"]), 0) + int(r["count"])
             totals = {
                 "messages": sum(a["messages"] for a in by_app),
-                "acked": sum(a["acked"] for a in by_app),
-                "dead_lettered": sum(a["dead_lettered"] for a in by_app),
-                "unresolved": sum(a["unresolved"] for a in by_app),
-                "deliveries": 0,
-                "dead_letter_entries": sum(a["dead_letter_entries"] for a in by_app),
-                "purged_dead_letters": sum(int(r["purged_dead_letters"]) for r in app_rows),
+                **{g: sum(a[g] for a in by_app) for g in MESSAGE_GROUPS},
+                "deliveries": int(everything["deliveries"]),
+                "dead_letter_entries": int(everything["dead_letter_entries"]),
+                "purged_dead_letters": int(everything["purged_dead_letters"]),
                 "duplicates": stats["duplicates"],
                 "pushes": stats["pushes"],
             }
-            unresolved: dict[str, Any] = {
-                s: sum(int(r[s]) for r in app_rows) for s in UNRESOLVED_STATES
-            }
-            totals["deliveries"] = (
-                sum(int(r["count"]) for r in attempt_rows)
-                + sum(int(r["dead_letter_entries"]) for r in app_rows)
-                + totals["purged_dead_letters"]
-                + sum(unresolved.values())
-            )
+            outcome_rows = [
+                {
+                    "outcome": o,
+                    "group": OUTCOME_GROUPS[o],
+                    "messages": sum(int(r["m_" + o]) for r in message_rows),
+                    "deliveries": int(everything[o]),
+                }
+                for o in OUTCOMES
+            ]
+            holds = _invariant_holds(totals, outcome_rows)
+            if not holds:
+                self.prog.note("warning: the outcomes do not add up to the messages stored")
+            unresolved: dict[str, Any] = {s: int(everything[s]) for s in UNRESOLVED_STATES}
             unresolved["as_of"] = stats["last_ts"]
             unresolved["stuck_after_ms"] = self.options.stuck_after_ms
             unresolved["stuck_sample"] = (
-                self.sample(stored.where(status == "stuck")) if unresolved["stuck"] else []
+                self.sample(stored.where(outcome == "stuck")) if unresolved["stuck"] else []
             )
+            lat = everything
             notes.append(
                 f"{totals['acked']:,} acked, p99 {_round(lat['p'][2]) if lat['p'] else None} ms"
             )
         return {
             "totals": totals,
+            "outcomes": {"invariant": INVARIANT, "holds": holds, "rows": outcome_rows},
             "latency_ms": _percentiles(lat["p"], lat["max"]),
-            "first_push_ms": _percentiles(push["push_p"], push["push_max"]),
+            "first_push_ms": _percentiles(lat["push_p"], lat["push_max"]),
             "attempts": {
                 ("unknown" if k is None else str(int(k))): v
                 for k, v in sorted(attempts.items(), key=lambda kv: _attempt_key(kv[0]))
@@ -537,7 +565,7 @@ class _Job:
             most_rows = sorted(
                 (r for r in top if r["tries_rank"] <= DLQ_TABLE), key=lambda r: r["tries_rank"]
             )
-            histories = self._histories([*oldest_rows, *most_rows])
+            histories, last_to = self._histories([*oldest_rows, *most_rows])
             entries = sum(r["entries"] for r in by_reason)
             messages = dead.select("appid", "msgid").distinct().count() if entries else 0
             notes.append(f"{entries:,} entries of {messages:,} messages")
@@ -548,6 +576,7 @@ class _Job:
                 "appid": r["appid"],
                 "msgid": r["msgid"],
                 "recipient": r["recipient"],
+                "last_recipient": last_to.get(key),
                 "reason": _failure_name(r["failure"]),
                 "attempts": int(r["tries"]),
                 "dead_since": int(r["dead_since"]),
@@ -562,8 +591,10 @@ class _Job:
             "most_tried": [entry(r) for r in most_rows],
         }
 
-    def _histories(self, rows: Sequence[Any]) -> dict[tuple[str, str, str | None], list[Any]]:
-        """The log events of a few deliveries, in order (at most HISTORY_EVENTS each).
+    def _histories(self, rows: Sequence[Any]) -> tuple[dict[_Ref, list[Any]], dict[_Ref, str]]:
+        """The log events of a few deliveries, in order (at most HISTORY_EVENTS each), and
+        the last recipient each went to (a consumer group's: ``group:<name>/<consumer>``,
+        the consumer its last pull names).
 
         The same pass over the events keeps those of the deliveries with both an ack
         and a dead letter, for the acked-after-dead-letter scan (``self.picked``).
@@ -588,10 +619,18 @@ class _Job:
             "left_semi",
         )
         if not rows:
-            return {}
-        found: dict[tuple[str, str, str | None], list[Any]] = {}
+            return {}, {}
+        found: dict[_Ref, list[Any]] = {}
+        last_to: dict[_Ref, str] = {}
+        consumer: dict[_Ref, str] = {}
         for r in joined.orderBy("ts").collect():
-            history = found.setdefault((r["k_appid"], r["k_msgid"], r["k_recipient"]), [])
+            key = (r["k_appid"], r["k_msgid"], r["k_recipient"])
+            history = found.setdefault(key, [])
+            if r["recipient"] is not None:
+                last_to[key] = r["recipient"]
+            pulled = _PULLED_BY.match(r["detail"] or "") if r["event"] == Event.PUSHED else None
+            if pulled is not None:
+                consumer[key] = pulled.group(1)
             if len(history) < HISTORY_EVENTS:
                 history.append(
                     {
@@ -602,7 +641,10 @@ class _Job:
                         "detail": r["detail"],
                     }
                 )
-        return found
+        for key, to in last_to.items():
+            if to.startswith(GROUP_PREFIX) and key in consumer:
+                last_to[key] = f"{to}/{consumer[key]}"
+        return found, last_to
 
     # ---- 5. per recipient and over time
     def event_counts(self, stats: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
@@ -722,6 +764,7 @@ def compute_report(
             "bad_lines": stats["bad_lines"],
         },
         "totals": outcomes["totals"],
+        "outcomes": outcomes["outcomes"],
         "latency_ms": outcomes["latency_ms"],
         "first_push_ms": outcomes["first_push_ms"],
         "attempts": outcomes["attempts"],

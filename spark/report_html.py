@@ -22,6 +22,7 @@ COLORS = {
     "pushed": "#8e24aa",
     "acked": "#2e7d32",
     "dead_lettered": "#c62828",
+    "dropped": "#6d4c41",
     "unresolved": "#f9a825",
     "bar": "#1565c0",
 }
@@ -30,8 +31,27 @@ LABELS = {
     "pushed": "pushed",
     "acked": "acked",
     "dead_lettered": "dead-lettered",
+    "dropped": "dropped",
     "unresolved": "unresolved",
 }
+# The report's outcome rows (docs/AUDIT.md), in words.
+OUTCOME_LABELS = {
+    "acked": "acked",
+    "dead_lettered_attempts": "dead-lettered after its attempts (last: errored, timeout...)",
+    "dead_lettered_rejected": "dead-lettered after its attempts, the last rejected",
+    "dead_lettered_undeliverable": "dead-lettered as undeliverable",
+    "dead_lettered_expired": "dead-lettered: its TTL ran out",
+    "dead_lettered_unnamed": "dead-lettered, no reason named",
+    "dead_letter_purged": "dead letter purged by an operator",
+    "dead_letter_moved": "dead letter moved to another app",
+    "expired_dropped": "TTL ran out, dropped (EXPIRED=drop)",
+    "purged_pending": "purged while pending",
+    "not_yet_due": "open: not yet due (delayed, or waiting for a retry)",
+    "waiting_for_recipient": "open: due, never pushed (waiting for a recipient)",
+    "in_flight": "open: in flight (an event within the stuck-after period)",
+    "stuck": "open: stuck (pushed, no event for the stuck-after period)",
+}
+_GROUPS = ("acked", "dead_lettered", "dropped", "unresolved")
 DASH = "\u2013"  # en dash
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
 
@@ -421,6 +441,10 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
             "dead-lettered",
         ),
         _card(
+            f"{_num(totals['dropped'])} ({_pct(totals['dropped'], messages)})",
+            "dropped (expired or purged)",
+        ),
+        _card(
             f"{_num(totals['unresolved'])} ({_pct(totals['unresolved'], messages)})",
             "unresolved",
         ),
@@ -432,6 +456,7 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
         _card(_ms(latency["p99"]), "latency p99"),
     ]
     sections.append(f'<div class="cards">{"".join(cards)}</div>')
+    sections.append(_outcome_section(report["outcomes"], totals))
 
     # throughput
     series = extras.get("throughput", {"bucket_ms": 1000, "rows": []})
@@ -498,12 +523,13 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
                 [
                     ("acked", a["acked"]),
                     ("dead_lettered", a["dead_lettered"]),
+                    ("dropped", a["dropped"]),
                     ("unresolved", a["unresolved"]),
                 ],
             )
             for a in by_app
         ],
-        "Messages per app: acked, dead-lettered, unresolved",
+        "Messages per app: acked, dead-lettered, dropped, unresolved",
     )
     app_table = _table(
         [
@@ -513,6 +539,7 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
             "acked",
             "dead-lettered",
             "DLQ entries",
+            "dropped",
             "unresolved",
             "acked %",
             "p99",
@@ -525,6 +552,7 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
                 _num(a["acked"]),
                 _num(a["dead_lettered"]),
                 _num(a["dead_letter_entries"]),
+                _num(a["dropped"]),
                 _num(a["unresolved"]),
                 _pct(a["acked"], a["messages"]),
                 _ms(a["p99_ms"]),
@@ -534,7 +562,7 @@ def render_html(report: dict[str, Any], extras: dict[str, Any], meta: dict[str, 
     )
     sections.append(
         "<h2>Per app: outcomes and dead letters</h2>"
-        f'<div class="panel">{_legend(("acked", "dead_lettered", "unresolved"))}{app_chart}'
+        f'<div class="panel">{_legend(_GROUPS)}{app_chart}'
         f'</div><div class="panel">{app_table}</div>'
     )
 
@@ -627,14 +655,14 @@ def _dead_letter_section(dead: dict[str, Any]) -> str:
         [[r["appid"], r["reason"], _num(r["entries"])] for r in dead["by_app_reason"]],
         left=2,
     )
-    headers = ["app", "msgid", "recipient", "reason", "attempts", "dead since", "history"]
+    headers = ["app", "msgid", "last recipient", "reason", "attempts", "dead since", "history"]
 
     def rows(entries: Sequence[dict[str, Any]]) -> list[list[Any]]:
         return [
             [
                 e["appid"],
                 e["msgid"],
-                e["recipient"] if e["recipient"] is not None else DASH,
+                e.get("last_recipient") or e["recipient"] or DASH,
                 e["reason"],
                 _num(e["attempts"]),
                 _when(e["dead_since"]),
@@ -647,7 +675,9 @@ def _dead_letter_section(dead: dict[str, Any]) -> str:
         f"<h2>Dead-letter queue: {_num(dead['entries'])} entries of "
         f"{_num(dead['messages'])} messages</h2>"
         '<p class="note">An entry is one dead delivery: a topic message dead for two '
-        "recipients is two entries. The history is the delivery's events in the log.</p>"
+        "recipients is two entries. The last recipient is the one its last event names (a "
+        "consumer group's: <code>group:&lt;name&gt;/&lt;consumer&gt;</code>). The history "
+        "is the delivery's events in the log.</p>"
         f'<div class="panel">{reasons}</div>'
         f'<h3>Oldest</h3><div class="panel">{_table(headers, rows(dead["oldest"]), left=4)}</div>'
         f'<h3>Most tried</h3><div class="panel">'
@@ -655,16 +685,43 @@ def _dead_letter_section(dead: dict[str, Any]) -> str:
     )
 
 
+def _outcome_section(outcomes: dict[str, Any], totals: dict[str, Any]) -> str:
+    """Every way a message ended or waits: one row each, and the check that they add up."""
+    messages = int(totals["messages"])
+    rows = [
+        [
+            OUTCOME_LABELS.get(r["outcome"], r["outcome"]),
+            LABELS.get(r["group"], r["group"]),
+            _num(r["messages"]),
+            _pct(r["messages"], messages),
+            _num(r["deliveries"]),
+        ]
+        for r in outcomes["rows"]
+    ]
+    rows.append(["total", "", _num(messages), "", _num(totals["deliveries"])])
+    table = _table(["outcome", "counted as", "messages", "%", "deliveries"], rows, left=2)
+    verdict = "holds" if outcomes["holds"] else "DOES NOT HOLD (an audit error)"
+    style = "" if outcomes["holds"] else ' style="color:#c62828;font-weight:600"'
+    return (
+        "<h2>Outcomes: how every message ended, or waits</h2>"
+        f'<div class="panel">{table}<p class="note"{style}>{_esc(outcomes["invariant"])}: '
+        f"{verdict}. A message with several deliveries (a topic's recipients, consumer "
+        "groups) is in the row of the first, in precedence order (dead letters, drops, "
+        "stuck, in flight, waiting, not yet due, acked), that one of them has.</p></div>"
+    )
+
+
 def _unresolved_section(unresolved: dict[str, Any]) -> str:
     described = [
         ("not_yet_due", "not yet due (delayed, or waiting for a retry) at the end of the log"),
-        ("in_flight", "due, with an event in the last stuck-after period"),
-        ("stuck", f"no event for {_ms(unresolved['stuck_after_ms'])} or more"),
+        ("waiting_for_recipient", "due, never pushed: waiting for a recipient"),
+        ("in_flight", "pushed, with an event in the last stuck-after period"),
+        ("stuck", f"pushed, no event for {_ms(unresolved['stuck_after_ms'])} or more"),
     ]
     counts = _table(
         ["unresolved deliveries", "count"],
         [[text, _num(unresolved[key])] for key, text in described],
-        warn=lambda row: row[0].startswith("no event") and row[1] != "0",
+        warn=lambda row: row[0].startswith("pushed, no event") and row[1] != "0",
     )
     sample = _samples([("stuck", unresolved["stuck_sample"])])
     heading = f"<h2>Unresolved at {_esc(_when(unresolved['as_of']))} UTC</h2>"

@@ -2,9 +2,11 @@
 
 The generator plays a broker's life for each message (received, stored, delayed
 delivery, duplicates, pushes, retries, acks, dead letters, operator replays that reset
-the attempts, topic copies per recipient, lost recipients) and records, *while it
-builds the events*, what each delivery became: its due time, first push, acks, time
-spent in the dead-letter queue, attempts, and how it ended.  The truth is computed from
+the attempts, purges and moves, expiries, undeliverable content, pending purges, topic
+copies per recipient, lost recipients, pulls by consumer groups with nacks and leases
+that run out) and records, *while it builds the events*, what each delivery became: its
+due time, first push, acks, time spent in the dead-letter queue, attempts, and how it
+ended or waits (its outcome).  The truth is computed from
 those records in plain Python, not by re-reading the events, so it checks the audit
 independently.  The events are then scattered over files in nested folders, shuffled,
 with bad lines of every kind docs/AUDIT.md names (``BAD_LINES``).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +31,55 @@ RETRY_TIMES = 5
 QUEUE_APPS = {"orders": ["o1", "o2", "o3"], "billing": ["b1", "b2"]}
 TOPIC_APPS = {"notify": ["n1", "n2", "n3"]}
 MIXED_APPS = {"mixed": ["x1", "x2"]}
+# An app whose messages consumer groups pull: each group's copy is a delivery.
+PULL_APPS = {"pulls": ["group:ga", "group:gb"]}
+CONSUMERS = ("c1", "c2")
+ARCHIVE_APP = "archive"  # where dead letters are moved (`dlq replay --to-app`)
+UNDELIVERABLE = "undeliverable: content holds CR or LF and no recipient declared the length"
 IDLE_RECIPIENTS = [("orders", "o9-idle")]
 EVENT_COLUMNS = {"pushed": "pushes", "acked": "acked", "rejected": "rejected"}
 EVENT_COLUMNS |= {"errored": "errored", "timeout": "timeouts"}
 STUCK_AFTER_MS = 120_000
 FAR_FUTURE_MS = 86_400_000
+_NEXT_AT = re.compile(r"next attempt at (\d+)")
+
+# Every outcome of docs/AUDIT.md with the group its message counts in, and the order in
+# which a message takes the outcome of one of its deliveries.
+OUTCOME_GROUPS = {
+    "acked": "acked",
+    "dead_lettered_attempts": "dead_lettered",
+    "dead_lettered_rejected": "dead_lettered",
+    "dead_lettered_undeliverable": "dead_lettered",
+    "dead_lettered_expired": "dead_lettered",
+    "dead_lettered_unnamed": "dead_lettered",
+    "dead_letter_purged": "dead_lettered",
+    "dead_letter_moved": "dead_lettered",
+    "expired_dropped": "dropped",
+    "purged_pending": "dropped",
+    "not_yet_due": "unresolved",
+    "waiting_for_recipient": "unresolved",
+    "in_flight": "unresolved",
+    "stuck": "unresolved",
+}
+PRECEDENCE = (
+    *[o for o, g in OUTCOME_GROUPS.items() if g == "dead_lettered"],
+    "expired_dropped",
+    "purged_pending",
+    "stuck",
+    "in_flight",
+    "waiting_for_recipient",
+    "not_yet_due",
+    "acked",
+)
+_DEAD_OUTCOME = {
+    "rejected": "dead_lettered_rejected",
+    "errored": "dead_lettered_attempts",
+    "timeout": "dead_lettered_attempts",
+    "unreachable": "dead_lettered_attempts",
+    "undeliverable": "dead_lettered_undeliverable",
+    "expired": "dead_lettered_expired",
+    "unknown": "dead_lettered_unnamed",
+}
 
 Ref = tuple[str, str, str | None]
 
@@ -119,6 +166,10 @@ class Delivery:
     first_push: int | None = None
     dead: bool = False  # in the dead-letter queue at the end
     purged: bool = False  # dead, then purged by an operator
+    moved: bool = False  # dead, then moved to another app by an operator
+    dropped: bool = False  # its TTL ran out with EXPIRED=drop
+    purged_pending: bool = False  # its message purged while pending
+    last_to: str | None = None  # the last recipient (group:<name>/<consumer>) it went to
     dead_since: int | None = None
     dead_reason: str = "unknown"
     tries: int = 0  # attempts recorded by its dead letters
@@ -129,6 +180,22 @@ class Delivery:
     def first_ack(self) -> tuple[int, int]:
         return min(self.acks)
 
+    def ended(self) -> str | None:
+        """How it ended (an outcome), None while it is open."""
+        if self.acks:
+            return "acked"
+        if self.moved:
+            return "dead_letter_moved"
+        if self.purged:
+            return "dead_letter_purged"
+        if self.dead:
+            return _DEAD_OUTCOME[self.dead_reason]
+        if self.dropped:
+            return "expired_dropped"
+        if self.purged_pending:
+            return "purged_pending"
+        return None
+
 
 @dataclass
 class Message:
@@ -138,13 +205,6 @@ class Message:
     stored_ts: int | None
     due_ts: int
     deliveries: list[Delivery] = field(default_factory=list)
-
-    def status(self) -> str:
-        if any(d.dead or d.purged for d in self.deliveries):
-            return "dead_lettered"
-        if self.deliveries and all(d.acks for d in self.deliveries):
-            return "acked"
-        return "unresolved"
 
 
 @dataclass
@@ -161,8 +221,15 @@ class Truth:
     anomalies: dict[str, int]
     unresolved_refs: list[Ref]
     flagged: dict[str, list[Ref]]
+    outcomes: list[dict[str, Any]] = field(default_factory=list)
+    delivery_outcomes: dict[Ref, str] = field(default_factory=dict)
+    message_outcomes: dict[tuple[str, str], str] = field(default_factory=dict)
     events: int = 0
     bad_lines: dict[str, int] = field(default_factory=dict)
+
+
+def _is_group(recipient: str | None) -> bool:
+    return recipient is not None and recipient.startswith("group:")
 
 
 def _order(ref: Ref) -> tuple[str, str, int, str]:
@@ -216,52 +283,74 @@ class LogBuilder:
             if event in EVENT_COLUMNS:
                 counts[EVENT_COLUMNS[event]] += 1
         if msgid:
-            key = (appid, msgid, recipient if kind == "topic" else None)
+            copy = kind == "topic" or (recipient or "").startswith("group:")
+            key = (appid, msgid, recipient if copy else None)
             self.last_ts[key] = max(self.last_ts.get(key, ts), ts)
-            if event == "retry_scheduled" and detail is not None:
-                next_at = int(detail.rsplit(" ", 1)[1])
+            found = _NEXT_AT.match(detail or "")
+            if event == "retry_scheduled" and found is not None:
+                next_at = int(found.group(1))
                 self.last_retry[key] = max(self.last_retry.get(key, (ts, next_at)), (ts, next_at))
 
-    # -- one delivery: attempts until acked, dead or left open
+    # -- one delivery: attempts until acked, dead, expired or left open
 
     def _attempts(
         self, msg: Message, d: Delivery, t: int, recipients: list[str], outcome: str
     ) -> int:
-        """Attempts 1, 2, ...: ``outcome`` acked (at a chosen attempt), dead, open."""
+        """Attempts 1, 2, ...: ``outcome`` acked (at a chosen attempt), dead, open, or
+        expired (dead-lettered or dropped after 0 to 2 failed attempts). A consumer
+        group's copy is pulled: a pull is logged as `pushed`, a nack as `errored`, a lease
+        that ran out as `timeout`, each with its receipt."""
         rng = self.rng
+        pull = _is_group(d.recipient)
         if outcome == "acked":
             last = rng.choices([1, 2, 3, 4, 5], [70, 15, 8, 4, 3])[0]
         elif outcome == "dead":
             last = RETRY_TIMES
+        elif outcome.startswith("expired"):
+            last = rng.randint(0, 2)
         else:
             last = rng.randint(1, 3)
-        failure = "unknown"
+        failure, receipt = "unknown", ""
         for attempt in range(1, last + 1):
             target = d.recipient or rng.choice(recipients)
-            if rng.random() < 0.05:  # unreachable: marked lost, no attempt used
+            if not pull and rng.random() < 0.05:  # unreachable: marked lost, no attempt used
                 self.emit(t, "unreachable", msg.msgid, msg.appid, msg.kind, target)
                 self.emit(t + 1, "recipient_lost", "", msg.appid, None, target)
                 self.emit(t + 2000, "recipient_alive", "", msg.appid, None, target)
                 t += rng.randint(2, 30)
-            self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, attempt)
+            detail = None
+            d.last_to = target
+            if pull:
+                consumer = rng.choice(CONSUMERS)
+                receipt = f"; receipt {msg.stored_ts}-0.{d.attempts_before + attempt}"
+                detail = f"pulled by {consumer}{receipt}"
+                d.last_to = f"{target}/{consumer}"
+            self.emit(t, "pushed", msg.msgid, msg.appid, msg.kind, target, attempt, detail)
             if d.first_push is None:
                 d.first_push = t
             t += rng.randint(1, 400)
             final = attempt == last
             if final and outcome == "acked":
-                if rng.random() < 0.5:
+                if not pull and rng.random() < 0.5:
                     self.emit(t, "arrived", msg.msgid, msg.appid, msg.kind, target, attempt)
                     t += rng.randint(1, 50)
-                self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, attempt)
+                self.emit(t, "acked", msg.msgid, msg.appid, msg.kind, target, attempt,
+                          receipt[2:] or None)  # fmt: skip
                 d.acks.append((t, d.attempts_before + attempt))
                 return t
             if final and outcome == "open" and rng.random() < 0.5:
                 return t  # in flight: pushed, no answer yet
-            failure = rng.choice(("rejected", "errored", "timeout"))
-            self.emit(t, failure, msg.msgid, msg.appid, msg.kind, target, attempt)
+            if pull:  # a nack, or a lease that ran out (logged at the group's next receive)
+                failure = rng.choice(("errored", "timeout"))
+                said = "nack" if failure == "errored" else "lease ran out"
+                self.emit(t, failure, msg.msgid, msg.appid, msg.kind, target, attempt,
+                          said + receipt)  # fmt: skip
+            else:
+                failure = rng.choice(("rejected", "errored", "timeout"))
+                self.emit(t, failure, msg.msgid, msg.appid, msg.kind, target, attempt)
             if attempt < RETRY_TIMES:
                 due = t + RETRY_WAITS[attempt - 1]
-                detail = f"next attempt at {due}"
+                detail = f"next attempt at {due}{receipt}"
                 self.emit(
                     t + 1,
                     "retry_scheduled",
@@ -272,24 +361,55 @@ class LogBuilder:
                     attempt,
                     detail,
                 )
-                if final:  # open, waiting for its retry
+                if final and outcome == "open":  # open, waiting for its retry
                     return t + 1
                 t = due + rng.randint(0, 50)
             else:
                 t += rng.randint(1, 20)
         if outcome == "dead":
-            detail = f"after {RETRY_TIMES} attempts; last: {failure}"
+            detail = f"after {RETRY_TIMES} attempts; last: {failure}{receipt}"
             self.emit(
                 t, "dead_lettered", msg.msgid, msg.appid, msg.kind, d.recipient, RETRY_TIMES, detail
             )
             d.dead, d.dead_since, d.dead_reason = True, t, failure
             d.tries += RETRY_TIMES
+        elif outcome.startswith("expired"):  # its TTL ran out, found at its next claim
+            self._expire(msg, d, t, last, outcome == "expired_dead")
         return t
+
+    def _expire(self, msg: Message, d: Delivery, t: int, attempts: int, dead: bool) -> None:
+        made = attempts or None  # never pushed: no attempt
+        if d.last_to is None:  # a copy's events name its recipient, pushed or not
+            d.last_to = d.recipient
+        fate = "dead-lettered" if dead else "dropped (EXPIRED=drop)"
+        self.emit(t, "expired", msg.msgid, msg.appid, msg.kind, d.recipient, made, fate)
+        if dead:
+            self.emit(t, "dead_lettered", msg.msgid, msg.appid, msg.kind, d.recipient, made,
+                      "expired")  # fmt: skip
+            d.dead, d.dead_since, d.dead_reason = True, t, "expired"
+            d.tries += attempts
+        else:
+            d.dropped = True
 
     def _deliver(self, msg: Message, d: Delivery, t: int, recipients: list[str]) -> None:
         rng = self.rng
         roll = rng.random()
-        outcome = "acked" if roll < 0.75 else "dead" if roll < 0.87 else "open"
+        if roll < 0.72:
+            outcome = "acked"
+        elif roll < 0.84:
+            outcome = "dead"
+        elif roll < 0.87:
+            outcome = "expired_dead"
+        elif roll < 0.89:
+            outcome = "expired_drop"
+        elif roll < 0.90 and msg.kind == "queue" and not _is_group(d.recipient):
+            # content no recipient can take: dead-lettered by the claim, never pushed
+            self.emit(t, "dead_lettered", msg.msgid, msg.appid, msg.kind, None, None,
+                      UNDELIVERABLE)  # fmt: skip
+            d.dead, d.dead_since, d.dead_reason = True, t, "undeliverable"
+            return
+        else:
+            outcome = "open"
         t = self._attempts(msg, d, t, recipients, outcome)
         target = d.recipient or rng.choice(recipients)
         if outcome == "acked":
@@ -332,9 +452,21 @@ class LogBuilder:
             d.flags.add("acked_after_dead_letter")
         elif roll < 0.15:  # purged by an operator: gone from the dead-letter queue
             t += rng.randint(60_000, 600_000)
-            self.emit(t, "purged", msg.msgid, msg.appid, msg.kind, d.recipient, None, "purge")
+            self.emit(t, "purged", msg.msgid, msg.appid, msg.kind, d.recipient, None,
+                      "dead letter purged by an operator")  # fmt: skip
             d.dead, d.purged = False, True
-        elif roll < 0.5:  # replayed by an operator: attempts start again at 1
+        elif roll < 0.2 and msg.kind == "queue" and not _is_group(d.recipient):
+            # moved to another app by an operator (dlq replay --to-app): a new message there
+            t += rng.randint(60_000, 600_000)
+            self.emit(t, "purged", msg.msgid, msg.appid, msg.kind, d.recipient, None,
+                      f"dead letter moved to app {ARCHIVE_APP}")  # fmt: skip
+            d.dead, d.moved = False, True
+            self.emit(t, "stored", msg.msgid, ARCHIVE_APP, "queue", None, None,
+                      f"moved from the dead letters of app {msg.appid}")  # fmt: skip
+            moved = Message(ARCHIVE_APP, msg.msgid, "queue", t, t)
+            moved.deliveries.append(Delivery(None))  # no recipient there: it waits
+            self.messages.append(moved)
+        elif roll < 0.55:  # replayed by an operator: attempts start again at 1
             t += rng.randint(60_000, 600_000)
             self.emit(t, "replayed", msg.msgid, msg.appid, msg.kind, d.recipient, None, "replay")
             assert d.dead_since is not None
@@ -367,6 +499,17 @@ class LogBuilder:
                 self.emit(dt, "received", msgid, appid, kind)
                 self.emit(dt + 1, "duplicate", msgid, appid, kind)
         t = due + rng.randint(1, 30)
+        if rng.random() < 0.02:  # purged by an operator while pending, before any push
+            self.emit(t, "purged", msgid, appid, kind, None, None,
+                      "pending message purged by an operator")  # fmt: skip
+            msg.deliveries.append(Delivery(None, purged_pending=True))
+            return
+        if appid in PULL_APPS:  # each group pulls its own copy
+            for group in recipients:
+                delivery = Delivery(group)
+                msg.deliveries.append(delivery)
+                self._deliver(msg, delivery, t + rng.randint(0, 3), recipients)
+            return
         if kind == "queue":
             delivery = Delivery(None)
             msg.deliveries.append(delivery)
@@ -408,12 +551,13 @@ class LogBuilder:
             if run == 0:
                 self.emit(t + 9_000, "replayed", msg.msgid, msg.appid, "topic", "n1", None, "r")
         a.dead, a.dead_since, a.dead_reason, a.tries = True, t + 10_600, "timeout", 10
+        a.last_to, b.last_to = "n1", "n2"
         # A topic message dead for 2 of its 3 recipients: 2 dead-letter entries, 1 message.
         two = Message("notify", "special-2", "topic", t + 2, t + 2)
         self.messages.append(two)
         self.emit(t + 2, "stored", two.msgid, two.appid, "topic")
         for recipient in ("n1", "n2", "n3"):
-            d = Delivery(recipient, first_push=t + 50)
+            d = Delivery(recipient, first_push=t + 50, last_to=recipient)
             two.deliveries.append(d)
             self.emit(t + 50, "pushed", two.msgid, two.appid, "topic", recipient, 1)
             if recipient == "n3":
@@ -430,6 +574,36 @@ class LogBuilder:
         later.deliveries.append(Delivery(None))
         detail = f"deliver_at={later.due_ts}"
         self.emit(t + 3, "stored", later.msgid, later.appid, "queue", detail=detail)
+        # Pulled by group ga: every lease runs out, the last one's too: dead for the group.
+        lease = Message("pulls", "lease-1", "queue", t + 4, t + 4)
+        self.messages.append(lease)
+        self.emit(t + 4, "stored", lease.msgid, lease.appid, "queue")
+        copy = Delivery("group:ga", first_push=t + 100, last_to="group:ga/c2")
+        lease.deliveries.append(copy)
+        for attempt in range(1, RETRY_TIMES + 1):
+            at, receipt = t + 1000 * attempt, f"receipt {t + 4}-0.{attempt}"
+            consumer = "c1" if attempt < RETRY_TIMES else "c2"
+            self.emit(at - 900, "pushed", lease.msgid, lease.appid, "queue", "group:ga", attempt,
+                      f"pulled by {consumer}; {receipt}")  # fmt: skip
+            self.emit(at, "timeout", lease.msgid, lease.appid, "queue", "group:ga", attempt,
+                      f"lease ran out; {receipt}")  # fmt: skip
+            if attempt < RETRY_TIMES:
+                self.emit(at, "retry_scheduled", lease.msgid, lease.appid, "queue", "group:ga",
+                          attempt, f"next attempt at {at + 50}; {receipt}")  # fmt: skip
+        dead_at = t + 1000 * RETRY_TIMES
+        self.emit(dead_at, "dead_lettered", lease.msgid, lease.appid, "queue", "group:ga",
+                  RETRY_TIMES, f"after {RETRY_TIMES} attempts; last: timeout; "
+                  f"receipt {t + 4}-0.{RETRY_TIMES}")  # fmt: skip
+        copy.dead, copy.dead_since, copy.dead_reason, copy.tries = True, dead_at, "timeout", 5
+        # Dead-lettered with no reason in the detail (an older broker's line).
+        bare = Message("billing", "no-reason", "queue", t + 6, t + 6)
+        self.messages.append(bare)
+        self.emit(t + 6, "stored", bare.msgid, bare.appid, "queue")
+        self.emit(t + 7, "pushed", bare.msgid, bare.appid, "queue", "b2", 1)
+        self.emit(t + 8, "dead_lettered", bare.msgid, bare.appid, "queue", None, 1)
+        bare.deliveries.append(
+            Delivery(None, first_push=t + 7, dead=True, dead_since=t + 8, tries=1, last_to="b2")
+        )
         # Events of a message whose stored event is not in the logs.
         self.emit(t + 5, "pushed", "ghost-1", "billing", "queue", "b1", 1)
         self.emit(t + 9, "acked", "ghost-1", "billing", "queue", "b1", 1)
@@ -437,16 +611,17 @@ class LogBuilder:
 
     def generate(self, n_messages: int) -> None:
         rng = self.rng
-        apps = {**QUEUE_APPS, **TOPIC_APPS, **MIXED_APPS}
+        apps = {**QUEUE_APPS, **TOPIC_APPS, **MIXED_APPS, **PULL_APPS}
         for appid, recipients in apps.items():
             for recipient in recipients:
-                self.emit(BASE_TS - 5000, "recipient_registered", "", appid, None, recipient)
+                if not _is_group(recipient):
+                    self.emit(BASE_TS - 5000, "recipient_registered", "", appid, None, recipient)
         for appid, recipient in IDLE_RECIPIENTS:
             self.emit(BASE_TS - 4000, "recipient_registered", "", appid, None, recipient)
             self.recipient_counts[(appid, recipient)] += Counter()
         names = list(apps)
         for index in range(n_messages):
-            appid = rng.choices(names, [40, 25, 20, 15])[0]
+            appid = rng.choices(names, [36, 22, 18, 12, 12])[0]
             if appid in TOPIC_APPS:
                 kind = "topic"
             elif appid in MIXED_APPS:
@@ -458,7 +633,10 @@ class LogBuilder:
 
     # -- truth
 
-    def _unresolved_state(self, msg: Message, d: Delivery, as_of: int) -> str:
+    def _outcome(self, msg: Message, d: Delivery, as_of: int) -> str:
+        ended = d.ended()
+        if ended is not None:
+            return ended
         key = (msg.appid, msg.msgid, d.recipient)
         last = self.last_ts.get(key, msg.stored_ts or 0)
         retry = self.last_retry.get(key)
@@ -467,36 +645,47 @@ class LogBuilder:
             pending_until = max(pending_until, retry[1])
         if pending_until > as_of:
             return "not_yet_due"
+        if d.first_push is None:
+            return "waiting_for_recipient"
         return "in_flight" if last >= as_of - STUCK_AFTER_MS else "stuck"
 
     def truth(self) -> Truth:
         as_of = max(e["ts"] for e in self.events)
         stored = [m for m in self.messages if m.stored_ts is not None]
-        statuses = Counter(m.status() for m in stored)
         pairs = [(m, d) for m in stored for d in m.deliveries]
         pairs += [(m, Delivery(None)) for m in stored if not m.deliveries]
+        outcome = {id(d): self._outcome(m, d, as_of) for m, d in pairs}
+        rank = {o: i for i, o in enumerate(PRECEDENCE)}
+        message_outcome: dict[tuple[str, str], str] = {}
+        for m, d in pairs:
+            key, mine = (m.appid, m.msgid), outcome[id(d)]
+            if key not in message_outcome or rank[mine] < rank[message_outcome[key]]:
+                message_outcome[key] = mine
+
+        def status(m: Message) -> str:
+            return OUTCOME_GROUPS[message_outcome[(m.appid, m.msgid)]]
+
+        statuses = Counter(status(m) for m in stored)
         acked = [(m, d) for m, d in pairs if d.acks]
         latency = {id(d): d.first_ack()[0] - m.due_ts - d.in_dlq for m, d in acked}
         latencies = list(latency.values())
         pushes = [d.first_push - m.due_ts for m, d in pairs if d.first_push is not None]
         attempts = Counter(d.first_ack()[1] for _, d in acked)
         dead = [(m, d) for m, d in pairs if d.dead]
-        states = Counter(
-            self._unresolved_state(m, d, as_of)
-            for m, d in pairs
-            if not d.acks and not d.dead and not d.purged
-        )
+        open_ones = [(m, d) for m, d in pairs if OUTCOME_GROUPS[outcome[id(d)]] == "unresolved"]
+        states = Counter(outcome[id(d)] for _, d in open_ones)
         by_app = []
         for appid in sorted({m.appid for m in stored}):
-            mine = [m for m in stored if m.appid == appid]
+            of_app = [m for m in stored if m.appid == appid]
             p99 = percentile_linear([latency[id(d)] for m, d in acked if m.appid == appid], 0.99)
             by_app.append(
                 {
                     "appid": appid,
-                    "messages": len(mine),
-                    "acked": sum(m.status() == "acked" for m in mine),
-                    "dead_lettered": sum(m.status() == "dead_lettered" for m in mine),
-                    "unresolved": sum(m.status() == "unresolved" for m in mine),
+                    "messages": len(of_app),
+                    **{
+                        g: sum(status(m) == g for m in of_app)
+                        for g in ("acked", "dead_lettered", "dropped", "unresolved")
+                    },
                     "dead_letter_entries": sum(m.appid == appid for m, _ in dead),
                     "p99_ms": None if p99 is None else round(p99, 3),
                 }
@@ -510,12 +699,10 @@ class LogBuilder:
             for (appid, recipient), counts in sorted(self.recipient_counts.items())
         ]
         flagged: dict[str, list[Ref]] = defaultdict(list)
-        unresolved: list[Ref] = []
         for m, d in pairs:
             for flag in d.flags:
                 flagged[flag].append((m.appid, m.msgid, d.recipient))
-            if not d.acks and not d.dead and not d.purged:
-                unresolved.append((m.appid, m.msgid, d.recipient))
+        unresolved = [(m.appid, m.msgid, d.recipient) for m, d in open_ones]
         reasons = Counter((m.appid, d.dead_reason) for m, d in dead)
 
         def entry(m: Message, d: Delivery) -> dict[str, Any]:
@@ -523,6 +710,7 @@ class LogBuilder:
                 "appid": m.appid,
                 "msgid": m.msgid,
                 "recipient": d.recipient,
+                "last_recipient": d.last_to,
                 "reason": d.dead_reason,
                 "attempts": d.tries,
                 "dead_since": d.dead_since,
@@ -533,15 +721,18 @@ class LogBuilder:
 
         oldest = sorted(dead, key=lambda p: (p[1].dead_since or 0, ref_key(p)))
         most = sorted(dead, key=lambda p: (-p[1].tries, ref_key(p)))
+        by_outcome = Counter(message_outcome[(m.appid, m.msgid)] for m in stored)
+        deliveries_by_outcome = Counter(outcome.values())
         return Truth(
             totals={
                 "messages": len(stored),
                 "acked": statuses["acked"],
                 "dead_lettered": statuses["dead_lettered"],
+                "dropped": statuses["dropped"],
                 "unresolved": statuses["unresolved"],
                 "deliveries": len(pairs),
                 "dead_letter_entries": len(dead),
-                "purged_dead_letters": sum(d.purged for _, d in pairs),
+                "purged_dead_letters": sum(d.purged or d.moved for _, d in pairs),
                 "duplicates": self.counters["duplicate"],
                 "pushes": self.counters["pushed"],
             },
@@ -549,7 +740,7 @@ class LogBuilder:
             latency_ms=_pcts(latencies),
             first_push_ms=_pcts(pushes),
             attempts={str(k): attempts[k] for k in sorted(attempts)},
-            unresolved={s: states[s] for s in ("not_yet_due", "in_flight", "stuck")},
+            unresolved={s: states[s] for s in OUTCOME_GROUPS if OUTCOME_GROUPS[s] == "unresolved"},
             dead_letters={
                 "entries": len(dead),
                 "messages": len({(m.appid, m.msgid) for m, _ in dead}),
@@ -569,6 +760,17 @@ class LogBuilder:
             },
             unresolved_refs=sorted(unresolved, key=_order),
             flagged={k: sorted(v, key=_order) for k, v in flagged.items()},
+            outcomes=[
+                {
+                    "outcome": o,
+                    "group": g,
+                    "messages": by_outcome[o],
+                    "deliveries": deliveries_by_outcome[o],
+                }
+                for o, g in OUTCOME_GROUPS.items()
+            ],
+            delivery_outcomes={(m.appid, m.msgid, d.recipient): outcome[id(d)] for m, d in pairs},
+            message_outcomes=message_outcome,
         )
 
     # -- files

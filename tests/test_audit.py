@@ -26,7 +26,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from audit_truth import BASE_TS, STUCK_AFTER_MS, Truth, build, percentile_linear
+from audit_truth import (
+    BASE_TS,
+    OUTCOME_GROUPS,
+    STUCK_AFTER_MS,
+    LogBuilder,
+    Truth,
+    build,
+    percentile_linear,
+)
 
 pytest.importorskip("pyspark")
 
@@ -57,12 +65,22 @@ from skmq.audit_job.audit import (  # noqa: E402
     resolve_log_paths,
     run_audit,
 )
-from skmq.audit_job.inputs import BadFile, BadLinesError, check_files  # noqa: E402
+from skmq.audit_job.deliveries import (  # noqa: E402
+    OUTCOMES,
+    PRECEDENCE,
+    delivery_table,
+    message_table,
+)
+from skmq.audit_job.inputs import LOG_SCHEMA, BadFile, BadLinesError, check_files  # noqa: E402
 from skmq.audit_job.report import fill_buckets  # noqa: E402
 from skmq.audit_job.report_html import COLORS  # noqa: E402
 from skmq.audit_job.session import driver_address, local_cores, parse_conf  # noqa: E402
 
+from skmq.clock import now_ms  # noqa: E402
 from skmq.events import Event  # noqa: E402
+from skmq.pull.consumer import PullConsumer  # noqa: E402
+from tests.conftest import BrokerFactory, eventually  # noqa: E402
+from tests.test_delivery import log_events, produce  # noqa: E402
 
 SEED = 20251121
 N_MESSAGES = 1500
@@ -97,10 +115,74 @@ def test_totals_exact(audited: Audited) -> None:
     truth, report, _, _ = audited
     assert report["totals"] == truth.totals
     totals = report["totals"]
-    assert totals["messages"] == totals["acked"] + totals["dead_lettered"] + totals["unresolved"]
+    groups = ("acked", "dead_lettered", "dropped", "unresolved")
+    assert totals["messages"] == sum(totals[g] for g in groups)
     # a topic copy dead for some recipients: more dead-letter entries than messages
     assert totals["dead_letter_entries"] + totals["purged_dead_letters"] > totals["dead_lettered"]
     assert min(totals.values()) > 0  # the generated log exercises every outcome
+
+
+@needs_java
+def test_every_outcome_exact_and_adding_up(audited: Audited) -> None:
+    """One row an outcome, each counted exactly (messages and deliveries), every one
+    present in the generated log, and the rows add up to the messages stored."""
+    truth, report, _, _ = audited
+    outcomes = report["outcomes"]
+    assert [r["outcome"] for r in outcomes["rows"]] == list(OUTCOMES) == list(OUTCOME_GROUPS)
+    assert outcomes["rows"] == truth.outcomes
+    assert all(r["messages"] > 0 and r["deliveries"] > 0 for r in outcomes["rows"])
+    totals = report["totals"]
+    assert outcomes["holds"] is True
+    assert sum(r["messages"] for r in outcomes["rows"]) == totals["messages"]
+    assert sum(r["deliveries"] for r in outcomes["rows"]) == totals["deliveries"]
+    for group in ("acked", "dead_lettered", "dropped", "unresolved"):
+        in_group = [r for r in outcomes["rows"] if r["group"] == group]
+        assert sum(r["messages"] for r in in_group) == totals[group], group
+    dead = [r for r in outcomes["rows"] if r["outcome"].startswith("dead_lettered_")]
+    assert sum(r["deliveries"] for r in dead) == totals["dead_letter_entries"]
+    assert "messages =" in outcomes["invariant"]
+
+
+@needs_java
+def test_each_delivery_and_message_outcome_push_and_pull(spark: SparkSession) -> None:
+    """The definitions (delivery_table, message_table) on the generated events: every
+    delivery's and every message's outcome is the truth's, pushed or pulled; the pulls
+    end every way a pull can (a lease that runs out on its last attempt among them)."""
+    builder = LogBuilder(SEED)
+    builder.generate(N_MESSAGES)
+    truth = builder.truth()
+    events = spark.createDataFrame(builder.events, LOG_SCHEMA)
+    as_of = max(e["ts"] for e in builder.events)
+    deliveries = delivery_table(events, as_of, STUCK_AFTER_MS).cache()
+    got = {
+        (r["appid"], r["msgid"], r["recipient"]): r["outcome"]
+        for r in deliveries.where("stored").collect()
+    }
+    assert got == truth.delivery_outcomes
+    messages = message_table(deliveries).where("stored").collect()
+    assert {(r["appid"], r["msgid"]): r["outcome"] for r in messages} == truth.message_outcomes
+    assert all(r["status"] == OUTCOME_GROUPS[r["outcome"]] for r in messages)
+    pulled = {o for (_, _, rid), o in got.items() if (rid or "").startswith("group:")}
+    pushed = {o for (_, _, rid), o in got.items() if not (rid or "").startswith("group:")}
+    assert set(OUTCOMES) == pushed  # every outcome, over pushes
+    # over pulls, every one a pull can have (no undeliverable content, no move of a
+    # group's dead letter, no wait for a recipient: a pull is its first event)
+    assert pulled >= {
+        "acked",
+        "dead_lettered_attempts",  # nacked, or its lease ran out, on its last attempt
+        "dead_lettered_expired",
+        "dead_letter_purged",
+        "expired_dropped",
+        "stuck",
+    }
+    # (a group's dead letter is never moved; a pull is a delivery's first event)
+    assert not pulled & {
+        "dead_lettered_undeliverable",
+        "dead_letter_moved",
+        "waiting_for_recipient",
+    }
+    assert got[("pulls", "lease-1", "group:ga")] == "dead_lettered_attempts"
+    assert list(PRECEDENCE)[-1] == "acked" and set(PRECEDENCE) == set(OUTCOMES)
 
 
 @needs_java
@@ -111,9 +193,11 @@ def test_attempts_count_replays_as_new_attempts(audited: Audited) -> None:
     # acked after a replay: the 5 attempts before the dead letter count, so 6 and more
     assert any(int(k) > 5 for k in report["attempts"])
     totals, unresolved = report["totals"], report["unresolved"]
-    open_deliveries = sum(unresolved[s] for s in ("not_yet_due", "in_flight", "stuck"))
+    states = ("not_yet_due", "waiting_for_recipient", "in_flight", "stuck")
+    open_deliveries = sum(unresolved[s] for s in states)
+    dropped = sum(r["deliveries"] for r in report["outcomes"]["rows"] if r["group"] == "dropped")
     closed = totals["dead_letter_entries"] + totals["purged_dead_letters"] + open_deliveries
-    acked_deliveries = totals["deliveries"] - closed
+    acked_deliveries = totals["deliveries"] - closed - dropped
     assert sum(report["attempts"].values()) == acked_deliveries
 
 
@@ -155,7 +239,8 @@ def test_first_push_latency_from_due_time(audited: Audited) -> None:
 def test_unresolved_split(audited: Audited) -> None:
     truth, report, _, _ = audited
     unresolved = report["unresolved"]
-    assert {s: unresolved[s] for s in ("not_yet_due", "in_flight", "stuck")} == truth.unresolved
+    states = ("not_yet_due", "waiting_for_recipient", "in_flight", "stuck")
+    assert {s: unresolved[s] for s in states} == truth.unresolved
     assert min(truth.unresolved.values()) > 0
     assert unresolved["stuck_after_ms"] == STUCK_AFTER_MS
     stuck = set(_refs(unresolved["stuck_sample"]))
@@ -184,6 +269,10 @@ def test_dead_letter_queue(audited: Audited) -> None:
     assert all(h["recipient"] in ("n1", None) for h in top["history"])
     assert [h["ts"] for h in top["history"]] == sorted(h["ts"] for h in top["history"])
     assert "stored" in events  # the message-wide events belong to each copy's history
+    # the last recipient of each entry pushed: a queue message's named by its pushes
+    entries = dead["oldest"] + dead["most_tried"]
+    assert all(e["last_recipient"] is not None for e in entries if e["attempts"] > 0)
+    assert any(e["recipient"] is None and e["last_recipient"] for e in entries)
 
 
 @needs_java
@@ -333,8 +422,9 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
         # u2: pushed at +1000, nothing since: in flight 59 s before the log ends
         _line(t, "stored", "u2", "d"),
         _line(t + 1000, "pushed", "u2", "d", recipient="r", attempt=1),
-        # u3: stored, never pushed, no event for the last 60 s: stuck
+        # u3: pushed, no event for the last 60 s: stuck
         _line(t - 500, "stored", "u3", "d"),
+        _line(t - 400, "pushed", "u3", "d", recipient="r", attempt=1),
         _line(t + 60_140, "recipient_alive", "", "d", recipient="r", kind=None),
         "",
     ]  # fmt: skip
@@ -344,12 +434,13 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
         "messages": 7,
         "acked": 2,
         "dead_lettered": 2,
+        "dropped": 0,
         "unresolved": 3,
         "deliveries": 9,
         "dead_letter_entries": 2,
         "purged_dead_letters": 1,
         "duplicates": 0,
-        "pushes": 4,
+        "pushes": 5,
     }
     latencies = [25, 140, 5]  # q1, q2, t1/x
     assert report["latency_ms"] == {
@@ -373,6 +464,135 @@ def test_definitions_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None
     assert by_app["e"]["dead_letter_entries"] == 0 and by_app["e"]["dead_lettered"] == 1
     assert report["anomalies"]["acked_after_dead_letter"] == 0  # acked after its replay
     assert report["input"]["bad_lines"]["total"] == 0  # a blank line is not bad
+
+
+def _rows(report: dict[str, Any], key: str) -> dict[str, int]:
+    return {r["outcome"]: r[key] for r in report["outcomes"]["rows"] if r[key]}
+
+
+@needs_java
+def test_every_outcome_on_a_small_log(spark: SparkSession, tmp_path: Path) -> None:
+    """Each way a message ends or waits, one message (or copy) each, as the broker logs it."""
+    t = BASE_TS
+    r1, r2 = {"recipient": "r1"}, {"recipient": "r2"}
+    topic = {"kind": "topic"}
+    ga = {"recipient": "group:a"}
+    after = "after 1 attempts; last: "
+    lines = [
+        _line(t, "stored", "a1", "o"),
+        _line(t + 10, "pushed", "a1", "o", attempt=1, **r1),
+        _line(t + 20, "acked", "a1", "o", attempt=1, **r1),
+        # dead after its attempts (the dead letter names no recipient: its pushes do)
+        _line(t, "stored", "d1", "o"),
+        _line(t + 10, "pushed", "d1", "o", attempt=1, **r1),
+        _line(t + 20, "timeout", "d1", "o", attempt=1, **r1),
+        _line(t + 21, "dead_lettered", "d1", "o", attempt=1, detail=after + "timeout"),
+        # dead, the last attempt rejected
+        _line(t, "stored", "d2", "o"),
+        _line(t + 10, "pushed", "d2", "o", attempt=1, **r2),
+        _line(t + 20, "rejected", "d2", "o", attempt=1, **r2),
+        _line(t + 21, "dead_lettered", "d2", "o", attempt=1, detail=after + "rejected", **r2),
+        # undeliverable: dead-lettered by the claim, never pushed, no attempt
+        _line(t, "stored", "d3", "o"),
+        _line(t + 5, "dead_lettered", "d3", "o",
+              detail="undeliverable: content holds CR or LF and no recipient declared the length"),
+        # its TTL ran out: dead-lettered
+        _line(t, "stored", "d4", "o"),
+        _line(t + 5, "expired", "d4", "o", detail="dead-lettered"),
+        _line(t + 5, "dead_lettered", "d4", "o", detail="expired"),
+        # dead-lettered, no reason named
+        _line(t, "stored", "d5", "o"),
+        _line(t + 5, "dead_lettered", "d5", "o", attempt=3),
+        # dead, then purged by an operator
+        _line(t, "stored", "p1", "o"),
+        _line(t + 10, "pushed", "p1", "o", attempt=1, **r1),
+        _line(t + 20, "dead_lettered", "p1", "o", attempt=1, detail=after + "errored", **r1),
+        _line(t + 30, "purged", "p1", "o", detail="dead letter purged by an operator", **r1),
+        # dead, then moved to app "other" (dlq replay --to-app), acked there
+        _line(t, "stored", "m1", "o"),
+        _line(t + 10, "pushed", "m1", "o", attempt=1, **r1),
+        _line(t + 20, "dead_lettered", "m1", "o", attempt=1, detail=after + "errored", **r1),
+        _line(t + 30, "purged", "m1", "o", detail="dead letter moved to app other", **r1),
+        _line(t + 30, "stored", "m1", "other", detail="moved from the dead letters of app o"),
+        _line(t + 40, "pushed", "m1", "other", attempt=1, **r1),
+        _line(t + 50, "acked", "m1", "other", attempt=1, **r1),
+        # its TTL ran out with EXPIRED=drop
+        _line(t, "stored", "x1", "o"),
+        _line(t + 5, "expired", "x1", "o", detail="dropped (EXPIRED=drop)"),
+        # purged while pending (skmq purge): no recipient
+        _line(t, "stored", "pp1", "o"),
+        _line(t + 5, "purged", "pp1", "o", detail="pending message purged by an operator"),
+        # a topic message purged while pending: its acked copy stays acked, the other ends
+        _line(t, "stored", "tp", "o", **topic),
+        _line(t + 10, "pushed", "tp", "o", attempt=1, **r1, **topic),
+        _line(t + 20, "acked", "tp", "o", attempt=1, **r1, **topic),
+        _line(t + 10, "pushed", "tp", "o", attempt=1, **r2, **topic),
+        _line(t + 30, "purged", "tp", "o", detail="pending message purged by an operator",
+              **topic),
+        # a topic message acked by n1, dropped for n2, in flight for n3: dropped
+        _line(t, "stored", "tm", "o", **topic),
+        _line(t + 10, "pushed", "tm", "o", attempt=1, recipient="n1", **topic),
+        _line(t + 20, "acked", "tm", "o", attempt=1, recipient="n1", **topic),
+        _line(t + 20, "expired", "tm", "o", recipient="n2", detail="dropped (EXPIRED=drop)",
+              **topic),
+        _line(t + 90_000, "pushed", "tm", "o", attempt=1, recipient="n3", **topic),
+        # open: delayed past the end of the log; never pushed; in flight; stuck
+        _line(t, "stored", "nd", "o", detail=f"deliver_at={t + 10**6}"),
+        _line(t + 10, "stored", "w1", "o"),
+        _line(t, "stored", "f1", "o"),
+        _line(t + 95_000, "pushed", "f1", "o", attempt=1, **r1),
+        _line(t, "stored", "s1", "o"),
+        _line(t + 100, "pushed", "s1", "o", attempt=1, **r1),
+        # pulled by group a: its lease runs out on its last attempt (as the broker logs it)
+        _line(t, "stored", "g1", "o"),
+        _line(t + 10, "pushed", "g1", "o", attempt=1, detail="pulled by alice; receipt e.1",
+              **ga),
+        _line(t + 40, "timeout", "g1", "o", attempt=1, detail="lease ran out; receipt e.1",
+              **ga),
+        _line(t + 40, "dead_lettered", "g1", "o", attempt=1,
+              detail=after + "timeout; receipt e.1", **ga),
+        _line(t + 100_000, "recipient_alive", "", "o", recipient="r1", kind=None),
+    ]  # fmt: skip
+    (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    report = _audit(spark, tmp_path, tmp_path / "out", stuck_after_ms=60_000)
+    assert report["input"]["bad_lines"]["total"] == 0
+    every = dict.fromkeys(OUTCOMES, 1)
+    assert _rows(report, "messages") == every | {
+        "acked": 2,  # a1, m1 in app other
+        "dead_lettered_attempts": 2,  # d1, g1
+        "expired_dropped": 2,  # x1, tm
+        "purged_pending": 2,  # pp1, tp
+    }
+    assert _rows(report, "deliveries") == every | {
+        "acked": 4,  # a1, other/m1, tp/r1, tm/n1
+        "dead_lettered_attempts": 2,
+        "expired_dropped": 2,  # x1, tm/n2
+        "purged_pending": 2,  # pp1, tp/r2
+        "in_flight": 2,  # f1, tm/n3
+    }
+    totals = report["totals"]
+    assert (totals["messages"], totals["deliveries"]) == (18, 21)
+    assert [totals[g] for g in ("acked", "dead_lettered", "dropped", "unresolved")] == [2, 8, 4, 4]
+    assert (totals["dead_letter_entries"], totals["purged_dead_letters"]) == (6, 2)
+    assert report["outcomes"]["holds"] is True
+    unresolved = report["unresolved"]
+    assert [unresolved[s] for s in ("not_yet_due", "waiting_for_recipient")] == [1, 1]
+    assert [unresolved[s] for s in ("in_flight", "stuck")] == [2, 1]
+    assert _refs(unresolved["stuck_sample"]) == [("o", "s1", None)]
+    dlq = report["dead_letters"]
+    assert dlq["by_app_reason"] == [
+        {"appid": "o", "reason": r, "entries": n}
+        for r, n in (("expired", 1), ("rejected", 1), ("timeout", 2), ("undeliverable", 1),
+                     ("unknown", 1))
+    ]  # fmt: skip
+    last = {e["msgid"]: e["last_recipient"] for e in dlq["oldest"]}
+    assert last == {
+        "d1": "r1", "d2": "r2", "d3": None, "d4": None, "d5": None, "g1": "group:a/alice"
+    }  # fmt: skip
+    page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    assert "Outcomes: how every message ended" in page and "holds" in page
+    assert ">group:a/alice<" in page and ">r1<" in page
+    assert "purged while pending" in page and "waiting for a recipient" in page
 
 
 @needs_java
@@ -412,6 +632,7 @@ def test_pulled_deliveries_are_one_copy_a_group(spark: SparkSession, tmp_path: P
         "messages": 4,
         "acked": 2,
         "dead_lettered": 1,
+        "dropped": 0,
         "unresolved": 1,
         "deliveries": 6,
         "dead_letter_entries": 1,
@@ -424,9 +645,74 @@ def test_pulled_deliveries_are_one_copy_a_group(spark: SparkSession, tmp_path: P
     assert report["anomalies"]["pushed_after_ack"] == 0
     dlq = report["dead_letters"]
     assert [(e["msgid"], e["recipient"]) for e in dlq["oldest"]] == [("p2", "group:a")]
+    assert dlq["oldest"][0]["last_recipient"] == "group:a"  # its pull names no consumer
     assert [h["event"] for h in dlq["oldest"][0]["history"]] == [
         "stored", "pushed", "dead_lettered"
     ]  # fmt: skip
+
+
+@needs_java
+async def test_a_pulled_lease_that_runs_out_on_its_last_attempt_is_dead_in_a_real_log(
+    make_broker: BrokerFactory, spark: SparkSession, tmp_path: Path
+) -> None:
+    """A real broker: a group pulls a message and lets its lease run out on each of its
+    two attempts (RETRY_TIMES=2): the broker logs the timeouts, the retry and the dead
+    letter, and the audit of its log counts it dead (not unresolved), the consumer named.
+    A message whose TTL ran out before the group pulled it is dead-lettered with no
+    attempt (a line the audit reads), and counted dead as expired."""
+    broker = await make_broker(data_dir=tmp_path / "data", retry_times=2, retry_backoff=[0.05])
+    where = f"tcp://127.0.0.1:{broker.server.port}"
+    port = broker.server.port
+    async with PullConsumer(where, "leases", "g", wait=1, batch=10, visibility=0.2) as group:
+        await produce(port, "leases", ["old"], ttl="20")
+        stored_by = now_ms()
+
+        async def expired() -> bool:
+            return now_ms() > stored_by + 20
+
+        await eventually(expired)
+        await produce(port, "leases", ["m1", "k1"])
+        attempts: dict[str, list[int]] = {"m1": [], "k1": []}
+
+        async def pulled(msgid: str, attempt: int) -> bool:
+            for msg in await group.receive():
+                attempts[msg.msgid].append(msg.attempt)
+                if msg.msgid == "k1":
+                    assert await msg.ack()
+            return attempt in attempts[msgid]
+
+        await eventually(lambda: pulled("m1", 1))
+        await eventually(lambda: pulled("m1", 2))  # its first lease ran out: retried
+
+        async def dead() -> bool:  # the next receive finds its last lease run out
+            await group.receive()
+            return bool(log_events(broker, "m1", "dead_lettered"))
+
+        await eventually(dead)
+    assert attempts == {"m1": [1, 2], "k1": [1]}
+    broker.stopping.set()
+    await broker.stop()  # flushes the delivery log
+    (last,) = log_events(broker.settings.delivery_log_dir, "m1", "dead_lettered")
+    assert (last["recipient"], last["attempt"]) == ("group:g", 2)
+    assert last["detail"].startswith("after 2 attempts; last: timeout; receipt ")
+    timeouts = log_events(broker.settings.delivery_log_dir, "m1", "timeout")
+    assert [e["attempt"] for e in timeouts] == [1, 2]
+
+    report = _audit(spark, broker.settings.delivery_log_dir, tmp_path / "out")
+    assert report["input"]["bad_lines"]["total"] == 0
+    totals = report["totals"]
+    assert (totals["messages"], totals["acked"], totals["dead_lettered"]) == (3, 1, 2)
+    assert totals["unresolved"] == 0
+    assert _rows(report, "messages") == {
+        "acked": 1,
+        "dead_lettered_attempts": 1,
+        "dead_lettered_expired": 1,
+    }
+    assert report["outcomes"]["holds"] is True
+    entries = {e["msgid"]: e for e in report["dead_letters"]["oldest"]}
+    assert (entries["m1"]["reason"], entries["m1"]["attempts"]) == ("timeout", 2)
+    assert entries["m1"]["last_recipient"].startswith("group:g/")  # the consumer named
+    assert entries["old"]["reason"] == "expired"
 
 
 @needs_java

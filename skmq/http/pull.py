@@ -21,7 +21,15 @@ from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import field_errors, path_app, read_json
-from skmq.pull.groups import Groups, NoSuchGroup, Pulled, Receipt, bad_group, parse_receipt
+from skmq.pull.groups import (
+    Groups,
+    NoSuchGroup,
+    Pulled,
+    Receipt,
+    Received,
+    bad_group,
+    parse_receipt,
+)
 from skmq.pull.longpoll import LongPoll, TooManyWaiting
 
 M = TypeVar("M", bound=BaseModel)
@@ -238,11 +246,24 @@ class PullApi:
             for event, detail in lines:
                 self.dlog.event(event, msgid, app, kind, who, attempt, f"{detail}receipt {receipt}")
 
-    def _expired(self, app: str, group: str, expired: list[Pulled]) -> None:
-        """Log entries whose TTL ran out before the group handed them out."""
-        for p in expired:
-            dead = p.content == b"dead"
-            self.dlog.expired(p.msgid, app, p.kind, GROUP_PREFIX + group, p.attempt, dead)
+    def _ended(self, app: str, group: str, got: Received) -> None:
+        """Log what a receive ended: entries whose TTL ran out before the group handed
+        them out, and leases that ran out (a timed-out attempt: retried, or dead on its
+        last, as a push's)."""
+        who = GROUP_PREFIX + group
+        for p in got.expired:
+            self.dlog.expired(p.msgid, app, p.kind, who, p.attempt, p.content == b"dead")
+        for p in got.ran_out:
+            receipt = f"receipt {p.receipt}"
+            self.dlog.event(Event.TIMEOUT, p.msgid, app, p.kind, who, p.attempt,
+                            f"lease ran out; {receipt}")  # fmt: skip
+            if p.content == b"dead":
+                event = Event.DEAD_LETTERED
+                detail = f"after {p.attempt} attempts; last: timeout; {receipt}"
+            else:
+                event = Event.RETRY_SCHEDULED
+                detail = f"next attempt at {int(p.content)}; {receipt}"
+            self.dlog.event(event, p.msgid, app, p.kind, who, p.attempt, detail)
 
     @staticmethod
     def _results(receipts: list[str], statuses: list[str]) -> dict[str, Any]:
@@ -289,8 +310,8 @@ class PullApi:
             raise ApiError(400, f"wait: at most {s.pull_max_wait:g} s (PULL_MAX_WAIT)")
         lease = self._lease_ms(body.visibility)
         try:
-            expired = functools.partial(self._expired, app, group)
-            got = await self.longpoll.receive(app, group, body.max, body.wait, lease, expired, gone)
+            ended = functools.partial(self._ended, app, group)
+            got = await self.longpoll.receive(app, group, body.max, body.wait, lease, ended, gone)
         except TooManyWaiting as exc:
             raise ApiError(503, str(exc), {"Retry-After": "1"}) from None
         by = f"pulled by {who}; " if who else "pulled; "

@@ -67,6 +67,9 @@ class Received:
     # TTL ran out before they were handed out: receipt "", content b"dead" (dead-lettered
     # for the group) or b"drop" (EXPIRED=drop), attempt: those made before
     expired: list[Pulled] = field(default_factory=list)
+    # Leases that ran out (a failed attempt, the broker logs it): receipt: the attempt's,
+    # content b"dead" (it was the last attempt) or the ms its retry falls due
+    ran_out: list[Pulled] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -175,6 +178,7 @@ class Groups:
         generation = res[-3].decode()
         nxt = int(res[-2])
         got = Received([], None if nxt < 0 else nxt, res[-1] == 1)
+        lists = {b"x": got.expired, b"r": got.ran_out}
         for i in range(0, len(res) - 3, 6):
             entry, msgid, kind, content, n, attempt = res[i : i + 6]
             expired = kind[:1] == b"x"
@@ -182,7 +186,7 @@ class Groups:
             pulled = Pulled(
                 receipt, unpack(msgid), _KINDS.get(kind[-1:], "queue"), content, int(attempt)
             )
-            (got.expired if expired else got.messages).append(pulled)
+            lists.get(kind[:1], got.messages).append(pulled)
         return got
 
     async def entries(self, app: str, ids: Sequence[str]) -> list[tuple[str, str]]:

@@ -41,12 +41,13 @@ class LongPoll:
         max_messages: int,
         wait: float,
         visibility_ms: int,
-        on_expired: Callable[[list[Pulled]], None],
+        on_ended: Callable[[Received], None],
         gone: asyncio.Event | None = None,
     ) -> list[Pulled]:
-        """The messages received; those whose TTL ran out meanwhile go to `on_expired` as
-        each receive finds them. Once `gone` is set (the consumer's connection ended), it
-        waits no longer and receives nothing more."""
+        """The messages received. What each receive ended meanwhile (messages whose TTL
+        ran out, leases that ran out) goes to `on_ended`, for the delivery log. Once `gone`
+        is set (the consumer's connection ended), it waits no longer and receives nothing
+        more."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         if wait > 0 and self.wakeups.count >= self.max_waiting:
@@ -57,8 +58,8 @@ class LongPoll:
             while True:
                 woken.clear()
                 got = await self._receive(app, group, max_messages, visibility_ms)
-                if got.expired:
-                    on_expired(got.expired)
+                if got.expired or got.ran_out:
+                    on_ended(got)
                 left = deadline - loop.time()
                 # (a due time to come, or log left unread: whoever waits next must learn
                 # it, if this one goes)

@@ -177,7 +177,8 @@ class Pusher:
     def _undeliverable(self, app: str, c: Claimed) -> None:
         kind = "topic" if split_delivery(c.delivery_id)[1] is not None else "queue"
         reason = c.content.decode()
-        self.dlog.event(Event.DEAD_LETTERED, c.msgid, app, kind, c.recipient or None, 0, reason)
+        # never pushed: no attempt (the log's attempts count from 1)
+        self.dlog.event(Event.DEAD_LETTERED, c.msgid, app, kind, c.recipient or None, None, reason)
         log.warning("message dead-lettered", app=app, msgid=c.msgid, reason=reason)
 
     def _expired(self, app: str, c: Claimed) -> None:

@@ -8,7 +8,9 @@
 -- again at once rather than wait.
 -- Returns (entry id, msgid, kind q|t, content, n for its receipt, attempt since its last
 -- replay)*, an expired entry with kind xq|xt and content `dead` or `drop` (attempts:
--- those before), then the group's generation,
+-- those before), a lease that ran out with kind rq|rt and content `dead` or the ms its
+-- retry falls due (n and attempt: the attempt that failed; logged by the broker, as a
+-- timed-out push is), then the group's generation,
 -- the ms at which the next delayed entry falls due or a lease runs out (-1: none) and
 -- `more` (1|0); {'no group'}: no such group.
 local group, max, vis = ARGV[rest], tonumber(ARGV[rest + 1]), tonumber(ARGV[rest + 2])
@@ -16,12 +18,6 @@ local drop = ARGV[rest + 3] == '1'
 local SCAN = 1000
 local cursor = redis.call('HGET', groups, group)
 if not cursor then return {'no group'} end
-local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'WITHSCORES',
-                          'LIMIT', 0, 1000)
-for i = 1, #ran_out, 2 do
-  fail_attempt(ran_out[i], 'timeout: lease ran out', -1, tonumber(ran_out[i + 1]))
-end
-
 local out = {}
 local taken = 0
 local function ms(id) return tonumber(string.match(id, '^(%d+)')) end
@@ -46,6 +42,19 @@ end
 local function emit(id, f, kind, content, n)
   out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
   out[#out + 1] = n; out[#out + 1] = since_replay(id, n)
+end
+-- The group's leases that ran out: each a failed attempt (retried, or dead on its last).
+local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'WITHSCORES',
+                          'LIMIT', 0, 1000)
+for i = 1, #ran_out, 2 do
+  local id = ran_out[i]
+  local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
+  local r = fail_attempt(id, 'timeout: lease ran out', -1, tonumber(ran_out[i + 1]))
+  local e = redis.call('XRANGE', glog, id, id)[1]
+  if e then
+    local f = fields(e[2])
+    emit(id, f, 'r' .. f.k, r[1] == 2 and 'dead' or string.format('%d', math.floor(r[2])), n)
+  end
 end
 local function expire(id, f)
   local n = tonumber(redis.call('HGET', gstate, nfield(id)) or '0')
