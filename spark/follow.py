@@ -48,7 +48,7 @@ __all__ = ["FollowSettings", "follow"]
 UTC = timezone.utc  # noqa: UP017 (3.10, as audit.py)
 STAGING = ".follow"
 # The longest a micro-batch may take to pick up chunks already written, at least.
-MIN_CATCH_UP_S = 120.0
+MIN_CATCH_UP_S = 600.0
 # Stuck deliveries kept in report.json's follow section (every one is printed).
 STUCK_LISTED = 1000
 _SOURCE = "source"
@@ -72,39 +72,40 @@ def _iso_ms(ms: int) -> str:
 
 
 class _Ingest:
-    """The streaming query's foreachBatch: each batch's lines parsed and appended to the
-    state table; counts the chunk files done, for :meth:`wait_for`."""
+    """The streaming query's foreachBatch: each batch's lines parsed once and appended
+    to the state table."""
 
     def __init__(self, table: str) -> None:
         self.table = table
-        self.files = 0
-        self.done = threading.Condition()
+        self.batches = 0
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         chunk = F.regexp_extract(F.input_file_name(), CHUNK_NAME.pattern, 2).cast("int")
-        files = len(batch.inputFiles())
-        parse_lines(batch.select("value", chunk.alias(_SOURCE)), _SOURCE).write.mode(
-            "append"
-        ).parquet(self.table)
-        with self.done:
-            self.files += files
-            self.done.notify_all()
+        parsed = parse_lines(batch.select("value", chunk.alias(_SOURCE)), _SOURCE)
+        parsed.write.mode("append").parquet(self.table)
+        self.batches += 1
 
-    def wait_for(self, files: int, query: StreamingQuery, timeout: float) -> None:
-        """Until ``files`` chunks are in the table; a failed query's error; bounded."""
-        deadline = time.monotonic() + timeout
-        with self.done:
-            while self.files < files:
-                error = query.exception()
-                if error is not None:
-                    raise error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"the streaming query took in {self.files} of {files} chunks "
-                        f"within {timeout:.0f} s"
-                    )
-                self.done.wait(min(left, 1.0))
+
+def _all_processed(query: StreamingQuery, timeout: float) -> None:
+    """``query.processAllAvailable()``, bounded: it has no timeout of its own, so it
+    runs in a thread of its own, left to end with the query if it overruns."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            query.processAllAvailable()
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+
+    waiter = threading.Thread(target=run, name="skmq-follow-wait", daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    if failure:
+        raise failure[0]
+    if waiter.is_alive():
+        raise TimeoutError(
+            f"the streaming query did not take in the new lines within {timeout:.0f} s"
+        )
 
 
 class _Follower:
@@ -120,7 +121,6 @@ class _Follower:
         self.tail = LogTail(settings.logs, self.staging / "chunks", settings.skip_bad_files)
         self.table = str(self.staging / "lines")
         self.ingest = _Ingest(self.table)
-        self.chunks = 0
         self.stuck: dict[tuple[str, str, str | None], dict[str, Any]] = {}
         self.updates = 0
         self.started = time.monotonic()
@@ -144,12 +144,11 @@ class _Follower:
             query.stop()
 
     def catch_up(self, query: StreamingQuery, final: bool) -> None:
-        self.chunks += self.tail.poll(final)
-        timeout = max(MIN_CATCH_UP_S, 10 * self.settings.interval_s)
-        self.ingest.wait_for(self.chunks, query, timeout)
+        if self.tail.poll(final):
+            _all_processed(query, max(MIN_CATCH_UP_S, 10 * self.settings.interval_s))
 
     def lines(self) -> DataFrame | None:
-        if self.ingest.files == 0:
+        if self.ingest.batches == 0:
             return None
         frame = self.spark.read.parquet(self.table)
         gone = self.tail.gone()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from skmq.audit_job.audit import run_audit
+from skmq.audit_job.audit import Options, run_audit
 from skmq.audit_job.tail import CHUNK_NAME, LogTail
 
 from tests.conftest import BrokerFactory, eventually
@@ -172,7 +172,10 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     assert final is not None and final["follow"]["final"] is True
     assert not (out / ".follow").exists()  # the staging directory is removed
 
-    batch = run_audit(str(log_dir), str(tmp_path / "batch"), spark=spark, progress=False)
+    same = Options(stuck_after_ms=1000)  # as --stuck-after 1
+    batch = run_audit(
+        str(log_dir), str(tmp_path / "batch"), spark=spark, options=same, progress=False
+    )
     assert _without_follow(final) == json.loads(json.dumps(batch))
     totals = final["totals"]
     assert (totals["acked"], totals["dead_lettered"]) == (60, 3)
