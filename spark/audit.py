@@ -306,7 +306,7 @@ def follow_audit(
 ) -> dict[str, Any]:
     """``--follow``: :func:`follow.follow` on a session of its own, local only (the
     chunks of new lines are written on this machine)."""
-    from .follow import FollowSettings, follow
+    from .follow import FollowSettings, StopSignals, follow
 
     if master is not None and local_cores(master) is None:
         raise AuditInputError(f"--follow runs in local mode only, not on --master {master}")
@@ -322,14 +322,17 @@ def follow_audit(
     stream = sys.stderr if progress else None
     if stream is not None:
         stream.write(f"starting Spark ({master or 'local[*]'}) ...\n")
-    session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
-    for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
-        session.conf.set(f"spark.sql.files.{key}", "false")
-    try:
-        settings = FollowSettings(list(logs), out, interval_s, options or Options(), skip_bad_files)
-        return follow(session, settings, progress=stream)
-    finally:
-        session.stop()
+    with StopSignals() as stop:
+        session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
+        for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
+            session.conf.set(f"spark.sql.files.{key}", "false")
+        try:
+            settings = FollowSettings(
+                list(logs), out, interval_s, options or Options(), skip_bad_files
+            )
+            return follow(session, settings, progress=stream, stop=stop)
+        finally:
+            session.stop()
 
 
 def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int:

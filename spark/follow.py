@@ -43,7 +43,7 @@ from .report import REPORT_KEYS, STAGES, AuditResult, Options, Progress, compute
 from .report_html import render_html
 from .tail import CHUNK_NAME, LogTail
 
-__all__ = ["FollowSettings", "follow"]
+__all__ = ["FollowSettings", "StopSignals", "follow"]
 
 UTC = timezone.utc  # noqa: UP017 (3.10, as audit.py)
 STAGING = ".follow"
@@ -252,8 +252,9 @@ class _Follower:
         write_files(texts, self.settings.out, self.spark)
 
 
-class _Stop:
-    """SIGINT and SIGTERM set the event (the handlers before restored on exit)."""
+class StopSignals:
+    """SIGINT and SIGTERM set the event (the handlers before restored on exit); entered
+    before Spark starts, so that a signal meanwhile still ends with a final report."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -288,7 +289,7 @@ def follow(
     """
     prog = Progress(STAGES, progress)
     follower = _Follower(spark, settings, prog, stdout)
-    signals = _Stop() if stop is None else contextlib.nullcontext(stop)
+    signals = StopSignals() if stop is None else contextlib.nullcontext(stop)
     with signals as stopping:
         assert stopping is not None
         try:

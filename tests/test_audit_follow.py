@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,21 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     assert len(printed) == len(set(printed)) == final["follow"]["stuck_reported"]
     assert any(line.startswith("stuck: nobody lost") for line in printed)
     assert {(s["appid"], s["msgid"]) for s in final["follow"]["stuck"]} >= {("nobody", "lost")}
+
+
+@needs_java
+def test_follow_bad_arguments_are_one_line(tmp_path: Path) -> None:
+    """Told before Spark starts, in one line, status 2."""
+    base = [sys.executable, "-m", "skmq.cli", "audit", "--follow", "--out", str(tmp_path / "o")]
+    (tmp_path / "logs").mkdir()
+    cases = {
+        "--interval 0: expected": ["--logs", str(tmp_path / "logs"), "--interval", "0"],
+        "no local directory or file": ["--logs", str(tmp_path / "missing")],
+        "local mode only": ["--logs", str(tmp_path / "logs"), "--master", "spark://h:7077"],
+    }
+    for told, args in cases.items():
+        done = subprocess.run(
+            [*base, *args], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 2, done.stderr
+        assert told in done.stderr and done.stderr.count("\n") == 1, done.stderr
