@@ -1,7 +1,7 @@
 """Benchmark of the Spark delivery-log audit on generated logs of 1M, 5M and 10M events.
 
     python bench/audit_bench.py [--events 1000000,5000000,10000000] [--master 'local[2]']
-                                [--keep DIR]
+                                [--keep DIR] [--cold [--runs N] [--conf KEY=VALUE ...]]
 
 Generates a realistic log into a temporary directory: about 190k messages over four
 apps, ~8% of them topic messages to 2 or 3 recipients, ~7% of deliveries retried after
@@ -13,6 +13,12 @@ redeliveries acked twice; four brokers, each rotating its file every 100k lines
 audit in local mode and prints, per size, the audit time, the machine's load average
 before and after, and the share of CPU other processes used meanwhile (the machine may
 be shared); the generation and Spark start-up times are printed apart.
+
+With ``--cold`` each size is audited by a fresh ``skmq audit`` process instead (JVM
+start included, as a user runs it), ``--runs`` times; it prints the wall time, the CPU
+seconds of the process and its JVM, and the load average before and after.  With
+``--keep DIR`` a size whose logs are already in ``DIR/<events>/logs`` is not generated
+again.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -209,6 +216,65 @@ def _own_cpu() -> dict[int, float]:
     return found
 
 
+def _tree_cpu(proc: psutil.Process, seen: dict[int, float]) -> None:
+    """The CPU seconds of ``proc`` and its children so far, by pid, into ``seen``."""
+    try:
+        family = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        try:
+            times = member.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        seen[member.pid] = max(seen.get(member.pid, 0.0), times.user + times.system)
+
+
+def _cold_run(logs_dir: Path, out_dir: Path, master: str, conf: list[str]) -> tuple[float, float]:
+    """One ``skmq audit`` in a fresh process: (wall seconds, CPU seconds of its tree)."""
+    skmq = Path(sys.executable).parent / "skmq"
+    command = [str(skmq)] if skmq.exists() else [sys.executable, "-m", "skmq.cli"]
+    command += ["audit", "--logs", str(logs_dir), "--out", str(out_dir), "--master", master]
+    command += [arg for item in conf for arg in ("--conf", item)]
+    cpu: dict[int, float] = {}
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watched = psutil.Process(child.pid)
+    while child.poll() is None:
+        _tree_cpu(watched, cpu)
+        time.sleep(0.2)
+    wall = time.perf_counter() - start
+    _, err = child.communicate(timeout=60)
+    if child.returncode != 0:
+        raise RuntimeError(f"skmq audit exited with {child.returncode}: {err[-2000:]}")
+    return wall, sum(cpu.values())
+
+
+def _cold_size(events: int, args: argparse.Namespace) -> float:
+    """Audit ``events`` events with fresh ``skmq audit`` processes; the best wall time."""
+    base = Path(args.keep) / str(events) if args.keep else Path(tempfile.mkdtemp(prefix="skmq-"))
+    logs_dir = base / "logs"
+    try:
+        if not (logs_dir.is_dir() and any(logs_dir.iterdir())):
+            logs_dir.mkdir(parents=True, exist_ok=True)
+            written, messages, files = generate(logs_dir, events, args.seed)
+            print(f"{written:,} events ({messages:,} messages, {len(files)} files) generated")
+        walls: list[float] = []
+        for run in range(1, args.runs + 1):
+            before = _load()
+            wall, cpu = _cold_run(logs_dir, base / "out", args.master, args.conf)
+            walls.append(wall)
+            print(
+                f"  cold skmq audit of {events:,} events, run {run}: {wall:.1f}s wall, "
+                f"{cpu:.1f} CPU s (python + JVM); before: {before}; after: {_load()}",
+                flush=True,
+            )
+        return min(walls)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
 def _run_size(spark: SparkSession, events: int, seed: int, keep: str | None) -> float:
     """Generate ``events`` events, audit them; returns the audit's seconds."""
     base = Path(keep) / str(events) if keep else Path(tempfile.mkdtemp(prefix="skmq-audit-"))
@@ -261,8 +327,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--seed", type=int, default=1734)
     parser.add_argument("--keep", default=None, help="write the logs and reports here, keep them")
+    parser.add_argument(
+        "--cold", action="store_true", help="time fresh `skmq audit` processes (JVM start included)"
+    )
+    parser.add_argument("--runs", type=int, default=1, help="with --cold: runs of each size")
+    parser.add_argument(
+        "--conf", action="append", default=[], metavar="KEY=VALUE", help="with --cold: a setting"
+    )
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.events.split(",")]
+    if args.cold:
+        print(
+            f"method: a fresh `skmq audit --master {args.master}` process per run, its wall "
+            "clock from start to exit (Python and JVM start, reading, every report section, "
+            "writing the four files); CPU: the process tree's user + system seconds"
+        )
+        print(f"machine: python {sys.version.split()[0]}, {_load()}", flush=True)
+        best = [(events, _cold_size(events, args)) for events in sizes]
+        print("summary (best run): " + ", ".join(f"{n / 1e6:g}M events {s:.1f}s" for n, s in best))
+        return 0
     print(
         f"method: each size generated into a fresh directory (4 brokers, files rotated every "
         f"{ROTATE_LINES:,} lines), then audited by run_audit() in one Spark session "

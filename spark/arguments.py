@@ -9,14 +9,18 @@ import argparse
 import math
 
 __all__ = [
+    "DEFAULT_INTERVAL_S",
     "DEFAULT_SAMPLE",
     "DEFAULT_STUCK_AFTER_MS",
+    "MAX_INTERVAL_S",
     "MAX_STUCK_AFTER_S",
     "add_arguments",
     "check_arguments",
 ]
 
 DEFAULT_SAMPLE = 20
+DEFAULT_INTERVAL_S = 10.0
+MAX_INTERVAL_S = 86_400.0
 DEFAULT_STUCK_AFTER_MS = 600_000
 MAX_STUCK_AFTER_S = 10**9  # 31 years: any log's span; ms beyond 2**63 would not run
 
@@ -72,6 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"msgids kept in each sample (default {DEFAULT_SAMPLE})",
     )
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="watch a live log directory: rewrite the reports every --interval, print each "
+        "stuck delivery once, until SIGINT or SIGTERM (then a final report)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help=f"with --follow: seconds between reports (default {DEFAULT_INTERVAL_S:g})",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--debug", action="store_true", help="show the stack trace of a failure")
 
@@ -83,6 +100,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--stuck-after {stuck:g}: expected a number of seconds above 0 and at most "
             f"{MAX_STUCK_AFTER_S:g}"
+        )
+    interval = args.interval
+    if not (math.isfinite(interval) and 0 < interval <= MAX_INTERVAL_S):
+        raise ValueError(
+            f"--interval {interval:g}: expected a number of seconds above 0 and at most "
+            f"{MAX_INTERVAL_S:g}"
         )
     if args.sample < 0:
         raise ValueError(f"--sample {args.sample}: expected 0 or more")

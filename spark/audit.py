@@ -64,6 +64,7 @@ __all__ = [
     "build_spark",
     "compute_report",
     "error_line",
+    "follow_audit",
     "main",
     "resolve_log_paths",
     "run_audit",
@@ -290,6 +291,50 @@ def error_line(exc: BaseException) -> str:
     return first
 
 
+def follow_audit(
+    logs: Sequence[str],
+    out: str,
+    master: str | None = None,
+    *,
+    options: Options | None = None,
+    interval_s: float = 10.0,
+    skip_bad_files: bool = False,
+    conf: dict[str, str] | None = None,
+    driver_memory: str | None = None,
+    progress: bool = True,
+    debug: bool = False,
+) -> dict[str, Any]:
+    """``--follow``: :func:`follow.follow` on a session of its own, local only (the
+    chunks of new lines are written on this machine)."""
+    from .follow import FollowSettings, StopSignals, follow
+
+    if master is not None and local_cores(master) is None:
+        raise AuditInputError(f"--follow runs in local mode only, not on --master {master}")
+    if "://" in out and not out.startswith("file://"):
+        raise AuditInputError("--follow writes its reports to a local directory only")
+    out = out.removeprefix("file://")
+    for item in logs:
+        local = os.path.expanduser(item.removeprefix("file://"))
+        if is_remote(item) or not (os.path.isdir(local) or os.path.exists(local)):
+            raise AuditInputError(f"--follow: no local directory or file {item}")
+    if (unusable := check_out(out)) is not None:
+        raise AuditInputError(unusable)
+    stream = sys.stderr if progress else None
+    if stream is not None:
+        stream.write(f"starting Spark ({master or 'local[*]'}) ...\n")
+    with StopSignals() as stop:
+        session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
+        for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
+            session.conf.set(f"spark.sql.files.{key}", "false")
+        try:
+            settings = FollowSettings(
+                list(logs), out, interval_s, options or Options(), skip_bad_files
+            )
+            return follow(session, settings, progress=stream, stop=stop)
+        finally:
+            session.stop()
+
+
 def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int:
     """Run the audit for parsed arguments: the report, or an exit status after one line."""
     if not args.debug:
@@ -299,15 +344,29 @@ def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int
     try:
         check_arguments(args)
         conf = parse_conf(args.conf)
+        options = Options(
+            sample_size=args.sample,
+            stuck_after_ms=round(args.stuck_after * 1000),
+            strict=args.strict,
+        )
+        if args.follow:
+            return follow_audit(
+                args.logs,
+                args.out,
+                args.master,
+                options=options,
+                interval_s=args.interval,
+                skip_bad_files=args.skip_bad_files,
+                conf=conf,
+                driver_memory=args.driver_memory,
+                progress=not args.quiet,
+                debug=args.debug,
+            )
         return run_audit(
             args.logs,
             args.out,
             args.master,
-            options=Options(
-                sample_size=args.sample,
-                stuck_after_ms=round(args.stuck_after * 1000),
-                strict=args.strict,
-            ),
+            options=options,
             skip_bad_files=args.skip_bad_files,
             conf=conf,
             driver_memory=args.driver_memory,

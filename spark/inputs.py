@@ -43,6 +43,7 @@ __all__ = [
     "VanishedFile",
     "check_files",
     "is_remote",
+    "parse_lines",
     "read_events",
     "resolve_log_paths",
 ]
@@ -454,10 +455,9 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     ``bad_file`` and ``bad_text`` (the line cut to 300 characters).
 
     The files are read as lines of text (split as Spark's JSON reader splits them) and
-    each line parsed with ``from_json``: Spark's JSON reader would take a line
-    ``[{...}, {...}]`` for two events and ``[]`` for none, and neither sees what follows
-    a line's first value (``{...}{...}``, ``{...} xyz``).  The steps are apart so that
-    the cheap ones run as generated code (from_json and a lambda are interpreted).
+    each line parsed with ``from_json`` (:func:`parse_lines`): Spark's JSON reader would
+    take a line ``[{...}, {...}]`` for two events and ``[]`` for none, and neither sees
+    what follows a line's first value (``{...}{...}``, ``{...} xyz``).
     """
     try:
         raw = spark.read.text(list(paths))
@@ -466,6 +466,16 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
         if gone := _PATH_NOT_FOUND.search(first):
             raise VanishedFile(first, gone.group(1)) from exc
         raise AuditInputError(first) from exc
+    return parse_lines(raw)
+
+
+def parse_lines(raw: DataFrame, *keep: str) -> DataFrame:
+    """:func:`read_events` of lines already read: ``raw`` has the line in ``value`` (a
+    batch of a stream, too); ``keep`` names other columns of ``raw`` to keep beside.
+
+    The steps are apart so that the cheap ones run as generated code (from_json and a
+    lambda are interpreted); ``bad_file`` is the file Spark read the line from.
+    """
     value = F.col("value")
     # JSON's white space around the value, and a byte order mark before it (a file's
     # first line, from an editor), are no part of it: trimmed off (a copy) only where
@@ -475,10 +485,11 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     braced = F.startswith(value, F.lit("{")) & F.endswith(value, F.lit("}"))
     line = F.col("line")
     texts = (
-        raw.select(F.when(braced, value).otherwise(trimmed).alias("line"))
+        raw.select(F.when(braced, value).otherwise(trimmed).alias("line"), *keep)
         .where(line != "")
         .select(
             "line",
+            *keep,
             _count_of(line, "}").alias("closes"),
             (F.startswith(line, F.lit("{")) & F.endswith(line, F.lit("}"))).alias("braced"),
             F.contains(line, F.lit("[")).alias("bracket"),
@@ -504,6 +515,7 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     return (
         parsed.select(
             "line",
+            *keep,
             "parsed",
             "one_object",
             suspect.alias("suspect"),
@@ -512,6 +524,7 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
         .select("*", _field_types(recheck).alias("types"))
         .select(
             "line",
+            *keep,
             *(F.col("parsed")[name].alias(name) for name in LOG_FIELDS),
             _reason({name: F.col(name) for name in names}, int(time.time() * 1000)).alias("reason"),
         )
@@ -520,5 +533,6 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
             reason,
             F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
             F.when(reason.isNotNull(), F.substring("line", 1, SAMPLE_CHARS)).alias("bad_text"),
+            *keep,
         )
     )

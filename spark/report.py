@@ -309,10 +309,16 @@ class _Job:
     """One audit run: the cached frames and the report's sections, stage by stage."""
 
     def __init__(
-        self, spark: SparkSession, paths: Sequence[str], options: Options, prog: Progress
+        self,
+        spark: SparkSession,
+        paths: Sequence[str],
+        options: Options,
+        prog: Progress,
+        lines: DataFrame | None = None,
     ) -> None:
         self.spark = spark
         self.paths = paths
+        self.lines = lines
         self.options = options
         self.prog = prog
         self.cached: list[DataFrame] = []
@@ -331,7 +337,7 @@ class _Job:
     def read(self) -> dict[str, Any]:
         paths = self.paths
         with self.prog.stage(f"reading logs ({len(paths)} path{'s' * (len(paths) != 1)})") as notes:
-            lines = self.keep(read_events(self.spark, paths))
+            lines = self.keep(read_events(self.spark, paths) if self.lines is None else self.lines)
             rows = lines.groupBy("reason").agg(*_line_stats()).collect()
             good = next((r for r in rows if r["reason"] is None), None)
             by_reason = {r["reason"]: int(r["lines"]) for r in rows if r["reason"] is not None}
@@ -743,10 +749,15 @@ def compute_report(
     *,
     options: Options | None = None,
     progress: Progress | None = None,
+    lines: DataFrame | None = None,
 ) -> AuditResult:
-    """Run the Spark job over ``paths`` (already resolved) and collect the report."""
+    """Run the Spark job over ``paths`` (already resolved) and collect the report.
+
+    ``lines``: the lines of ``paths`` already parsed (``inputs.read_events``'s columns,
+    as ``skmq audit --follow`` keeps them), instead of reading the files."""
     opts = options or Options()
-    job = _Job(spark, paths, opts, progress if progress is not None else Progress(STAGES, None))
+    prog = progress if progress is not None else Progress(STAGES, None)
+    job = _Job(spark, paths, opts, prog, lines)
     try:
         stats = job.read()
         job.group(stats["last_ts"])

@@ -2,11 +2,13 @@
 
 ``skmq audit --logs PATH [PATH ...] --out DIR [--master URL]`` runs the job in
 ``local[*]`` by default, or on the cluster at ``--master``; docs/AUDIT.md defines
-every figure.  Exit status: 0 done, 1 Spark or storage failed (one line; the trace
-with ``--debug``), 2 bad arguments or unreadable input, 3 bad lines under
-``--strict``.  It needs PySpark (``pip install 'skmq[audit]'``) and Java 17 or 21
-(``JAVA_HOME`` or ``java`` on the PATH); without either it says what to install and
-exits with status 2.
+every figure.  With ``--follow`` it watches a live log directory, rewrites the reports
+every ``--interval`` seconds and prints each stuck delivery once, until SIGINT or
+SIGTERM, then writes the final report (local mode only).  Exit status: 0 done, 1
+Spark or storage failed (one line; the trace with ``--debug``), 2 bad arguments or
+unreadable input, 3 bad lines under ``--strict``.  It needs PySpark
+(``pip install 'skmq[audit]'``) and Java 17 or 21 (``JAVA_HOME`` or ``java`` on the
+PATH); without either it says what to install and exits with status 2.
 """
 
 from __future__ import annotations
