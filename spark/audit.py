@@ -396,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     totals = report["totals"]
     print(
         f"{totals['messages']} messages: {totals['acked']} acked, "
-        f"{totals['dead_lettered']} dead-lettered, {totals['unresolved']} unresolved; "
+        f"{totals['dead_lettered']} dead-lettered, {totals['dropped']} dropped, "
+        f"{totals['unresolved']} unresolved; "
         f"{report['input']['bad_lines']['total']} bad lines; report in {args.out}"
     )
     return 0

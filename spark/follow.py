@@ -324,6 +324,7 @@ def _note(prog: Progress, report: dict[str, Any], seconds: float) -> None:
     prog.note(
         f"{report['follow']['updated']}: {report['input']['events']:,} events, "
         f"{totals['messages']:,} messages ({totals['acked']:,} acked, "
-        f"{totals['dead_lettered']:,} dead-lettered, {totals['unresolved']:,} unresolved), "
+        f"{totals['dead_lettered']:,} dead-lettered, {totals['dropped']:,} dropped, "
+        f"{totals['unresolved']:,} unresolved), "
         f"{report['unresolved']['stuck']:,} stuck deliveries; report written ({seconds:.1f} s)"
     )

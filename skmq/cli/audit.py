@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{totals['messages']:,} messages: {totals['acked']:,} acked, "
         f"{totals['dead_lettered']:,} dead-lettered ({totals['dead_letter_entries']:,} "
-        f"dead-letter entries), {totals['unresolved']:,} unresolved; "
+        f"dead-letter entries), {totals['dropped']:,} expired and dropped, "
+        f"{totals['unresolved']:,} unresolved; "
         f"{totals['duplicates']:,} duplicates, {totals['pushes']:,} pushes"
     )
     if latency["p50"] is not None:
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         f"unresolved deliveries: {unresolved['not_yet_due']:,} not yet due, "
+        f"{unresolved['waiting_for_recipient']:,} waiting for a recipient, "
         f"{unresolved['in_flight']:,} in flight, {unresolved['stuck']:,} stuck"
     )
     print(
