@@ -10,7 +10,7 @@ import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from pydantic import Field, NonNegativeInt, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
@@ -606,12 +606,31 @@ def _netloc(netloc: str) -> str:
     return netloc.rpartition("@")[2]
 
 
+# Query parameters of a Redis URL whose value is a secret: redis-py passes every query
+# parameter to its connection, `?password=` (its documented form for unix sockets) and
+# `?ssl_password=` among them.
+SECRET_QUERY = re.compile(r"password|secret|token", re.IGNORECASE)
+
+
 def redacted(url: str) -> str:
-    """A Redis URL fit for logs and messages: its credentials replaced by `***`."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + _netloc(parts.netloc)).geturl()
+    """A Redis URL fit for logs and messages: its credentials replaced by `***`, those
+    before the `@` and those in the query (`?password=***`)."""
+    head, question, query = url.partition("?")
+    parts = urlsplit(head)
+    if "@" in parts.netloc:
+        head = parts._replace(netloc="***@" + _netloc(parts.netloc)).geturl()
+    if question:
+        query = "&".join(map(_redacted_parameter, query.split("&")))
+    return head + question + query
+
+
+def _redacted_parameter(pair: str) -> str:
+    """`name=***` for a secret's name; a parameter without `=` (which no client reads) may
+    be the rest of a password holding an unquoted `?`, so it is hidden too."""
+    name, equals, _ = pair.partition("=")
+    if not equals:
+        return "***" if pair else pair
+    return f"{name}=***" if SECRET_QUERY.search(unquote_plus(name)) else pair
 
 
 class SettingsError(UsageError):
