@@ -6,7 +6,6 @@ import argparse
 import difflib
 import ipaddress
 import re
-import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
@@ -21,7 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from skmq.errors import UsageError
+from skmq.settings_file import SettingsError, read_settings_file, setting_keys
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
@@ -633,10 +632,6 @@ def _redacted_parameter(pair: str) -> str:
     return f"{name}=***" if SECRET_QUERY.search(unquote_plus(name)) else pair
 
 
-class SettingsError(UsageError):
-    """A bad setting or settings file."""
-
-
 def one_line(exc: ValidationError) -> str:
     """`invalid setting PORT='x': Input should be a valid integer; ...`"""
     parts = []
@@ -663,24 +658,11 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
 def check_toml(path: Path) -> None:
     """The settings file exists, parses, and names only known settings, each once: in
     lower or upper case alike (`redis_url`, `REDIS_URL`), as the environment's names."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SettingsError(f"config file {path}: no such file") from None
-    except OSError as exc:
-        raise SettingsError(f"config file {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
-    seen: dict[str, str] = {}
-    for key in data:
-        name = key.lower()
+    for name, key in setting_keys(read_settings_file(path), path).items():
         if name not in Settings.model_fields:
             close = difflib.get_close_matches(name, list(Settings.model_fields), n=1)
             hint = f" (did you mean {_same_case(close[0], key)!r}?)" if close else ""
             raise SettingsError(f"config file {path}: unknown setting {key!r}{hint}")
-        if name in seen:
-            raise SettingsError(f"config file {path}: {seen[name]!r} and {key!r} name one setting")
-        seen[name] = key
 
 
 def _same_case(name: str, like: str) -> str:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -260,6 +261,7 @@ def test_broker_addresses_are_read_as_the_broker_reads_its_settings(tmp_path: Pa
         ("http_port = true", {}, "invalid setting http_port in {config}=True: not a port"),
         ("host = 5", {}, "invalid setting host in {config}=5: not a host"),
         ("host = ", {}, "config file {config}: not valid TOML"),
+        ("port = 1\nPORT = 2", {}, "config file {config}: 'port' and 'PORT' name one setting"),
     ],
 )
 def test_a_broker_setting_the_broker_would_refuse_is_one_line(
@@ -271,6 +273,28 @@ def test_a_broker_setting_the_broker_would_refuse_is_one_line(
     with pytest.raises(UsageError) as refused:
         broker_addresses(config if toml is not None else None, env)
     assert str(refused.value).startswith(said.format(config=config))
+
+
+def test_upper_case_keys_of_the_config_file_are_read_as_the_broker_reads_them(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "skmq.toml"
+    port = free_port()  # nothing listens there: the error names where the consumer went
+    config.write_text(f'HOST = "::"\nPORT = {port}\nHTTP_PORT = 0\n')
+    assert broker_addresses(config, {}) == BrokerAddresses("::1", port, 0)
+    config.write_text(f"PORT = {port}\nHTTP_PORT = 0\n")
+    for args, said in (
+        (["--pull", "--group", "g"], f"cannot reach tcp://127.0.0.1:{port}"),
+        (["--id", "r", "--port", "0"], f"cannot reach broker at 127.0.0.1:{port}"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "skmq.cli", "consume", "--app", "a", "--config", str(config),
+             *args],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")},
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"skmq consume: {said}: "), done.stderr
 
 
 async def test_skmq_consume_with_a_config_file_that_is_not_there_says_so(tmp_path: Path) -> None:
