@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -316,6 +317,46 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     assert line.startswith(f"skmq serve: cannot reach Redis at {sentinel} within 0.3s"), line
     assert f"No master found for 'mymaster' (Sentinel 127.0.0.1:{port}: " in line, line
     assert "<redis." not in line and len(line) < 300, line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("redis", ["refusing", "silent"])
+def test_a_stop_while_serve_waits_for_redis_is_a_quiet_stop(
+    tmp_path: Path, sig: signal.Signals, redis: str
+) -> None:
+    """Ctrl-C or SIGTERM while `skmq serve` waits (REDIS_WAIT) for a Redis that refuses
+    connections or never answers: a stop (status 0, at once), not "cannot reach Redis"."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1] if redis == "silent" else free_port()
+        log = tmp_path / "serve.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*SKMQ, "serve", "--redis-url", f"redis://127.0.0.1:{port}/0",
+                 "--redis-wait", "60", "--http-port", "0", "--port", "0",
+                 "--data-dir", str(tmp_path / "d")],
+                stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                env={k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")},
+            )  # fmt: skip
+        try:
+            if redis == "silent":  # the broker's ping is on its way, never to be answered
+                silent.settimeout(20)
+                silent.accept()[0].close()
+            else:
+                deadline = time.monotonic() + 20
+                while "redis unreachable, retrying" not in log.read_text():
+                    assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                    time.sleep(0.02)
+            stopped_at = time.monotonic()
+            proc.send_signal(sig)
+            assert proc.wait(15) == 0, log.read_text()
+            assert time.monotonic() - stopped_at < 5
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert "cannot reach Redis" not in log.read_text()
 
 
 async def test_status_and_dlq_wait_while_a_stopped_brokers_redis_loads_its_aof(
