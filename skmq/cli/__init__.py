@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from skmq import __version__
@@ -39,6 +39,22 @@ def seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected seconds above 0")
     return value
+
+
+def whole_number(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from `least` (to `most`, if given)."""
+    span = f"{least}-{most}" if most is not None else f"at least {least}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {span}")
+        return value
+
+    return parse
 
 
 def unreachable(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from skmq.cli import fail, unreachable
+from skmq.cli import fail, seconds, unreachable, whole_number
 from skmq.cli.broker_settings import broker_addresses
 from skmq.client import Handler, Message
 from skmq.loop import run_main
@@ -30,10 +30,10 @@ def add_pull_flags(p: argparse.ArgumentParser) -> None:
         "$SKMQ_HOST, $SKMQ_HTTP_PORT or --config, else http://127.0.0.1:1735; "
         "tcp://HOST:PORT when HTTP_PORT is 0)",
     )
-    p.add_argument("--visibility", type=float, default=30.0, help="lease seconds (pull)")
+    p.add_argument("--visibility", type=seconds, default=30.0, help="lease seconds (pull)")
     p.add_argument(
         "--batch",
-        type=int,
+        type=whole_number(1),
         default=None,
         help="messages a receive (pull; default: the broker's cap, PULL_MAX_MESSAGES, 100)",
     )
