@@ -18,6 +18,7 @@ from skmq.broker import Broker
 from skmq.cli.broker_settings import BrokerAddresses, broker_addresses
 from skmq.errors import UsageError
 from skmq.pull.consumer import PullConsumer, PullError
+from tests.commands import skmq_command
 from tests.conftest import BrokerFactory, free_port
 from tests.peers import RawClient
 
@@ -155,6 +156,20 @@ async def test_skmq_consume_needs_a_group_to_pull_and_an_id_to_be_pushed_to() ->
         )  # fmt: skip
         _, err = await proc.communicate()
         assert (proc.returncode, err) == (2, said)
+
+
+def test_skmq_consume_pull_without_aiohttp_says_what_to_install() -> None:
+    """A client-only install (no `server` extra): one line, what to do."""
+    done = subprocess.run(
+        skmq_command("consume", "--pull", "--app", "a", "--group", "g", without=["aiohttp"]),
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")},
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (
+        2,
+        "skmq consume: the HTTP gateway needs aiohttp: pip install 'skmq[server]', "
+        "or use --gateway tcp://HOST:PORT (the broker's port)\n",
+    )
 
 
 async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory) -> None:

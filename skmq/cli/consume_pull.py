@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -103,8 +104,12 @@ def consume_pull(
         return fail("consume", "--pull needs --group G", 2)
     if args.gateway is None:
         args.gateway = broker_addresses(args.config).gateway
-    if urlsplit(args.gateway).scheme not in ("http", "https", "tcp"):
+    scheme = urlsplit(args.gateway).scheme
+    if scheme not in ("http", "https", "tcp"):
         return fail("consume", "--gateway must be http://, https:// or tcp://HOST:PORT", 2)
+    if scheme != "tcp" and importlib.util.find_spec("aiohttp") is None:
+        needs = "the HTTP gateway needs aiohttp: pip install 'skmq[server]'"
+        return fail("consume", f"{needs}, or use --gateway tcp://HOST:PORT (the broker's port)", 2)
     handler = (
         print_message
         if args.command is None
