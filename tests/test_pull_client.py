@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from skmq.broker import Broker
 from skmq.cli.broker_settings import BrokerAddresses, broker_addresses
@@ -170,6 +171,48 @@ def test_skmq_consume_pull_without_aiohttp_says_what_to_install() -> None:
         "skmq consume: the HTTP gateway needs aiohttp: pip install 'skmq[server]', "
         "or use --gateway tcp://HOST:PORT (the broker's port)\n",
     )
+
+
+async def consume_from(gateway: str) -> tuple[int | None, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "skmq.cli", "consume", "--pull", "--group", "g", "--app", "a",
+        "--gateway", gateway, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        _, err = await proc.communicate()
+    return proc.returncode, err.decode()
+
+
+async def test_skmq_consume_pull_at_the_protocol_port_over_http_says_so(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker()
+    where = f"127.0.0.1:{broker.server.port}"
+    assert await consume_from(f"http://{where}") == (
+        2,
+        f"skmq consume: http://{where} does not answer HTTP (the broker's protocol port? "
+        f"use tcp://{where} for that)\n",
+    )
+
+
+async def test_skmq_consume_pull_at_an_http_server_that_is_not_the_gateway_says_so() -> None:
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text="<html>hello</html>")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        where = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        assert await consume_from(where) == (
+            2,
+            f"skmq consume: {where} does not answer as SKMQ's HTTP gateway\n",
+        )
+    finally:
+        await runner.cleanup()
 
 
 async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory) -> None:

@@ -41,7 +41,7 @@ def add_pull_flags(p: argparse.ArgumentParser) -> None:
 
 
 async def _pull(args: argparse.Namespace, handler: Handler) -> int:
-    from skmq.pull.consumer import PullConsumer, PullError
+    from skmq.pull.consumer import NotAGateway, PullConsumer, PullError
 
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -84,6 +84,8 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
                     done["acked"] += 1
     except PullError as exc:
         return fail("consume", f"refused: {exc}", 1)
+    except NotAGateway as exc:
+        return fail("consume", str(exc), 2)
     except (OSError, TimeoutError) as exc:
         return fail("consume", f"cannot reach {args.gateway}: {unreachable(exc)}", 2)
     except asyncio.CancelledError:
