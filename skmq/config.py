@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 from urllib.parse import unquote_plus, urlsplit
 
-from pydantic import Field, NonNegativeInt, SecretStr, ValidationError, field_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -537,6 +544,24 @@ class Settings(BaseSettings):
             check_redis_url(value)
         return value
 
+    @model_validator(mode="after")
+    def _a_port_for_each_listener(self) -> Settings:
+        """PORT, HTTP_PORT (both on HOST) and METRICS_PORT (on METRICS_HOST) apart, where
+        two could be on one address: else the second listener fails, after the embedded
+        Redis started."""
+        listeners = [
+            ("PORT", self.host, self.port),
+            ("HTTP_PORT", self.host, self.http_port),
+            ("METRICS_PORT", self.metrics_host, self.metrics_port),
+        ]
+        for i, (name, host, port) in enumerate(listeners):
+            for other, other_host, other_port in listeners[:i]:
+                if port and port == other_port and _may_overlap(host, other_host):
+                    raise ValueError(
+                        f"{name}={port} is {other}'s too (each listener needs its own)"
+                    )
+        return self
+
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
         """Build settings from flags (`overrides`, None meaning not given), env and TOML.
@@ -557,6 +582,15 @@ class Settings(BaseSettings):
             return cls
         with_file: type[Settings] = type("FileSettings", (cls,), {"_toml_file": config_file})
         return with_file
+
+
+# Addresses a listener binds every address of the host on (of IPv6 and IPv4 alike).
+ANY_ADDRESSES = ("", "0.0.0.0", "::")
+
+
+def _may_overlap(host: str, other: str) -> bool:
+    """Two listen addresses that may be one: the same, or one of them every address."""
+    return host == other or host in ANY_ADDRESSES or other in ANY_ADDRESSES
 
 
 def check_redis_url(url: str) -> None:
@@ -636,8 +670,11 @@ def one_line(exc: ValidationError) -> str:
     """`invalid setting PORT='x': Input should be a valid integer; ...`"""
     parts = []
     for err in exc.errors():
-        name = str(err["loc"][0]).upper() if err["loc"] else "?"
         msg = str(err["msg"]).removeprefix("Value error, ")
+        if not err["loc"]:  # settings refused together: the message names them
+            parts.append(msg)
+            continue
+        name = str(err["loc"][0]).upper()
         value = err["input"]
         if name == "REDIS_URL" and isinstance(value, str):
             value = redacted(value)

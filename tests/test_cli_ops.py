@@ -224,6 +224,19 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "'consume', 'status', 'dlq', 'groups', 'audit') (see skmq --help)",
     ),
     (
+        "HTTP_PORT equal to PORT",
+        lambda f: ["serve", "--port", "1800", "--http-port", "1800", "--data-dir", str(f["dir"])],
+        {},
+        "skmq serve: invalid setting HTTP_PORT=1800 is PORT's too (each listener needs its own)",
+    ),
+    (
+        "METRICS_PORT equal to HTTP_PORT on every address",
+        lambda f: ["serve", "--metrics-host", "0.0.0.0", "--data-dir", str(f["dir"])],
+        {"SKMQ_HTTP_PORT": "1801", "SKMQ_METRICS_PORT": "1801"},
+        "skmq serve: invalid setting METRICS_PORT=1801 is HTTP_PORT's too "
+        "(each listener needs its own)",
+    ),
+    (
         "dlq without selection",
         lambda f: ["dlq", "purge", "--data-dir", str(f["dir"])],
         {},
