@@ -429,6 +429,17 @@ def test_a_redis_with_large_listpacks_gets_a_warning(
 def test_debug_shows_the_traceback_and_version_answers(tmp_path: Path) -> None:
     code, _, err = skmq("--debug", "status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert code == 1 and "Traceback" in err
+    # A failure the command says itself (send, consume): the traceback, then the same line.
+    port = str(free_port())
+    for args in (
+        ["send", "--app", "a", "--port", port, "x"],
+        ["consume", "--app", "a", "--id", "r", "--port", "0", "--broker-port", port],
+    ):
+        code, _, quiet = skmq(*args)
+        code_debug, _, err = skmq("--debug", *args)
+        assert code == code_debug == 2, err
+        assert "Traceback" in err and "ConnectionRefusedError" in err, err
+        assert err.splitlines()[-1] == one_line(quiet)
     code, out, _ = skmq("--version")
     assert (code, out.strip()) == (0, f"skmq {__version__}")
 

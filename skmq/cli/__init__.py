@@ -3,7 +3,8 @@
 Only the module of the command being run is imported (with its parser's flags), so that
 a client command never pays for the broker, pydantic-settings or Spark. Every failure
 reaches the user as one line on stderr: status 2 for a bad setting, file or address,
-1 for an operational failure; `--debug` shows the traceback instead.
+1 for an operational failure; `--debug` shows the traceback too (for a failure a command
+reports itself) or instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -81,8 +83,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+# `skmq --debug`: a failure a command says in one line shows its traceback too.
+debugging = False
+
+
 def fail(command: str, message: str, status: int) -> int:
-    """Say why `skmq COMMAND` failed, one line on stderr; returns its exit status."""
+    """Say why `skmq COMMAND` failed, one line on stderr (after the traceback of the
+    exception being handled, under --debug); returns its exit status."""
+    if debugging and sys.exc_info()[1] is not None:
+        traceback.print_exc()
     print(f"skmq {command}: {message}", file=sys.stderr)
     return status
 
@@ -115,6 +124,8 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args, extra = build_parser(args_list).parse_known_args(args_list)
+    global debugging
+    debugging = args.debug
     if extra:  # (said for the command they were given to, not for `skmq`)
         command = args.subcommand
         return fail(command, f"unrecognized arguments: {' '.join(extra)} "
