@@ -261,6 +261,18 @@ def test_a_bad_setting_is_one_line_and_status_2(
     assert one_line(err) == expected.format(dir=files["dir"])
 
 
+def test_consume_on_a_port_in_use_names_its_own_port_not_the_brokers() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = skmq("consume", "--app", "x", "--id", "y", "--port", str(port))
+    assert (code, one_line(err)) == (
+        2,
+        f"skmq consume: cannot listen on 127.0.0.1:{port} (--host/--port): address already in use",
+    )
+
+
 def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

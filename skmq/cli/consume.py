@@ -25,6 +25,7 @@ from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
     AuthenticationError,
+    CannotListen,
     Consumer,
     ExtensionUnsupported,
     Handler,
@@ -188,6 +189,9 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         await consumer.start()
     except (RegistrationError, AuthenticationError) as exc:
         return fail("consume", f"refused: {exc.resp.content}", 1)
+    except CannotListen as exc:  # its own port, not the broker's
+        where = f"{args.host}:{args.port}"
+        return fail("consume", f"cannot listen on {where} (--host/--port): {unreachable(exc)}", 2)
     except ConnectionRefusedError:
         where = f"{broker_host}:{broker_port}"
         return fail("consume", f"cannot reach broker at {where}: connection refused", 2)
