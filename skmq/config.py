@@ -596,7 +596,10 @@ def _may_overlap(host: str, other: str) -> bool:
 def check_redis_url(url: str) -> None:
     """Raise ValueError (a short reason) for a REDIS_URL of a known scheme that no client
     could use: no host (`redis://` would quietly mean localhost:6379), a port that is
-    not a number 0-65535, a db that is not a number, a Sentinel URL without its service."""
+    not a number 0-65535, a db that is not a number, a Sentinel URL without its service,
+    a `#` (a URL's fragment, which would cut a password in two, and show a part)."""
+    if "#" in url:
+        raise ValueError("holds a '#': write it %23 (in a password too)")
     parsed = urlsplit(url)
     db_path = [p for p in parsed.path.split("/") if p]
     if parsed.scheme == "unix":
@@ -649,9 +652,12 @@ def redacted(url: str) -> str:
     """A Redis URL fit for logs and messages: its credentials replaced by `***`, those
     before the `@` and those in the query (`?password=***`)."""
     head, question, query = url.partition("?")
-    parts = urlsplit(head)
-    if "@" in parts.netloc:
-        head = parts._replace(netloc="***@" + _netloc(parts.netloc)).geturl()
+    # (not urlsplit: it fails on some bad URLs, which must be shown too, and takes a `#`
+    # in a password for a fragment)
+    scheme, slashes, rest = head.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        head = f"{scheme}{slashes}***@{_netloc(netloc)}{slash}{path}"
     if question:
         query = "&".join(map(_redacted_parameter, query.split("&")))
     return head + question + query

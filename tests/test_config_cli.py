@@ -163,6 +163,21 @@ def test_a_password_in_the_redis_urls_query_is_never_shown() -> None:
     assert code == 0 and "qsecret" not in out + err
 
 
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("redis://:qsec#ret@h:1/0", "'redis://***@h:1/0': holds a '#': write it %23"),
+        ("redis://:qsecret@[::1/0", "'redis://***@[::1/0': Invalid IPv6 URL"),
+    ],
+)
+def test_a_password_is_hidden_from_a_url_urlsplit_misreads(url: str, said: str) -> None:
+    """A `#` in a password (a fragment to urlsplit) or a bad IPv6 host: refused, hidden."""
+    code, out, err = skmq("config", "--redis-url", url)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"skmq config: invalid setting REDIS_URL={said}"), err
+    assert "qsec" not in err
+
+
 def test_serve_does_not_show_the_query_password_of_a_redis_it_cannot_reach(
     tmp_path: Path,
 ) -> None:
