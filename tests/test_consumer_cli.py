@@ -148,6 +148,7 @@ BAD_NUMBERS = [
     (PULL, "--batch", "0", "'0': expected at least 1"),
     (SEND, "--delay", "-5", "'-5': expected at least 0"),
     (SEND, "--deliver-at", "x", "'x' is not a whole number"),
+    (["status", "--watch"], "--interval", "0", "'0': expected seconds above 0"),
 ]
 
 
