@@ -21,7 +21,7 @@ def spawn(coro: Coroutine[Any, Any, T], tasks: set[asyncio.Task[Any]]) -> asynci
     return task
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[None]], timeout: float = 2.0) -> None:
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float = 2.0) -> None:
     """Cancel tasks and wait for them, bounded: on Python 3.11 a cancel() that coincides
     with an expiring asyncio.timeout() can be swallowed, so a wait must never be open-ended
     (the loops also check a stop flag of their own)."""
@@ -32,3 +32,20 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[None]], timeout: float = 
         _, still = await asyncio.wait(pending, timeout=timeout)
         for task in still:
             log.warning("task did not stop in time", task=task.get_name())
+
+
+async def unless_set(event: asyncio.Event, coro: Coroutine[Any, Any, None]) -> bool:
+    """Run coro until it ends or `event` is set, whichever comes first: True if it ended
+    (its exception raised), False if the event came first (coro cancelled)."""
+    task = asyncio.ensure_future(coro)
+    set_ = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, set_), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait([set_])
+        if not task.done():
+            await cancel_and_wait([task])
+    if task.cancelled():
+        return False
+    task.result()
+    return True

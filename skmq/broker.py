@@ -14,7 +14,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -23,7 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from skmq.admission import Admission
-from skmq.aio import cancel_and_wait
+from skmq.aio import cancel_and_wait, unless_set
 from skmq.auth import broker_tokens, push_signer
 from skmq.clock import StoreClock
 from skmq.config import Settings
@@ -83,11 +83,9 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
     )
 
 
-async def wait_for_redis(
-    redis: RedisClient, deadline: float, least: float, stopping: Callable[[], bool]
-) -> None:
-    """Ping until Redis answers (every primary of a cluster), until `deadline` (monotonic)
-    or `stopping()`, each ping bounded by the time left, but at least `least` (a server
+async def wait_for_redis(redis: RedisClient, deadline: float, least: float) -> None:
+    """Ping until Redis answers (every primary of a cluster), until `deadline` (monotonic),
+    each ping bounded by the time left, but at least `least` (a server
     that accepts and never answers must not hold the start for a socket timeout and its
     retries, and a Sentinel's refusal takes its retries to tell); said once as a warning
     (then at debug level): a broker started before its Redis should not fill the
@@ -101,7 +99,7 @@ async def wait_for_redis(
                 await redis.ping(**every)
             return
         except (RedisError, OSError, TimeoutError) as exc:
-            if stopping() or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 raise
             error = f"{type(exc).__name__}: {redis_error_text(exc) or 'no answer'}"
             say("redis unreachable, retrying (REDIS_WAIT)", error=error, retry_in=delay)
@@ -176,7 +174,9 @@ class Broker:
         self.redis = connect_redis(url, s.redis_pool_size, s.store_timeout)
         deadline = time.monotonic() + s.redis_wait
         try:
-            await wait_for_redis(self.redis, deadline, s.store_timeout, self.stopping.is_set)
+            waiting = wait_for_redis(self.redis, deadline, s.store_timeout)
+            if not await unless_set(self.stopping, waiting):
+                return  # stopped (SIGTERM, Ctrl-C) while waiting: not a failure
         except (RedisError, OSError, TimeoutError) as exc:
             raise Misconfigured(
                 f"cannot reach Redis at {redacted(url)} within {s.redis_wait:g}s "

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -31,6 +32,7 @@ from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
 __all__ = [
     "AuthenticationError",
     "BrokerInfo",
+    "CannotListen",
     "Consumer",
     "ExtensionUnsupported",
     "Handler",
@@ -112,6 +114,11 @@ class AuthenticationError(Exception):
     def __init__(self, resp: Resp) -> None:
         super().__init__(f"broker answered {resp.status} to auth: {resp.content}")
         self.resp = resp
+
+
+class CannotListen(OSError):
+    """The consumer could not listen on its own host and port (taken, not this
+    machine's): an OSError with the cause's errno and strerror."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -733,7 +740,15 @@ class Consumer(_Scoped):
         """Listen on host:port (port 0: any free port), then register."""
         self._stopping = False
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _PushProtocol(self), self.host, self.port)
+        try:
+            self._server = await loop.create_server(
+                lambda: _PushProtocol(self), self.host, self.port
+            )
+        except OSError as exc:  # asyncio's strerror repeats the address: the cause alone
+            why = (
+                os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
+            )
+            raise CannotListen(exc.errno, why[:1].lower() + why[1:]) from exc
         self.port = int(self._server.sockets[0].getsockname()[1])
         try:
             await self.register()

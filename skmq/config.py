@@ -6,13 +6,19 @@ import argparse
 import difflib
 import ipaddress
 import re
-import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
-from pydantic import Field, NonNegativeInt, SecretStr, ValidationError, field_validator
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -21,7 +27,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from skmq.errors import UsageError
+from skmq.settings_file import SettingsError, read_settings_file, setting_keys
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster")
@@ -538,6 +544,24 @@ class Settings(BaseSettings):
             check_redis_url(value)
         return value
 
+    @model_validator(mode="after")
+    def _a_port_for_each_listener(self) -> Settings:
+        """PORT, HTTP_PORT (both on HOST) and METRICS_PORT (on METRICS_HOST) apart, where
+        two could be on one address: else the second listener fails, after the embedded
+        Redis started."""
+        listeners = [
+            ("PORT", self.host, self.port),
+            ("HTTP_PORT", self.host, self.http_port),
+            ("METRICS_PORT", self.metrics_host, self.metrics_port),
+        ]
+        for i, (name, host, port) in enumerate(listeners):
+            for other, other_host, other_port in listeners[:i]:
+                if port and port == other_port and _may_overlap(host, other_host):
+                    raise ValueError(
+                        f"{name}={port} is {other}'s too (each listener needs its own)"
+                    )
+        return self
+
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
         """Build settings from flags (`overrides`, None meaning not given), env and TOML.
@@ -560,10 +584,22 @@ class Settings(BaseSettings):
         return with_file
 
 
+# Addresses a listener binds every address of the host on (of IPv6 and IPv4 alike).
+ANY_ADDRESSES = ("", "0.0.0.0", "::")
+
+
+def _may_overlap(host: str, other: str) -> bool:
+    """Two listen addresses that may be one: the same, or one of them every address."""
+    return host == other or host in ANY_ADDRESSES or other in ANY_ADDRESSES
+
+
 def check_redis_url(url: str) -> None:
     """Raise ValueError (a short reason) for a REDIS_URL of a known scheme that no client
     could use: no host (`redis://` would quietly mean localhost:6379), a port that is
-    not a number 0-65535, a db that is not a number, a Sentinel URL without its service."""
+    not a number 0-65535, a db that is not a number, a Sentinel URL without its service,
+    a `#` (a URL's fragment, which would cut a password in two, and show a part)."""
+    if "#" in url:
+        raise ValueError("holds a '#': write it %23 (in a password too)")
     parsed = urlsplit(url)
     db_path = [p for p in parsed.path.split("/") if p]
     if parsed.scheme == "unix":
@@ -606,24 +642,45 @@ def _netloc(netloc: str) -> str:
     return netloc.rpartition("@")[2]
 
 
+# Query parameters of a Redis URL whose value is a secret: redis-py passes every query
+# parameter to its connection, `?password=` (its documented form for unix sockets) and
+# `?ssl_password=` among them.
+SECRET_QUERY = re.compile(r"password|secret|token", re.IGNORECASE)
+
+
 def redacted(url: str) -> str:
-    """A Redis URL fit for logs and messages: its credentials replaced by `***`."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + _netloc(parts.netloc)).geturl()
+    """A Redis URL fit for logs and messages: its credentials replaced by `***`, those
+    before the `@` and those in the query (`?password=***`)."""
+    head, question, query = url.partition("?")
+    # (not urlsplit: it fails on some bad URLs, which must be shown too, and takes a `#`
+    # in a password for a fragment)
+    scheme, slashes, rest = head.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        head = f"{scheme}{slashes}***@{_netloc(netloc)}{slash}{path}"
+    if question:
+        query = "&".join(map(_redacted_parameter, query.split("&")))
+    return head + question + query
 
 
-class SettingsError(UsageError):
-    """A bad setting or settings file."""
+def _redacted_parameter(pair: str) -> str:
+    """`name=***` for a secret's name; a parameter without `=` (which no client reads) may
+    be the rest of a password holding an unquoted `?`, so it is hidden too."""
+    name, equals, _ = pair.partition("=")
+    if not equals:
+        return "***" if pair else pair
+    return f"{name}=***" if SECRET_QUERY.search(unquote_plus(name)) else pair
 
 
 def one_line(exc: ValidationError) -> str:
     """`invalid setting PORT='x': Input should be a valid integer; ...`"""
     parts = []
     for err in exc.errors():
-        name = str(err["loc"][0]).upper() if err["loc"] else "?"
         msg = str(err["msg"]).removeprefix("Value error, ")
+        if not err["loc"]:  # settings refused together: the message names them
+            parts.append(msg)
+            continue
+        name = str(err["loc"][0]).upper()
         value = err["input"]
         if name == "REDIS_URL" and isinstance(value, str):
             value = redacted(value)
@@ -644,24 +701,11 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
 def check_toml(path: Path) -> None:
     """The settings file exists, parses, and names only known settings, each once: in
     lower or upper case alike (`redis_url`, `REDIS_URL`), as the environment's names."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SettingsError(f"config file {path}: no such file") from None
-    except OSError as exc:
-        raise SettingsError(f"config file {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
-    seen: dict[str, str] = {}
-    for key in data:
-        name = key.lower()
+    for name, key in setting_keys(read_settings_file(path), path).items():
         if name not in Settings.model_fields:
             close = difflib.get_close_matches(name, list(Settings.model_fields), n=1)
             hint = f" (did you mean {_same_case(close[0], key)!r}?)" if close else ""
             raise SettingsError(f"config file {path}: unknown setting {key!r}{hint}")
-        if name in seen:
-            raise SettingsError(f"config file {path}: {seen[name]!r} and {key!r} name one setting")
-        seen[name] = key
 
 
 def _same_case(name: str, like: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -223,6 +224,19 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         "'consume', 'status', 'dlq', 'groups', 'audit') (see skmq --help)",
     ),
     (
+        "HTTP_PORT equal to PORT",
+        lambda f: ["serve", "--port", "1800", "--http-port", "1800", "--data-dir", str(f["dir"])],
+        {},
+        "skmq serve: invalid setting HTTP_PORT=1800 is PORT's too (each listener needs its own)",
+    ),
+    (
+        "METRICS_PORT equal to HTTP_PORT on every address",
+        lambda f: ["serve", "--metrics-host", "0.0.0.0", "--data-dir", str(f["dir"])],
+        {"SKMQ_HTTP_PORT": "1801", "SKMQ_METRICS_PORT": "1801"},
+        "skmq serve: invalid setting METRICS_PORT=1801 is HTTP_PORT's too "
+        "(each listener needs its own)",
+    ),
+    (
         "dlq without selection",
         lambda f: ["dlq", "purge", "--data-dir", str(f["dir"])],
         {},
@@ -245,6 +259,18 @@ def test_a_bad_setting_is_one_line_and_status_2(
     code, _, err = skmq(*args(files), env=env)
     assert code == 2, err
     assert one_line(err) == expected.format(dir=files["dir"])
+
+
+def test_consume_on_a_port_in_use_names_its_own_port_not_the_brokers() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = skmq("consume", "--app", "x", "--id", "y", "--port", str(port))
+    assert (code, one_line(err)) == (
+        2,
+        f"skmq consume: cannot listen on 127.0.0.1:{port} (--host/--port): address already in use",
+    )
 
 
 def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None:
@@ -318,6 +344,46 @@ def test_an_operational_failure_is_one_line_and_status_1(tmp_path: Path) -> None
     assert "<redis." not in line and len(line) < 300, line
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("redis", ["refusing", "silent"])
+def test_a_stop_while_serve_waits_for_redis_is_a_quiet_stop(
+    tmp_path: Path, sig: signal.Signals, redis: str
+) -> None:
+    """Ctrl-C or SIGTERM while `skmq serve` waits (REDIS_WAIT) for a Redis that refuses
+    connections or never answers: a stop (status 0, at once), not "cannot reach Redis"."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1] if redis == "silent" else free_port()
+        log = tmp_path / "serve.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*SKMQ, "serve", "--redis-url", f"redis://127.0.0.1:{port}/0",
+                 "--redis-wait", "60", "--http-port", "0", "--port", "0",
+                 "--data-dir", str(tmp_path / "d")],
+                stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                env={k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")},
+            )  # fmt: skip
+        try:
+            if redis == "silent":  # the broker's ping is on its way, never to be answered
+                silent.settimeout(20)
+                silent.accept()[0].close()
+            else:
+                deadline = time.monotonic() + 20
+                while "redis unreachable, retrying" not in log.read_text():
+                    assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                    time.sleep(0.02)
+            stopped_at = time.monotonic()
+            proc.send_signal(sig)
+            assert proc.wait(15) == 0, log.read_text()
+            assert time.monotonic() - stopped_at < 5
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert "cannot reach Redis" not in log.read_text()
+
+
 async def test_status_and_dlq_wait_while_a_stopped_brokers_redis_loads_its_aof(
     tmp_path: Path,
 ) -> None:
@@ -375,6 +441,17 @@ def test_a_redis_with_large_listpacks_gets_a_warning(
 def test_debug_shows_the_traceback_and_version_answers(tmp_path: Path) -> None:
     code, _, err = skmq("--debug", "status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert code == 1 and "Traceback" in err
+    # A failure the command says itself (send, consume): the traceback, then the same line.
+    port = str(free_port())
+    for args in (
+        ["send", "--app", "a", "--port", port, "x"],
+        ["consume", "--app", "a", "--id", "r", "--port", "0", "--broker-port", port],
+    ):
+        code, _, quiet = skmq(*args)
+        code_debug, _, err = skmq("--debug", *args)
+        assert code == code_debug == 2, err
+        assert "Traceback" in err and "ConnectionRefusedError" in err, err
+        assert err.splitlines()[-1] == one_line(quiet)
     code, out, _ = skmq("--version")
     assert (code, out.strip()) == (0, f"skmq {__version__}")
 

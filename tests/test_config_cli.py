@@ -144,3 +144,49 @@ def test_a_bad_toml_key_is_one_line(tmp_path: Path, text: str, error: str) -> No
     code, out, err = skmq("config", "--config", str(path))
     assert (code, out) == (2, "")
     assert err.strip() == f"skmq config: config file {path}: {error}"
+
+
+def test_a_password_in_the_redis_urls_query_is_never_shown() -> None:
+    """redis-py reads `?password=` (its form for unix sockets): masked as the one before `@`."""
+    url = "unix:///run/redis.sock?db=0&password=qsecret&username=me&ssl_password=tlssecret"
+    code, out, _ = skmq("config", "--redis-url", url)
+    assert code == 0
+    assert "unix:///run/redis.sock?db=0&password=***&username=me&ssl_password=***" in out
+    code, out, _ = skmq("config", "--json", "--redis-url", url)
+    rows = {row["name"]: row for row in json.loads(out)["settings"]}
+    assert rows["redis_url"]["value"] == (
+        "unix:///run/redis.sock?db=0&password=***&username=me&ssl_password=***"
+    )
+    for secret in ("qsecret", "tlssecret"):
+        assert secret not in out
+    code, out, err = skmq("config", "--redis-url", "redis://127.0.0.1:1/0?password=qsecret&db=x")
+    assert code == 0 and "qsecret" not in out + err
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("redis://:qsec#ret@h:1/0", "'redis://***@h:1/0': holds a '#': write it %23"),
+        ("redis://:qsecret@[::1/0", "'redis://***@[::1/0': Invalid IPv6 URL"),
+    ],
+)
+def test_a_password_is_hidden_from_a_url_urlsplit_misreads(url: str, said: str) -> None:
+    """A `#` in a password (a fragment to urlsplit) or a bad IPv6 host: refused, hidden."""
+    code, out, err = skmq("config", "--redis-url", url)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"skmq config: invalid setting REDIS_URL={said}"), err
+    assert "qsec" not in err
+
+
+def test_serve_does_not_show_the_query_password_of_a_redis_it_cannot_reach(
+    tmp_path: Path,
+) -> None:
+    code, _, err = skmq(
+        "serve", "--redis-url", "redis://127.0.0.1:1/0?password=qsecret", "--redis-wait", "0.2",
+        "--log-level", "error", "--data-dir", str(tmp_path / "d"), "--http-port", "0",
+    )  # fmt: skip
+    assert code == 1
+    assert err.startswith(
+        "skmq serve: cannot reach Redis at redis://127.0.0.1:1/0?password=*** within 0.2s"
+    ), err
+    assert "qsecret" not in err

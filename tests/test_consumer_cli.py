@@ -134,6 +134,38 @@ def test_python_dash_m_skmq_cli_runs() -> None:
     assert b"consume" in done.stdout
 
 
+PUSH = ["consume", "--app", "a", "--id", "r", "--port", "0"]
+PULL = ["consume", "--app", "a", "--pull", "--group", "g"]
+SEND = ["send", "--app", "a", "x"]
+BAD_NUMBERS = [
+    (PUSH, "--max-frame-bytes", "0", "'0': expected at least 64"),
+    (PUSH, "--concurrency", "0", "'0': expected at least 1"),
+    (PUSH, "--exec-timeout", "-1", "'-1': expected seconds above 0"),
+    (PUSH, "--exec-timeout", "0", "'0': expected seconds above 0"),
+    (PUSH, "--weight", "-1", "'-1': expected at least 0"),
+    (PUSH, "--reject-exit-code", "256", "'256': expected 1-255"),
+    (PULL, "--visibility", "0", "'0': expected seconds above 0"),
+    (PULL, "--batch", "0", "'0': expected at least 1"),
+    (SEND, "--delay", "-5", "'-5': expected at least 0"),
+    (SEND, "--deliver-at", "x", "'x' is not a whole number"),
+    (["status", "--watch"], "--interval", "0", "'0': expected seconds above 0"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag", "value", "said"), BAD_NUMBERS)
+def test_a_bad_number_is_a_usage_error_before_anything_starts(
+    args: list[str], flag: str, value: str, said: str
+) -> None:
+    """Refused by the parser (status 2, one line), not by a traceback once a push comes."""
+    done = subprocess.run(
+        [*SKMQ, *args, flag, value], capture_output=True, text=True, timeout=LIMIT,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    command = args[0]
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr == f"skmq {command}: argument {flag}: {said} (see skmq {command} --help)\n"
+
+
 async def test_consumers_share_sent_messages_by_weight(
     serve: BrokerProcess, broker_env: dict[str, str]
 ) -> None:

@@ -7,16 +7,19 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from skmq.broker import Broker
 from skmq.cli.broker_settings import BrokerAddresses, broker_addresses
 from skmq.errors import UsageError
 from skmq.pull.consumer import PullConsumer, PullError
+from tests.commands import skmq_command
 from tests.conftest import BrokerFactory, free_port
 from tests.peers import RawClient
 
@@ -156,6 +159,62 @@ async def test_skmq_consume_needs_a_group_to_pull_and_an_id_to_be_pushed_to() ->
         assert (proc.returncode, err) == (2, said)
 
 
+def test_skmq_consume_pull_without_aiohttp_says_what_to_install() -> None:
+    """A client-only install (no `server` extra): one line, what to do."""
+    done = subprocess.run(
+        skmq_command("consume", "--pull", "--app", "a", "--group", "g", without=["aiohttp"]),
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")},
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (
+        2,
+        "skmq consume: the HTTP gateway needs aiohttp: pip install 'skmq[server]', "
+        "or use --gateway tcp://HOST:PORT (the broker's port)\n",
+    )
+
+
+async def consume_from(gateway: str) -> tuple[int | None, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "skmq.cli", "consume", "--pull", "--group", "g", "--app", "a",
+        "--gateway", gateway, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        _, err = await proc.communicate()
+    return proc.returncode, err.decode()
+
+
+async def test_skmq_consume_pull_at_the_protocol_port_over_http_says_so(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker()
+    where = f"127.0.0.1:{broker.server.port}"
+    assert await consume_from(f"http://{where}") == (
+        2,
+        f"skmq consume: http://{where} does not answer HTTP (the broker's protocol port? "
+        f"use tcp://{where} for that)\n",
+    )
+
+
+async def test_skmq_consume_pull_at_an_http_server_that_is_not_the_gateway_says_so() -> None:
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text="<html>hello</html>")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        where = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        assert await consume_from(where) == (
+            2,
+            f"skmq consume: {where} does not answer as SKMQ's HTTP gateway\n",
+        )
+    finally:
+        await runner.cleanup()
+
+
 async def test_the_pull_frame_on_the_raw_tcp_protocol(make_broker: BrokerFactory) -> None:
     """`pull` frames as a client in any language would write them (docs/PROTOCOL.md):
     create, receive, ack by receipt; refusals carry the HTTP status first."""
@@ -260,6 +319,7 @@ def test_broker_addresses_are_read_as_the_broker_reads_its_settings(tmp_path: Pa
         ("http_port = true", {}, "invalid setting http_port in {config}=True: not a port"),
         ("host = 5", {}, "invalid setting host in {config}=5: not a host"),
         ("host = ", {}, "config file {config}: not valid TOML"),
+        ("port = 1\nPORT = 2", {}, "config file {config}: 'port' and 'PORT' name one setting"),
     ],
 )
 def test_a_broker_setting_the_broker_would_refuse_is_one_line(
@@ -271,6 +331,28 @@ def test_a_broker_setting_the_broker_would_refuse_is_one_line(
     with pytest.raises(UsageError) as refused:
         broker_addresses(config if toml is not None else None, env)
     assert str(refused.value).startswith(said.format(config=config))
+
+
+def test_upper_case_keys_of_the_config_file_are_read_as_the_broker_reads_them(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "skmq.toml"
+    port = free_port()  # nothing listens there: the error names where the consumer went
+    config.write_text(f'HOST = "::"\nPORT = {port}\nHTTP_PORT = 0\n')
+    assert broker_addresses(config, {}) == BrokerAddresses("::1", port, 0)
+    config.write_text(f"PORT = {port}\nHTTP_PORT = 0\n")
+    for args, said in (
+        (["--pull", "--group", "g"], f"cannot reach tcp://127.0.0.1:{port}"),
+        (["--id", "r", "--port", "0"], f"cannot reach broker at 127.0.0.1:{port}"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "skmq.cli", "consume", "--app", "a", "--config", str(config),
+             *args],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")},
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"skmq consume: {said}: "), done.stderr
 
 
 async def test_skmq_consume_with_a_config_file_that_is_not_there_says_so(tmp_path: Path) -> None:

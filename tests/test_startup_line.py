@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from skmq.embedded import EmbeddedRedis
 from tests.conftest import BrokerProcess, free_port
 
 
@@ -53,5 +56,25 @@ def test_the_start_up_line_says_the_gateway_is_off_and_no_metrics_port(
         event = startup_line(broker.log_path)
         assert (event["protocol"], event["http"]) == (f"127.0.0.1:{broker.port}", "off")
         assert "metrics" not in event
+    finally:
+        assert broker.terminate() == 0
+
+
+def test_the_start_up_line_hides_a_password_given_in_the_redis_urls_query(
+    broker_env: dict[str, str], tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    """`?password=` (redis-py's form for unix sockets) is as secret as `:password@`."""
+    password = urlsplit(redis_server.tcp_url).password
+    assert password and redis_server.socket_path is not None
+    url = f"unix://{redis_server.socket_path}?db=0&password={password}"
+    broker_env.update(
+        SKMQ_LOG_LEVEL="info", SKMQ_LOG_FORMAT="json", SKMQ_REDIS_URL=url,
+        SKMQ_KEY_PREFIX=f"t{uuid.uuid4().hex[:10]}",
+    )  # fmt: skip
+    broker = BrokerProcess(broker_env, tmp_path / "broker.log").start()
+    try:
+        event = startup_line(broker.log_path)
+        assert event["redis"] == f"unix://{redis_server.socket_path}?db=0&password=***"
+        assert password not in broker.log_path.read_text()
     finally:
         assert broker.terminate() == 0

@@ -3,7 +3,8 @@
 Only the module of the command being run is imported (with its parser's flags), so that
 a client command never pays for the broker, pydantic-settings or Spark. Every failure
 reaches the user as one line on stderr: status 2 for a bad setting, file or address,
-1 for an operational failure; `--debug` shows the traceback instead.
+1 for an operational failure; `--debug` shows the traceback too (for a failure a command
+reports itself) or instead.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from skmq import __version__
@@ -41,6 +43,22 @@ def seconds(text: str) -> float:
     return value
 
 
+def whole_number(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from `least` (to `most`, if given)."""
+    span = f"{least}-{most}" if most is not None else f"at least {least}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {span}")
+        return value
+
+    return parse
+
+
 def unreachable(exc: BaseException) -> str:
     """Why a peer could not be reached or did not answer, never empty (a timeout's own
     message is)."""
@@ -65,8 +83,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+# `skmq --debug`: a failure a command says in one line shows its traceback too.
+debugging = False
+
+
 def fail(command: str, message: str, status: int) -> int:
-    """Say why `skmq COMMAND` failed, one line on stderr; returns its exit status."""
+    """Say why `skmq COMMAND` failed, one line on stderr (after the traceback of the
+    exception being handled, under --debug); returns its exit status."""
+    if debugging and sys.exc_info()[1] is not None:
+        traceback.print_exc()
     print(f"skmq {command}: {message}", file=sys.stderr)
     return status
 
@@ -99,6 +124,8 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args, extra = build_parser(args_list).parse_known_args(args_list)
+    global debugging
+    debugging = args.debug
     if extra:  # (said for the command they were given to, not for `skmq`)
         command = args.subcommand
         return fail(command, f"unrecognized arguments: {' '.join(extra)} "

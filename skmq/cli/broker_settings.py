@@ -10,13 +10,13 @@ so the three settings are read and checked here, as the broker would refuse them
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from skmq.errors import UsageError
+from skmq.settings_file import read_settings_file, setting_keys
 
 DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 1734, "http_port": 1735}
 
@@ -45,29 +45,22 @@ def broker_addresses(
 ) -> BrokerAddresses:
     """The broker's HOST, PORT and HTTP_PORT as it would read them; UsageError (one line
     naming the setting or the file) for a value it would refuse."""
-    file = _read_toml(config) if config is not None else {}
+    file: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # each setting's key as written in the file
+    if config is not None:
+        file = read_settings_file(config)
+        keys = setting_keys(file, config)
     found: dict[str, Any] = {}
     for name, default in DEFAULTS.items():
         env = f"SKMQ_{name.upper()}"
         if env in environ:
             value, where = environ[env], env
-        elif name in file:
-            value, where = file[name], f"{name} in {config}"
+        elif name in keys:
+            value, where = file[keys[name]], f"{keys[name]} in {config}"
         else:
             value, where = default, ""
         found[name] = _port(value, where) if name != "host" else _host(value, where)
     return BrokerAddresses(**found)
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"config file {path}: no such file") from None
-    except OSError as exc:
-        raise UsageError(f"config file {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"config file {path}: not valid TOML ({exc})") from None
 
 
 def _port(value: Any, where: str) -> int:

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from skmq.cli import fail, unreachable
+from skmq.cli import fail, seconds, unreachable, whole_number
 from skmq.cli.broker_settings import broker_addresses
 from skmq.cli.consume_pull import add_pull_flags, consume_pull
 from skmq.cli.send import port_number
@@ -25,6 +25,7 @@ from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_MAX_FRAME_BYTES,
     AuthenticationError,
+    CannotListen,
     Consumer,
     ExtensionUnsupported,
     Handler,
@@ -35,6 +36,9 @@ from skmq.client import (
 from skmq.loop import run_main
 from skmq.signing import secret_key
 
+# The smallest --max-frame-bytes, as the broker's MAX_FRAME_BYTES: less holds no push.
+MIN_FRAME_BYTES = 64
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
@@ -44,19 +48,31 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_number, help="port to listen on (0: any; push, required)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--advertise-host", help="host to register (default: --host)")
-    p.add_argument("--weight", type=int, default=0, help="load-balancing weight (>= 0)")
+    p.add_argument("--weight", type=whole_number(0), default=0, help="load-balancing weight (>= 0)")
     p.add_argument("--exec", dest="command", metavar="CMD", help="shell command per message")
-    p.add_argument("--reject-exit-code", type=int, metavar="N", help="CMD exit status to reject")
+    p.add_argument(
+        "--reject-exit-code",
+        type=whole_number(1, 255),
+        metavar="N",
+        help="CMD exit status to reject (1-255)",
+    )
     p.add_argument(
         "--exec-timeout",
-        type=float,
+        type=seconds,
         default=60.0,
         metavar="SECONDS",
         help="kill CMD (answer error) after this long (default 60)",
     )
     p.add_argument("--arrived", action="store_true", help="answer arrived before processing")
-    p.add_argument("--concurrency", type=int, default=64, help="messages handled at once")
-    p.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
+    p.add_argument(
+        "--concurrency", type=whole_number(1), default=64, help="messages handled at once"
+    )
+    p.add_argument(
+        "--max-frame-bytes",
+        type=whole_number(MIN_FRAME_BYTES),
+        default=DEFAULT_MAX_FRAME_BYTES,
+        help=f"largest push accepted, in bytes (at least {MIN_FRAME_BYTES}; default %(default)s)",
+    )
     add_token_flag(p, "token sent in an auth frame first (brokers with AUTH_TOKEN/AUTH_FILE)")
     p.add_argument(
         "--signing-secret",
@@ -173,6 +189,9 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         await consumer.start()
     except (RegistrationError, AuthenticationError) as exc:
         return fail("consume", f"refused: {exc.resp.content}", 1)
+    except CannotListen as exc:  # its own port, not the broker's
+        where = f"{args.host}:{args.port}"
+        return fail("consume", f"cannot listen on {where} (--host/--port): {unreachable(exc)}", 2)
     except ConnectionRefusedError:
         where = f"{broker_host}:{broker_port}"
         return fail("consume", f"cannot reach broker at {where}: connection refused", 2)

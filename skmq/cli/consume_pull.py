@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from skmq.cli import fail, unreachable
+from skmq.cli import fail, seconds, unreachable, whole_number
 from skmq.cli.broker_settings import broker_addresses
 from skmq.client import Handler, Message
 from skmq.loop import run_main
@@ -30,17 +31,17 @@ def add_pull_flags(p: argparse.ArgumentParser) -> None:
         "$SKMQ_HOST, $SKMQ_HTTP_PORT or --config, else http://127.0.0.1:1735; "
         "tcp://HOST:PORT when HTTP_PORT is 0)",
     )
-    p.add_argument("--visibility", type=float, default=30.0, help="lease seconds (pull)")
+    p.add_argument("--visibility", type=seconds, default=30.0, help="lease seconds (pull)")
     p.add_argument(
         "--batch",
-        type=int,
+        type=whole_number(1),
         default=None,
         help="messages a receive (pull; default: the broker's cap, PULL_MAX_MESSAGES, 100)",
     )
 
 
 async def _pull(args: argparse.Namespace, handler: Handler) -> int:
-    from skmq.pull.consumer import PullConsumer, PullError
+    from skmq.pull.consumer import NotAGateway, PullConsumer, PullError
 
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,6 +84,8 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
                     done["acked"] += 1
     except PullError as exc:
         return fail("consume", f"refused: {exc}", 1)
+    except NotAGateway as exc:
+        return fail("consume", str(exc), 2)
     except (OSError, TimeoutError) as exc:
         return fail("consume", f"cannot reach {args.gateway}: {unreachable(exc)}", 2)
     except asyncio.CancelledError:
@@ -103,8 +106,12 @@ def consume_pull(
         return fail("consume", "--pull needs --group G", 2)
     if args.gateway is None:
         args.gateway = broker_addresses(args.config).gateway
-    if urlsplit(args.gateway).scheme not in ("http", "https", "tcp"):
+    scheme = urlsplit(args.gateway).scheme
+    if scheme not in ("http", "https", "tcp"):
         return fail("consume", "--gateway must be http://, https:// or tcp://HOST:PORT", 2)
+    if scheme != "tcp" and importlib.util.find_spec("aiohttp") is None:
+        needs = "the HTTP gateway needs aiohttp: pip install 'skmq[server]'"
+        return fail("consume", f"{needs}, or use --gateway tcp://HOST:PORT (the broker's port)", 2)
     handler = (
         print_message
         if args.command is None

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from skmq.cli import fail, seconds, unreachable
+from skmq.cli import fail, seconds, unreachable, whole_number
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_HOST,
@@ -53,8 +53,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--app", required=True, help="application id (appid)")
     p.add_argument("--topic", action="store_true", help="broadcast to every recipient")
     p.add_argument("--msgid", help="message id (default: a new uuid4 hex)")
-    p.add_argument("--delay", type=int, metavar="MS", help="deliver no sooner than MS ms from now")
-    p.add_argument("--deliver-at", type=int, metavar="MS", help="deliver at this unix time in ms")
+    p.add_argument(
+        "--delay", type=whole_number(0), metavar="MS", help="deliver no sooner than MS ms from now"
+    )
+    p.add_argument(
+        "--deliver-at", type=whole_number(0), metavar="MS", help="deliver at this unix time in ms"
+    )
     p.add_argument("--host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)")
     p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the resp")

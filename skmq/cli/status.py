@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from skmq.cli import seconds
 from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.clock import now_ms
@@ -28,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_token_flag(parser, "admin token, when the settings configure auth")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     parser.add_argument("--watch", action="store_true", help="refresh in place (live view)")
-    parser.add_argument("--interval", type=float, default=1.0, help="--watch refresh, seconds")
+    parser.add_argument("--interval", type=seconds, default=1.0, help="--watch refresh, seconds")
     parser.set_defaults(func=run)
 
 

@@ -66,6 +66,11 @@ class PullError(RuntimeError):
         self.error = error
 
 
+class NotAGateway(ConnectionError):
+    """The gateway's address answers, but not HTTP (the broker's protocol port, say) or
+    not SKMQ's JSON."""
+
+
 @dataclass(slots=True, eq=False)
 class PulledMessage:
     msgid: str
@@ -143,7 +148,8 @@ class PullConsumer:
         visibility: float = 30.0,
         create_group: bool = True,
     ) -> None:
-        self.base = f"{gateway.rstrip('/')}/v1/apps/{app}/groups"
+        self.gateway = gateway.rstrip("/")
+        self.base = f"{self.gateway}/v1/apps/{app}/groups"
         self.app = app
         self.group = group
         self.token = token
@@ -213,12 +219,23 @@ class PullConsumer:
             raise PullError(int(code), why)
         if self._session is None:
             raise RuntimeError("use `async with PullConsumer(...)`")
+        import aiohttp
+
         url = self.base if op == "create" else f"{self.base}/{self.group}/{op}"
-        async with self._session.post(url, json=body) as response:
-            answer = await response.json(content_type=None)
-            if response.status >= 300:
-                raise PullError(response.status, str(answer.get("error", answer)))
-            return answer
+        try:
+            async with self._session.post(url, json=body) as response:
+                answer = await response.json(content_type=None)
+        except aiohttp.ClientResponseError:  # (no answer is this: an answer that is not HTTP)
+            address = urlsplit(self.gateway).netloc.rpartition("@")[2]
+            raise NotAGateway(
+                f"{self.gateway} does not answer HTTP (the broker's protocol port? "
+                f"use tcp://{address} for that)"
+            ) from None
+        except ValueError:  # not JSON (json.JSONDecodeError)
+            raise NotAGateway(f"{self.gateway} does not answer as SKMQ's HTTP gateway") from None
+        if response.status >= 300:
+            raise PullError(response.status, str(answer.get("error", answer)))
+        return answer
 
     async def settle(self, verb: str, receipt: str, **extra: Any) -> str:
         """ack, nack or extend one receipt (extra: the request's other fields); its status.
