@@ -1,0 +1,433 @@
+"""The deliveries of one app, in its owner's memory: sans-IO (no sockets, no Redis, no
+clock: `now` is passed in), every change through skmq/queue/lifecycle.py's table.
+
+Only what is materialised costs memory: deliveries read from the log and not over (in
+flight, waiting for a retry or their time or their key, dead). Pending ones wait in a
+FIFO, due times and leases in one heap: no task, timer or future a message. Each
+change that must survive the owner appends a record (`records`), which the owner
+flushes to the journal in its next write; a new owner runs `apply` over them.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from skmq.queue.lifecycle import EVENT_OF, OVER, Event, Record, Refused, State, detour, step
+
+QUEUE = ""  # the copy of a queue message: one delivery for all the app's recipients
+SEP = b"\x1f"  # between a record's fields
+END = b"\x1e"  # between records
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How failures are retried and leases run (the broker's settings, in ms)."""
+
+    retry_times: int = 5
+    backoff_ms: tuple[int, ...] = (1_000,)
+    jitter: float = 0.1
+    lease_ms: int = 30_000
+    max_extensions: int = 10
+    drop_expired: bool = False  # EXPIRED=drop: an expired message is not dead-lettered
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One message for one consumer: the app's recipients (copy QUEUE), or one
+    recipient's copy of a topic message (copy: the recipient id)."""
+
+    entry: bytes  # its log entry id (b"<ms>-<seq>"): the ms is when it was stored
+    msgid: bytes
+    copy: str
+    state: State
+    content: bytes | None = None
+    topic: bool = False
+    key: str = ""  # ordering key ("": none)
+    deliver_at: int = 0
+    expires: int = 0  # unix ms; 0: never
+    attempt: int = 0
+    due: int = 0  # when it falls due (delayed, waiting retry) or its lease ends (in flight)
+    recipient: str = ""  # in flight: who holds it; dead: who held it last
+    extensions: int = 0
+    error: str = ""  # the last failure
+    inbox: bool = False  # its entry is in the inbox (stored through another broker)
+    trace: str = ""  # the producer's W3C traceparent
+
+    @property
+    def ident(self) -> tuple[bytes, str]:
+        return (self.msgid, self.copy)
+
+    @property
+    def stored_at(self) -> int:
+        return int(self.entry.split(b"-", 1)[0])
+
+
+@dataclass(slots=True)
+class Change:
+    """A transition made: what the caller logs (the delivery log) and tells."""
+
+    delivery: Delivery
+    event: Event
+    source: State
+
+
+@dataclass
+class AppQueue:
+    policy: Policy
+    rand: Callable[[], float] = field(default=random.random)
+    deliveries: dict[tuple[bytes, str], Delivery] = field(default_factory=dict)
+    # pending deliveries in stored order, a line for the app's recipients (QUEUE) and one
+    # for each recipient's topic copies (a copy goes only when its recipient has room)
+    pending: dict[str, collections.deque[Delivery]] = field(default_factory=dict)
+    # (when, tiebreak, delivery): due times and lease ends; an entry whose delivery
+    # moved on since is skipped when it comes up
+    timers: list[tuple[int, int, Delivery]] = field(default_factory=list)
+    keys: dict[str, collections.deque[Delivery]] = field(default_factory=dict)
+    copies: dict[bytes, int] = field(default_factory=dict)  # a topic message's copies left
+    records: list[bytes] = field(default_factory=list)
+    settled: list[bytes] = field(default_factory=list)  # msgids acked, for dedupe
+    forgotten: list[bytes] = field(default_factory=list)  # msgids over, every copy
+    expired: list[Change] = field(default_factory=list)  # met by `take`, for the caller
+    recording: bool = True  # False while a new owner replays the journal
+    _seq: int = 0
+
+    # -- the table ---------------------------------------------------------
+    def _move(self, d: Delivery, event: Event, now: int, extra: str = "") -> Change:
+        source = d.state
+        rule = step(source, event)
+        d.state = rule.target
+        if rule.record is not None and self.recording:
+            self.records.append(_record(rule.record, d, extra))
+        target = rule.target
+        if target is State.PENDING:
+            self._line(d.copy).append(d)
+        elif target in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
+            self._timer(d)
+        if target in OVER or target is State.DEAD:
+            self._over(d, now)
+        return Change(d, event, source)
+
+    def _timer(self, d: Delivery) -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (d.due, self._seq, d))
+
+    def _over(self, d: Delivery, now: int) -> None:
+        """A delivery acked, dead, dropped, purged or moved: the next of its key goes;
+        one over for good leaves memory."""
+        if d.key and d.copy == QUEUE:
+            waiting = self.keys.get(d.key)
+            if waiting and waiting[0] is d:
+                waiting.popleft()
+                if waiting:
+                    nxt = waiting[0]
+                    nxt.due = max(nxt.deliver_at, now)
+                    self._move(nxt, Event.KEY_FREE, now)
+                    if nxt.due <= now:
+                        self._move(nxt, Event.DUE, now)
+                else:
+                    del self.keys[d.key]
+        if d.state in OVER:
+            del self.deliveries[d.ident]
+            if self._last_copy(d):
+                self.forgotten.append(d.msgid)
+                # (a replayed ack: the old owner flushed its msgid with the record)
+                if d.state is State.ACKED and self.recording:
+                    self.settled.append(d.msgid)
+
+    def _last_copy(self, d: Delivery) -> bool:
+        """Whether d was the message's last copy not over (a queue message: its only)."""
+        if not d.topic:
+            return True
+        left = self.copies[d.msgid] - 1
+        if left:
+            self.copies[d.msgid] = left
+            return False
+        del self.copies[d.msgid]
+        return True
+
+    # -- materialising ------------------------------------------------------
+    def add(self, d: Delivery, now: int) -> None:
+        """A delivery read from the log (d.state: the state it is stored in, DELAYED)."""
+        if d.ident in self.deliveries:
+            return
+        self.deliveries[d.ident] = d
+        if d.topic:
+            self.copies[d.msgid] = self.copies.get(d.msgid, 0) + 1
+        d.state = State.DELAYED
+        d.due = d.deliver_at
+        if d.expires and d.due > d.expires:
+            d.due = d.expires
+        if d.key and d.copy == QUEUE:
+            waiting = self.keys.setdefault(d.key, collections.deque())
+            waiting.append(d)
+            if len(waiting) > 1:
+                d.state = State.WAITING_KEY
+                return
+        if d.due <= now:
+            self._move(d, Event.DUE, now)
+        else:
+            self._timer(d)
+
+    # -- time ---------------------------------------------------------------
+    def next_due(self) -> int | None:
+        while self.timers:
+            when, _, d = self.timers[0]
+            if d.due == when and d.state in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
+                return when
+            heapq.heappop(self.timers)
+        return None
+
+    def tick(self, now: int) -> list[Change]:
+        """Delays run out (-> pending) and leases run out (a failed attempt)."""
+        changes: list[Change] = []
+        while (when := self.next_due()) is not None and when <= now:
+            _, _, d = heapq.heappop(self.timers)
+            if d.state is State.IN_FLIGHT:
+                changes.append(self._failed(d, "timeout: no answer in time", now))
+            else:
+                changes.append(self._move(d, Event.DUE, now))
+        return changes
+
+    # -- pushing --------------------------------------------------------------
+    def _line(self, copy: str) -> collections.deque[Delivery]:
+        line = self.pending.get(copy)
+        if line is None:
+            line = self.pending[copy] = collections.deque()
+        return line
+
+    def lines(self) -> list[str]:
+        """The pending lines that hold something: QUEUE, and recipients with copies."""
+        return [copy for copy, line in self.pending.items() if line]
+
+    def take(self, n: int, now: int, copy: str = QUEUE) -> Iterator[Delivery]:
+        """Up to n pending deliveries of a line (the queue's, or one recipient's copies),
+        oldest first; those whose TTL ran out are expired on the way (their changes in
+        `expired`)."""
+        line = self.pending.get(copy)
+        taken = 0
+        while line and taken < n:
+            d = line.popleft()
+            if d.state is not State.PENDING:
+                continue  # (it moved on since it was queued: purged, expired)
+            if d.expires and now >= d.expires:
+                self.expired.append(self._expire(d, now))
+                continue
+            taken += 1
+            yield d
+
+    def push(self, d: Delivery, recipient: str, now: int) -> Change:
+        """d (from `take`) handed to `recipient` for attempt n + 1, under a lease."""
+        d.attempt += 1
+        d.recipient = recipient
+        d.extensions = 0
+        d.due = now + self.policy.lease_ms
+        return self._move(d, Event.PUSH, now, f"{d.due} {recipient}")
+
+    def put_back(self, d: Delivery) -> None:
+        """A delivery `take` gave that the caller could not push now: first again."""
+        self._line(d.copy).appendleft(d)
+
+    def undeliverable(self, d: Delivery, reason: str, now: int) -> Change:
+        d.error = reason
+        return self._move(d, Event.UNDELIVERABLE, now, reason)
+
+    # -- answers --------------------------------------------------------------
+    def _in_flight(self, msgid: bytes, copy: str, attempt: int) -> Delivery:
+        """The delivery an answer names: in flight, and (unless 0) that attempt."""
+        d = self.deliveries.get((msgid, copy))
+        if d is None:
+            raise Refused(State.ACKED, Event.ACK)  # (over, or never held: nothing to do)
+        if d.state is not State.IN_FLIGHT or (attempt and d.attempt != attempt):
+            raise Refused(d.state, Event.ACK)
+        return d
+
+    def ack(self, msgid: bytes, copy: str, attempt: int, now: int) -> Change:
+        return self._move(self._in_flight(msgid, copy, attempt), Event.ACK, now)
+
+    def fail(self, msgid: bytes, copy: str, attempt: int, error: str, now: int) -> Change:
+        return self._failed(self._in_flight(msgid, copy, attempt), error, now)
+
+    def extend(self, msgid: bytes, copy: str, attempt: int, now: int) -> Change | None:
+        """A lease extended (arrived): None once MAX_LEASE_EXTENSIONS are spent."""
+        d = self._in_flight(msgid, copy, attempt)
+        if d.extensions >= self.policy.max_extensions:
+            return None
+        d.extensions += 1
+        d.due = now + self.policy.lease_ms
+        return self._move(d, Event.EXTEND, now)
+
+    def release(self, msgid: bytes, copy: str, attempt: int, now: int) -> Change:
+        """Never seen by its recipient (a push that did not leave): no attempt spent."""
+        d = self._in_flight(msgid, copy, attempt)
+        d.attempt -= 1
+        return self._move(d, Event.RELEASE, now)
+
+    def _failed(self, d: Delivery, error: str, now: int) -> Change:
+        d.error = error
+        if d.expires and now >= d.expires:
+            return self._expire(d, now)
+        if d.attempt >= self.policy.retry_times:
+            return self._move(d, Event.GIVE_UP, now, error)
+        backoff = self.policy.backoff_ms
+        wait = backoff[min(max(d.attempt, 1), len(backoff)) - 1]
+        wait = int(wait * (1 + self.policy.jitter * (2 * self.rand() - 1)))
+        d.due = now + wait
+        if d.expires and d.due > d.expires:
+            d.due = d.expires
+        return self._move(d, Event.RETRY, now, f"{d.due} {error}")
+
+    def _expire(self, d: Delivery, now: int) -> Change:
+        d.error = "expired: its ttl ran out"
+        return self._move(d, Event.DROP if self.policy.drop_expired else Event.EXPIRE, now)
+
+    # -- operators --------------------------------------------------------------
+    def replay(self, msgid: bytes, copy: str, now: int) -> Change:
+        d = self._held(msgid, copy, Event.REPLAY)
+        d.attempt = 0
+        d.expires = 0  # a replay lifts the TTL
+        d.error = ""
+        return self._move(d, Event.REPLAY, now)
+
+    def purge(self, msgid: bytes, copy: str, now: int) -> Change:
+        return self._move(self._held(msgid, copy, Event.PURGE), Event.PURGE, now)
+
+    def move(self, msgid: bytes, copy: str, now: int) -> Change:
+        return self._move(self._held(msgid, copy, Event.MOVE), Event.MOVE, now)
+
+    def _held(self, msgid: bytes, copy: str, event: Event) -> Delivery:
+        d = self.deliveries.get((msgid, copy))
+        if d is None:
+            raise Refused(State.ACKED, event)
+        return d
+
+    # -- a new owner -------------------------------------------------------------
+    def apply(
+        self, kind: Record, msgid: bytes, copy: str, attempt: int, extra: str, now: int
+    ) -> bool:
+        """Replay one journal record (False: its delivery is not held, e.g. over in an
+        earlier checkpoint): the derived transitions it needs, then its own, through the
+        same table as live; nothing is recorded again."""
+        d = self.deliveries.get((msgid, copy))
+        if d is None:
+            return False
+        event = EVENT_OF[kind]
+        self.recording = False
+        try:
+            for derived in detour(d.state, event):
+                self._move(d, derived, now)
+            d.attempt = attempt
+            if kind is Record.PUSHED or kind is Record.RETRIED:
+                due, _, rest = extra.partition(" ")
+                d.due = int(due)
+                if kind is Record.PUSHED:
+                    d.recipient = rest
+                else:
+                    d.error = rest
+            elif kind is Record.DEAD or kind is Record.UNDELIVERABLE:
+                d.error = extra
+            elif kind is Record.REPLAYED:
+                d.expires, d.error = 0, ""
+            self._move(d, event, now)
+        finally:
+            self.recording = True
+        return True
+
+    def adopt(self, now: int) -> list[Change]:
+        """After a takeover: what the old owner had in flight is pushed again now (its
+        push connections are gone with it), the attempt counted, or dead when that was
+        the last one."""
+        changes = []
+        for d in [d for d in self.deliveries.values() if d.state is State.IN_FLIGHT]:
+            d.error = "timeout: its owner stopped"
+            if d.attempt >= self.policy.retry_times:
+                changes.append(self._move(d, Event.GIVE_UP, now, d.error))
+            else:
+                d.due = now
+                changes.append(self._move(d, Event.RETRY, now, f"{now} {d.error}"))
+                changes.append(self._move(d, Event.DUE, now))
+        return changes
+
+    def snapshot(self) -> bytes:
+        """Every delivery held, for a checkpoint (content stays in the log)."""
+        return json.dumps(
+            [
+                [
+                    d.entry.decode(),
+                    d.msgid.decode("latin-1"),
+                    d.copy,
+                    d.state.value,
+                    d.attempt,
+                    d.due,
+                    d.recipient,
+                    d.key,
+                    d.deliver_at,
+                    d.expires,
+                    int(d.topic),
+                    d.error,
+                ]
+                for d in self.deliveries.values()
+            ],
+            separators=(",", ":"),
+        ).encode()
+
+    def restore(self, snapshot: bytes, now: int) -> None:
+        """Hold the deliveries of a checkpoint, as they were (a fresh AppQueue)."""
+        rows = json.loads(snapshot)
+        rows.sort(key=lambda r: _entry_order(r[0]))  # keys and pending in stored order
+        for entry, msgid, copy, state, attempt, due, rid, key, at, expires, topic, error in rows:
+            d = Delivery(
+                entry.encode(),
+                msgid.encode("latin-1"),
+                copy,
+                State(state),
+                None,
+                bool(topic),
+                key,
+                at,
+                expires,
+                attempt,
+                due,
+                rid,
+                0,
+                error,
+            )
+            self.deliveries[d.ident] = d
+            if d.topic:
+                self.copies[d.msgid] = self.copies.get(d.msgid, 0) + 1
+            if d.key and d.copy == QUEUE and d.state is not State.DEAD:
+                self.keys.setdefault(d.key, collections.deque()).append(d)
+            if d.state is State.PENDING:
+                self._line(d.copy).append(d)
+            elif d.state in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
+                self._timer(d)
+
+    def drain(self) -> tuple[bytes, list[bytes], list[bytes]]:
+        """The records, the msgids acked and the msgids over since the last drain, for
+        the next flush."""
+        out = END.join(self.records), self.settled, self.forgotten
+        self.records, self.settled, self.forgotten = [], [], []
+        return out
+
+
+def _entry_order(entry: str) -> tuple[int, int]:
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq)
+
+
+def _record(kind: Record, d: Delivery, extra: str) -> bytes:
+    # (a msgid holds no \x1e nor \x1f: the protocol refuses control characters in one)
+    return SEP.join(
+        (kind.value.encode(), d.msgid, d.copy.encode(), b"%d" % d.attempt, extra.encode())
+    )
+
+
+def parse_records(blob: bytes) -> Iterator[tuple[Record, bytes, str, int, str]]:
+    """(kind, msgid, copy, attempt, extra) of each record of a journal entry."""
+    for raw in blob.split(END):
+        kind, msgid, copy, attempt, extra = raw.split(SEP, 4)
+        yield Record(kind.decode()), msgid, copy.decode(), int(attempt), extra.decode()

@@ -1,0 +1,64 @@
+"""A stored message as the log holds it: `m` msgid, `c` content, and `h` a header only
+where the message is not a plain queue message (a topic, a delay, a TTL, an ordering key
+or a traceparent), so that most entries share the stream's field names and Redis stores
+them compactly (a stream's listpack keeps the fields of its first entry once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEP = b"\x1f"  # (no control character is allowed in a key or a traceparent)
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    topic: bool = False
+    deliver_at: int = 0  # unix ms; 0: now
+    expires: int = 0  # unix ms; 0: never
+    key: str = ""
+    trace: str = ""
+
+
+PLAIN = Meta()
+
+
+def encode_header(meta: Meta) -> bytes:
+    if meta == PLAIN:
+        return b""
+    return SEP.join(
+        (
+            b"t" if meta.topic else b"q",
+            b"%d" % meta.deliver_at,
+            b"%d" % meta.expires,
+            meta.key.encode(),
+            meta.trace.encode(),
+        )
+    )
+
+
+def decode_header(header: bytes) -> Meta:
+    if not header:
+        return PLAIN
+    kind, deliver_at, expires, key, trace = header.split(SEP, 4)
+    return Meta(kind == b"t", int(deliver_at), int(expires), key.decode(), trace.decode())
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One log (or inbox) entry as read back."""
+
+    entry: bytes
+    msgid: bytes
+    content: bytes
+    meta: Meta
+
+
+def parse_entry(entry: bytes, fields: list[bytes]) -> Entry:
+    """An entry of XRANGE's reply: its id and [b"m", msgid, b"c", content(, b"h", h)]."""
+    values = dict(zip(fields[::2], fields[1::2], strict=True))
+    return Entry(entry, values[b"m"], values[b"c"], decode_header(values.get(b"h", b"")))
+
+
+def entry_order(entry: bytes) -> tuple[int, int]:
+    ms, _, seq = entry.partition(b"-")
+    return int(ms), int(seq)

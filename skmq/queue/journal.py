@@ -1,0 +1,195 @@
+"""What survives an app's owner, in Redis: the ownership lease and its epoch, the log of
+stored messages, the journal of the owner's transitions, and its checkpoint.
+
+Every write of the owner is one script that first checks the epoch (Kafka's leader
+epoch, BookKeeper's fencing): an owner that stalled past its lease (a pause, SIGSTOP)
+while another broker took the queue over writes nothing, whatever it still believes.
+The keys of one app share its hash tag, so each script runs on one node of a cluster.
+The scripts are in skmq/queue/lua/, one file each, their keys and arguments at the top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from skmq.store.wire import ReplyError, Wire
+
+
+@cache
+def _source(name: str) -> bytes:
+    return (resources.files("skmq.queue") / "lua" / f"{name}.lua").read_bytes()
+
+
+@cache
+def _sha(name: str) -> str:
+    return hashlib.sha1(_source(name)).hexdigest()
+
+
+async def run_script(wire: Wire, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """EVALSHA, loading the script once where the server does not know it yet."""
+    try:
+        return await wire.call("EVALSHA", _sha(name), len(keys), *keys, *args)
+    except ReplyError as err:
+        if err.code != "NOSCRIPT":
+            raise
+    return await wire.call("EVAL", _source(name), len(keys), *keys, *args)
+
+
+def escape_tag(app: str) -> str:
+    """Keep `{`, `}` and `:` out of the hash tag, so that no app id can break the layout."""
+    return app.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
+
+
+@dataclass(frozen=True, slots=True)
+class AppKeys:
+    """The Redis keys of one app's queue (docs/ARCHITECTURE.md has the layout)."""
+
+    base: str
+
+    @classmethod
+    def of(cls, prefix: str, app: str) -> AppKeys:
+        return cls(f"{prefix}:{{{escape_tag(app)}}}:")
+
+    @property
+    def owner(self) -> str:
+        return self.base + "owner"
+
+    @property
+    def epoch(self) -> str:
+        return self.base + "epoch"
+
+    @property
+    def log(self) -> str:
+        return self.base + "log"
+
+    @property
+    def inbox(self) -> str:
+        """Messages stored through other brokers (the owner alone writes the log)."""
+        return self.base + "inbox"
+
+    @property
+    def journal(self) -> str:
+        return self.base + "jr"
+
+    @property
+    def checkpoint(self) -> str:
+        return self.base + "ckpt"
+
+    @property
+    def wakeup(self) -> str:
+        """The channel an append to the inbox tells the owner on."""
+        return self.base + "inbox"
+
+    def done(self, bucket: int) -> str:
+        return f"{self.base}done:{bucket}"
+
+
+class Fenced(Exception):
+    """The queue was taken over: this owner's epoch is no longer the current one."""
+
+    def __init__(self, mine: int, current: int) -> None:
+        super().__init__(f"fenced: epoch {mine} is over, the queue is at epoch {current}")
+        self.mine = mine
+        self.current = current
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    broker: str
+    epoch: int
+
+    @property
+    def holder(self) -> str:
+        return f"{self.broker}:{self.epoch}"
+
+
+async def acquire(wire: Wire, keys: AppKeys, broker: str, lease_ms: int) -> Lease | None:
+    """The queue's lease and a new epoch, or None while another broker holds it."""
+    won, value = await run_script(wire, "acquire", (keys.owner, keys.epoch), (broker, lease_ms))
+    return Lease(broker, int(value)) if won == 1 else None
+
+
+async def renew(wire: Wire, keys: AppKeys, lease: Lease, lease_ms: int) -> bool:
+    """Whether the lease still holds (now for lease_ms more); False: taken over."""
+    args = (lease.holder, lease.epoch, lease_ms)
+    return bool(await run_script(wire, "renew", (keys.owner, keys.epoch), args))
+
+
+async def release(wire: Wire, keys: AppKeys, lease: Lease) -> None:
+    await run_script(wire, "release", (keys.owner,), (lease.holder,))
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """A message for the log: its header is empty for a plain queue message."""
+
+    msgid: bytes
+    content: bytes
+    header: bytes = b""
+
+
+def _fenced(reply: Any, lease: Lease) -> None:
+    if isinstance(reply, list) and reply and reply[0] == b"fenced":
+        raise Fenced(lease.epoch, int(reply[1]))
+
+
+class Journal:
+    """The fenced writes of one app's owner (a holder of `lease`)."""
+
+    def __init__(self, wire: Wire, keys: AppKeys, lease: Lease, dedupe_ms: int) -> None:
+        self.wire = wire
+        self.keys = keys
+        self.lease = lease
+        self.dedupe_ms = dedupe_ms
+
+    def _dedupe(self, now: int) -> tuple[str, str]:
+        bucket = now // self.dedupe_ms
+        return self.keys.done(bucket), self.keys.done(bucket - 1)
+
+    async def flush(
+        self,
+        now: int,
+        messages: Sequence[Appended] = (),
+        records: bytes = b"",
+        settled: Sequence[bytes] = (),
+    ) -> list[bytes | None]:
+        """Append `messages` to the log, `records` to the journal, `settled` to the
+        dedupe window, in one fenced script. Each message's log entry id, or None where
+        its msgid was settled within the dedupe window (a duplicate). Raises Fenced."""
+        cur, prev = self._dedupe(now)
+        args: list[Any] = [self.lease.epoch, 2 * self.dedupe_ms, len(messages)]
+        for m in messages:
+            args += (m.msgid, m.content, m.header)
+        args.append(records)
+        args.extend(settled)
+        keys = (self.keys.epoch, self.keys.log, self.keys.journal, cur, prev)
+        reply = await run_script(self.wire, "flush", keys, args)
+        _fenced(reply, self.lease)
+        return [entry or None for entry in reply]
+
+    async def checkpoint(self, state: bytes, journal_id: bytes, oldest_needed: bytes) -> None:
+        """Keep `state` as of journal entry `journal_id`; drop the journal up to it and
+        the log below `oldest_needed`. Raises Fenced."""
+        keys = (self.keys.epoch, self.keys.checkpoint, self.keys.journal, self.keys.log)
+        args = (self.lease.epoch, state, journal_id, oldest_needed)
+        _fenced(await run_script(self.wire, "checkpoint", keys, args), self.lease)
+
+
+async def append(
+    wire: Wire, keys: AppKeys, now: int, dedupe_ms: int, messages: Sequence[Appended]
+) -> list[bytes | None]:
+    """A store by a broker that does not own the queue: appended to the inbox, and the
+    owner told."""
+    bucket = now // dedupe_ms
+    args: list[Any] = [keys.wakeup]
+    for m in messages:
+        args += (m.msgid, m.content, m.header)
+    reply = await run_script(
+        wire, "append", (keys.inbox, keys.done(bucket), keys.done(bucket - 1)), args
+    )
+    return [entry or None for entry in reply]

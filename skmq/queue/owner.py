@@ -1,0 +1,240 @@
+"""One app's queue as its owner holds it: the deliveries in memory (deliveries.py), what
+must survive in Redis (journal.py), and the two joined: stores, the inbox, flushes,
+checkpoints, and the rebuild of a new owner.
+
+A store is durable when its flush returns, and the flush carries every record made
+since the last one: at a steady rate one Redis call a loop turn serves every message
+of it, stored and settled alike. A topic message is fanned out to the app's registered
+recipients when it is read (the `f` record names them), a copy each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from skmq.clock import now_ms
+from skmq.queue.deliveries import END, QUEUE, SEP, AppQueue, Delivery, Policy, parse_records
+from skmq.queue.entries import PLAIN, Entry, Meta, encode_header, entry_order, parse_entry
+from skmq.queue.journal import Appended, Journal
+from skmq.queue.lifecycle import State
+from skmq.store.wire import Wire
+
+FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
+READ_BATCH = 512
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    msgid: bytes
+    content: bytes
+    meta: Meta = PLAIN
+
+
+class AppOwner:
+    def __init__(
+        self,
+        journal: Journal,
+        policy: Policy,
+        recipients: Callable[[], Sequence[str]],
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        self.journal = journal
+        self.clock = clock
+        self.queue = AppQueue(policy)
+        self.recipients = recipients
+        self.live: set[bytes] = set()  # msgids stored and not over (dedupe)
+        self.log_cursor = b"0-0"  # the last log entry materialised
+        self.inbox_cursor = b"0-0"  # the last inbox entry read
+        self.fanned: list[bytes] = []  # FANNED records for the next flush
+        # topic messages stored while the app had no recipient: fanned out to the first
+        self.unfanned: collections.deque[tuple[Entry, bool]] = collections.deque()
+        self._next: asyncio.Future[None] | None = None  # the flush callers wait for
+
+    @property
+    def wire(self) -> Wire:
+        return self.journal.wire
+
+    # -- materialising -----------------------------------------------------------
+    def _materialise(
+        self, e: Entry, now: int, inbox: bool = False, copies: Sequence[str] | None = None
+    ) -> None:
+        meta = e.meta
+        if meta.topic:
+            if copies is None:
+                copies = list(self.recipients())
+                if not copies:
+                    self.unfanned.append((e, inbox))
+                    return
+                self.fanned.append(SEP.join((FANNED, e.msgid, ",".join(copies).encode())))
+            names: Sequence[str] = copies
+        else:
+            names = (QUEUE,)
+        for copy in names:
+            d = Delivery(e.entry, e.msgid, copy, State.DELAYED, e.content, meta.topic)
+            d.key, d.deliver_at, d.expires = meta.key, meta.deliver_at, meta.expires
+            d.inbox, d.trace = inbox, meta.trace
+            self.queue.add(d, now)
+
+    def fan_out(self, now: int) -> None:
+        """The topic messages that waited for a recipient, copied to those there now."""
+        while self.unfanned and self.recipients():
+            e, inbox = self.unfanned.popleft()
+            self._materialise(e, now, inbox)
+
+    # -- stores -----------------------------------------------------------------
+    async def store(self, messages: Sequence[NewMessage], now: int) -> list[bool]:
+        """Store and flush (durable when this returns); False: a duplicate, not stored.
+        Raises Fenced when the queue was taken over."""
+        fresh: list[NewMessage] = []
+        seen: set[bytes] = set()
+        for m in messages:
+            if m.msgid not in self.live and m.msgid not in seen:
+                fresh.append(m)
+                seen.add(m.msgid)
+        appended = [Appended(m.msgid, m.content, encode_header(m.meta)) for m in fresh]
+        ids = await self.flush(now, appended)
+        stored: dict[bytes, bool] = {}
+        for m, entry in zip(fresh, ids, strict=True):
+            stored[m.msgid] = entry is not None
+            if entry is not None:
+                self.live.add(m.msgid)
+                self._materialise(Entry(entry, m.msgid, m.content, m.meta), now)
+                self.log_cursor = entry
+        return [stored.pop(m.msgid, False) for m in messages]
+
+    async def flush(self, now: int, appended: Sequence[Appended] = ()) -> list[bytes | None]:
+        """One fenced write: `appended` and every record made since the last flush."""
+        records, settled, forgotten = self.queue.drain()
+        if self.fanned:
+            records = END.join([*self.fanned, records] if records else self.fanned)
+            self.fanned = []
+        self.live.difference_update(forgotten)
+        if not appended and not records and not settled:
+            return []
+        return await self.journal.flush(now, appended, records, settled)
+
+    def durable(self) -> asyncio.Future[None]:
+        """A future done when what was recorded so far is in the journal: one flush a
+        loop turn serves every caller of that turn. (Flushes may overlap: each takes its
+        records when it starts, and the one connection keeps their order.)"""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(self._start_flush)
+        return self._next
+
+    def _start_flush(self) -> None:
+        done, self._next = self._next, None
+        assert done is not None
+        task = asyncio.get_running_loop().create_task(self.flush(self.clock()))
+        task.add_done_callback(lambda t: _settle(done, t))
+
+    async def read_inbox(self, now: int) -> int:
+        """Materialise what other brokers stored since the last read (a duplicate of a
+        live message dropped); how many entries were read."""
+        keys = self.journal.keys
+        reply = await self.wire.call(
+            "XRANGE", keys.inbox, b"(" + self.inbox_cursor, "+", "COUNT", READ_BATCH
+        )
+        for entry, fields in reply:
+            e = parse_entry(entry, fields)
+            self.inbox_cursor = entry
+            if e.msgid not in self.live:
+                self.live.add(e.msgid)
+                self._materialise(e, now, inbox=True)
+        return len(reply)
+
+    async def contents(self, deliveries: Sequence[Delivery]) -> None:
+        """Read back the content of deliveries that do not hold it (restored from a
+        checkpoint), in one round trip."""
+        missing = [d for d in deliveries if d.content is None]
+        if not missing:
+            return
+        keys = self.journal.keys
+        replies = await self.wire.call_many(
+            [("XRANGE", keys.inbox if d.inbox else keys.log, d.entry, d.entry) for d in missing]
+        )
+        for d, reply in zip(missing, replies, strict=True):
+            d.content = parse_entry(*reply[0]).content if reply else b""
+
+    # -- checkpoints and a new owner ---------------------------------------------
+    async def checkpoint(self, now: int) -> None:
+        """Flush, then keep the state as of the journal's last entry, and drop what no
+        delivery needs any more."""
+        await self.flush(now)
+        keys = self.journal.keys
+        last = await self.wire.call("XREVRANGE", keys.journal, "+", "-", "COUNT", 1)
+        journal_id = last[0][0] if last else b"0-1"
+        held = [d.entry for d in self.queue.deliveries.values()]
+        oldest = min(held, key=entry_order) if held else _after(self.log_cursor)
+        state = SEP.join((self.log_cursor, self.inbox_cursor, self.queue.snapshot()))
+        await self.journal.checkpoint(state, journal_id, oldest)
+
+    async def load(self, now: int) -> None:
+        """A new owner: the checkpoint, the log and inbox after it (the old owner's
+        materialised entries), the journal's records replayed through the table; then
+        what was in flight is pushed again."""
+        keys = self.journal.keys
+        saved = await self.wire.call("GET", keys.checkpoint)
+        if saved:
+            self.log_cursor, self.inbox_cursor, snapshot = saved.split(SEP, 2)
+            self.queue.restore(snapshot, now)
+            for d in self.queue.deliveries.values():
+                self.live.add(d.msgid)
+        journal = await self._read_all(keys.journal, b"-")
+        fanned: dict[bytes, list[str]] = {}
+        records = []
+        for _, fields in journal:
+            blob = dict(zip(fields[::2], fields[1::2], strict=True))[b"r"]
+            for raw in blob.split(END):
+                if raw.startswith(FANNED + SEP):
+                    _, msgid, names = raw.split(SEP, 2)
+                    fanned[msgid] = names.decode().split(",") if names else []
+                else:
+                    records.append(raw)
+        for inbox in (False, True):
+            stream = keys.inbox if inbox else keys.log
+            start = b"(" + (self.inbox_cursor if inbox else self.log_cursor)
+            for entry, fields in await self._read_all(stream, start):
+                e = parse_entry(entry, fields)
+                if inbox:
+                    self.inbox_cursor = entry
+                else:
+                    self.log_cursor = entry
+                if e.msgid not in self.live:
+                    self.live.add(e.msgid)
+                    copies = fanned.get(e.msgid) if e.meta.topic else None
+                    self._materialise(e, now, inbox, copies)
+        for record in parse_records(END.join(records)) if records else ():
+            self.queue.apply(*record, now)
+        self.queue.adopt(now)
+        self.queue.tick(now)
+        self.live = {d.msgid for d in self.queue.deliveries.values()}
+        self.live.update(e.msgid for e, _ in self.unfanned)
+
+    async def _read_all(self, stream: str, start: bytes) -> list[tuple[bytes, list[bytes]]]:
+        out: list[tuple[bytes, list[bytes]]] = []
+        while True:
+            page = await self.wire.call("XRANGE", stream, start, "+", "COUNT", READ_BATCH)
+            out.extend(page)
+            if len(page) < READ_BATCH:
+                return out
+            start = b"(" + page[-1][0]
+
+
+def _settle(done: asyncio.Future[None], task: asyncio.Task[list[bytes | None]]) -> None:
+    if done.done():
+        return
+    if task.cancelled():
+        done.cancel()
+    elif (exc := task.exception()) is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
+
+
+def _after(entry: bytes) -> bytes:
+    ms, _, seq = entry.partition(b"-")
+    return b"%s-%d" % (ms, int(seq) + 1)

@@ -1,0 +1,335 @@
+"""The apps this broker owns, and the delivery engine's calls on them: claim, finish,
+fail, extend, reap, release and store, answered from the owners' memory (writes go to
+the journal in one flush a loop turn), with the replies the engine's workers take.
+
+An app this broker does not own has nothing to claim here; a store for it goes to its
+inbox, which its owner reads; an answer for it is stale here (its owner holds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
+from skmq.queue.entries import Meta, encode_header
+from skmq.queue.journal import Appended, AppKeys, Journal, Lease, append
+from skmq.queue.lifecycle import Event, Refused, State
+from skmq.queue.owner import AppOwner
+from skmq.queue.owner import NewMessage as Stored
+from skmq.store.store import (
+    SEP,
+    AliveRecipient,
+    Claimed,
+    ClaimResult,
+    Extended,
+    Failed,
+    Finished,
+    NewMessage,
+    Reaped,
+    split_delivery,
+)
+from skmq.store.wire import Wire
+
+ENC = "surrogateescape"
+UNDELIVERABLE = (
+    "undeliverable: content holds CR or LF and no recipient declared the length capability"
+)
+FAILED_CODES = {
+    Event.RETRY: Failed.RETRY,
+    Event.GIVE_UP: Failed.DEAD,
+    Event.EXPIRE: Failed.EXPIRED,
+    Event.DROP: Failed.EXPIRED_DROPPED,
+}
+
+
+def _b(text: str) -> bytes:
+    return text.encode("utf-8", ENC)
+
+
+def _s(raw: bytes) -> str:
+    return raw.decode("utf-8", ENC)
+
+
+def delivery_id(d: Delivery) -> str:
+    return _s(d.msgid) if d.copy == QUEUE else f"{_s(d.msgid)}{SEP}{d.copy}"
+
+
+def _claimed(d: Delivery, kind: str | None = None, content: bytes | None = None) -> Claimed:
+    return Claimed(
+        delivery_id(d),
+        _s(d.msgid),
+        kind or ("topic" if d.topic else "queue"),
+        (d.content or b"") if content is None else content,
+        d.attempt,
+        d.recipient or d.copy,
+        d.stored_at,
+        d.trace,
+    )
+
+
+@dataclass
+class _Bucket:
+    """DELIVERY_RATE's token bucket of one app (a tenth of a second's burst)."""
+
+    tokens: float = -1.0
+    at: int = 0
+
+    def take(self, rate: float, now: int, n: int) -> tuple[int, float]:
+        burst = max(1.0, rate / 10)
+        if self.tokens < 0:
+            self.tokens = burst
+        self.tokens = min(burst, self.tokens + (now - self.at) * rate / 1000)
+        self.at = now
+        granted = min(n, int(self.tokens))
+        self.tokens -= granted
+        wait = 0.0 if granted == n else (1 - self.tokens % 1) / rate
+        return granted, wait
+
+
+@dataclass
+class Owners:
+    wire: Wire
+    prefix: str
+    policy: Policy
+    dedupe_ms: int
+    recipients_of: Callable[[str], Sequence[str]]
+    # take the app now if it is unowned and ours (Ownership.take): a store for an app
+    # nobody owns yet need not wait for the next ownership round
+    take: Callable[[str, int], Awaitable[bool]] | None = None
+    owned: dict[str, AppOwner] = field(default_factory=dict)
+    unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
+    timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
+    buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    # -- ownership -----------------------------------------------------------------
+    async def gained(self, app: str, lease: Lease, now: int) -> AppOwner:
+        keys = AppKeys.of(self.prefix, app)
+        owner = AppOwner(
+            Journal(self.wire, keys, lease, self.dedupe_ms),
+            self.policy,
+            lambda: self.recipients_of(app),
+        )
+        await owner.load(now)
+        self.owned[app] = owner
+        return owner
+
+    def lost(self, app: str) -> None:
+        self.owned.pop(app, None)
+        self.timed_out.pop(app, None)
+
+    def told(self, app: str) -> None:
+        """Another broker appended to the app's inbox (its wake-up): read it next claim."""
+        if app in self.owned:
+            self.unread.add(app)
+
+    def _tick(self, app: str, owner: AppOwner, now: int) -> None:
+        for change in owner.queue.tick(now):
+            if change.source is State.IN_FLIGHT:
+                self.timed_out.setdefault(app, []).append(change)
+
+    # -- the engine's calls ---------------------------------------------------------
+    async def claim(
+        self,
+        app: str,
+        now: int,
+        n: int,
+        alive: Sequence[AliveRecipient],
+        assignment: Sequence[str],
+        rate: float = 0.0,
+        lost: Sequence[str] = (),
+    ) -> ClaimResult:
+        """As Store.claim: queue messages to `assignment` in order, topic copies to the
+        alive recipients with room; the expired and undeliverable met on the way."""
+        owner = self.owned.get(app)
+        if owner is None:
+            return [], None, 0.0
+        q = owner.queue
+        if app in self.unread:
+            self.unread.discard(app)
+            while await owner.read_inbox(now):
+                pass
+        self._tick(app, owner, now)
+        owner.fan_out(now)
+        rate_wait = 0.0
+        if rate > 0:
+            n, rate_wait = self.buckets.setdefault(app, _Bucket()).take(rate, now, n)
+            assignment = assignment[:n]
+        out: list[Claimed] = []
+        capable = next((r.rid for r in alive if r.takes_length), None)
+        length_ok = {r.rid: r.takes_length for r in alive}
+        queue_msgs = list(q.take(len(assignment), now))
+        await owner.contents(queue_msgs)
+        for d, rid in zip(queue_msgs, assignment, strict=False):
+            content = d.content or b""
+            if (b"\r" in content or b"\n" in content) and not length_ok.get(rid):
+                if capable is None:
+                    q.undeliverable(d, UNDELIVERABLE, now)
+                    out.append(_claimed(d, "dead", UNDELIVERABLE.encode()))
+                    continue
+                rid = capable
+            q.push(d, rid, now)
+            out.append(_claimed(d))
+        budget = n - len(queue_msgs)
+        copies: list[Delivery] = []
+        for r in alive:
+            room = min(r.free - sum(1 for c in out if c.recipient == r.rid), budget)
+            for d in list(q.take(max(0, room), now, r.rid)):
+                q.push(d, r.rid, now)
+                copies.append(d)
+                budget -= 1
+        await owner.contents(copies)
+        out.extend(_claimed(d) for d in copies)
+        for change in q.expired:
+            d = change.delivery
+            out.append(_claimed(d, "expired", b"drop" if d.state is State.DROPPED else b"dead"))
+        q.expired.clear()
+        owner.durable()  # (the pushes' records: with the next flush, not awaited)
+        return out, q.next_due(), rate_wait
+
+    async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
+        owner = self.owned.get(app)
+        out: list[Finished] = []
+        for did, attempt in acks:
+            msgid, rid = split_delivery(did)
+            try:
+                if owner is None:
+                    raise Refused(State.ACKED, Event.ACK)
+                d = owner.queue.ack(_b(msgid), rid or QUEUE, attempt, now).delivery
+            except Refused:
+                out.append(Finished(False, 0, 0, ""))
+                continue
+            out.append(Finished(True, d.attempt, d.stored_at, d.recipient, bool(d.key)))
+        if owner is not None and any(f.ok for f in out):
+            await owner.durable()
+        return out
+
+    async def fail(
+        self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
+    ) -> list[Failed]:
+        owner = self.owned.get(app)
+        out: list[Failed] = []
+        for did, outcome, detail, rid_hint, attempt in failures:
+            msgid, rid = split_delivery(did)
+            d = owner.queue.deliveries.get((_b(msgid), rid or QUEUE)) if owner else None
+            # a recipient's failure ends only an attempt pushed to it
+            if owner is None or d is None or (rid is None and rid_hint and d.recipient != rid_hint):
+                out.append(Failed(Failed.STALE, d.attempt if d else 0, 0, rid_hint))
+                continue
+            try:
+                change = owner.queue.fail(d.msgid, d.copy, attempt, f"{outcome}: {detail}", now)
+            except Refused:
+                out.append(Failed(Failed.STALE, d.attempt, 0, rid_hint))
+                continue
+            out.append(Failed(FAILED_CODES[change.event], d.attempt, d.due or now, d.recipient))
+        if owner is not None and any(f.code != Failed.STALE for f in out):
+            await owner.durable()
+        return out
+
+    async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
+        owner = self.owned.get(app)
+        out: list[Extended] = []
+        for did, attempt in leases:
+            msgid, rid = split_delivery(did)
+            try:
+                if owner is None:
+                    raise Refused(State.ACKED, Event.EXTEND)
+                change = owner.queue.extend(_b(msgid), rid or QUEUE, attempt, now)
+            except Refused:
+                out.append(Extended(Extended.STALE, 0, 0))
+                continue
+            d = owner.queue.deliveries[(_b(msgid), rid or QUEUE)]
+            code = Extended.LIMIT if change is None else Extended.EXTENDED
+            out.append(Extended(code, d.extensions, d.due))
+        return out
+
+    async def reap(self, apps: Sequence[str], now: int) -> dict[str, list[Reaped]]:
+        out: dict[str, list[Reaped]] = {}
+        for app in apps:
+            owner = self.owned.get(app)
+            if owner is None:
+                continue
+            self._tick(app, owner, now)
+            changes = self.timed_out.pop(app, [])
+            out[app] = [
+                Reaped(
+                    delivery_id(c.delivery),
+                    Failed(
+                        FAILED_CODES[c.event],
+                        c.delivery.attempt,
+                        c.delivery.due or now,
+                        c.delivery.recipient,
+                    ),
+                )
+                for c in changes
+            ]
+            if changes:
+                await owner.durable()
+        return out
+
+    async def release(self, app: str, ids: Sequence[str], now: int) -> list[bool]:
+        owner = self.owned.get(app)
+        out = []
+        for did in ids:
+            msgid, rid = split_delivery(did)
+            try:
+                if owner is None:
+                    raise Refused(State.ACKED, Event.RELEASE)
+                owner.queue.release(_b(msgid), rid or QUEUE, 0, now)
+                out.append(True)
+            except Refused:
+                out.append(False)
+        if owner is not None and any(out):
+            await owner.durable()
+        return out
+
+    def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
+        """The deliveries of msgid in flight: (delivery id, recipient, attempt)."""
+        owner = self.owned.get(app)
+        if owner is None:
+            return []
+        held = owner.queue.deliveries
+        raw = _b(msgid)
+        found = [held.get((raw, copy)) for copy in (QUEUE, *self.recipients_of(app))]
+        return [
+            (delivery_id(d), d.recipient, d.attempt)
+            for d in found
+            if d is not None and d.state is State.IN_FLIGHT
+        ]
+
+    def holding(self, msgids: Sequence[str]) -> dict[str, list[str]]:
+        """The owned apps holding each msgid (an answer that names no appid)."""
+        return {
+            msgid: [app for app, owner in self.owned.items() if _b(msgid) in owner.live]
+            for msgid in msgids
+        }
+
+    async def store(
+        self, batches: Mapping[str, Sequence[NewMessage]], now: int
+    ) -> dict[str, list[bool]]:
+        """Each message stored (True) or a duplicate (False): through the owner where
+        this broker owns the app, else appended to the app's inbox."""
+
+        async def one(app: str, messages: Sequence[NewMessage]) -> list[bool]:
+            stored = [
+                Stored(
+                    _b(m.msgid),
+                    m.content,
+                    Meta(m.kind == "topic", m.deliver_at, m.expires_at, m.key, m.trace),
+                )
+                for m in messages
+            ]
+            owner = self.owned.get(app)
+            if owner is None and self.take is not None and await self.take(app, now):
+                owner = self.owned.get(app)
+            if owner is not None:
+                return await owner.store(stored, now)
+            appended = [Appended(s.msgid, s.content, encode_header(s.meta)) for s in stored]
+            keys = AppKeys.of(self.prefix, app)
+            ids = await append(self.wire, keys, now, self.dedupe_ms, appended)
+            return [i is not None for i in ids]
+
+        apps = list(batches)
+        results = await asyncio.gather(*(one(app, batches[app]) for app in apps))
+        return dict(zip(apps, results, strict=True))

@@ -1,0 +1,167 @@
+"""One app's owner (skmq/queue/owner.py) over the tests' real Redis: stores, flushes,
+the inbox, checkpoints, and a takeover that rebuilds the state and fences the old
+owner."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from skmq.embedded import EmbeddedRedis
+from skmq.queue.deliveries import QUEUE, Policy
+from skmq.queue.entries import Meta
+from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, acquire, append
+from skmq.queue.lifecycle import State
+from skmq.queue.owner import AppOwner, NewMessage
+from skmq.store.wire import Wire
+
+T = 1_700_000_000_000
+LEASE = 60_000
+DEDUPE = 3_600_000
+POLICY = Policy(retry_times=3, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
+
+
+@pytest.fixture
+async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
+    w = await Wire.connect(redis_server.url)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def keys(prefix: str) -> AppKeys:
+    return AppKeys.of(prefix, "orders")
+
+
+async def owner(wire: Wire, keys: AppKeys, broker: str, recipients: list[str]) -> AppOwner:
+    lease = await acquire(wire, keys, broker, LEASE)
+    assert lease is not None
+    return AppOwner(Journal(wire, keys, lease, DEDUPE), POLICY, lambda: recipients, lambda: T)
+
+
+def msgs(*names: str, **meta: object) -> list[NewMessage]:
+    return [NewMessage(n.encode(), b"body " + n.encode(), Meta(**meta)) for n in names]  # type: ignore[arg-type]
+
+
+def states(o: AppOwner) -> dict[tuple[bytes, str], tuple[State, int]]:
+    return {k: (d.state, d.attempt) for k, d in o.queue.deliveries.items()}
+
+
+async def test_stored_pushed_acked_in_one_write_a_turn(wire: Wire, keys: AppKeys) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    assert await a.store(msgs("m1", "m2"), T) == [True, True]
+    assert await wire.call("XLEN", keys.log) == 2
+    for d in list(a.queue.take(10, T)):
+        a.queue.push(d, "r1", T)
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    # the records ride with the next store
+    assert await a.store(msgs("m3"), T) == [True]
+    assert await wire.call("XLEN", keys.journal) == 1
+    assert await wire.call("SMEMBERS", keys.done(T // DEDUPE)) == [b"m1"]
+    assert await a.store(msgs("m1", "m2", "m4", "m4"), T) == [False, False, True, False]
+
+
+async def test_a_store_on_another_broker_reaches_the_owner_through_the_inbox(
+    wire: Wire, keys: AppKeys
+) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("m1"), T)
+    await append(wire, keys, T, DEDUPE, [Appended(b"m2", b"x"), Appended(b"m1", b"dup")])
+    assert await a.read_inbox(T) == 2
+    assert [d.msgid for d in a.queue.take(10, T)] == [b"m1", b"m2"]
+    assert await a.read_inbox(T) == 0
+
+
+async def test_a_topic_message_is_copied_to_each_recipient(wire: Wire, keys: AppKeys) -> None:
+    a = await owner(wire, keys, "A", ["r1", "r2"])
+    await a.store(msgs("t1", topic=True), T)
+    assert set(a.queue.deliveries) == {(b"t1", "r1"), (b"t1", "r2")}
+
+
+async def test_a_takeover_rebuilds_the_state_and_fences_the_old_owner(
+    wire: Wire, keys: AppKeys
+) -> None:
+    a = await owner(wire, keys, "A", ["r1", "r2"])
+    await a.store(msgs("m1", "m2", "m3", "m4"), T)
+    await a.store(msgs("k1", "k2", key="k"), T)
+    await a.store(msgs("t1", topic=True), T)
+    await a.store(msgs("later", deliver_at=T + 60_000), T)
+    for d in list(a.queue.take(5, T)):  # m1..m4, k1
+        a.queue.push(d, "r1", T)
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    a.queue.fail(b"m2", QUEUE, 1, "error: x", T)
+    await a.checkpoint(T)
+    a.queue.ack(b"k1", QUEUE, 1, T + 1)  # after the checkpoint: from the journal's tail
+    for line in a.queue.lines():  # k2, t1's copies
+        for d in list(a.queue.take(10, T + 1, line)):
+            a.queue.push(d, d.copy or "r2", T + 1)
+    a.queue.ack(b"t1", "r1", 1, T + 1)
+    await a.flush(T + 1)
+    before = states(a)
+
+    await wire.call("DEL", keys.owner)  # A stalls past its lease
+    b = await owner(wire, keys, "B", ["r1", "r2"])
+    await b.load(T + 2)
+    after = states(b)
+    # what A had in flight is pushed again (attempt kept); everything else as A had it
+    for key, (state, attempt) in before.items():
+        if state is State.IN_FLIGHT:
+            assert after[key] == (State.PENDING, attempt), key
+        else:
+            assert after[key] == (state, attempt), key
+    assert set(after) == set(before)
+    await b.contents(list(b.queue.deliveries.values()))
+    assert b.queue.deliveries[(b"m3", QUEUE)].content == b"body m3"
+
+    # A wakes and writes: nothing of it lands
+    log, journal = await wire.call("XLEN", keys.log), await wire.call("XLEN", keys.journal)
+    landed = 0
+    for attempt in (a.store(msgs("late"), T + 3), a.checkpoint(T + 3)):
+        try:
+            await attempt
+            landed += 1
+        except Fenced:
+            pass
+    a.queue.ack(b"m3", QUEUE, 1, T + 3)
+    with pytest.raises(Fenced):
+        await a.flush(T + 3)
+    assert landed == 0
+    assert (await wire.call("XLEN", keys.log), await wire.call("XLEN", keys.journal)) == (
+        log,
+        journal,
+    )
+
+    # B goes on: a second takeover from B's own writes rebuilds the same again
+    assert await b.store(msgs("m5"), T + 4) == [True]
+    await wire.call("DEL", keys.owner)
+    c = await owner(wire, keys, "C", ["r1", "r2"])
+    await c.load(T + 5)
+    assert set(c.queue.deliveries) == set(b.queue.deliveries)
+
+
+async def test_the_answers_of_one_loop_turn_share_one_write(wire: Wire, keys: AppKeys) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs(*(f"m{n}" for n in range(20))), T)
+    for d in list(a.queue.take(20, T)):
+        a.queue.push(d, "r1", T)
+    waits = []
+    for n in range(20):
+        a.queue.ack(f"m{n}".encode(), QUEUE, 1, T)
+        waits.append(a.durable())
+    assert len({id(w) for w in waits}) == 1
+    await asyncio.gather(*waits)
+    assert await wire.call("XLEN", keys.journal) == 1
+    assert await wire.call("SCARD", keys.done(T // DEDUPE)) == 20
+
+
+async def test_a_fenced_write_fails_every_caller_waiting_for_it(wire: Wire, keys: AppKeys) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("m1"), T)
+    await wire.call("DEL", keys.owner)
+    assert await acquire(wire, keys, "B", LEASE) is not None
+    for d in list(a.queue.take(1, T)):
+        a.queue.push(d, "r1", T)
+    with pytest.raises(Fenced):
+        await a.durable()

@@ -1,0 +1,100 @@
+"""The engine's calls on the apps a broker owns (skmq/queue/owners.py), over the tests'
+real Redis: the replies the delivery workers take, from the owners' memory."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from skmq.embedded import EmbeddedRedis
+from skmq.queue.deliveries import Policy
+from skmq.queue.journal import AppKeys, acquire
+from skmq.queue.owners import UNDELIVERABLE, Owners
+from skmq.store import AliveRecipient, Failed, NewMessage
+from skmq.store.wire import Wire
+
+T = 1_700_000_000_000
+POLICY = Policy(retry_times=2, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
+
+
+@pytest.fixture
+async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
+    w = await Wire.connect(redis_server.url)
+    yield w
+    w.close()
+
+
+async def owners(wire: Wire, prefix: str, *apps: str, rids: tuple[str, ...] = ("r1",)) -> Owners:
+    o = Owners(wire, prefix, POLICY, 3_600_000, lambda app: list(rids))
+    for app in apps:
+        lease = await acquire(wire, AppKeys.of(prefix, app), "A", 60_000)
+        assert lease is not None
+        await o.gained(app, lease, T)
+    return o
+
+
+def alive(*rids: str, free: int = 10, length: bool = True) -> list[AliveRecipient]:
+    return [AliveRecipient(r, free, length) for r in rids]
+
+
+async def test_store_claim_ack_as_the_engine_calls_them(wire: Wire, prefix: str) -> None:
+    o = await owners(wire, prefix, "orders")
+    stored = await o.store(
+        {"orders": [NewMessage("m1", "queue", b"one"), NewMessage("m1", "queue", b"dup")]}, T
+    )
+    assert stored == {"orders": [True, False]}
+    claimed, _, _ = await o.claim("orders", T, 10, alive("r1"), ["r1"])
+    assert [(c.delivery_id, c.content, c.attempt, c.recipient) for c in claimed] == [
+        ("m1", b"one", 1, "r1")
+    ]
+    (done,) = await o.finish("orders", [("m1", 1)], T)
+    assert done.ok and done.recipient == "r1"
+    (again,) = await o.finish("orders", [("m1", 1)], T)
+    assert not again.ok
+
+
+async def test_failures_and_timeouts_retry_then_die(wire: Wire, prefix: str) -> None:
+    o = await owners(wire, prefix, "orders")
+    await o.store({"orders": [NewMessage("m1", "queue", b"x"), NewMessage("m2", "queue", b"y")]}, T)
+    await o.claim("orders", T, 10, alive("r1"), ["r1", "r1"])
+    (f,) = await o.fail("orders", [("m1", "rejected", "no", "r1", 1)], T)
+    assert (f.code, f.due) == (Failed.RETRY, T + 100)
+    (stale,) = await o.fail("orders", [("m2", "errored", "x", "someone-else", 1)], T)
+    assert stale.code == Failed.STALE
+    reaped = await o.reap(["orders"], T + 1_000)
+    assert [(r.delivery_id, r.result.code) for r in reaped["orders"]] == [("m2", Failed.RETRY)]
+    claimed, _, _ = await o.claim("orders", T + 1_100, 10, alive("r1"), ["r1", "r1"])
+    assert sorted((c.msgid, c.attempt) for c in claimed) == [("m1", 2), ("m2", 2)]
+    (dead,) = await o.fail("orders", [("m1", "errored", "boom", "r1", 2)], T + 1_200)
+    assert dead.code == Failed.DEAD
+
+
+async def test_topic_copies_go_to_recipients_with_room(wire: Wire, prefix: str) -> None:
+    o = await owners(wire, prefix, "news", rids=("r1", "r2"))
+    await o.store({"news": [NewMessage("t1", "topic", b"x"), NewMessage("t2", "topic", b"y")]}, T)
+    claimed, _, _ = await o.claim("news", T, 10, [*alive("r1", free=1), *alive("r2", free=0)], [])
+    assert [c.delivery_id for c in claimed] == ["t1\x1fr1"]
+    claimed, _, _ = await o.claim("news", T, 10, alive("r1", "r2"), [])
+    assert sorted(c.delivery_id for c in claimed) == ["t1\x1fr2", "t2\x1fr1", "t2\x1fr2"]
+
+
+async def test_content_with_line_breaks_needs_the_length_capability(
+    wire: Wire, prefix: str
+) -> None:
+    o = await owners(wire, prefix, "orders")
+    await o.store({"orders": [NewMessage("m1", "queue", b"a\r\nb")]}, T)
+    claimed, _, _ = await o.claim("orders", T, 1, alive("old", length=False), ["old"])
+    assert [(c.kind, c.content) for c in claimed] == [("dead", UNDELIVERABLE.encode())]
+
+
+async def test_a_broker_that_does_not_own_the_app_stores_to_its_inbox(
+    wire: Wire, prefix: str
+) -> None:
+    owner = await owners(wire, prefix, "orders")
+    other = await owners(wire, prefix)
+    assert await other.store({"orders": [NewMessage("m1", "queue", b"x")]}, T) == {"orders": [True]}
+    assert await other.claim("orders", T, 10, alive("r1"), ["r1"]) == ([], None, 0.0)
+    owner.told("orders")
+    claimed, _, _ = await owner.claim("orders", T, 10, alive("r1"), ["r1"])
+    assert [c.delivery_id for c in claimed] == ["m1"]

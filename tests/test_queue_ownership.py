@@ -1,0 +1,99 @@
+"""Ownership of apps' queues among brokers (skmq/queue/ownership.py), over the tests'
+real Redis; time is passed in, and a lease running out is its key's expiry."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from skmq.embedded import EmbeddedRedis
+from skmq.queue.journal import AppKeys, Lease
+from skmq.queue.ownership import Ownership, preferred
+from skmq.store.wire import Wire
+
+T = 1_700_000_000_000
+LEASE = 3_000
+APPS = [f"app{n}" for n in range(24)]
+
+
+@pytest.fixture
+async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
+    w = await Wire.connect(redis_server.url)
+    yield w
+    w.close()
+
+
+def broker(name: str, wire: Wire, prefix: str, log: list[tuple[str, str, int]]) -> Ownership:
+    async def gained(app: str, lease: Lease) -> None:
+        log.append((name, app, lease.epoch))
+
+    async def lost(app: str) -> None:
+        log.append((name, app, -1))
+
+    return Ownership(name, prefix, LEASE, lambda app: wire, wire, gained, lost)
+
+
+async def run_out(wire: Wire, prefix: str, o: Ownership) -> None:
+    """o stops (killed or paused): its leases and its membership run out."""
+    for app in o.held:
+        await wire.call("DEL", AppKeys.of(prefix, app).owner)
+    await wire.call("ZREM", o.members_key, o.broker)
+
+
+async def test_each_app_has_one_owner_spread_over_the_live_brokers(wire: Wire, prefix: str) -> None:
+    log: list[tuple[str, str, int]] = []
+    a, b = broker("A", wire, prefix, log), broker("B", wire, prefix, log)
+    await a.live(T)
+    await b.live(T)
+    for o in (a, b, a, b):
+        await o.round(APPS, T)
+    assert set(a.held).isdisjoint(b.held) and set(a.held) | set(b.held) == set(APPS)
+    assert set(a.held) == {app for app in APPS if preferred(app, ["A", "B"]) == "A"}
+    assert 0 < len(a.held) < len(APPS)
+
+
+async def test_a_dead_brokers_apps_go_to_the_others_after_the_lease(
+    wire: Wire, prefix: str
+) -> None:
+    log: list[tuple[str, str, int]] = []
+    a, b = broker("A", wire, prefix, log), broker("B", wire, prefix, log)
+    await a.live(T)
+    await b.live(T)
+    await a.round(APPS, T)
+    await b.round(APPS, T)
+    theirs = dict(b.held)
+    await run_out(wire, prefix, b)
+    await a.round(APPS, T + 1)  # B is no longer alive: A prefers those apps now
+    assert set(a.held) == set(APPS)
+    assert all(a.held[app].epoch == lease.epoch + 1 for app, lease in theirs.items())
+
+    # B wakes (SIGCONT): its renewals fail, it lets go of every app it believed it held
+    await b.round(APPS, T + 2)
+    assert not b.held
+    assert {app for name, app, epoch in log if name == "B" and epoch == -1} == set(theirs)
+
+
+async def test_an_app_preferred_by_a_silent_broker_is_taken_after_a_lease(
+    wire: Wire, prefix: str
+) -> None:
+    log: list[tuple[str, str, int]] = []
+    a = broker("A", wire, prefix, log)
+    await wire.call("ZADD", a.members_key, T + 60_000, "ghost")  # alive on paper only
+    await a.round(APPS, T)
+    mine = set(a.held)
+    assert mine == {app for app in APPS if preferred(app, ["A", "ghost"]) == "A"}
+    await a.round(APPS, T + LEASE)
+    assert set(a.held) == set(APPS)
+
+
+async def test_a_broker_that_stops_hands_its_apps_over_at_once(wire: Wire, prefix: str) -> None:
+    log: list[tuple[str, str, int]] = []
+    a, b = broker("A", wire, prefix, log), broker("B", wire, prefix, log)
+    await a.live(T)
+    await b.live(T)
+    await a.round(APPS, T)
+    await b.round(APPS, T)
+    await a.release_all()
+    await b.round(APPS, T + 1)
+    assert set(b.held) == set(APPS) and not a.held
