@@ -110,15 +110,18 @@ def _read_report(out: Path) -> dict[str, Any] | None:
 async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     make_broker: BrokerFactory, spark: Any, tmp_path: Path
 ) -> None:
-    """A broker with traffic (acked, dead-lettered, one message nobody takes) rotating
-    and compressing small files; `skmq audit --follow` watches it in a subprocess,
-    reports as traffic goes on, prints the stuck delivery once; after SIGTERM its
-    final report equals a batch audit of the same directory."""
-    broker = await make_broker(data_dir=tmp_path / "data", log_rotate_bytes=4096)
+    """A broker with traffic (acked, dead-lettered, one message pushed and never
+    answered, one with no recipient) rotating and compressing small files; `skmq audit
+    --follow` watches it in a subprocess, reports as traffic goes on, prints the stuck
+    delivery once; after SIGTERM its final report equals a batch audit of the same
+    directory."""
+    # (a lease longer than the test: the unanswered push stays in flight, stuck)
+    broker = await make_broker(data_dir=tmp_path / "data", log_rotate_bytes=4096, ack_timeout=600.0)
     log_dir = broker.settings.delivery_log_dir
     good = await FakeRecipient("shop", "r1").start()
     bad = await FakeRecipient("bad", "r9", lambda frame: "reject").start()
-    for rec in (good, bad):
+    silent = await FakeRecipient("hold", "r5", lambda frame: "silent").start()
+    for rec in (good, bad, silent):
         assert (await rec.register(broker.server.port))["status"] == "ack"
     out = tmp_path / "follow"
     stdout, stderr = tmp_path / "follow.out", tmp_path / "follow.err"
@@ -135,7 +138,8 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
         client = await RawClient.connect(broker.server.port)
         answers = await client.produce("shop", [f"a{i}" for i in range(30)])
         answers += await client.produce("bad", [f"d{i}" for i in range(3)])
-        answers += await client.produce("nobody", ["lost"])  # no recipient: stuck
+        answers += await client.produce("hold", ["held"])  # pushed, never answered: stuck
+        answers += await client.produce("nobody", ["lost"])  # no recipient: waiting
         assert {a["status"] for a in answers} == {"ack"}
 
         async def reported(acked: int, dead: int) -> bool:
@@ -150,7 +154,7 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
         await eventually(lambda: reported(30, 3), 400)  # a JVM start on a busy machine
         first = _read_report(out)
         assert first is not None and first["follow"]["final"] is False
-        # more traffic, 1.5 s on: the lost message is past --stuck-after by the log's clock
+        # more traffic, 1.5 s on: the held push is past --stuck-after by the log's clock
         await asyncio.sleep(1.5)
         answers = await client.produce("shop", [f"b{i}" for i in range(30)])
         assert {a["status"] for a in answers} == {"ack"}
@@ -160,6 +164,7 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
             await rec.stop()
         broker.stopping.set()
         await broker.stop()  # flushes and compresses the log
+        await silent.stop()  # (after the broker: a connection lost would be an answer)
         assert any(p.name.endswith(".jsonl.gz") for p in log_dir.iterdir())
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(300):
@@ -181,11 +186,13 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     totals = final["totals"]
     assert (totals["acked"], totals["dead_lettered"]) == (60, 3)
     assert final["unresolved"]["stuck"] >= 1
+    assert final["unresolved"]["waiting_for_recipient"] >= 1  # never pushed: not stuck
     # each stuck delivery once, on stdout and in the report
     printed = [line for line in stdout.read_text().splitlines() if line.startswith("stuck: ")]
     assert len(printed) == len(set(printed)) == final["follow"]["stuck_reported"]
-    assert any(line.startswith("stuck: nobody lost") for line in printed)
-    assert {(s["appid"], s["msgid"]) for s in final["follow"]["stuck"]} >= {("nobody", "lost")}
+    assert any(line.startswith("stuck: hold held") for line in printed)
+    assert not any(line.startswith("stuck: nobody") for line in printed)
+    assert {(s["appid"], s["msgid"]) for s in final["follow"]["stuck"]} >= {("hold", "held")}
 
 
 @needs_java
