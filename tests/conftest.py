@@ -27,6 +27,7 @@ from skmq.codec import PONG, encode_frame
 from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured
+from skmq.store.wire import Wire
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
@@ -105,6 +106,14 @@ def spark() -> Iterator[Any]:
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
+    """A lean connection (skmq/store/wire.py) to the session's Redis."""
+    w = await Wire.connect(redis_server.url)
+    yield w
+    w.close()
 
 
 @pytest.fixture

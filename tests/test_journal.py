@@ -4,7 +4,6 @@ log, the journal, dedupe and checkpoints, against the tests' real Redis."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -25,13 +24,6 @@ from skmq.store.wire import Wire
 NOW = 1_700_000_000_000
 LEASE = 60_000
 DEDUPE = 3_600_000
-
-
-@pytest.fixture
-async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
-    w = await Wire.connect(redis_server.url)
-    yield w
-    w.close()
 
 
 @pytest.fixture

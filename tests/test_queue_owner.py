@@ -5,11 +5,9 @@ owner."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
-from skmq.embedded import EmbeddedRedis
 from skmq.queue.deliveries import QUEUE, Policy
 from skmq.queue.entries import Meta
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, acquire, append
@@ -21,13 +19,6 @@ T = 1_700_000_000_000
 LEASE = 60_000
 DEDUPE = 3_600_000
 POLICY = Policy(retry_times=3, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
-
-
-@pytest.fixture
-async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
-    w = await Wire.connect(redis_server.url)
-    yield w
-    w.close()
 
 
 @pytest.fixture

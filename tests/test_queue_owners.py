@@ -3,11 +3,6 @@ real Redis: the replies the delivery workers take, from the owners' memory."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
-from skmq.embedded import EmbeddedRedis
 from skmq.queue.deliveries import Policy
 from skmq.queue.journal import AppKeys, acquire
 from skmq.queue.owners import UNDELIVERABLE, Owners
@@ -16,13 +11,6 @@ from skmq.store.wire import Wire
 
 T = 1_700_000_000_000
 POLICY = Policy(retry_times=2, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
-
-
-@pytest.fixture
-async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
-    w = await Wire.connect(redis_server.url)
-    yield w
-    w.close()
 
 
 async def owners(wire: Wire, prefix: str, *apps: str, rids: tuple[str, ...] = ("r1",)) -> Owners:

@@ -3,11 +3,6 @@ real Redis; time is passed in, and a lease running out is its key's expiry."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
-from skmq.embedded import EmbeddedRedis
 from skmq.queue.journal import AppKeys, Lease
 from skmq.queue.ownership import Ownership, preferred
 from skmq.store.wire import Wire
@@ -15,13 +10,6 @@ from skmq.store.wire import Wire
 T = 1_700_000_000_000
 LEASE = 3_000
 APPS = [f"app{n}" for n in range(24)]
-
-
-@pytest.fixture
-async def wire(redis_server: EmbeddedRedis) -> AsyncIterator[Wire]:
-    w = await Wire.connect(redis_server.url)
-    yield w
-    w.close()
 
 
 def broker(name: str, wire: Wire, prefix: str, log: list[tuple[str, str, int]]) -> Ownership:
