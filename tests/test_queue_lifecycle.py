@@ -7,46 +7,46 @@ import pytest
 
 from skmq.queue.lifecycle import (
     DERIVED,
-    EVENT_OF,
     OVER,
     TABLE,
-    Event,
+    TRIGGER_OF,
     Record,
     Refused,
     State,
+    Trigger,
     detour,
     step,
 )
 
 ROWS = [(s, e, rule) for s, rules in TABLE.items() for e, rule in rules.items()]
-REFUSALS = [(s, e) for s in State for e in Event if e not in TABLE[s]]
+REFUSALS = [(s, e) for s in State for e in Trigger if e not in TABLE[s]]
 
 
-@pytest.mark.parametrize(("state", "event", "rule"), ROWS, ids=lambda x: str(x))
-def test_each_transition(state: State, event: Event, rule: object) -> None:
-    assert step(state, event) is rule
+@pytest.mark.parametrize(("state", "trigger", "rule"), ROWS, ids=lambda x: str(x))
+def test_each_transition(state: State, trigger: Trigger, rule: object) -> None:
+    assert step(state, trigger) is rule
 
 
-@pytest.mark.parametrize(("state", "event"), REFUSALS, ids=lambda x: str(x))
-def test_each_refusal_names_the_state_and_the_event(state: State, event: Event) -> None:
+@pytest.mark.parametrize(("state", "trigger"), REFUSALS, ids=lambda x: str(x))
+def test_each_refusal_names_the_state_and_the_event(state: State, trigger: Trigger) -> None:
     with pytest.raises(Refused) as refused:
-        step(state, event)
-    assert refused.value.state is state and refused.value.event is event
-    assert str(state) in str(refused.value) and str(event) in str(refused.value)
+        step(state, trigger)
+    assert refused.value.state is state and refused.value.trigger is trigger
+    assert str(state) in str(refused.value) and str(trigger) in str(refused.value)
 
 
 def test_the_rows_users_rely_on() -> None:
-    assert step(State.IN_FLIGHT, Event.ACK).target is State.ACKED
-    assert step(State.IN_FLIGHT, Event.RETRY).target is State.WAITING_RETRY
-    assert step(State.IN_FLIGHT, Event.GIVE_UP).target is State.DEAD
-    assert step(State.DEAD, Event.REPLAY).target is State.PENDING
+    assert step(State.IN_FLIGHT, Trigger.ACK).target is State.ACKED
+    assert step(State.IN_FLIGHT, Trigger.RETRY).target is State.WAITING_RETRY
+    assert step(State.IN_FLIGHT, Trigger.GIVE_UP).target is State.DEAD
+    assert step(State.DEAD, Trigger.REPLAY).target is State.PENDING
     for state in (State.DELAYED, State.PENDING, State.WAITING_RETRY, State.DEAD):
         with pytest.raises(Refused):
-            step(state, Event.ACK)  # only a delivery in flight can be acked
+            step(state, Trigger.ACK)  # only a delivery in flight can be acked
     for state in State:
         if state is not State.DEAD:
             with pytest.raises(Refused):
-                step(state, Event.REPLAY)  # only a dead letter can be replayed
+                step(state, Trigger.REPLAY)  # only a dead letter can be replayed
 
 
 def test_over_is_final_and_every_other_state_has_a_way_out() -> None:
@@ -56,31 +56,31 @@ def test_over_is_final_and_every_other_state_has_a_way_out() -> None:
 
 def test_every_record_stands_for_one_event() -> None:
     recorded = [rule.record for rules in TABLE.values() for rule in rules.values()]
-    assert set(EVENT_OF) == set(Record) == {r for r in recorded if r is not None}
+    assert set(TRIGGER_OF) == set(Record) == {r for r in recorded if r is not None}
     for state, rules in TABLE.items():
-        for event, rule in rules.items():
+        for trigger, rule in rules.items():
             if rule.record is not None:
-                assert EVENT_OF[rule.record] is event, (state, event)
+                assert TRIGGER_OF[rule.record] is trigger, (state, trigger)
 
 
 def test_derived_transitions_carry_no_record() -> None:
-    for state, event in DERIVED.items():
-        assert TABLE[state][event].record is None
+    for state, trigger in DERIVED.items():
+        assert TABLE[state][trigger].record is None
 
 
 def test_a_replayed_record_takes_the_derived_steps_it_needs() -> None:
     # pushed after its delay ran out, and after the one before it in its key was over
-    assert detour(State.DELAYED, Event.PUSH) == [Event.DUE]
-    assert detour(State.WAITING_KEY, Event.PUSH) == [Event.KEY_FREE, Event.DUE]
-    assert detour(State.WAITING_RETRY, Event.PUSH) == [Event.DUE]
-    assert detour(State.IN_FLIGHT, Event.ACK) == []
-    assert detour(State.DELAYED, Event.PURGE) == []  # no detour: its own row
+    assert detour(State.DELAYED, Trigger.PUSH) == [Trigger.DUE]
+    assert detour(State.WAITING_KEY, Trigger.PUSH) == [Trigger.KEY_FREE, Trigger.DUE]
+    assert detour(State.WAITING_RETRY, Trigger.PUSH) == [Trigger.DUE]
+    assert detour(State.IN_FLIGHT, Trigger.ACK) == []
+    assert detour(State.DELAYED, Trigger.PURGE) == []  # no detour: its own row
 
 
 def test_a_record_no_path_leads_to_is_refused() -> None:
     with pytest.raises(Refused):
-        detour(State.PENDING, Event.ACK)  # acked, never pushed
+        detour(State.PENDING, Trigger.ACK)  # acked, never pushed
     with pytest.raises(Refused):
-        detour(State.ACKED, Event.PUSH)
+        detour(State.ACKED, Trigger.PUSH)
     with pytest.raises(Refused):
-        detour(State.DEAD, Event.ACK)
+        detour(State.DEAD, Trigger.ACK)

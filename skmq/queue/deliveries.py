@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from skmq.queue.lifecycle import EVENT_OF, OVER, Event, Record, Refused, State, detour, step
+from skmq.queue.lifecycle import OVER, TRIGGER_OF, Record, Refused, State, Trigger, detour, step
 
 QUEUE = ""  # the copy of a queue message: one delivery for all the app's recipients
 SEP = b"\x1f"  # between a record's fields
@@ -72,7 +72,7 @@ class Change:
     """A transition made: what the caller logs (the delivery log) and tells."""
 
     delivery: Delivery
-    event: Event
+    trigger: Trigger
     source: State
 
 
@@ -97,9 +97,9 @@ class AppQueue:
     _seq: int = 0
 
     # -- the table ---------------------------------------------------------
-    def _move(self, d: Delivery, event: Event, now: int, extra: str = "") -> Change:
+    def _move(self, d: Delivery, trigger: Trigger, now: int, extra: str = "") -> Change:
         source = d.state
-        rule = step(source, event)
+        rule = step(source, trigger)
         d.state = rule.target
         if rule.record is not None and self.recording:
             self.records.append(_record(rule.record, d, extra))
@@ -110,7 +110,7 @@ class AppQueue:
             self._timer(d)
         if target in OVER or target is State.DEAD:
             self._over(d, now)
-        return Change(d, event, source)
+        return Change(d, trigger, source)
 
     def _timer(self, d: Delivery) -> None:
         self._seq += 1
@@ -126,9 +126,9 @@ class AppQueue:
                 if waiting:
                     nxt = waiting[0]
                     nxt.due = max(nxt.deliver_at, now)
-                    self._move(nxt, Event.KEY_FREE, now)
+                    self._move(nxt, Trigger.KEY_FREE, now)
                     if nxt.due <= now:
-                        self._move(nxt, Event.DUE, now)
+                        self._move(nxt, Trigger.DUE, now)
                 else:
                     del self.keys[d.key]
         if d.state in OVER:
@@ -169,7 +169,7 @@ class AppQueue:
                 d.state = State.WAITING_KEY
                 return
         if d.due <= now:
-            self._move(d, Event.DUE, now)
+            self._move(d, Trigger.DUE, now)
         else:
             self._timer(d)
 
@@ -190,7 +190,7 @@ class AppQueue:
             if d.state is State.IN_FLIGHT:
                 changes.append(self._failed(d, "timeout: no answer in time", now))
             else:
-                changes.append(self._move(d, Event.DUE, now))
+                changes.append(self._move(d, Trigger.DUE, now))
         return changes
 
     # -- pushing --------------------------------------------------------------
@@ -226,7 +226,7 @@ class AppQueue:
         d.recipient = recipient
         d.extensions = 0
         d.due = now + self.policy.lease_ms
-        return self._move(d, Event.PUSH, now, f"{d.due} {recipient}")
+        return self._move(d, Trigger.PUSH, now, f"{d.due} {recipient}")
 
     def put_back(self, d: Delivery) -> None:
         """A delivery `take` gave that the caller could not push now: first again."""
@@ -234,20 +234,20 @@ class AppQueue:
 
     def undeliverable(self, d: Delivery, reason: str, now: int) -> Change:
         d.error = reason
-        return self._move(d, Event.UNDELIVERABLE, now, reason)
+        return self._move(d, Trigger.UNDELIVERABLE, now, reason)
 
     # -- answers --------------------------------------------------------------
     def _in_flight(self, msgid: bytes, copy: str, attempt: int) -> Delivery:
         """The delivery an answer names: in flight, and (unless 0) that attempt."""
         d = self.deliveries.get((msgid, copy))
         if d is None:
-            raise Refused(State.ACKED, Event.ACK)  # (over, or never held: nothing to do)
+            raise Refused(State.ACKED, Trigger.ACK)  # (over, or never held: nothing to do)
         if d.state is not State.IN_FLIGHT or (attempt and d.attempt != attempt):
-            raise Refused(d.state, Event.ACK)
+            raise Refused(d.state, Trigger.ACK)
         return d
 
     def ack(self, msgid: bytes, copy: str, attempt: int, now: int) -> Change:
-        return self._move(self._in_flight(msgid, copy, attempt), Event.ACK, now)
+        return self._move(self._in_flight(msgid, copy, attempt), Trigger.ACK, now)
 
     def fail(self, msgid: bytes, copy: str, attempt: int, error: str, now: int) -> Change:
         return self._failed(self._in_flight(msgid, copy, attempt), error, now)
@@ -259,50 +259,50 @@ class AppQueue:
             return None
         d.extensions += 1
         d.due = now + self.policy.lease_ms
-        return self._move(d, Event.EXTEND, now)
+        return self._move(d, Trigger.EXTEND, now)
 
     def release(self, msgid: bytes, copy: str, attempt: int, now: int) -> Change:
         """Never seen by its recipient (a push that did not leave): no attempt spent."""
         d = self._in_flight(msgid, copy, attempt)
         d.attempt -= 1
-        return self._move(d, Event.RELEASE, now)
+        return self._move(d, Trigger.RELEASE, now)
 
     def _failed(self, d: Delivery, error: str, now: int) -> Change:
         d.error = error
         if d.expires and now >= d.expires:
             return self._expire(d, now)
         if d.attempt >= self.policy.retry_times:
-            return self._move(d, Event.GIVE_UP, now, error)
+            return self._move(d, Trigger.GIVE_UP, now, error)
         backoff = self.policy.backoff_ms
         wait = backoff[min(max(d.attempt, 1), len(backoff)) - 1]
         wait = int(wait * (1 + self.policy.jitter * (2 * self.rand() - 1)))
         d.due = now + wait
         if d.expires and d.due > d.expires:
             d.due = d.expires
-        return self._move(d, Event.RETRY, now, f"{d.due} {error}")
+        return self._move(d, Trigger.RETRY, now, f"{d.due} {error}")
 
     def _expire(self, d: Delivery, now: int) -> Change:
         d.error = "expired: its ttl ran out"
-        return self._move(d, Event.DROP if self.policy.drop_expired else Event.EXPIRE, now)
+        return self._move(d, Trigger.DROP if self.policy.drop_expired else Trigger.EXPIRE, now)
 
     # -- operators --------------------------------------------------------------
     def replay(self, msgid: bytes, copy: str, now: int) -> Change:
-        d = self._held(msgid, copy, Event.REPLAY)
+        d = self._held(msgid, copy, Trigger.REPLAY)
         d.attempt = 0
         d.expires = 0  # a replay lifts the TTL
         d.error = ""
-        return self._move(d, Event.REPLAY, now)
+        return self._move(d, Trigger.REPLAY, now)
 
     def purge(self, msgid: bytes, copy: str, now: int) -> Change:
-        return self._move(self._held(msgid, copy, Event.PURGE), Event.PURGE, now)
+        return self._move(self._held(msgid, copy, Trigger.PURGE), Trigger.PURGE, now)
 
     def move(self, msgid: bytes, copy: str, now: int) -> Change:
-        return self._move(self._held(msgid, copy, Event.MOVE), Event.MOVE, now)
+        return self._move(self._held(msgid, copy, Trigger.MOVE), Trigger.MOVE, now)
 
-    def _held(self, msgid: bytes, copy: str, event: Event) -> Delivery:
+    def _held(self, msgid: bytes, copy: str, trigger: Trigger) -> Delivery:
         d = self.deliveries.get((msgid, copy))
         if d is None:
-            raise Refused(State.ACKED, event)
+            raise Refused(State.ACKED, trigger)
         return d
 
     # -- a new owner -------------------------------------------------------------
@@ -315,10 +315,10 @@ class AppQueue:
         d = self.deliveries.get((msgid, copy))
         if d is None:
             return False
-        event = EVENT_OF[kind]
+        trigger = TRIGGER_OF[kind]
         self.recording = False
         try:
-            for derived in detour(d.state, event):
+            for derived in detour(d.state, trigger):
                 self._move(d, derived, now)
             d.attempt = attempt
             if kind is Record.PUSHED or kind is Record.RETRIED:
@@ -332,7 +332,7 @@ class AppQueue:
                 d.error = extra
             elif kind is Record.REPLAYED:
                 d.expires, d.error = 0, ""
-            self._move(d, event, now)
+            self._move(d, trigger, now)
         finally:
             self.recording = True
         return True
@@ -345,11 +345,11 @@ class AppQueue:
         for d in [d for d in self.deliveries.values() if d.state is State.IN_FLIGHT]:
             d.error = "timeout: its owner stopped"
             if d.attempt >= self.policy.retry_times:
-                changes.append(self._move(d, Event.GIVE_UP, now, d.error))
+                changes.append(self._move(d, Trigger.GIVE_UP, now, d.error))
             else:
                 d.due = now
-                changes.append(self._move(d, Event.RETRY, now, f"{now} {d.error}"))
-                changes.append(self._move(d, Event.DUE, now))
+                changes.append(self._move(d, Trigger.RETRY, now, f"{now} {d.error}"))
+                changes.append(self._move(d, Trigger.DUE, now))
         return changes
 
     def snapshot(self) -> bytes:

@@ -4,7 +4,7 @@ A delivery is one message for one consumer: the app's push recipients (a `queue`
 message), one recipient's copy of a `topic` message, or one consumer group's entry.
 Its owner (the broker that holds the app's queue, skmq/queue/ownership.py) keeps every
 delivery's state in memory and changes it only through `step`, which looks the state
-and the event up in `TABLE`: a pair the table lacks is refused, naming both, and changes
+and the trigger up in `TABLE`: a pair the table lacks is refused, naming both, and changes
 nothing (an ack for a delayed message, a replay of one that is not dead). Each row also
 names the record that the journal (skmq/queue/journal.py) appends for it, or none where
 the change need not survive the owner (a lease extended, a key freed, a delay run out:
@@ -50,7 +50,7 @@ class State(enum.StrEnum):
 OVER = frozenset({State.ACKED, State.DROPPED, State.PURGED, State.MOVED})
 
 
-class Event(enum.StrEnum):
+class Trigger(enum.StrEnum):
     KEY_FREE = "key_free"
     DUE = "due"
     PUSH = "push"
@@ -89,10 +89,10 @@ class Rule:
     record: Record | None  # None: nothing to journal (derived again by a new owner)
 
 
-S, E, R = State, Event, Record
+S, E, R = State, Trigger, Record
 WAITING = (S.DELAYED, S.PENDING, S.WAITING_KEY, S.WAITING_RETRY)
 
-TABLE: dict[State, dict[Event, Rule]] = {
+TABLE: dict[State, dict[Trigger, Rule]] = {
     S.DELAYED: {
         E.DUE: Rule(S.PENDING, None),
         E.EXPIRE: Rule(S.DEAD, R.EXPIRED),
@@ -138,18 +138,18 @@ TABLE: dict[State, dict[Event, Rule]] = {
     S.MOVED: {},
 }
 
-# A journal record names the event it stands for: replaying it is the same `step`.
-EVENT_OF: dict[Record, Event] = {
-    rule.record: event
+# A journal record names the trigger it stands for: replaying it is the same `step`.
+TRIGGER_OF: dict[Record, Trigger] = {
+    rule.record: trigger
     for rules in TABLE.values()
-    for event, rule in rules.items()
+    for trigger, rule in rules.items()
     if rule.record is not None
 }
 
 # The transitions no record stands for, each the one way forward from its state: a new
 # owner replaying a record that its state refuses takes these first (a delivery whose
 # delay ran out before it was pushed has no record of falling due).
-DERIVED: dict[State, Event] = {
+DERIVED: dict[State, Trigger] = {
     S.WAITING_KEY: E.KEY_FREE,
     S.DELAYED: E.DUE,
     S.WAITING_RETRY: E.DUE,
@@ -157,32 +157,32 @@ DERIVED: dict[State, Event] = {
 
 
 class Refused(Exception):
-    """An event the table has no row for, in the state the delivery is in."""
+    """A trigger the table has no row for, in the state the delivery is in."""
 
-    def __init__(self, state: State, event: Event) -> None:
-        super().__init__(f"{event} refused: the delivery is {state}")
+    def __init__(self, state: State, trigger: Trigger) -> None:
+        super().__init__(f"{trigger} refused: the delivery is {state}")
         self.state = state
-        self.event = event
+        self.trigger = trigger
 
 
-def step(state: State, event: Event) -> Rule:
-    """The rule for `event` in `state`, or Refused."""
-    rule = TABLE[state].get(event)
+def step(state: State, trigger: Trigger) -> Rule:
+    """The rule for `trigger` in `state`, or Refused."""
+    rule = TABLE[state].get(trigger)
     if rule is None:
-        raise Refused(state, event)
+        raise Refused(state, trigger)
     return rule
 
 
-def detour(state: State, event: Event) -> list[Event]:
-    """The derived transitions a delivery in `state` takes before `event`, as a new owner
+def detour(state: State, trigger: Trigger) -> list[Trigger]:
+    """The derived transitions a delivery in `state` takes before `trigger`, as a new owner
     replays a record (a push recorded for a delivery whose delay it has not seen run
-    out); Refused where none leads to a state that takes `event`."""
-    path: list[Event] = []
+    out); Refused where none leads to a state that takes `trigger`."""
+    path: list[Trigger] = []
     at = state
-    while event not in TABLE[at]:
+    while trigger not in TABLE[at]:
         derived = DERIVED.get(at)
         if derived is None:
-            raise Refused(state, event)
+            raise Refused(state, trigger)
         path.append(derived)
         at = TABLE[at][derived].target
     return path

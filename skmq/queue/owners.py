@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import Appended, AppKeys, Journal, Lease, append
-from skmq.queue.lifecycle import Event, Refused, State
+from skmq.queue.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as Stored
 from skmq.store.store import (
@@ -37,10 +37,10 @@ UNDELIVERABLE = (
     "undeliverable: content holds CR or LF and no recipient declared the length capability"
 )
 FAILED_CODES = {
-    Event.RETRY: Failed.RETRY,
-    Event.GIVE_UP: Failed.DEAD,
-    Event.EXPIRE: Failed.EXPIRED,
-    Event.DROP: Failed.EXPIRED_DROPPED,
+    Trigger.RETRY: Failed.RETRY,
+    Trigger.GIVE_UP: Failed.DEAD,
+    Trigger.EXPIRE: Failed.EXPIRED,
+    Trigger.DROP: Failed.EXPIRED_DROPPED,
 }
 
 
@@ -195,7 +195,7 @@ class Owners:
             msgid, rid = split_delivery(did)
             try:
                 if owner is None:
-                    raise Refused(State.ACKED, Event.ACK)
+                    raise Refused(State.ACKED, Trigger.ACK)
                 d = owner.queue.ack(_b(msgid), rid or QUEUE, attempt, now).delivery
             except Refused:
                 out.append(Finished(False, 0, 0, ""))
@@ -222,7 +222,7 @@ class Owners:
             except Refused:
                 out.append(Failed(Failed.STALE, d.attempt, 0, rid_hint))
                 continue
-            out.append(Failed(FAILED_CODES[change.event], d.attempt, d.due or now, d.recipient))
+            out.append(Failed(FAILED_CODES[change.trigger], d.attempt, d.due or now, d.recipient))
         if owner is not None and any(f.code != Failed.STALE for f in out):
             await owner.durable()
         return out
@@ -234,7 +234,7 @@ class Owners:
             msgid, rid = split_delivery(did)
             try:
                 if owner is None:
-                    raise Refused(State.ACKED, Event.EXTEND)
+                    raise Refused(State.ACKED, Trigger.EXTEND)
                 change = owner.queue.extend(_b(msgid), rid or QUEUE, attempt, now)
             except Refused:
                 out.append(Extended(Extended.STALE, 0, 0))
@@ -256,7 +256,7 @@ class Owners:
                 Reaped(
                     delivery_id(c.delivery),
                     Failed(
-                        FAILED_CODES[c.event],
+                        FAILED_CODES[c.trigger],
                         c.delivery.attempt,
                         c.delivery.due or now,
                         c.delivery.recipient,
@@ -275,7 +275,7 @@ class Owners:
             msgid, rid = split_delivery(did)
             try:
                 if owner is None:
-                    raise Refused(State.ACKED, Event.RELEASE)
+                    raise Refused(State.ACKED, Trigger.RELEASE)
                 owner.queue.release(_b(msgid), rid or QUEUE, 0, now)
                 out.append(True)
             except Refused:
