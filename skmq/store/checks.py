@@ -119,7 +119,7 @@ async def check_persistence(redis: RedisClient, allow_volatile: bool) -> str | N
     (None: the Redis persists every write, or CONFIG is not allowed)."""
     by_node = await _config_by_node(redis, "appendonly", "make sure this Redis runs with AOF")
     if by_node is not None and isinstance(redis, RedisCluster):
-        await _warn_unchecked(redis, set(by_node))
+        by_node.update(await _unlisted_nodes(redis, set(by_node), "appendonly"))
     volatile = sorted(node for node, value in (by_node or {}).items() if value != "yes")
     if not volatile:
         return None
@@ -137,25 +137,43 @@ async def check_persistence(redis: RedisClient, allow_volatile: bool) -> str | N
     return volatile_store
 
 
-async def _warn_unchecked(redis: RedisCluster, checked: set[str]) -> None:
-    """Name the nodes of the cluster that the client does not reach yet (a replica is
-    left out of CLUSTER SLOTS until it has synced): their AOF is for the operator to see."""
+async def _unlisted_nodes(redis: RedisCluster, checked: set[str], name: str) -> dict[str, str]:
+    """The setting `name` of the cluster's nodes that the client does not reach yet (a
+    replica is left out of CLUSTER SLOTS until it has synced something), each asked on a
+    connection of its own with the client's credentials; one that does not answer is
+    named in a warning, for the operator to check."""
     try:
         nodes = await redis.cluster_nodes()
     except RedisError:
-        return
-    unchecked = sorted(
+        return {}
+    unlisted = sorted(
         node for node, about in nodes.items()
         if node not in checked and not {"fail", "noaddr", "handshake"} & set(
             str(about.get("flags", "")).split(",")
         )
     )  # fmt: skip
-    if unchecked:
+    found: dict[str, str] = {}
+    unanswered = []
+    kwargs = redis.get_connection_kwargs()
+    credentials = {k: kwargs[k] for k in ("username", "password", "ssl") if k in kwargs}
+    for node in unlisted:
+        host, _, port = node.rpartition(":")
+        client = aioredis.Redis(host=host, port=int(port), socket_timeout=2.0, **credentials)
+        try:
+            value = next(iter((await client.config_get(name)).values()), None)
+        except (RedisError, OSError):
+            unanswered.append(node)
+            continue
+        finally:
+            await client.aclose()
+        if value is not None:
+            found[node] = value.decode() if isinstance(value, bytes) else str(value)
+    if unanswered:
         log.warning(
-            "cannot check appendonly of these cluster nodes (not serving slots yet): "
-            "make sure they run with appendonly yes",
-            nodes=", ".join(unchecked),
+            f"cannot check {name} of these cluster nodes: make sure they run with {name} yes",
+            nodes=", ".join(unanswered),
         )
+    return found
 
 
 async def persistence(redis: RedisClient) -> dict[str, str | None]:
