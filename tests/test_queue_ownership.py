@@ -3,6 +3,8 @@ real Redis; time is passed in, and a lease running out is its key's expiry."""
 
 from __future__ import annotations
 
+import asyncio
+
 from skmq.queue.journal import AppKeys, Lease
 from skmq.queue.ownership import Ownership, preferred
 from skmq.store.wire import Wire
@@ -85,3 +87,14 @@ async def test_a_broker_that_stops_hands_its_apps_over_at_once(wire: Wire, prefi
     await a.release_all()
     await b.round(APPS, T + 1)
     assert set(b.held) == set(APPS) and not a.held
+
+
+async def test_takes_at_the_same_time_share_one_acquire(wire: Wire, prefix: str) -> None:
+    """A round and a store taking the same app at once: one epoch, not two (the second
+    would fence the first)."""
+    log: list[tuple[str, str, int]] = []
+    a = broker("A", wire, prefix, log)
+    await a.live(T)
+    a.brokers = ["A"]
+    assert await asyncio.gather(*(a.take("app0", T) for _ in range(5))) == [True] * 5
+    assert log == [("A", "app0", 1)] and a.held["app0"].epoch == 1

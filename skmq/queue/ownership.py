@@ -11,6 +11,7 @@ an ownership and only `renew` extends one: both are fenced scripts (journal.py).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class Ownership:
     held: dict[str, Lease] = field(default_factory=dict)
     unowned_since: dict[str, int] = field(default_factory=dict)
     brokers: list[str] = field(default_factory=list)  # alive at the last round
+    taking: dict[str, asyncio.Future[bool]] = field(default_factory=dict)
 
     @property
     def members_key(self) -> str:
@@ -70,9 +72,23 @@ class Ownership:
 
     async def take(self, app: str, now: int) -> bool:
         """Whether this broker holds the app now: taken if it is unowned and ours by
-        rendezvous among the brokers alive at the last round (or unowned for a lease)."""
+        rendezvous among the brokers alive at the last round (or unowned for a lease).
+        Callers at the same time (a round, a store) share one attempt: two acquires would
+        give two epochs, the second fencing the first."""
         if app in self.held:
             return True
+        pending = self.taking.get(app)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        attempt = asyncio.ensure_future(self._take(app, now))
+        self.taking[app] = attempt
+        try:
+            return await asyncio.shield(attempt)
+        finally:
+            if self.taking.get(app) is attempt and attempt.done():
+                del self.taking[app]
+
+    async def _take(self, app: str, now: int) -> bool:
         first = preferred(app, self.brokers or [self.broker])
         since = self.unowned_since.setdefault(app, now)
         if first != self.broker and now - since < self.lease_ms:
