@@ -137,6 +137,9 @@ async def check_persistence(redis: RedisClient, allow_volatile: bool) -> str | N
     return volatile_store
 
 
+ASK_NODE = 2.0  # seconds a node outside the client's slot map has to answer the check
+
+
 async def _unlisted_nodes(redis: RedisCluster, checked: set[str], name: str) -> dict[str, str]:
     """The setting `name` of the cluster's nodes that the client does not reach yet (a
     replica is left out of CLUSTER SLOTS until it has synced something), each asked on a
@@ -152,22 +155,26 @@ async def _unlisted_nodes(redis: RedisCluster, checked: set[str], name: str) -> 
             str(about.get("flags", "")).split(",")
         )
     )  # fmt: skip
-    found: dict[str, str] = {}
-    unanswered = []
     kwargs = redis.get_connection_kwargs()
     credentials = {k: kwargs[k] for k in ("username", "password", "ssl") if k in kwargs}
-    for node in unlisted:
+
+    async def ask(node: str) -> str | None:
+        """The node's setting; None if it has none or does not answer within ASK_NODE."""
         host, _, port = node.rpartition(":")
-        client = aioredis.Redis(host=host, port=int(port), socket_timeout=2.0, **credentials)
+        client = aioredis.Redis(host=host, port=int(port), **credentials)
         try:
-            value = next(iter((await client.config_get(name)).values()), None)
-        except (RedisError, OSError):
+            async with asyncio.timeout(ASK_NODE):
+                value = next(iter((await client.config_get(name)).values()), None)
+        except (RedisError, OSError, TimeoutError):
             unanswered.append(node)
-            continue
+            return None
         finally:
             await client.aclose()
-        if value is not None:
-            found[node] = value.decode() if isinstance(value, bytes) else str(value)
+        return None if value is None else value.decode() if isinstance(value, bytes) else value
+
+    unanswered: list[str] = []
+    values = await asyncio.gather(*(ask(node) for node in unlisted))
+    found = {node: v for node, v in zip(unlisted, values, strict=True) if v is not None}
     if unanswered:
         log.warning(
             f"cannot check {name} of these cluster nodes: make sure they run with {name} yes",
