@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from skmq.queue.entries import entry_order
 from skmq.queue.lifecycle import OVER, TRIGGER_OF, Record, Refused, State, Trigger, detour, step
 
 QUEUE = ""  # the copy of a queue message: one delivery for all the app's recipients
@@ -378,7 +379,7 @@ class AppQueue:
     def restore(self, snapshot: bytes, now: int) -> None:
         """Hold the deliveries of a checkpoint, as they were (a fresh AppQueue)."""
         rows = json.loads(snapshot)
-        rows.sort(key=lambda r: _entry_order(r[0]))  # keys and pending in stored order
+        rows.sort(key=lambda r: entry_order(r[0].encode()))  # keys and pending in stored order
         for entry, msgid, copy, state, attempt, due, rid, key, at, expires, topic, error in rows:
             d = Delivery(
                 entry.encode(),
@@ -412,11 +413,6 @@ class AppQueue:
         out = END.join(self.records), self.settled, self.forgotten
         self.records, self.settled, self.forgotten = [], [], []
         return out
-
-
-def _entry_order(entry: str) -> tuple[int, int]:
-    ms, _, seq = entry.partition("-")
-    return int(ms), int(seq)
 
 
 def _record(kind: Record, d: Delivery, extra: str) -> bytes:

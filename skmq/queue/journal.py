@@ -17,6 +17,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from skmq.store.store import escape_tag
 from skmq.store.wire import ReplyError, Wire
 
 
@@ -38,11 +39,6 @@ async def run_script(wire: Wire, name: str, keys: Sequence[str], args: Sequence[
         if err.code != "NOSCRIPT":
             raise
     return await wire.call("EVAL", _source(name), len(keys), *keys, *args)
-
-
-def escape_tag(app: str) -> str:
-    """Keep `{`, `}` and `:` out of the hash tag, so that no app id can break the layout."""
-    return app.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from skmq.queue.journal import Appended, AppKeys, Journal, Lease, append
 from skmq.queue.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as Stored
+from skmq.store.client import ENC, text
 from skmq.store.store import (
     SEP,
     AliveRecipient,
@@ -32,7 +33,6 @@ from skmq.store.store import (
 )
 from skmq.store.wire import Wire
 
-ENC = "surrogateescape"
 UNDELIVERABLE = (
     "undeliverable: content holds CR or LF and no recipient declared the length capability"
 )
@@ -48,18 +48,14 @@ def _b(text: str) -> bytes:
     return text.encode("utf-8", ENC)
 
 
-def _s(raw: bytes) -> str:
-    return raw.decode("utf-8", ENC)
-
-
 def delivery_id(d: Delivery) -> str:
-    return _s(d.msgid) if d.copy == QUEUE else f"{_s(d.msgid)}{SEP}{d.copy}"
+    return text(d.msgid) if d.copy == QUEUE else f"{text(d.msgid)}{SEP}{d.copy}"
 
 
 def _claimed(d: Delivery, kind: str | None = None, content: bytes | None = None) -> Claimed:
     return Claimed(
         delivery_id(d),
-        _s(d.msgid),
+        text(d.msgid),
         kind or ("topic" if d.topic else "queue"),
         (d.content or b"") if content is None else content,
         d.attempt,

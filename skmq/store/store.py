@@ -64,7 +64,7 @@ def state_field(held_id: bytes, attr: str) -> bytes:
     return msgid + HELD_SEP + attr.encode() + copy
 
 
-def _escape_tag(app: str) -> str:
+def escape_tag(app: str) -> str:
     """Keep `{`, `}` and `:` out of the hash tag, so that no app id can break the layout."""
     return app.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
 
@@ -313,7 +313,7 @@ class Store:
     def base(self, app: str) -> str:
         base = self._bases.get(app)
         if base is None:
-            base = self._bases[app] = f"{self.prefix}:{{{_escape_tag(app)}}}:"
+            base = self._bases[app] = f"{self.prefix}:{{{escape_tag(app)}}}:"
         return base
 
     def global_key(self, name: str) -> str:
