@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import RedisError
 
 from skmq.admission import Admission
@@ -40,6 +41,8 @@ from skmq.pull.groups import Groups
 from skmq.pull.longpoll import LongPoll
 from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
+from skmq.queue.owned_store import OwnedStore
+from skmq.queue.runtime import OwnerRuntime
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import (
@@ -68,7 +71,8 @@ def make_broker_id() -> str:
 
 
 def make_store(settings: Settings, redis: RedisClient) -> Store:
-    return Store(
+    kind = OwnedStore if settings.engine == "owner" else Store
+    return kind(
         redis,
         settings.key_prefix,
         retries=Retries(settings.retry_times, settings.retry_backoff, settings.retry_jitter),
@@ -143,6 +147,7 @@ class Broker:
         # Why the broker stopped by itself (a task the supervisor could not keep alive).
         self.failure: str | None = None
         self.supervisor = Supervisor(self.fail, settings.task_max_restarts)
+        self.owned: OwnerRuntime | None = None  # ENGINE=owner
 
     def fail(self, reason: str) -> None:
         """Stop the broker for a failure it cannot recover from (exit non-zero)."""
@@ -220,6 +225,14 @@ class Broker:
             own=self.own,
             signer=self.signer,
         )
+        if isinstance(self.store, OwnedStore):
+            if not isinstance(self.redis, aioredis.Redis) or isinstance(
+                self.redis.connection_pool, SentinelConnectionPool
+            ):
+                raise Misconfigured("ENGINE=owner runs on one Redis for now (no Cluster, Sentinel)")
+            self.owned = await OwnerRuntime.start(
+                s, url, self.redis, self.store, self.broker_id, self.engine, self.supervisor
+            )
         while True:
             try:
                 await self.engine.start(orphans=self.embedded is not None)
@@ -323,6 +336,8 @@ class Broker:
         await self.server.stop(timeout=self.settings.shutdown_timeout)
         await self.enqueuer.drain()
         await self.engine.stop()
+        if self.owned is not None:
+            await self.owned.stop()
         await self.gateway.close()
         await cancel_and_wait(self.supervisor.tasks)
         self.dlog.close()

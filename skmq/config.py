@@ -329,6 +329,17 @@ class Settings(BaseSettings):
         le=60,
         description="Seconds to wait for REPLICA_ACKS replicas; fewer: the producer gets error",
     )
+    engine: Literal["scripts", "owner"] = Field(
+        "scripts",
+        description="The delivery engine: scripts (a Redis script a transition, any broker "
+        "runs any) or owner (experimental, one Redis only: each app's queue held by one "
+        "broker, its state in memory, written in fenced batches; docs/OWNER-DESIGN.md)",
+    )
+    owner_lease: Seconds = Field(
+        5.0,
+        description="ENGINE=owner: seconds an app's owner holds it without renewing; a "
+        "broker that dies loses its apps to the others within this",
+    )
     # The broker's own health: shutdown, supervision, its log, /metrics.
     shutdown_timeout: Wait = Field(
         5.0,

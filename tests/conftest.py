@@ -279,7 +279,8 @@ class BrokerProcess:
 
 @pytest.fixture
 def broker_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
+    # (SKMQ_ENGINE kept: the suite runs on either engine)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_") or k == "SKMQ_ENGINE"}
     env.update(
         SKMQ_HOST="127.0.0.1",
         SKMQ_PORT=str(free_port()),

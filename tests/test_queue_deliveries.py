@@ -27,7 +27,7 @@ def pushed(q: AppQueue, now: int = T, n: int = 10, to: str = "r1") -> list[Deliv
 
 
 def kinds(q: AppQueue) -> list[Record]:
-    blob, _, _ = q.drain()
+    blob, *_ = q.drain()
     return [r[0] for r in parse_records(blob)] if blob else []
 
 
@@ -39,13 +39,13 @@ def test_a_message_goes_pending_pushed_acked_and_leaves_memory() -> None:
     assert (d.state, d.attempt, d.recipient, d.due) == (State.IN_FLIGHT, 1, "r1", T + 30_000)
     q.ack(b"m1", QUEUE, 1, T + 5)
     assert d.state is State.ACKED and not q.deliveries
-    blob, settled, forgotten = q.drain()
+    blob, settled, forgotten, _ = q.drain()
     assert settled == forgotten == [b"m1"]
     assert list(parse_records(blob)) == [
         (Record.PUSHED, b"m1", QUEUE, 1, f"{T + 30_000} r1"),
         (Record.ACKED, b"m1", QUEUE, 1, ""),
     ]
-    assert q.drain() == (b"", [], [])
+    assert q.drain() == (b"", [], [], [])
 
 
 def test_a_delayed_message_falls_due_on_time_and_not_before() -> None:
@@ -69,7 +69,11 @@ def test_failures_retry_after_the_backoff_then_die_after_retry_times() -> None:
     pushed(q, T + 100)
     assert d.attempt == 2
     q.fail(b"m1", QUEUE, 2, "reject", T + 101)
-    assert d.state is State.DEAD and q.deliveries[(b"m1", QUEUE)] is d
+    assert d.state is State.DEAD and not q.deliveries and q.dead == [d]
+    assert d.history == [
+        f"{T} attempt=1 recipient=r1 error: boom",
+        f"{T + 101} attempt=2 recipient=r1 reject",
+    ]
     assert kinds(q) == [Record.PUSHED, Record.RETRIED, Record.PUSHED, Record.DEAD]
 
 
@@ -172,23 +176,17 @@ def test_a_release_spends_no_attempt() -> None:
     assert pushed(q)[0].attempt == 1
 
 
-def test_operators_replay_purge_and_move_dead_letters_only() -> None:
-    q = queue(retry_times=1)
+def test_operators_purge_waiting_deliveries_only() -> None:
+    q = queue()
     for n in (1, 2, 3):
-        q.add(message(n, expires=T + 50_000), T)
-    pushed(q)
-    for n in (1, 2, 3):
-        q.fail(f"m{n}".encode(), QUEUE, 1, "reject", T)
-    d = q.replay(b"m1", QUEUE, T).delivery
-    assert (d.state, d.attempt, d.expires) == (State.PENDING, 0, 0)
+        q.add(message(n, deliver_at=T + 1_000 if n == 3 else 0), T)
+    (d,) = pushed(q, n=1)
     with pytest.raises(Refused):
-        q.replay(b"m1", QUEUE, T)  # not dead any more
+        q.purge(d.msgid, QUEUE, T)  # in flight: only waiting ones are purged
     assert q.purge(b"m2", QUEUE, T).delivery.state is State.PURGED
-    assert q.move(b"m3", QUEUE, T).delivery.state is State.MOVED
-    (again,) = pushed(q)
-    with pytest.raises(Refused):
-        q.purge(again.msgid, QUEUE, T)  # in flight: only waiting ones are purged
+    assert q.purge(b"m3", QUEUE, T).delivery.state is State.PURGED  # delayed
     assert set(q.deliveries) == {(b"m1", QUEUE)}
+    assert kinds(q)[-2:] == [Record.PURGED, Record.PURGED]
 
 
 def test_a_topic_message_is_settled_when_its_last_copy_is_acked() -> None:
@@ -207,7 +205,7 @@ def test_a_topic_message_is_settled_when_its_last_copy_is_acked() -> None:
 
 def replayed(live: AppQueue, messages: list[Delivery], now: int) -> AppQueue:
     """A new owner that materialised the same log entries and replayed the records."""
-    blob, _, _ = live.drain()
+    blob, *_ = live.drain()
     new = queue()
     for m in messages:
         new.add(
@@ -233,16 +231,15 @@ def test_a_new_owner_replaying_the_records_holds_the_same_states() -> None:
     pushed(q, T + 3)  # 4
     q.tick(T + 101)
     pushed(q, T + 101)  # 2, attempt 2
-    q.fail(b"m2", QUEUE, 2, "reject", T + 102)  # dead
-    q.replay(b"m2", QUEUE, T + 103)
+    q.fail(b"m2", QUEUE, 2, "reject", T + 102)  # dead: out of memory
     q.tick(T + 10_000)  # 5 falls due
     live = {k: (d.state, d.attempt, d.due, d.recipient) for k, d in q.deliveries.items()}
 
     new = replayed(q, msgs, T + 10_000)
     again = {k: (d.state, d.attempt, d.due, d.recipient) for k, d in new.deliveries.items()}
     assert again == live
-    blob, settled, _ = new.drain()
-    assert (blob, settled) == (b"", [])  # replaying records writes none
+    blob, settled, _, dead = new.drain()
+    assert (blob, settled, dead) == (b"", [], [])  # replaying records writes none
 
 
 def test_a_takeover_pushes_again_what_the_old_owner_had_in_flight() -> None:
@@ -255,7 +252,7 @@ def test_a_takeover_pushes_again_what_the_old_owner_had_in_flight() -> None:
     pushed(q, T + 10_000)  # m2's last attempt
     changes = q.adopt(T + 20_000)
     assert q.deliveries[(b"m1", QUEUE)].state is State.PENDING
-    assert q.deliveries[(b"m2", QUEUE)].state is State.DEAD
+    assert (b"m2", QUEUE) not in q.deliveries and q.dead[0].msgid == b"m2"
     assert {c.delivery.msgid for c in changes} == {b"m1", b"m2"}
     (again,) = pushed(q, T + 20_000)
     assert again.msgid == b"m1" and again.attempt == 2

@@ -58,6 +58,7 @@ class Delivery:
     error: str = ""  # the last failure
     inbox: bool = False  # its entry is in the inbox (stored through another broker)
     trace: str = ""  # the producer's W3C traceparent
+    history: list[str] = field(default_factory=list)  # each failed attempt: when, who, why
 
     @property
     def ident(self) -> tuple[bytes, str]:
@@ -93,6 +94,7 @@ class AppQueue:
     records: list[bytes] = field(default_factory=list)
     settled: list[bytes] = field(default_factory=list)  # msgids acked, for dedupe
     forgotten: list[bytes] = field(default_factory=list)  # msgids over, every copy
+    dead: list[Delivery] = field(default_factory=list)  # for the app's dead letters
     expired: list[Change] = field(default_factory=list)  # met by `take`, for the caller
     recording: bool = True  # False while a new owner replays the journal
     _seq: int = 0
@@ -109,7 +111,7 @@ class AppQueue:
             self._line(d.copy).append(d)
         elif target in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
             self._timer(d)
-        if target in OVER or target is State.DEAD:
+        if target in OVER:
             self._over(d, now)
         return Change(d, trigger, source)
 
@@ -118,8 +120,8 @@ class AppQueue:
         heapq.heappush(self.timers, (d.due, self._seq, d))
 
     def _over(self, d: Delivery, now: int) -> None:
-        """A delivery acked, dead, dropped, purged or moved: the next of its key goes;
-        one over for good leaves memory."""
+        """A delivery over (acked, dead, dropped, purged): the next of its key goes, and
+        it leaves memory (a dead one for the app's dead letters)."""
         if d.key and d.copy == QUEUE:
             waiting = self.keys.get(d.key)
             if waiting and waiting[0] is d:
@@ -132,13 +134,14 @@ class AppQueue:
                         self._move(nxt, Trigger.DUE, now)
                 else:
                     del self.keys[d.key]
-        if d.state in OVER:
-            del self.deliveries[d.ident]
-            if self._last_copy(d):
-                self.forgotten.append(d.msgid)
-                # (a replayed ack: the old owner flushed its msgid with the record)
-                if d.state is State.ACKED and self.recording:
-                    self.settled.append(d.msgid)
+        del self.deliveries[d.ident]
+        # (replaying the journal: the old owner flushed these with the record)
+        if d.state is State.DEAD and self.recording:
+            self.dead.append(d)
+        if self._last_copy(d):
+            self.forgotten.append(d.msgid)
+            if d.state is State.ACKED and self.recording:
+                self.settled.append(d.msgid)
 
     def _last_copy(self, d: Delivery) -> bool:
         """Whether d was the message's last copy not over (a queue message: its only)."""
@@ -235,6 +238,7 @@ class AppQueue:
 
     def undeliverable(self, d: Delivery, reason: str, now: int) -> Change:
         d.error = reason
+        d.history.append(f"{now} attempt={d.attempt} recipient={d.recipient} {reason}")
         return self._move(d, Trigger.UNDELIVERABLE, now, reason)
 
     # -- answers --------------------------------------------------------------
@@ -270,6 +274,7 @@ class AppQueue:
 
     def _failed(self, d: Delivery, error: str, now: int) -> Change:
         d.error = error
+        d.history.append(f"{now} attempt={d.attempt} recipient={d.recipient} {error}")
         if d.expires and now >= d.expires:
             return self._expire(d, now)
         if d.attempt >= self.policy.retry_times:
@@ -287,24 +292,12 @@ class AppQueue:
         return self._move(d, Trigger.DROP if self.policy.drop_expired else Trigger.EXPIRE, now)
 
     # -- operators --------------------------------------------------------------
-    def replay(self, msgid: bytes, copy: str, now: int) -> Change:
-        d = self._held(msgid, copy, Trigger.REPLAY)
-        d.attempt = 0
-        d.expires = 0  # a replay lifts the TTL
-        d.error = ""
-        return self._move(d, Trigger.REPLAY, now)
-
     def purge(self, msgid: bytes, copy: str, now: int) -> Change:
-        return self._move(self._held(msgid, copy, Trigger.PURGE), Trigger.PURGE, now)
-
-    def move(self, msgid: bytes, copy: str, now: int) -> Change:
-        return self._move(self._held(msgid, copy, Trigger.MOVE), Trigger.MOVE, now)
-
-    def _held(self, msgid: bytes, copy: str, trigger: Trigger) -> Delivery:
+        """A waiting delivery removed (one in flight is refused: its answer decides)."""
         d = self.deliveries.get((msgid, copy))
         if d is None:
-            raise Refused(State.ACKED, trigger)
-        return d
+            raise Refused(State.ACKED, Trigger.PURGE)
+        return self._move(d, Trigger.PURGE, now)
 
     # -- a new owner -------------------------------------------------------------
     def apply(
@@ -331,8 +324,6 @@ class AppQueue:
                     d.error = rest
             elif kind is Record.DEAD or kind is Record.UNDELIVERABLE:
                 d.error = extra
-            elif kind is Record.REPLAYED:
-                d.expires, d.error = 0, ""
             self._move(d, trigger, now)
         finally:
             self.recording = True
@@ -400,18 +391,30 @@ class AppQueue:
             self.deliveries[d.ident] = d
             if d.topic:
                 self.copies[d.msgid] = self.copies.get(d.msgid, 0) + 1
-            if d.key and d.copy == QUEUE and d.state is not State.DEAD:
+            if d.key and d.copy == QUEUE:
                 self.keys.setdefault(d.key, collections.deque()).append(d)
             if d.state is State.PENDING:
                 self._line(d.copy).append(d)
             elif d.state in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
                 self._timer(d)
 
-    def drain(self) -> tuple[bytes, list[bytes], list[bytes]]:
-        """The records, the msgids acked and the msgids over since the last drain, for
-        the next flush."""
-        out = END.join(self.records), self.settled, self.forgotten
-        self.records, self.settled, self.forgotten = [], [], []
+    def counts(self, now: int) -> tuple[int, int, int]:
+        """Deliveries held: (due, not yet due, in flight)."""
+        due = later = in_flight = 0
+        for d in self.deliveries.values():
+            if d.state is State.IN_FLIGHT:
+                in_flight += 1
+            elif d.state in (State.DELAYED, State.WAITING_RETRY) and d.due > now:
+                later += 1
+            else:
+                due += 1
+        return due, later, in_flight
+
+    def drain(self) -> tuple[bytes, list[bytes], list[bytes], list[Delivery]]:
+        """The records, the msgids acked, the msgids over and the deliveries dead since
+        the last drain, for the next flush."""
+        out = END.join(self.records), self.settled, self.forgotten, self.dead
+        self.records, self.settled, self.forgotten, self.dead = [], [], [], []
         return out
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SEP = b"\x1f"  # (no control character is allowed in a key or a traceparent)
+QUESTION = b"q"  # the field of an inbox entry holding an answer forwarded to the owner
+
+
+def is_question(fields: list[bytes]) -> bool:
+    """Whether an inbox entry is a forwarded answer (skmq/queue/forward.py)."""
+    return fields[:1] == [QUESTION]
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +23,7 @@ class Meta:
     expires: int = 0  # unix ms; 0: never
     key: str = ""
     trace: str = ""
+    only: str = ""  # a topic message for this recipient alone (a dead copy replayed)
 
 
 PLAIN = Meta()
@@ -32,6 +39,7 @@ def encode_header(meta: Meta) -> bytes:
             b"%d" % meta.expires,
             meta.key.encode(),
             meta.trace.encode(),
+            *((meta.only.encode(),) if meta.only else ()),
         )
     )
 
@@ -39,8 +47,15 @@ def encode_header(meta: Meta) -> bytes:
 def decode_header(header: bytes) -> Meta:
     if not header:
         return PLAIN
-    kind, deliver_at, expires, key, trace = header.split(SEP, 4)
-    return Meta(kind == b"t", int(deliver_at), int(expires), key.decode(), trace.decode())
+    kind, deliver_at, expires, key, trace, *only = header.split(SEP, 5)
+    return Meta(
+        kind == b"t",
+        int(deliver_at),
+        int(expires),
+        key.decode(),
+        trace.decode(),
+        only[0].decode() if only else "",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,13 +22,13 @@ from skmq.store.wire import ReplyError, Wire
 
 
 @cache
-def _source(name: str) -> bytes:
+def script_source(name: str) -> bytes:
     return (resources.files("skmq.queue") / "lua" / f"{name}.lua").read_bytes()
 
 
 @cache
 def _sha(name: str) -> str:
-    return hashlib.sha1(_source(name)).hexdigest()
+    return hashlib.sha1(script_source(name)).hexdigest()
 
 
 async def run_script(wire: Wire, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -38,7 +38,7 @@ async def run_script(wire: Wire, name: str, keys: Sequence[str], args: Sequence[
     except ReplyError as err:
         if err.code != "NOSCRIPT":
             raise
-    return await wire.call("EVAL", _source(name), len(keys), *keys, *args)
+    return await wire.call("EVAL", script_source(name), len(keys), *keys, *args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,21 @@ class AppKeys:
     def wakeup(self) -> str:
         """The channel an append to the inbox tells the owner on."""
         return self.base + "inbox"
+
+    @property
+    def stats(self) -> str:
+        """What its owner last counted (skmq/queue/runtime.py), for status."""
+        return self.base + "stats"
+
+    @property
+    def dead(self) -> str:
+        """The app's dead letters (skmq/queue/dead.py)."""
+        return self.base + "dl"
+
+    @property
+    def dead_order(self) -> str:
+        """The app's dead letters by the time they died (the key the DLQ always had)."""
+        return self.base + "dead"
 
     def done(self, bucket: int) -> str:
         return f"{self.base}done:{bucket}"
@@ -153,17 +168,21 @@ class Journal:
         messages: Sequence[Appended] = (),
         records: bytes = b"",
         settled: Sequence[bytes] = (),
+        dead: Sequence[Any] = (0,),
     ) -> list[bytes | None]:
-        """Append `messages` to the log, `records` to the journal, `settled` to the
-        dedupe window, in one fenced script. Each message's log entry id, or None where
-        its msgid was settled within the dedupe window (a duplicate). Raises Fenced."""
+        """Append `messages` to the log, `records` to the journal, the dead letters
+        (`dead`: dead.flush_args) to the app's, `settled` to the dedupe window, in one
+        fenced script. Each message's log entry id, or None where its msgid was settled
+        within the dedupe window (a duplicate). Raises Fenced."""
         cur, prev = self._dedupe(now)
         args: list[Any] = [self.lease.epoch, 2 * self.dedupe_ms, len(messages)]
         for m in messages:
             args += (m.msgid, m.content, m.header)
         args.append(records)
+        args.extend(dead)
         args.extend(settled)
-        keys = (self.keys.epoch, self.keys.log, self.keys.journal, cur, prev)
+        k = self.keys
+        keys = (k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease)
         return [entry or None for entry in reply]

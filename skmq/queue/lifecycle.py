@@ -5,7 +5,7 @@ message), one recipient's copy of a `topic` message, or one consumer group's ent
 Its owner (the broker that holds the app's queue, skmq/queue/ownership.py) keeps every
 delivery's state in memory and changes it only through `step`, which looks the state
 and the trigger up in `TABLE`: a pair the table lacks is refused, naming both, and changes
-nothing (an ack for a delayed message, a replay of one that is not dead). Each row also
+nothing (an ack for a delayed message, a purge of one in flight). Each row also
 names the record that the journal (skmq/queue/journal.py) appends for it, or none where
 the change need not survive the owner (a lease extended, a key freed, a delay run out:
 a new owner derives them again). A new owner rebuilds the state by running the same
@@ -22,9 +22,12 @@ a new owner derives them again). A new owner rebuilds the state by running the s
     in_flight --release--> pending               (never seen by the recipient: no attempt)
     pending --undeliverable--> dead              (content no alive recipient can take)
     waiting --expire--> dead | --drop--> dropped (TTL ran out; waiting: any state but dead)
-    dead --replay--> pending                     (attempts reset, TTL lifted)
-    dead | pending | delayed | waiting_retry | waiting_key --purge--> purged
-    dead --move--> moved                         (to another app's queue)
+    pending | delayed | waiting_retry | waiting_key --purge--> purged
+
+A dead delivery leaves the owner's memory, as an acked one does: its flush writes it to
+the app's dead letters (skmq/queue/dead.py), which operators list, replay (a new entry of
+the app's inbox: attempts reset, TTL lifted), move or purge there, with or without a
+broker running.
 """
 
 from __future__ import annotations
@@ -39,15 +42,14 @@ class State(enum.StrEnum):
     WAITING_KEY = "waiting_key"  # an earlier delivery of its ordering key is not over
     IN_FLIGHT = "in_flight"  # pushed or pulled, under a lease
     WAITING_RETRY = "waiting_retry"  # a failed attempt; due again after its backoff
-    DEAD = "dead"  # in the dead-letter queue
     # over: the delivery leaves the owner's memory
+    DEAD = "dead"  # to the app's dead letters
     ACKED = "acked"
     DROPPED = "dropped"  # its TTL ran out with EXPIRED=drop
     PURGED = "purged"  # removed by an operator
-    MOVED = "moved"  # a dead letter moved to another app
 
 
-OVER = frozenset({State.ACKED, State.DROPPED, State.PURGED, State.MOVED})
+OVER = frozenset({State.DEAD, State.ACKED, State.DROPPED, State.PURGED})
 
 
 class Trigger(enum.StrEnum):
@@ -62,9 +64,7 @@ class Trigger(enum.StrEnum):
     UNDELIVERABLE = "undeliverable"
     EXPIRE = "expire"
     DROP = "drop"
-    REPLAY = "replay"
     PURGE = "purge"
-    MOVE = "move"
 
 
 class Record(enum.StrEnum):
@@ -78,9 +78,7 @@ class Record(enum.StrEnum):
     RELEASED = "l"
     EXPIRED = "x"  # dead-lettered, reason expired
     DROPPED = "o"
-    REPLAYED = "y"
     PURGED = "g"
-    MOVED = "m"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,15 +125,10 @@ TABLE: dict[State, dict[Trigger, Rule]] = {
         E.DROP: Rule(S.DROPPED, R.DROPPED),
         E.PURGE: Rule(S.PURGED, R.PURGED),
     },
-    S.DEAD: {
-        E.REPLAY: Rule(S.PENDING, R.REPLAYED),
-        E.PURGE: Rule(S.PURGED, R.PURGED),
-        E.MOVE: Rule(S.MOVED, R.MOVED),
-    },
+    S.DEAD: {},
     S.ACKED: {},
     S.DROPPED: {},
     S.PURGED: {},
-    S.MOVED: {},
 }
 
 # A journal record names the trigger it stands for: replaying it is the same `step`.

@@ -16,8 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from skmq.clock import now_ms
+from skmq.queue.dead import flush_args
 from skmq.queue.deliveries import END, QUEUE, SEP, AppQueue, Delivery, Policy, parse_records
-from skmq.queue.entries import PLAIN, Entry, Meta, encode_header, entry_order, parse_entry
+from skmq.queue.entries import (
+    PLAIN,
+    Entry,
+    Meta,
+    encode_header,
+    entry_order,
+    is_question,
+    parse_entry,
+)
 from skmq.queue.journal import Appended, Journal
 from skmq.queue.lifecycle import State
 from skmq.store.wire import Wire
@@ -52,6 +61,7 @@ class AppOwner:
         # topic messages stored while the app had no recipient: fanned out to the first
         self.unfanned: collections.deque[tuple[Entry, bool]] = collections.deque()
         self._next: asyncio.Future[None] | None = None  # the flush callers wait for
+        self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
 
     @property
     def wire(self) -> Wire:
@@ -63,6 +73,8 @@ class AppOwner:
     ) -> None:
         meta = e.meta
         if meta.topic:
+            if copies is None and meta.only:
+                copies = [meta.only]
             if copies is None:
                 copies = list(self.recipients())
                 if not copies:
@@ -107,14 +119,14 @@ class AppOwner:
 
     async def flush(self, now: int, appended: Sequence[Appended] = ()) -> list[bytes | None]:
         """One fenced write: `appended` and every record made since the last flush."""
-        records, settled, forgotten = self.queue.drain()
+        records, settled, forgotten, dead = self.queue.drain()
         if self.fanned:
             records = END.join([*self.fanned, records] if records else self.fanned)
             self.fanned = []
         self.live.difference_update(forgotten)
         if not appended and not records and not settled:
             return []
-        return await self.journal.flush(now, appended, records, settled)
+        return await self.journal.flush(now, appended, records, settled, flush_args(dead, now))
 
     def durable(self) -> asyncio.Future[None]:
         """A future done when what was recorded so far is in the journal: one flush a
@@ -139,9 +151,14 @@ class AppOwner:
             "XRANGE", keys.inbox, b"(" + self.inbox_cursor, "+", "COUNT", READ_BATCH
         )
         for entry, fields in reply:
-            e = parse_entry(entry, fields)
             self.inbox_cursor = entry
-            if e.msgid not in self.live:
+            if is_question(fields):
+                self.questions.append(fields[1])
+                continue
+            e = parse_entry(entry, fields)
+            if e.msgid not in self.live or (
+                e.meta.only and (e.msgid, e.meta.only) not in self.queue.deliveries
+            ):
                 self.live.add(e.msgid)
                 self._materialise(e, now, inbox=True)
         return len(reply)
@@ -198,11 +215,13 @@ class AppOwner:
             stream = keys.inbox if inbox else keys.log
             start = b"(" + (self.inbox_cursor if inbox else self.log_cursor)
             for entry, fields in await self._read_all(stream, start):
-                e = parse_entry(entry, fields)
                 if inbox:
                     self.inbox_cursor = entry
                 else:
                     self.log_cursor = entry
+                if is_question(fields):
+                    continue  # (its asker heard no verdict and sends it again)
+                e = parse_entry(entry, fields)
                 if e.msgid not in self.live:
                     self.live.add(e.msgid)
                     copies = fanned.get(e.msgid) if e.meta.topic else None

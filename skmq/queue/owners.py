@@ -12,15 +12,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from skmq.queue.dead import delivery_id
 from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
-from skmq.queue.journal import Appended, AppKeys, Journal, Lease, append
+from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, append
 from skmq.queue.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as Stored
 from skmq.store.client import ENC, text
 from skmq.store.store import (
-    SEP,
     AliveRecipient,
     Claimed,
     ClaimResult,
@@ -46,10 +46,6 @@ FAILED_CODES = {
 
 def _b(text: str) -> bytes:
     return text.encode("utf-8", ENC)
-
-
-def delivery_id(d: Delivery) -> str:
-    return text(d.msgid) if d.copy == QUEUE else f"{text(d.msgid)}{SEP}{d.copy}"
 
 
 def _claimed(d: Delivery, kind: str | None = None, content: bytes | None = None) -> Claimed:
@@ -94,6 +90,8 @@ class Owners:
     # take the app now if it is unowned and ours (Ownership.take): a store for an app
     # nobody owns yet need not wait for the next ownership round
     take: Callable[[str, int], Awaitable[bool]] | None = None
+    # an answer another broker forwarded (skmq/queue/forward.py), for the engine's router
+    questions: Callable[[str, bytes], None] | None = None
     owned: dict[str, AppOwner] = field(default_factory=dict)
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
@@ -146,6 +144,10 @@ class Owners:
             self.unread.discard(app)
             while await owner.read_inbox(now):
                 pass
+            if owner.questions and self.questions is not None:
+                asked, owner.questions = owner.questions, []
+                for raw in asked:
+                    self.questions(app, raw)
         self._tick(app, owner, now)
         owner.fan_out(now)
         rate_wait = 0.0
@@ -320,7 +322,10 @@ class Owners:
             if owner is None and self.take is not None and await self.take(app, now):
                 owner = self.owned.get(app)
             if owner is not None:
-                return await owner.store(stored, now)
+                try:
+                    return await owner.store(stored, now)
+                except Fenced:  # taken over meanwhile: nothing of this flush landed
+                    self.lost(app)
             appended = [Appended(s.msgid, s.content, encode_header(s.meta)) for s in stored]
             keys = AppKeys.of(self.prefix, app)
             ids = await append(self.wire, keys, now, self.dedupe_ms, appended)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from skmq.codec import Frame, Status
@@ -25,6 +26,18 @@ from skmq.workers.link import DETAILS, OUTCOMES, Verdict
 from skmq.workers.pusher import Pusher
 
 InFlight = tuple[str, str, int]  # delivery id, recipient, attempt
+# ENGINE=owner: the owner's verdict on an answer for an app this broker does not own,
+# with the recipients the sender was found to be (None: any: its token or its
+# authentication decides) (skmq/queue/forward.py)
+Forward = Callable[[str, Frame, "Sequence[str] | None"], Awaitable[Verdict]]
+
+
+@dataclass(frozen=True, slots=True)
+class Vouched:
+    """A forwarded answer: the broker it reached found its sender to be one of these
+    recipients (None: any; its token decides)."""
+
+    recipients: tuple[str, ...] | None
 
 
 @dataclass(eq=False)
@@ -36,6 +49,8 @@ class AnswerRouter:
     # The apps holding a msgid, for an answer naming no app for a push this broker did
     # not make (a look in every app).
     search: AppSearch
+    forward: Forward | None = None
+    owns: Callable[[str], bool] = lambda app: True
 
     async def apps_of(
         self, frame: Frame, peer: Peer | None = None, sender: tuple[str, str] | None = None
@@ -63,11 +78,13 @@ class AnswerRouter:
         peer: Peer | None = None,
         sender: tuple[str, str] | None = None,
         apps: list[str] | str | None = None,
+        vouched: Vouched | None = None,
     ) -> Verdict:
         """`sender`: the (app, recipient) whose push connection it came on; else `peer`
         must be that recipient (its registered host, or a connection authenticated for
-        the app), or the frame must echo the push's delivery token. `apps`: apps_of's
-        answer, when the caller asked already."""
+        the app), or the frame must echo the push's delivery token, or another broker
+        vouched for it (`vouched`, a forwarded answer). `apps`: apps_of's answer, when
+        the caller asked already."""
         msgid = frame.fields.get("msgid")
         if not msgid:
             return (Status.ERROR, "msgid required")
@@ -75,10 +92,13 @@ class AnswerRouter:
             apps = await self.apps_of(frame, peer, sender)
         if isinstance(apps, str):
             return (Status.REJECT, apps)
+        if self.forward is not None and sender is None and vouched is None:
+            if len(apps) == 1 and not self.owns(apps[0]):
+                return await self._forward(frame, apps[0], peer)
         matches: list[tuple[str, InFlight]] = []
         why = f"message {msgid!r} is not in flight"
         for candidate in apps:
-            found = await self._delivery(frame, msgid, candidate, peer, sender)
+            found = await self._delivery(frame, msgid, candidate, peer, sender, vouched)
             if isinstance(found, str):
                 why = found if len(apps) == 1 else why
             else:
@@ -112,8 +132,27 @@ class AnswerRouter:
         self.answers.submit(app, delivery_id, outcome, detail, rid, attempt, verdict.set_result)
         return await verdict
 
+    async def _forward(self, frame: Frame, app: str, peer: Peer | None) -> Verdict:
+        """To the app's owner, with who the sender may be."""
+        assert self.forward is not None
+        if frame.fields.get("token") is not None or (
+            peer is not None and peer.authenticated_for(app)
+        ):
+            return await self.forward(app, frame, None)
+        may_be = [r.id for r in self.registry.all(app) if self._sent_by(peer, app, r.id)]
+        if not may_be:
+            msgid = frame.fields.get("msgid")
+            return (Status.REJECT, f"message {msgid!r} is not in flight to a recipient you are")
+        return await self.forward(app, frame, may_be)
+
     async def _delivery(
-        self, frame: Frame, msgid: str, app: str, peer: Peer | None, sender: tuple[str, str] | None
+        self,
+        frame: Frame,
+        msgid: str,
+        app: str,
+        peer: Peer | None,
+        sender: tuple[str, str] | None,
+        vouched: Vouched | None = None,
     ) -> InFlight | str:
         """The one delivery in flight the answer is for, or why there is none."""
         named = sender[1] if sender else frame.fields.get("recipient") or None
@@ -130,6 +169,11 @@ class AnswerRouter:
             found = [f for f in found if tokens.attempt_of(token, app, f[0], f[1]) == f[2]]
             if not found:
                 return "delivery token does not match a delivery in flight"
+        elif vouched is not None:
+            if vouched.recipients is not None:
+                found = [f for f in found if f[1] in vouched.recipients]
+            if not found:
+                return f"message {msgid!r} is not in flight to a recipient you are"
         elif sender is None:
             found = [f for f in found if self._sent_by(peer, app, f[1])]
             if not found:

@@ -1,11 +1,14 @@
 -- The owner's write of one loop turn, fenced by its epoch: the messages it stored
 -- (each appended to the log, unless its msgid was settled within the dedupe window),
--- the journal's records since the last flush (one entry), and the msgids settled (to
--- the dedupe window's bucket). An owner whose epoch is not the current one writes
--- nothing: it was taken over.
--- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>
+-- the journal's records since the last flush (one entry), the deliveries dead since
+-- (to the app's dead letters, their content copied from their log or inbox entry:
+-- skmq/queue/dead.py), and the msgids settled (to the dedupe window's bucket). An owner
+-- whose epoch is not the current one writes nothing: it was taken over.
+-- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>, inbox,
+--       dead letters (hash), dead letters by time (zset)
 -- ARGV: epoch, done ttl ms, message count m, (msgid, content, header ('': none))*m,
---       records ('': none), settled msgid*
+--       records ('': none), dead count d, (delivery id, died ms, value head, entry,
+--       in inbox '1'|'0')*d, settled msgid*
 -- Returns {'fenced', current epoch} or {log entry id, or 0 for a duplicate}*m.
 local epoch = redis.call('GET', KEYS[1])
 if epoch ~= ARGV[1] then return {'fenced', epoch or '0'} end
@@ -30,8 +33,24 @@ if m > 0 then
 end
 local r = 4 + 3 * m
 if ARGV[r] ~= '' then redis.call('XADD', journal, '*', 'r', ARGV[r]) end
-if #ARGV > r then
-  redis.call('SADD', cur, unpack(ARGV, r + 1))
+local d = tonumber(ARGV[r + 1])
+for j = 0, d - 1 do
+  local i = r + 2 + 5 * j
+  local stream = ARGV[i + 4] == '1' and KEYS[6] or log
+  local found = redis.call('XRANGE', stream, ARGV[i + 3], ARGV[i + 3])
+  local content = ''
+  if found[1] then
+    local fields = found[1][2]
+    for k = 1, #fields, 2 do
+      if fields[k] == 'c' then content = fields[k + 1] end
+    end
+  end
+  redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 2] .. content)
+  redis.call('ZADD', KEYS[8], ARGV[i + 1], ARGV[i])
+end
+local s = r + 2 + 5 * d
+if #ARGV >= s then
+  redis.call('SADD', cur, unpack(ARGV, s))
   redis.call('PEXPIRE', cur, ARGV[2])
 end
 return out

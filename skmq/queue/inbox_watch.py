@@ -1,0 +1,79 @@
+"""ENGINE=owner: a store through a broker that does not own the app appends to the app's
+inbox and publishes on `<prefix>:{app}:inbox` (lua/append.lua); one pattern subscription
+a broker hears them, and the owner reads its inbox at its next claim. A new subscription
+tells every owned app once, for what it may have missed. The same connection hears the
+owners' verdicts on answers this broker forwarded (skmq/queue/forward.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+log = structlog.get_logger("skmq.queue.inbox_watch")
+
+
+def unescape_tag(tag: str) -> str:
+    """The app id of a hash tag (skmq.store.store.escape_tag reversed)."""
+    return tag.replace("%3A", ":").replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+class InboxWatch:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        told: Callable[[str], None],
+        missed: Callable[[], None],
+        replies: tuple[str, Callable[[bytes], None]],
+    ) -> None:
+        self.redis = redis
+        self.head = f"{prefix}:{{"
+        self.pattern = f"{glob_escape(prefix)}:{{*}}:inbox"
+        self.told = told  # an app's inbox has news
+        self.missed = missed  # a new subscription: what was published before it is lost
+        self.replies = replies  # this broker's reply channel (skmq/queue/forward.py)
+
+    def app_of(self, channel: str) -> str | None:
+        if not (channel.startswith(self.head) and channel.endswith("}:inbox")):
+            return None
+        return unescape_tag(channel[len(self.head) : -len("}:inbox")])
+
+    async def run(self) -> None:
+        """Listen (a supervised task); a lost connection is retried with a growing pause."""
+        pause = 0.05
+        while True:
+            try:
+                await self._listen()
+            except (RedisError, OSError) as exc:
+                log.warning("inbox wake-ups lost, subscribing again", error=repr(exc))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+    async def _listen(self) -> None:
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.psubscribe(self.pattern)
+            await pubsub.subscribe(self.replies[0])
+            self.missed()
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is not None and message["type"] == "message":
+                    self.replies[1](message["data"])
+                elif message is not None and message["type"] == "pmessage":
+                    channel = message["channel"]
+                    name = channel.decode() if isinstance(channel, bytes) else channel
+                    app = self.app_of(name)
+                    if app is not None:
+                        self.told(app)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()

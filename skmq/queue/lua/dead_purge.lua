@@ -1,0 +1,9 @@
+-- Dead letters removed for good.
+-- KEYS: dead letters (hash), by time (zset)
+-- ARGV: delivery ids. Returns 1 (purged) or 0 (not a dead letter) each.
+local out = {}
+for i = 1, #ARGV do
+  out[i] = redis.call('HDEL', KEYS[1], ARGV[i])
+  redis.call('ZREM', KEYS[2], ARGV[i])
+end
+return out

@@ -1,0 +1,182 @@
+"""The store of ENGINE=owner: the delivery engine's calls (claim, finish, fail, extend,
+reap, release, store) go to the apps this broker owns (owners.py), not to a script a
+transition; everything else (recipients, the apps directory, status) is the Store's.
+
+The way in of the engine swap (docs/OWNER-DESIGN.md): the engine's workers run as they
+are, on the owners' memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from skmq.clock import now_ms
+from skmq.queue.dead import letter
+from skmq.queue.journal import AppKeys, script_source
+from skmq.queue.owners import Owners
+from skmq.store.client import ENC
+from skmq.store.store import (
+    AliveRecipient,
+    AppCounts,
+    ClaimArgs,
+    ClaimResult,
+    DeadLetter,
+    Extended,
+    Failed,
+    Finished,
+    NewMessage,
+    Reaped,
+    Store,
+)
+
+STORED_LOOKBACK = 10_000
+
+
+class OwnedStore(Store):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.owners: Owners | None = None  # set by the broker once its wire is up
+        self._dead_out = self.redis.register_script(script_source("dead_out"))
+        self._dead_purge = self.redis.register_script(script_source("dead_purge"))
+
+    @property
+    def _owners(self) -> Owners:
+        assert self.owners is not None, "the owners start with the broker"
+        return self.owners
+
+    @property
+    def carries_claims(self) -> bool:
+        return False
+
+    async def store(
+        self,
+        batches: dict[str, list[NewMessage]],
+        now: int,
+        stored: Callable[[dict[str, list[bool]]], None] | None = None,
+        claims: Sequence[ClaimArgs] = (),
+    ) -> dict[str, list[bool]]:
+        outcome = await self._owners.store(batches, now)
+        if stored is not None:
+            stored(outcome)
+        await self.directory.add(outcome)
+        return outcome
+
+    async def claim(
+        self,
+        app: str,
+        now: int,
+        n: int,
+        alive: Sequence[AliveRecipient],
+        assignment: Sequence[str],
+        rate: float = 0.0,
+        lost: Sequence[str] = (),
+    ) -> ClaimResult:
+        return await self._owners.claim(app, now, n, alive, assignment, rate, lost)
+
+    async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
+        return await self._owners.finish(app, acks, now)
+
+    async def fail(
+        self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
+    ) -> list[Failed]:
+        return await self._owners.fail(app, failures, now)
+
+    async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
+        return await self._owners.extend(app, leases, now)
+
+    async def reap(
+        self, apps: Sequence[str], now: int, limit: int = 500
+    ) -> dict[str, list[Reaped]]:
+        return await self._owners.reap(apps, now)
+
+    async def in_flight(self, app: str) -> list[str]:
+        return []  # an owner's in flight are its own: a new owner pushes them again
+
+    async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
+        return await self._owners.release(app, delivery_ids, now_ms())
+
+    async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
+        return self._owners.in_flight_of(app, msgid)
+
+    async def find_apps(self, msgids: Sequence[str]) -> dict[str, list[str]]:
+        return self._owners.holding(msgids)
+
+    async def stored_of(self, app: str, msgids: Sequence[str], now: int) -> list[int | None]:
+        """For messages whose store's answer was lost: each one's stored ms (found among
+        the last STORED_LOOKBACK entries of the app's log and inbox), 0 when settled
+        since (within DEDUPE_WINDOW), None when not found."""
+        keys = AppKeys.of(self.prefix, app)
+        bucket = now // self.dedupe_ms
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrevrange(keys.log, count=STORED_LOOKBACK)
+        pipe.xrevrange(keys.inbox, count=STORED_LOOKBACK)
+        for done in (keys.done(bucket), keys.done(bucket - 1)):
+            pipe.smismember(done, [m.encode("utf-8", ENC) for m in msgids])
+        log, inbox, cur, prev = await pipe.execute()
+        at = {fields[b"m"]: int(entry.split(b"-", 1)[0]) for entry, fields in [*inbox, *log]}
+        out: list[int | None] = []
+        for msgid, in_cur, in_prev in zip(msgids, cur, prev, strict=True):
+            raw = msgid.encode("utf-8", ENC)
+            out.append(0 if in_cur or in_prev else at.get(raw))
+        return out
+
+    # -- what operators see and do (from any process) --------------------------------
+    async def counts(self, apps: Sequence[str], now: int) -> dict[str, AppCounts]:
+        """Waiting and in flight as each app's owner has them (another broker's: as it
+        last said, every ownership round), dead as its dead letters hold."""
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            keys = AppKeys.of(self.prefix, app)
+            pipe.hmget(keys.stats, "pending", "delayed", "in_flight")
+            pipe.zcard(keys.dead_order)
+        res = await pipe.execute()
+        out = {}
+        for i, app in enumerate(apps):
+            owner = self.owners.owned.get(app) if self.owners is not None else None
+            if owner is not None:  # (this broker's own: as they are now)
+                pending, delayed, in_flight = owner.queue.counts(now)
+                pending += len(owner.unfanned)
+            else:
+                pending, delayed, in_flight = (int(x or 0) for x in res[2 * i])
+            out[app] = AppCounts(pending, delayed, in_flight, int(res[2 * i + 1]))
+        return out
+
+    async def dead_letters(self, app: str, limit: int | None = None) -> list[DeadLetter]:
+        keys = AppKeys.of(self.prefix, app)
+        stop = -1 if limit is None else limit - 1
+        entries = await self.redis.zrange(keys.dead_order, 0, stop, withscores=True)
+        if not entries:
+            return []
+        values = await self.redis.hmget(keys.dead, [member for member, _ in entries])
+        return [
+            letter(app, member, value, died)
+            for (member, died), value in zip(entries, values, strict=True)
+            if value is not None
+        ]
+
+    async def _out(self, app: str, to_app: str, ids: Sequence[str], check: bool) -> list[int]:
+        if not ids:
+            return []
+        source, target = AppKeys.of(self.prefix, app), AppKeys.of(self.prefix, to_app)
+        bucket = now_ms() // self.dedupe_ms
+        keys = [source.dead, source.dead_order, target.inbox]
+        keys += [target.done(bucket), target.done(bucket - 1)]
+        args = [target.wakeup, "1" if check else "0", *(i.encode("utf-8", ENC) for i in ids)]
+        return [int(x) for x in await self._dead_out(keys, args)]
+
+    async def replay(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
+        return [x == 1 for x in await self._out(app, app, delivery_ids, False)]
+
+    async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
+        moved = await self._out(app, to_app, delivery_ids, True)
+        if 1 in moved:
+            await self.directory.add([to_app])
+        return moved
+
+    async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
+        if not delivery_ids:
+            return []
+        keys = AppKeys.of(self.prefix, app)
+        ids = [i.encode("utf-8", ENC) for i in delivery_ids]
+        return [bool(x) for x in await self._dead_purge([keys.dead, keys.dead_order], ids)]

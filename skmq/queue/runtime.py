@@ -1,0 +1,177 @@
+"""ENGINE=owner in a broker: its connection for the owners' writes, the apps it owns
+(owners.py) behind the store's engine calls (owned_store.py), the ownership rounds
+among the brokers (ownership.py), the inbox wake-ups (inbox_watch.py), and the hand-over
+of every owned app when the broker stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from skmq.aio import cancel_and_wait, spawn
+from skmq.clock import now_ms
+from skmq.codec import Frame
+from skmq.config import Settings
+from skmq.queue.deliveries import Policy
+from skmq.queue.forward import Forwarder, Verdict, answer_question
+from skmq.queue.inbox_watch import InboxWatch
+from skmq.queue.journal import Fenced, Lease
+from skmq.queue.owned_store import OwnedStore
+from skmq.queue.owners import Owners
+from skmq.queue.ownership import Ownership
+from skmq.store.wire import ReplyError, Wire, WireClosed
+from skmq.supervisor import Supervisor
+from skmq.workers.answering import Vouched
+from skmq.workers.engine import Engine
+
+log = structlog.get_logger("skmq.queue.runtime")
+
+TROUBLE = (RedisError, OSError, ReplyError, WireClosed, Fenced, TimeoutError)
+
+
+def policy_of(s: Settings) -> Policy:
+    return Policy(
+        retry_times=s.retry_times,
+        backoff_ms=tuple(int(b * 1000) for b in s.retry_backoff),
+        jitter=s.retry_jitter,
+        lease_ms=int(s.ack_timeout * 1000),
+        max_extensions=s.max_lease_extensions,
+        drop_expired=s.expired == "drop",
+    )
+
+
+class OwnerRuntime:
+    def __init__(
+        self, settings: Settings, wire: Wire, store: OwnedStore, broker_id: str, engine: Engine
+    ) -> None:
+        self.settings = settings
+        self.wire = wire
+        self.store = store
+        self.notify = engine.notify
+        registry = engine.registry
+        self.owners = Owners(
+            wire,
+            settings.key_prefix,
+            policy_of(settings),
+            store.dedupe_ms,
+            lambda app: [r.id for r in registry.alive(app)],
+        )
+        self.lease_ms = int(settings.owner_lease * 1000)
+        self.ownership = Ownership(
+            broker_id,
+            settings.key_prefix,
+            self.lease_ms,
+            lambda app: wire,
+            wire,
+            self._gained,
+            self._lost,
+        )
+        self.owners.take = self.ownership.take
+        store.owners = self.owners
+        # answers through other brokers (skmq/queue/forward.py)
+        self.forwarder = Forwarder(wire, settings.key_prefix, broker_id, settings.store_timeout)
+        router = engine.router
+        router.forward = self.forwarder.ask
+        router.owns = lambda app: app in self.owners.owned
+        self.owners.questions = self._asked
+        self.tasks: set[asyncio.Task[None]] = set()
+
+        async def answer(frame: Frame, vouched: tuple[str, ...] | None) -> Verdict:
+            return await router.answer(frame, vouched=Vouched(vouched))
+
+        self._answer = answer
+
+    @classmethod
+    async def start(
+        cls,
+        settings: Settings,
+        url: str,
+        redis: aioredis.Redis,
+        store: OwnedStore,
+        broker_id: str,
+        engine: Engine,
+        supervisor: Supervisor,
+    ) -> OwnerRuntime:
+        wire = await Wire.connect(url, settings.store_timeout)
+        runtime = cls(settings, wire, store, broker_id, engine)
+        await runtime.round()  # the apps that are ours, before the first push
+        supervisor.start("owner-rounds", runtime.run)
+        watch = InboxWatch(
+            redis,
+            settings.key_prefix,
+            runtime.told,
+            runtime.missed,
+            (runtime.forwarder.channel, runtime.forwarder.replied),
+        )
+        supervisor.start("owner-inbox", watch.run)
+        return runtime
+
+    def _asked(self, app: str, raw: bytes) -> None:
+        """A question (an answer forwarded to us, the owner), answered in a task."""
+
+        async def answer() -> None:
+            try:
+                await answer_question(self.wire, self._answer, raw)
+            except TROUBLE as exc:  # (its asker hears nothing and says `error`)
+                log.warning("a forwarded answer went unanswered", app=app, error=repr(exc))
+
+        spawn(answer(), self.tasks)
+
+    async def _gained(self, app: str, lease: Lease) -> None:
+        await self.owners.gained(app, lease, now_ms())
+        log.info("app owned", app=app, epoch=lease.epoch)
+        self.notify(app)
+
+    async def _lost(self, app: str) -> None:
+        self.owners.lost(app)
+        log.info("app no longer owned", app=app)
+
+    def told(self, app: str) -> None:
+        self.owners.told(app)
+        self.notify(app)
+
+    def missed(self) -> None:
+        for app in list(self.owners.owned):
+            self.told(app)
+
+    async def round(self) -> None:
+        """Renew, take what is ours, and checkpoint what we own (a new owner then replays
+        only the journal since)."""
+        await self.ownership.round(await self.store.apps(), now_ms())
+        for app, owner in list(self.owners.owned.items()):
+            now = now_ms()
+            try:
+                await owner.checkpoint(now)
+            except Fenced:
+                self.owners.lost(app)
+                continue
+            due, later, in_flight = owner.queue.counts(now)
+            stats = owner.journal.keys.stats
+            await self.wire.call_many(
+                [
+                    ("HSET", stats, "pending", due, "delayed", later, "in_flight", in_flight),
+                    ("PEXPIRE", stats, 3 * self.lease_ms),
+                ]
+            )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                await self.round()
+            except TROUBLE as exc:
+                log.warning("ownership round failed", error=repr(exc))
+
+    async def stop(self) -> None:
+        """Hand every owned app over at once (not after the lease), its state flushed."""
+        with contextlib.suppress(*TROUBLE):
+            async with asyncio.timeout(self.settings.shutdown_timeout or 1.0):
+                for owner in list(self.owners.owned.values()):
+                    await owner.checkpoint(now_ms())
+                await self.ownership.release_all()
+        await cancel_and_wait(self.tasks)
+        self.wire.close()
