@@ -231,7 +231,14 @@ class Broker:
             ):
                 raise Misconfigured("ENGINE=owner runs on one Redis for now (no Cluster, Sentinel)")
             self.owned = await OwnerRuntime.start(
-                s, url, self.redis, self.store, self.broker_id, self.engine, self.supervisor
+                s,
+                url,
+                self.redis,
+                self.store,
+                self.broker_id,
+                self.engine,
+                self.supervisor,
+                orphans=self.embedded is not None,
             )
         while True:
             try:

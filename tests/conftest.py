@@ -82,6 +82,7 @@ FAST: dict[str, Any] = {
     "max_frame_bytes": 65536,
     "shutdown_timeout": 1.0,
     "http_port": 0,
+    "owner_lease": 1.5,  # (ENGINE=owner: a dead broker's apps taken over within it)
 }
 
 
@@ -294,6 +295,7 @@ def broker_env(tmp_path: Path) -> dict[str, str]:
         SKMQ_MAX_FRAME_BYTES="65536",
         SKMQ_LOG_LEVEL="warning",
         SKMQ_HTTP_PORT="0",
+        SKMQ_OWNER_LEASE="1.5",
     )
     return env
 

@@ -258,6 +258,16 @@ def test_a_takeover_pushes_again_what_the_old_owner_had_in_flight() -> None:
     assert again.msgid == b"m1" and again.attempt == 2
 
 
+def test_a_delivery_back_to_pending_before_its_turn_is_taken_once() -> None:
+    # a new owner: pending from the log, its push replayed, then adopted (pending again)
+    q = queue()
+    q.add(message(1), T)
+    assert q.apply(Record.PUSHED, b"m1", QUEUE, 1, f"{T + 30_000} r1", T)
+    q.adopt(T + 1)
+    assert [d.msgid for d in pushed(q, T + 1)] == [b"m1"]
+    assert pushed(q, T + 1) == []
+
+
 def test_a_checkpoint_restores_every_delivery_held() -> None:
     q = queue(backoff_ms=(100,))
     for m in (message(1), message(2), message(3, key="k"), message(4, key="k")):

@@ -59,6 +59,9 @@ class Delivery:
     inbox: bool = False  # its entry is in the inbox (stored through another broker)
     trace: str = ""  # the producer's W3C traceparent
     history: list[str] = field(default_factory=list)  # each failed attempt: when, who, why
+    # in its pending line (perhaps since before it moved on: `take` skips it then, and it
+    # serves again if the delivery comes back to pending before its turn)
+    in_line: bool = False
 
     @property
     def ident(self) -> tuple[bytes, str]:
@@ -107,8 +110,9 @@ class AppQueue:
         if rule.record is not None and self.recording:
             self.records.append(_record(rule.record, d, extra))
         target = rule.target
-        if target is State.PENDING:
+        if target is State.PENDING and not d.in_line:
             self._line(d.copy).append(d)
+            d.in_line = True
         elif target in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
             self._timer(d)
         if target in OVER:
@@ -216,6 +220,7 @@ class AppQueue:
         taken = 0
         while line and taken < n:
             d = line.popleft()
+            d.in_line = False
             if d.state is not State.PENDING:
                 continue  # (it moved on since it was queued: purged, expired)
             if d.expires and now >= d.expires:
@@ -235,6 +240,7 @@ class AppQueue:
     def put_back(self, d: Delivery) -> None:
         """A delivery `take` gave that the caller could not push now: first again."""
         self._line(d.copy).appendleft(d)
+        d.in_line = True
 
     def undeliverable(self, d: Delivery, reason: str, now: int) -> Change:
         d.error = reason
@@ -395,6 +401,7 @@ class AppQueue:
                 self.keys.setdefault(d.key, collections.deque()).append(d)
             if d.state is State.PENDING:
                 self._line(d.copy).append(d)
+                d.in_line = True
             elif d.state in (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT):
                 self._timer(d)
 

@@ -118,6 +118,20 @@ class Owners:
         if app in self.owned:
             self.unread.add(app)
 
+    async def read_inbox(self, app: str, now: int) -> None:
+        """What other brokers appended to an owned app's inbox: messages materialised,
+        questions (forwarded answers) handed on."""
+        self.unread.discard(app)
+        owner = self.owned.get(app)
+        if owner is None:
+            return
+        while await owner.read_inbox(now):
+            pass
+        if owner.questions and self.questions is not None:
+            asked, owner.questions = owner.questions, []
+            for raw in asked:
+                self.questions(app, raw)
+
     def _tick(self, app: str, owner: AppOwner, now: int) -> None:
         for change in owner.queue.tick(now):
             if change.source is State.IN_FLIGHT:
@@ -141,13 +155,7 @@ class Owners:
             return [], None, 0.0
         q = owner.queue
         if app in self.unread:
-            self.unread.discard(app)
-            while await owner.read_inbox(now):
-                pass
-            if owner.questions and self.questions is not None:
-                asked, owner.questions = owner.questions, []
-                for raw in asked:
-                    self.questions(app, raw)
+            await self.read_inbox(app, now)
         self._tick(app, owner, now)
         owner.fan_out(now)
         rate_wait = 0.0

@@ -19,7 +19,7 @@ from skmq.config import Settings
 from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, Verdict, answer_question
 from skmq.queue.inbox_watch import InboxWatch
-from skmq.queue.journal import Fenced, Lease
+from skmq.queue.journal import AppKeys, Fenced, Lease
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
@@ -79,6 +79,7 @@ class OwnerRuntime:
         router.owns = lambda app: app in self.owners.owned
         self.owners.questions = self._asked
         self.tasks: set[asyncio.Task[None]] = set()
+        self.reader: asyncio.Task[None] | None = None
 
         async def answer(frame: Frame, vouched: tuple[str, ...] | None) -> Verdict:
             return await router.answer(frame, vouched=Vouched(vouched))
@@ -95,9 +96,13 @@ class OwnerRuntime:
         broker_id: str,
         engine: Engine,
         supervisor: Supervisor,
+        orphans: bool = False,
     ) -> OwnerRuntime:
         wire = await Wire.connect(url, settings.store_timeout)
         runtime = cls(settings, wire, store, broker_id, engine)
+        if orphans:  # this broker's Redis alone: every lease in it is a dead process's
+            for app in await store.apps():
+                await wire.call("DEL", AppKeys.of(settings.key_prefix, app).owner)
         await runtime.round()  # the apps that are ours, before the first push
         supervisor.start("owner-rounds", runtime.run)
         watch = InboxWatch(
@@ -131,8 +136,24 @@ class OwnerRuntime:
         log.info("app no longer owned", app=app)
 
     def told(self, app: str) -> None:
+        """An app's inbox has news: read now (not at its next claim, which may wait for a
+        free window slot that only a forwarded answer frees)."""
+        if app not in self.owners.owned:
+            return
         self.owners.told(app)
-        self.notify(app)
+        if self.reader is None or self.reader.done():
+            self.reader = spawn(self._read_inboxes(), self.tasks)
+
+    async def _read_inboxes(self) -> None:
+        while self.owners.unread:
+            app = next(iter(self.owners.unread))
+            try:
+                await self.owners.read_inbox(app, now_ms())
+            except TROUBLE as exc:  # (read again at its next claim)
+                log.warning("inbox read failed", app=app, error=repr(exc))
+                self.owners.told(app)
+                return
+            self.notify(app)
 
     def missed(self) -> None:
         for app in list(self.owners.owned):
