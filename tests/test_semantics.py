@@ -12,10 +12,9 @@ from skmq.broker import Broker
 from skmq.client import Consumer, Message, Resp
 from skmq.clock import now_ms
 from skmq.store import Extended, Failed, NewMessage, Retries, Store
-from skmq.store.messages import read as read_message
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
-from tests.test_delivery import Peer, attempts, base, logged, produce, registered
+from tests.test_delivery import Peer, attempts, logged, produce, registered
 from tests.test_lifecycle import APP, NOW, alive
 
 # --------------------------------------------------------------------------- metadata
@@ -27,7 +26,7 @@ async def test_pushes_carry_attempt_and_stored_at(broker: Broker, redis: aioredi
     rec = await FakeRecipient(app, "r", lambda f: next(answers)).start()
     await registered(broker.server.port, rec)
     await produce(broker.server.port, app, ["m"])
-    _, stored, _ = read_message(await redis.hget(base(broker, app) + "msgs", "m"), now_ms())
+    (stored,) = await broker.store.stored_of(app, ["m"], now_ms())
     first, second = await rec.next_push(), await rec.next_push()
     assert (first.fields["attempt"], second.fields["attempt"]) == ("1", "2")
     assert first.fields["stored_at"] == second.fields["stored_at"] == str(stored)
@@ -149,17 +148,18 @@ async def test_a_recipient_still_working_keeps_its_lease(
     await registered(broker.server.port, peer)
     await produce(broker.server.port, app, ["m"])
     _, conn = await peer.next_push()
+    first = now_ms()  # the lease ends by first + 500
     conn.answer("arrived", "m", app)
     assert (await conn.resp())["content"] == "arrived"  # the first: no extension
-    inflight = base(broker, app) + "inflight"
-    first = await redis.zscore(inflight, "m")
+    deadline = first + 500
     for kind in ("arrived", "extend", "extend"):  # again, or the extension frame
-        deadline = await redis.zscore(inflight, "m")
         await eventually(lambda d=deadline: _past(d - 250))
         conn.answer(kind, "m", app)
         resp = await conn.resp()
         assert resp["status"] == "ack" and "lease extended" in resp["content"], resp
-        assert await redis.zscore(inflight, "m") > deadline
+        extended = int(resp["content"].split("until ")[1].split()[0])
+        assert extended > deadline
+        deadline = extended
     assert now_ms() > first + 250  # well past the first lease's middle, still in flight
     conn.answer("extend", "m", app)
     resp = await conn.resp()

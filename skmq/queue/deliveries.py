@@ -244,7 +244,7 @@ class AppQueue:
 
     def undeliverable(self, d: Delivery, reason: str, now: int) -> Change:
         d.error = reason
-        d.history.append(f"{now} attempt={d.attempt} recipient={d.recipient} {reason}")
+        _note(d, now, reason)
         return self._move(d, Trigger.UNDELIVERABLE, now, reason)
 
     # -- answers --------------------------------------------------------------
@@ -280,7 +280,7 @@ class AppQueue:
 
     def _failed(self, d: Delivery, error: str, now: int) -> Change:
         d.error = error
-        d.history.append(f"{now} attempt={d.attempt} recipient={d.recipient} {error}")
+        _note(d, now, error)
         if d.expires and now >= d.expires:
             return self._expire(d, now)
         if d.attempt >= self.policy.retry_times:
@@ -294,7 +294,10 @@ class AppQueue:
         return self._move(d, Trigger.RETRY, now, f"{d.due} {error}")
 
     def _expire(self, d: Delivery, now: int) -> Change:
-        d.error = "expired: its ttl ran out"
+        d.error = "expired"
+        d.history.append(
+            f"{now} attempt={d.attempt} recipient={d.recipient} expired: its ttl ran out"
+        )
         return self._move(d, Trigger.DROP if self.policy.drop_expired else Trigger.EXPIRE, now)
 
     # -- operators --------------------------------------------------------------
@@ -406,12 +409,14 @@ class AppQueue:
                 self._timer(d)
 
     def counts(self, now: int) -> tuple[int, int, int]:
-        """Deliveries held: (due, not yet due, in flight)."""
+        """Deliveries held: (due, not yet due or waiting for their key, in flight)."""
         due = later = in_flight = 0
         for d in self.deliveries.values():
             if d.state is State.IN_FLIGHT:
                 in_flight += 1
-            elif d.state in (State.DELAYED, State.WAITING_RETRY) and d.due > now:
+            elif d.state is State.WAITING_KEY or (
+                d.state in (State.DELAYED, State.WAITING_RETRY) and d.due > now
+            ):
                 later += 1
             else:
                 due += 1
@@ -423,6 +428,11 @@ class AppQueue:
         out = END.join(self.records), self.settled, self.forgotten, self.dead
         self.records, self.settled, self.forgotten, self.dead = [], [], [], []
         return out
+
+
+def _note(d: Delivery, now: int, why: str) -> None:
+    """A line of a delivery's history (its dead letter shows it)."""
+    d.history.append(f"{now} attempt={d.attempt} recipient={d.recipient} {why}")
 
 
 def _record(kind: Record, d: Delivery, extra: str) -> bytes:

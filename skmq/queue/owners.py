@@ -190,8 +190,10 @@ class Owners:
         for change in q.expired:
             d = change.delivery
             out.append(_claimed(d, "expired", b"drop" if d.state is State.DROPPED else b"dead"))
-        q.expired.clear()
-        owner.durable()  # (the pushes' records: with the next flush, not awaited)
+        flushed = owner.durable()  # (the pushes' records: with the next flush)
+        if q.expired:  # (dead letters: there when the caller logs them)
+            q.expired.clear()
+            await flushed
         return out, q.next_due(), rate_wait
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
