@@ -17,7 +17,16 @@ from dataclasses import dataclass
 
 from skmq.clock import now_ms
 from skmq.queue.dead import flush_args
-from skmq.queue.deliveries import END, QUEUE, SEP, AppQueue, Delivery, Policy, parse_records
+from skmq.queue.deliveries import (
+    END,
+    QUEUE,
+    SEP,
+    AppQueue,
+    Change,
+    Delivery,
+    Policy,
+    parse_records,
+)
 from skmq.queue.entries import (
     PLAIN,
     Entry,
@@ -28,11 +37,12 @@ from skmq.queue.entries import (
     parse_entry,
 )
 from skmq.queue.journal import Appended, Journal
-from skmq.queue.lifecycle import State
+from skmq.queue.lifecycle import State, Trigger
 from skmq.store.wire import Wire
 
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
 READ_BATCH = 512
+ADOPTED = (Trigger.RETRY, Trigger.GIVE_UP)  # an attempt the old owner had in flight, failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,7 @@ class AppOwner:
         self.unfanned: collections.deque[tuple[Entry, bool]] = collections.deque()
         self._next: asyncio.Future[None] | None = None  # the flush callers wait for
         self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
+        self.adopted: list[Change] = []  # the old owner's in flight, failed by `load`
 
     @property
     def wire(self) -> Wire:
@@ -228,7 +239,7 @@ class AppOwner:
                     self._materialise(e, now, inbox, copies)
         for record in parse_records(END.join(records)) if records else ():
             self.queue.apply(*record, now)
-        self.queue.adopt(now)
+        self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
         self.queue.tick(now)
         self.live = {d.msgid for d in self.queue.deliveries.values()}
         self.live.update(e.msgid for e, _ in self.unfanned)

@@ -107,6 +107,8 @@ class Owners:
         )
         await owner.load(now)
         self.owned[app] = owner
+        if owner.adopted:  # (for the reaper: logged as timeouts)
+            self.timed_out.setdefault(app, []).extend(owner.adopted)
         return owner
 
     def lost(self, app: str) -> None:
