@@ -172,7 +172,7 @@ class Metrics(Collector):
     def _group_gauges(self) -> Iterator[Metric]:
         """Per consumer group (pull consumption): backlog, in flight, delayed, dead."""
         about = {
-            "backlog": "Messages a consumer group has not received yet (counted up to 10001)",
+            "backlog": "Messages a consumer group has not received yet",
             "in_flight": "Messages a consumer group holds leased",
             "delayed": "Messages of a consumer group waiting for a delay or a retry",
             "dead": "Dead letters of a consumer group",

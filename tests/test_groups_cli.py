@@ -59,3 +59,30 @@ async def test_create_list_reset_delete_from_the_command_line(
     assert (code, err) == (1, "skmq groups: no group 'billing' for app 'shop': nothing done\n")
     code, _, err = groups_cmd(redis_url, prefix, "create", "--app", "shop", "no spaces")
     assert code == 2 and err.startswith("skmq groups: group must be 1 to 64 letters")
+
+
+async def test_create_and_reset_at_a_position_from_the_command_line(
+    redis_url: str, prefix: str, redis: aioredis.Redis
+) -> None:
+    assert groups_cmd(redis_url, prefix, "create", "--app", "shop", "first")[0] == 0
+    await Store(redis, prefix).store({"shop": [NewMessage("m1", "queue", b"x")]}, 1)
+    for group, position in (("e", "earliest"), ("t", "0"), ("iso", "1970-01-01T00:00Z")):
+        code, out, _ = groups_cmd(redis_url, prefix, "create", "--app", "shop", group,
+                                  "--from", position)  # fmt: skip
+        assert (code, out) == (0, f"{group}: created\n")
+    code, out, _ = groups_cmd(redis_url, prefix, "list", "--app", "shop", "--json")
+    assert {g["group"]: g["backlog"] for g in json.loads(out)} == {
+        "first": 1, "e": 1, "t": 1, "iso": 1,
+    }  # fmt: skip
+    code, out, _ = groups_cmd(redis_url, prefix, "reset", "--app", "shop", "e", "--to", "0")
+    assert (code, out) == (0, "e: reset to 0\n")
+    code, _, err = groups_cmd(redis_url, prefix, "create", "--app", "shop", "x", "--from", "now")
+    assert code == 2 and "argument --from: 'now' is not one of latest" in err
+    code, _, err = groups_cmd(
+        redis_url, prefix, "reset", "--app", "shop", "e", "--to", "253402300799999"
+    )
+    assert (code, err) == (
+        2,
+        "skmq groups: position: 253402300799999 (unix ms) is after the store's clock; "
+        "latest is what is stored from now on\n",
+    )

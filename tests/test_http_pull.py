@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -517,3 +518,73 @@ async def test_a_long_poll_whose_client_went_away_takes_nothing(
     await produce(http, base, "gone", "m1")
     got = await receive(http, base, "gone", "g", wait=5)
     assert [(m["msgid"], m["attempt"]) for m in got] == [("m1", 1)]
+
+
+async def test_groups_start_at_latest_earliest_or_a_time(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    broker, base = await gateway(make_broker)
+    assert (await call(http, "POST", f"{base}/x/groups", {"group": "first"}))[0] == 201
+    glog = broker.store.base("x") + "glog"
+
+    async def entries() -> list[tuple[str, int]]:
+        got = await broker.store.redis.xrange(glog)
+        return [(f[b"m"].decode(), int(eid.split(b"-")[0])) for eid, f in got]
+
+    n = 0  # stored until the log spans two ms of Redis's clock, however fast that goes
+    while len({ms for _, ms in await entries()}) < 2:
+        n += 1
+        await produce(http, base, "x", f"m{n}")
+    log = await entries()
+    at = log[-1][1]
+    iso = datetime.fromtimestamp(at / 1000, UTC).isoformat(timespec="milliseconds")
+    for group, position in (("e", "earliest"), ("l", "latest"), ("t", at), ("iso", iso)):
+        body = {"group": group, "position": position}
+        assert await call(http, "POST", f"{base}/x/groups", body) == (
+            201, {"group": group, "created": True},
+        )  # fmt: skip
+    since = [m for m, ms in log if ms >= at]
+    status, listed = await call(http, "GET", f"{base}/x/groups")
+    assert {g["group"]: g["backlog"] for g in listed["groups"]} == {
+        "first": len(log), "e": len(log), "l": 0, "t": len(since), "iso": len(since),
+    }  # fmt: skip
+    assert [m["msgid"] for m in await receive(http, base, "x", "iso", max=100)] == since
+    assert await receive(http, base, "x", "l", max=100) == []
+    status, moved = await call(http, "POST", f"{base}/x/groups/l/reset", {"position": iso})
+    assert (status, moved) == (200, {"group": "l", "position": at})
+    assert [m["msgid"] for m in await receive(http, base, "x", "l", max=100)] == since
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error"),
+    [
+        ("", {"group": "n", "position": "Latest"}, "position: 'Latest' is not one of latest"),
+        ("", {"group": "n", "position": -5}, "position: a time in unix ms is 0 to"),
+        ("", {"group": "n", "position": 1.5}, "position: must be a string or an integer"),
+        ("", {"group": "n", "position": None}, "position: must be a string or an integer"),
+        (
+            "",
+            {"group": "n", "position": "2026-11-28T12:00"},
+            "position: '2026-11-28T12:00': an ISO",
+        ),
+        ("", {"group": "n", "position": "x" * 5000}, "position: not one of latest"),
+        ("", {"group": "n", "position": 10**40}, "position: a time in unix ms is 0 to"),
+        ("", {"group": "n", "position": 253402300799999}, "position: 253402300799999 (unix"),
+        ("/g/reset", {"position": "soon"}, "position: 'soon' is not one of latest"),
+        ("/g/reset", {}, "position: Field required"),
+        ("/g/reset", {"position": 253402300799999}, "position: 253402300799999 (unix ms) is"),
+    ],
+)
+async def test_bad_group_positions_are_400(
+    make_broker: BrokerFactory,
+    http: aiohttp.ClientSession,
+    path: str,
+    body: Any,
+    error: str,
+) -> None:
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/x/groups", {"group": "g"})
+    status, got = await call(http, "POST", f"{base}/x/groups{path}", body)
+    assert status == 400 and got["error"].startswith(error), got
+    status, listed = await call(http, "GET", f"{base}/x/groups")
+    assert [g["group"] for g in listed["groups"]] == ["g"]  # nothing made

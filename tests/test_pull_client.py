@@ -19,6 +19,7 @@ from skmq.broker import Broker
 from skmq.cli.broker_settings import BrokerAddresses, broker_addresses
 from skmq.errors import UsageError
 from skmq.pull.consumer import PullConsumer, PullError
+from skmq.pull.position import BadPosition
 from tests.commands import skmq_command
 from tests.conftest import BrokerFactory, free_port
 from tests.peers import RawClient
@@ -367,3 +368,55 @@ async def test_skmq_consume_with_a_config_file_that_is_not_there_says_so(tmp_pat
             2,
             f"skmq consume: config file {missing}: no such file\n".encode(),
         )
+
+
+async def test_a_consumer_creates_its_group_at_a_position(
+    make_broker: BrokerFactory, transport: str
+) -> None:
+    broker, url = await gateway(make_broker)
+    where = consumer_url(broker, url, transport)
+    async with PullConsumer(where, "shop", "first", wait=0):
+        pass  # (the app has a group: what is stored now is in its group log)
+    await produce(url, "shop", "m1", "m2")
+    async with (
+        PullConsumer(where, "shop", "latest", wait=0) as latest,
+        PullConsumer(where, "shop", "earliest", wait=0, position="earliest") as earliest,
+        PullConsumer(where, "shop", "epoch", wait=0, position="1970-01-01T00:00:00Z") as epoch,
+    ):
+        assert await latest.receive() == []
+        for consumer in (earliest, epoch):
+            assert [m.msgid for m in await consumer.receive()] == ["m1", "m2"]
+    with pytest.raises(BadPosition):
+        PullConsumer(where, "shop", "g", position="yesterday")
+    with pytest.raises(PullError) as refused:
+        async with PullConsumer(where, "shop", "soon", position=253402300799999):
+            pass
+    assert refused.value.status == 400
+    assert refused.value.error.startswith("position: 253402300799999 (unix ms) is after")
+
+
+async def test_the_pull_frame_creates_a_group_at_a_position(make_broker: BrokerFactory) -> None:
+    broker, url = await gateway(make_broker)
+    client = await RawClient.connect(broker.server.port)
+    try:
+        await client.request("pull", None, appid="shop", group="first", op="create")
+        await produce(url, "shop", "t1")
+        created = await client.request(
+            "pull", b'{"position": "earliest"}', appid="shop", group="e", op="create"
+        )
+        assert json.loads(created["content"]) == {"group": "e", "created": True}
+        got = await client.request("pull", b"{}", appid="shop", group="e", op="receive")
+        assert [m["msgid"] for m in json.loads(got["content"])["messages"]] == ["t1"]
+        for content, said in (
+            (b'{"position": "soon"}', "400 position: 'soon' is not one of latest"),
+            (b'{"position": true}', "400 position: must be a string or an integer"),
+            (b'{"position": 253402300799999}', "400 position: 253402300799999 (unix ms) is"),
+            (b'{"group": "other"}', "400 content: a JSON object, its group (if any)"),
+            (b'["earliest"]', "400 content: a JSON object"),
+            (b'{"position": "earliest", "x": 1}', "400 x: Extra inputs are not permitted"),
+        ):
+            refused = await client.request("pull", content, appid="shop", group="n", op="create")
+            assert refused["status"] == "reject", refused
+            assert refused["content"].startswith(said), refused
+    finally:
+        await client.close()

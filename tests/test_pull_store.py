@@ -20,6 +20,7 @@ from skmq.pull.groups import (
     parse_receipt,
 )
 from skmq.pull.longpoll import LongPoll
+from skmq.pull.position import MAX_MS, BadPosition, FuturePosition, parse_position
 from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
 from skmq.store import NewMessage, Retries, Store
@@ -377,7 +378,7 @@ async def test_group_trim_drops_only_what_no_group_needs(groups: Groups) -> None
     await groups.delete(APP, "fast")
     await groups.delete(APP, "slow")
     assert await groups.trim(APP) == 3  # no group: the whole log goes
-    assert await redis.exists(base + "glog", base + "gseen") == 0
+    assert await redis.exists(base + "glog", base + "gseen", base + "gadded") == 0
 
 
 async def test_one_broker_a_round_trims_every_app_with_a_group_log(groups: Groups) -> None:
@@ -402,3 +403,169 @@ async def test_an_app_with_only_consumer_groups_is_not_forgotten(groups: Groups)
     assert "grouped" in await store.apps()
     await groups.delete("grouped", "g1")
     assert await store.forget_apps(["grouped"]) == ["grouped"]
+
+
+async def log_entries(groups: Groups) -> list[tuple[str, int]]:
+    """(msgid, ms of Redis's clock when stored) of each group-log entry."""
+    entries = await groups.store.redis.xrange(groups.log_key(APP))
+    return [(f[b"m"].decode(), int(eid.split(b"-")[0])) for eid, f in entries]
+
+
+async def stored_over_two_ms(groups: Groups) -> list[tuple[str, int]]:
+    """Messages stored one by one until the log spans two ms of Redis's clock (however
+    fast this machine stores them): the log's entries then."""
+    await stored(groups, "a", "b")
+    n = 0
+    while len({ms for _, ms in await log_entries(groups)}) < 2:
+        n += 1
+        await stored(groups, f"c{n}")
+    return await log_entries(groups)
+
+
+async def backlogs(groups: Groups) -> dict[str, int]:
+    return {g.name: g.backlog for g in await groups.describe(APP)}
+
+
+async def test_a_group_starts_at_latest_earliest_or_a_time(groups: Groups) -> None:
+    await groups.create(APP, "first")
+    entries = await stored_over_two_ms(groups)
+    at = entries[-1][1]  # the last ms: from the entries stored at or after it
+    assert await groups.create(APP, "latest")  # (the default)
+    assert await groups.create(APP, "earliest", "earliest")
+    assert await groups.create(APP, "at", at)
+    assert await groups.create(APP, "zero", 0)
+    assert not await groups.create(APP, "at", "earliest")  # it exists: left as it is
+    since = [m for m, ms in entries if ms >= at]
+    assert 0 < len(since) < len(entries)
+    everything = [m for m, _ in entries]
+    expected = {"first": everything, "latest": [], "earliest": everything, "at": since}
+    assert await backlogs(groups) == {
+        k: len(v) for k, v in {**expected, "zero": everything}.items()
+    }
+    for group, msgids in expected.items():
+        assert ids(await received(groups, group, n=100)) == msgids
+    assert await stored(groups, "z") == [True]
+    assert await backlogs(groups) == {
+        "first": 1,
+        "latest": 1,
+        "earliest": 1,
+        "at": 1,
+        "zero": 1 + len(entries),
+    }
+    # reset moves a group to a time as well (its backlog counted from there)
+    assert await groups.reset(APP, "latest", at)
+    assert ids(await received(groups, "latest", n=100)) == [*since, "z"]
+
+
+async def test_earliest_is_what_the_group_log_still_holds(groups: Groups) -> None:
+    await stored(groups, "before")  # no group yet: never in the group log
+    await groups.create(APP, "g")
+    await stored(groups, "a", "b")
+    (a,) = await received(groups, "g", n=1)
+    assert await groups.ack(APP, "g", [receipt(a)], NOW) == [True]
+    assert await groups.trim(APP) == 1  # "a": read and acked by every group
+    assert await groups.create(APP, "late", "earliest")
+    assert await backlogs(groups) == {"g": 1, "late": 1}
+    for group in ("g", "late"):
+        (b,) = await received(groups, group)
+        assert b.msgid == "b" and await groups.ack(APP, group, [receipt(b)], NOW) == [True]
+    assert await groups.trim(APP) == 1  # the log is empty now: its count goes on
+    assert await groups.store.redis.xlen(groups.log_key(APP)) == 0
+    await stored(groups, "c")
+    assert await groups.create(APP, "later", "earliest")
+    assert await backlogs(groups) == {"g": 1, "late": 1, "later": 1}
+    assert ids(await received(groups, "later")) == ["c"]
+    assert await backlogs(groups) == {"g": 1, "late": 1, "later": 0}
+
+
+async def test_a_time_after_the_stores_clock_is_refused(groups: Groups) -> None:
+    later = now_ms() + 3_600_000
+    with pytest.raises(FuturePosition, match="after the store's clock"):
+        await groups.create(APP, "g", later)
+    assert await groups.describe(APP) == []
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (a,) = await received(groups, "g")
+    with pytest.raises(FuturePosition):
+        await groups.reset(APP, "g", later)
+    # nothing done: the lease and its receipt hold
+    assert await groups.ack(APP, "g", [receipt(a)], NOW) == [True]
+
+
+@pytest.mark.parametrize(
+    ("given", "position"),
+    [
+        ("latest", "latest"),
+        ("earliest", "earliest"),
+        (0, 0),
+        (1795441224889, 1795441224889),
+        ("1795441224889", 1795441224889),
+        ("2026-11-28T12:00:00Z", 1795867200000),
+        ("2026-11-28T13:00:00.250+01:00", 1795867200250),
+        (MAX_MS, MAX_MS),
+    ],
+)
+def test_positions_parse(given: str | int, position: str | int) -> None:
+    assert parse_position(given) == position
+
+
+@pytest.mark.parametrize(
+    ("given", "why"),
+    [
+        ("Latest", "'Latest' is not one of latest"),
+        ("", "'' is not one of latest"),
+        (-1, "a time in unix ms is 0 to"),
+        (MAX_MS + 1, "a time in unix ms is 0 to"),
+        ("9" * 16, "a time in unix ms is 0 to"),
+        ("2026-11-28T12:00:00", "'2026-11-28T12:00:00': an ISO-8601 time needs its offset"),
+        ("1969-12-31T23:59:59Z", "a time in unix ms is 0 to"),
+        ("x" * 10_000, "not one of latest"),
+        ("١٢٣", "not one of latest"),
+        (True, "must be a string or an integer"),
+        (1.5, "must be a string or an integer"),
+        (None, "must be a string or an integer"),
+        (["latest"], "must be a string or an integer"),
+    ],
+)
+def test_bad_positions_are_refused(given: object, why: str) -> None:
+    with pytest.raises(BadPosition) as refused:
+        parse_position(given)
+    assert str(refused.value).startswith(why)
+
+
+async def test_backlogs_past_10001_are_exact(groups: Groups) -> None:
+    await groups.create(APP, "g")
+    total = 12_345
+    for start in range(0, total, 1000):  # straight into the store, a thousand a call
+        batch = [NewMessage(f"m{i}", "queue", b"x") for i in range(start, min(total, start + 1000))]
+        assert all((await groups.store.store({APP: batch}, NOW))[APP])
+    assert await backlogs(groups) == {"g": total}
+    assert len(await received(groups, "g", n=100)) == 100
+    await groups.create(APP, "e", "earliest")
+    await groups.create(APP, "l")
+    assert await backlogs(groups) == {"e": total, "g": total - 100, "l": 0}
+    await stored(groups, "one-more")
+    assert await backlogs(groups) == {"e": total + 1, "g": total - 99, "l": 1}
+
+
+async def test_a_group_or_log_from_before_the_count_is_counted_by_reading(
+    groups: Groups,
+) -> None:
+    """A log whose entries have no count `n`, and a group without its `\\x1fr` (both made
+    by a version before them): counted by reading the log, until the group reads an
+    entry that has its count."""
+    redis, base = groups.store.redis, groups.store.base(APP)
+    await groups.create(APP, "g")
+    for m in ("old1", "old2", "old3"):  # as the store wrote them before
+        await redis.xadd(base + "glog", {"m": m, "k": "q", "c": b"x", "d": 0})
+    await redis.hdel(base + "g:g:gstate", "\x1fr")
+    assert await backlogs(groups) == {"g": 3}
+    await stored(groups, "new")  # counted after the log's entries then
+    await groups.create(APP, "e", "earliest")
+    assert await backlogs(groups) == {"e": 4, "g": 4}
+    assert ids(await received(groups, "g", n=1)) == ["old1"]
+    assert await backlogs(groups) == {"e": 4, "g": 3}  # (still read)
+    assert ids(await received(groups, "g", n=3)) == ["old2", "old3", "new"]
+    assert ids(await received(groups, "e", n=2)) == ["old1", "old2"]
+    await stored(groups, "newer")
+    assert await backlogs(groups) == {"e": 3, "g": 1}

@@ -43,6 +43,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def group_position(text: str) -> str | int:
+    """An argparse type: where a consumer group reads from (skmq/pull/position.py)."""
+    from skmq.pull.position import BadPosition, parse_position
+
+    try:
+        return parse_position(text)
+    except BadPosition as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def whole_number(least: int, most: int | None = None) -> Callable[[str], int]:
     """An argparse type: a whole number from `least` (to `most`, if given)."""
     span = f"{least}-{most}" if most is not None else f"at least {least}"

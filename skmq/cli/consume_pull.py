@@ -13,7 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from skmq.cli import fail, seconds, unreachable, whole_number
+from skmq.cli import fail, group_position, seconds, unreachable, whole_number
 from skmq.cli.broker_settings import broker_addresses
 from skmq.client import Handler, Message
 from skmq.loop import run_main
@@ -24,6 +24,9 @@ ExecHandler = Callable[[str, int | None, float], Handler]
 def add_pull_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pull", action="store_true", help="pull through the HTTP gateway")
     p.add_argument("--group", help="the consumer group to pull for (created if missing)")
+    p.add_argument("--from", dest="position", type=group_position, default="latest",
+                   metavar="POSITION", help="where the group starts, if created (pull): "
+                   "latest, earliest, unix ms or an ISO-8601 time")  # fmt: skip
     p.add_argument(
         "--gateway",
         help="the HTTP gateway (http[s]://HOST:PORT), or tcp://HOST:PORT for the broker port "
@@ -58,7 +61,7 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
     try:
         async with PullConsumer(
             args.gateway, args.app, args.group, token=args.token,
-            batch=args.batch, visibility=args.visibility,
+            batch=args.batch, visibility=args.visibility, position=args.position,
         ) as consumer:  # fmt: skip
             starting = None
             print(f"skmq consume: pulling {args.app}/{args.group} from {args.gateway}",

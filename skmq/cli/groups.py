@@ -7,11 +7,13 @@ import argparse
 import asyncio
 import json
 
+from skmq.cli import group_position
 from skmq.cli.common import open_store
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
 from skmq.errors import UsageError
 from skmq.pull.groups import Groups, bad_group
+from skmq.pull.position import HELP, BadPosition
 
 
 class NoSuchGroup(LookupError):
@@ -22,16 +24,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="verb", required=True)
     for verb, what in (
         ("list", "the app's groups: backlog, in flight, delayed, dead"),
-        ("create", "subscribe a group: it gets every message stored from now on"),
-        ("reset", "move a group to latest or earliest, dropping its leases and waits"),
+        ("create", "subscribe a group: it gets every message stored from --from on"),
+        ("reset", "move a group to latest, earliest or a time, dropping its leases and waits"),
         ("delete", "delete a group"),
     ):
         p = verbs.add_parser(verb, help=what, description=what)
         p.add_argument("--app", required=True, help="the app")
         if verb != "list":
             p.add_argument("group", metavar="GROUP")
-        if verb == "reset":
-            p.add_argument("--to", choices=("latest", "earliest"), required=True)
+        if verb in ("create", "reset"):
+            flag = {"create": "--from", "reset": "--to"}[verb]
+            p.add_argument(flag, dest="position", type=group_position, metavar="POSITION",
+                           required=verb == "reset", default="latest",
+                           help=f"where the group reads from: {HELP}")  # fmt: skip
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
         add_settings_flags(p, STORE_FLAGS)
         add_token_flag(p, "admin token, when the settings configure auth")
@@ -63,12 +68,15 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"{len(rows)} group(s) of app {args.app!r}")
             return 0
         assert group is not None
-        if args.verb == "create":
-            done = await groups.create(args.app, group)
-            said = "created" if done else "exists already"
-        elif args.verb == "reset":
-            done = await groups.reset(args.app, group, args.to)
-            said = f"reset to {args.to}"
+        if args.verb in ("create", "reset"):
+            start = groups.create if args.verb == "create" else groups.reset
+            try:
+                done = await start(args.app, group, args.position)
+            except BadPosition as exc:  # (a time after the store's clock)
+                raise UsageError(f"position: {exc}") from None
+            said = f"reset to {args.position}"
+            if args.verb == "create":
+                said = "created" if done else "exists already"
         else:
             done = await groups.delete(args.app, group)
             said = "deleted"

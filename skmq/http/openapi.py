@@ -152,7 +152,7 @@ def document() -> dict[str, Any]:
         },
         "/v1/apps/{app}/groups/{group}/reset": {
             **on_group,
-            "post": op("resetGroup", "Move a group to latest or earliest (admin role)",
+            "post": op("resetGroup", "Move a group to latest, earliest or a time (admin role)",
                        "GroupReset", "GroupPosition", "where the group reads from now", 404),
         },
         "/v1/apps/{app}/groups/{group}/receive": {

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from skmq.auth import Role, Tokens
 from skmq.clock import now_ms
@@ -31,6 +33,7 @@ from skmq.pull.groups import (
     parse_receipt,
 )
 from skmq.pull.longpoll import LongPoll, TooManyWaiting
+from skmq.pull.position import HELP, BadPosition, Position, parse_position
 
 M = TypeVar("M", bound=BaseModel)
 Receipts = Annotated[
@@ -42,17 +45,27 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _position(value: Any) -> Position:
+    """A position (skmq/pull/position.py), or a 400 that says what one is."""
+    try:
+        return parse_position(value)
+    except BadPosition as exc:
+        raise PydanticCustomError("position", str(exc)) from None
+
+
+PositionIn = Annotated[str | int, BeforeValidator(_position)]
+
+
 class NewGroup(_Body):
     group: str = Field(description="1 to 64 letters, digits, '_', '.' or '-'")
-
-
-Position = Literal["latest", "earliest"]
+    position: PositionIn = Field(
+        "latest",
+        description=f"where a new group reads from: {HELP}; an existing one stays as it is",
+    )
 
 
 class GroupReset(_Body):
-    position: Position = Field(
-        description="latest: only what is stored from now on; earliest: all the log holds"
-    )
+    position: PositionIn = Field(description=HELP)
 
 
 class ReceiveRequest(_Body):
@@ -115,12 +128,14 @@ class GroupDeleted(BaseModel):
 
 class GroupPosition(BaseModel):
     group: str
-    position: Position = Field(description="where the group reads from now")
+    position: Literal["latest", "earliest"] | int = Field(
+        description="where the group reads from now (a time: unix ms)"
+    )
 
 
 class GroupState(BaseModel):
     group: str
-    backlog: int = Field(description="messages not yet received (at most 10001 counted)")
+    backlog: int = Field(description="messages stored for the group, not yet received")
     in_flight: int
     delayed: int
     dead: int
@@ -183,7 +198,7 @@ class PullApi:
             raise ApiError(400, f"appid {why}")
         group = self.group_name(group)
         if op == "create":  # the frame's group field names it; a body is not needed
-            return (await self.create(app, {"group": group}))[1]
+            return (await self.create(app, self._frame_group(group, raw)))[1]
         try:
             if op == "receive":  # no content: every field of ReceiveRequest as its default
                 return await self.receive(app, group, {} if raw is None else raw, who, gone)
@@ -201,6 +216,23 @@ class PullApi:
         if (why := bad_group(name)) is not None:
             raise ApiError(400, f"group {why}")
         return name
+
+    @staticmethod
+    def _frame_group(group: str, raw: Any) -> Any:
+        """A `create` frame's body: its content (none: {}) with the frame's group."""
+        if raw is None:
+            return {"group": group}
+        if isinstance(raw, dict) and raw.get("group", group) == group:
+            return {**raw, "group": group}
+        raise ApiError(400, "content: a JSON object, its group (if any) the frame's")
+
+    @staticmethod
+    async def _started(start: Awaitable[bool]) -> bool:
+        """A create or reset (a position after the store's clock: 400)."""
+        try:
+            return await start
+        except BadPosition as exc:
+            raise ApiError(400, f"position: {exc}") from None
 
     @staticmethod
     def _body(raw: Any, model: type[M]) -> M:
@@ -283,8 +315,9 @@ class PullApi:
 
     async def create(self, app: str, raw: Any) -> tuple[bool, dict[str, Any]]:
         """(created, answer): False when the group existed already."""
-        group = self.group_name(self._body(raw, NewGroup).group)
-        created = await self.groups.create(app, group)
+        body = self._body(raw, NewGroup)
+        group, position = self.group_name(body.group), parse_position(body.position)
+        created = await self._started(self.groups.create(app, group, position))
         return created, GroupCreated(group=group, created=created).model_dump()
 
     async def delete(self, app: str, group: str) -> dict[str, Any]:
@@ -293,8 +326,8 @@ class PullApi:
         return GroupDeleted(group=group, deleted=True).model_dump()
 
     async def reset(self, app: str, group: str, raw: Any) -> dict[str, Any]:
-        position = self._body(raw, GroupReset).position
-        if not await self.groups.reset(app, group, position):
+        position = parse_position(self._body(raw, GroupReset).position)  # (checked: typed)
+        if not await self._started(self.groups.reset(app, group, position)):
             raise self.no_such_group(app, group)
         return GroupPosition(group=group, position=position).model_dump()
 

@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 from skmq.client import Producer
 from skmq.coalesce import Coalescer
+from skmq.pull.position import parse_position
 
 if TYPE_CHECKING:
     import aiohttp
@@ -134,7 +135,10 @@ class PullConsumer:
     `async for` hands them out one by one, extending the leases of those still waiting
     in one request once they are half gone. Without `batch`: DEFAULT_BATCH (100), the
     broker's default PULL_MAX_MESSAGES, or the broker's own cap when it says it is lower
-    (a `batch` above the cap is refused: PullError 400)."""
+    (a `batch` above the cap is refused: PullError 400). With `create_group`, a group
+    that does not exist yet is made, reading from `position` (skmq/pull/position.py:
+    "latest", "earliest", unix ms or an ISO-8601 time with its offset; BadPosition for
+    another); a group that exists keeps its place."""
 
     def __init__(
         self,
@@ -147,6 +151,7 @@ class PullConsumer:
         wait: float = 20.0,
         visibility: float = 30.0,
         create_group: bool = True,
+        position: str | int = "latest",
     ) -> None:
         self.gateway = gateway.rstrip("/")
         self.base = f"{self.gateway}/v1/apps/{app}/groups"
@@ -162,6 +167,7 @@ class PullConsumer:
         self.wait = wait
         self.visibility = visibility
         self.create_group = create_group
+        self.position = parse_position(position)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._buffer: deque[PulledMessage] = deque()
         self._session: aiohttp.ClientSession | None = None
@@ -186,11 +192,19 @@ class PullConsumer:
                     self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
                     self.errors = (OSError, aiohttp.ClientError)
                 if self.create_group:
-                    await self._call("create", {"group": self.group})
+                    await self._call("create", self._new_group())
         except BaseException:
             await self.__aexit__()
             raise
         return self
+
+    def _new_group(self) -> dict[str, Any]:
+        """The create's body (latest, the default, is not said: a broker from before
+        positions refuses the field)."""
+        body: dict[str, Any] = {"group": self.group}
+        if self.position != "latest":
+            body["position"] = self.position
+        return body
 
     async def __aexit__(self, *exc: object) -> None:
         self._settles.flush()  # settles asked for just before: sent, and answered

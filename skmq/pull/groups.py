@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from skmq.clock import now_ms
 from skmq.events import GROUP_PREFIX
+from skmq.pull.position import FuturePosition, Position, position_arg
 from skmq.store import DeadLetter, Store
 from skmq.store.msgids import unpack
 
@@ -79,7 +80,7 @@ class GroupInfo:
     in_flight: int
     delayed: int
     dead: int
-    backlog: int  # log entries after the cursor
+    backlog: int  # log entries after the cursor (messages not received yet)
 
 
 class Groups:
@@ -102,16 +103,28 @@ class Groups:
         keys = self._group_keys(group)
         return await self.store._call(name, app, [now, *self._retry_args(), *args], *keys)
 
-    # -- groups -------------------------------------------------------------
-    async def create(self, app: str, group: str) -> bool:
-        keys = self._group_keys(group)
-        created = await self.store._call("group_create", app, [group], *keys)
-        await self.store.add_apps([app])
-        return bool(created)
+    async def _start(self, script: str, app: str, group: str, position: Position) -> bool:
+        """group_create or group_reset (group_position.lua); FuturePosition for a time
+        after Redis's clock."""
+        keys = (*self._group_keys(group), "gadded")
+        done = int(await self.store._call(script, app, [group, position_arg(position)], *keys))
+        if done < 0:
+            raise FuturePosition(
+                f"{position} (unix ms) is after the store's clock; "
+                "latest is what is stored from now on"
+            )
+        return bool(done)
 
-    async def reset(self, app: str, group: str, position: Literal["latest", "earliest"]) -> bool:
-        keys = self._group_keys(group)
-        return bool(await self.store._call("group_reset", app, [group, position], *keys))
+    # -- groups -------------------------------------------------------------
+    async def create(self, app: str, group: str, position: Position = "latest") -> bool:
+        """Whether the group was made (False: it exists, left as it is), reading from
+        `position` (skmq/pull/position.py)."""
+        created = await self._start("group_create", app, group, position)
+        await self.store.add_apps([app])
+        return created
+
+    async def reset(self, app: str, group: str, position: Position) -> bool:
+        return await self._start("group_reset", app, group, position)
 
     async def delete(self, app: str, group: str) -> bool:
         keys = self._group_keys(group)
@@ -141,29 +154,43 @@ class Groups:
         return {app: await self.describe(app) for app, n in zip(apps, counts, strict=True) if n}
 
     async def describe(self, app: str) -> list[GroupInfo]:
-        redis = self.store.redis
-        cursors = await redis.hgetall(self.store.base(app) + "groups")
+        """The app's groups, in two round trips whatever their backlogs: a backlog is
+        the entries ever added to the log (`gadded`) less those up to the group's
+        cursor (gstate's r, group_position.lua), as no entry after a cursor is trimmed.
+        The log's count is read last: a message stored meanwhile counts in."""
+        redis, base = self.store.redis, self.store.base(app)
+        cursors = await redis.hgetall(base + "groups")
         names = sorted(k.decode() for k in cursors)
         pipe = redis.pipeline(transaction=False)
         for name in names:
-            base = self.store.base(app)
-            inflight, delayed, _, _, dead, _ = (base + k for k in self._group_keys(name))
+            inflight, delayed, _, gstate, dead, _ = (base + k for k in self._group_keys(name))
             pipe.zcard(inflight)
             pipe.zcard(delayed)
             pipe.zcard(dead)
-            pipe.xrange(self.log_key(app), "(" + cursors[name.encode()].decode(), "+", count=10001)
-        res = await pipe.execute()
-        return [
-            GroupInfo(
-                name,
-                cursors[name.encode()].decode(),
-                int(res[4 * i]),
-                int(res[4 * i + 1]),
-                int(res[4 * i + 2]),
-                len(res[4 * i + 3]),
-            )
-            for i, name in enumerate(names)
-        ]
+            pipe.hget(gstate, "\x1fr")
+        pipe.get(base + "gadded")
+        *res, added = await pipe.execute()
+        out = []
+        for i, name in enumerate(names):
+            cursor = cursors[name.encode()].decode()
+            in_flight, delayed, dead, read = res[4 * i : 4 * i + 4]
+            if read is None:  # a group made before the count: read what is after it
+                backlog = await self._count_after(app, cursor)
+            else:
+                backlog = max(0, int(added or 0) - int(read))
+            out.append(GroupInfo(name, cursor, int(in_flight), int(delayed), int(dead), backlog))
+        return out
+
+    async def _count_after(self, app: str, cursor: str) -> int:
+        """The log entries after `cursor`, read page by page (a group made before the
+        log counted its entries, until it reads one that has its count, or is reset)."""
+        count, page = 0, 1000
+        while True:
+            got = await self.store.redis.xrange(self.log_key(app), "(" + cursor, "+", count=page)
+            count += len(got)
+            if len(got) < page:
+                return count
+            cursor = got[-1][0].decode()
 
     # -- pull ---------------------------------------------------------------
     async def receive(

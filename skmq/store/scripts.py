@@ -20,7 +20,7 @@ from importlib import resources
 KEYS: dict[str, tuple[str, ...]] = {
     "store": (  # + done:<current>, done:<previous>
         *("msgs", "ready", "delayed", "listed", "groups", "glog", "gseen", "recipients"),
-        *("state", "kq"),
+        *("state", "kq", "gadded"),
     ),
     "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate", "kq"),
     "fail": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
@@ -45,10 +45,11 @@ KEYS: dict[str, tuple[str, ...]] = {
         "groups",  # checked empty
     ),
     # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead, kq.
+    # group_create and group_reset: + gadded, after them.
     "group_create": ("groups", "glog"),
     "group_reset": ("groups", "glog"),
     "group_delete": ("groups", "glog"),
-    "group_trim": ("groups", "glog", "gseen"),  # + each group's held
+    "group_trim": ("groups", "glog", "gseen", "gadded"),  # + each group's held
     "pull_receive": ("groups", "glog"),
     "pull_ack": ("groups", "glog"),
     "pull_nack": ("groups", "glog"),
@@ -58,6 +59,8 @@ KEYS: dict[str, tuple[str, ...]] = {
 }
 
 _PRELUDES: dict[str, tuple[str, ...]] = {
+    "group_create": ("group_position",),
+    "group_reset": ("group_position",),
     "fail": ("retry",),
     "reap": ("retry",),
     **{

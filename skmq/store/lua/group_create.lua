@@ -1,10 +1,10 @@
--- A consumer group subscribes to the app: it reads the group log from its end, so it gets
--- every message stored after this step; its generation starts (pull_lib.lua).
--- KEYS: as pull_lib.lua. ARGV: group. Returns 1 (created) or 0 (it exists already).
+-- A consumer group subscribes to the app: it reads the group log from `position`
+-- (group_position.lua; latest: it gets every message stored after this step); its
+-- generation starts (pull_lib.lua). A group that exists already is left as it is.
+-- KEYS: as pull_lib.lua, then gadded. ARGV: group, position.
+-- Returns 1 (created), 0 (it exists already) or -1 (a time after Redis's clock).
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local cursor = '0-0'
-if last[1] then cursor = last[1][1] end
-redis.call('HSET', KEYS[6], '\31g', clock_us())
-redis.call('HSET', KEYS[1], ARGV[1], cursor)
+local cursor, r = start_at(ARGV[2])
+if not cursor then return -1 end
+start_group(ARGV[1], cursor, r, nil)
 return 1

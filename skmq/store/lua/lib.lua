@@ -203,3 +203,14 @@ local function clock_us()
   local t = redis.call('TIME')
   return t[1] .. string.format('%06d', tonumber(t[2]))
 end
+
+-- How many entries were ever added to an app's group log `glog`: its count `gadded`
+-- (kept by store.lua, each entry's `n` its own count); a log from before the count
+-- starts it at its length now (set here, so that every script counts from the same).
+local function log_added(gadded, glog)
+  local n = redis.call('GET', gadded)
+  if n then return tonumber(n) end
+  n = redis.call('XLEN', glog)
+  if n > 0 then redis.call('SET', gadded, n) end
+  return n
+end

@@ -2,7 +2,8 @@
 -- log. Prepended after lib.lua.
 --   groups    HASH    group -> cursor: the last log entry id the group has read
 --   glog      STREAM  the group log: m msgid, k kind q|t, c content, d deliver_at ms,
---                     x expires_at ms (only with a TTL), o ordering key (only with one)
+--                     x expires_at ms (only with a TTL), o ordering key (only with one),
+--                     n how many entries were ever added to the log with it (store.lua)
 -- and the group's own keys (g:<group>:<name>):
 --   inflight  ZSET    entry id -> lease deadline ms (received, not settled)
 --   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)
@@ -13,7 +14,9 @@
 --                     has, while `n` goes on counting: a receipt of attempt 1 before
 --                     the replay must not settle attempt 1 after it), and \31g the
 --                     group's generation: Redis's clock_us() when it was made or reset
---                     (none: '0', a group made before generations)
+--                     (none: '0', a group made before generations), and \31r how
+--                     many entries were ever added to the log up to the group's cursor
+--                     (group_position.lua; none: not known, a group made before it)
 --   dead      ZSET    entry id -> ms it died (the group's dead letters)
 --   kq        ZSET    entries with an ordering key not over yet, all scored 0, member
 --                     <key>\31<entry id, sortable>\31<entry id>: the first of a key is

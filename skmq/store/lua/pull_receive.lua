@@ -94,6 +94,10 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0
 end
 local scanned = 0
 local more = 0  -- 1: the scan stopped at its bound with log entries left to read
+-- entries ever added to the log up to the cursor (group_position.lua): an entry's own
+-- count, or one more than the entry before for one from before entries had it
+local read = redis.call('HGET', gstate, '\31r')
+read = read and tonumber(read)
 while taken < max do
   if scanned >= SCAN then more = 1; break end
   local entries = redis.call('XRANGE', glog, '(' .. cursor, '+', 'COUNT', max - taken)
@@ -102,6 +106,7 @@ while taken < max do
     cursor = e[1]
     scanned = scanned + 1
     local f = fields(e[2])
+    if f.n then read = tonumber(f.n) elseif read then read = read + 1 end
     local due = due_of(cursor, f)
     if not admitted(cursor, f) then
       redis.call('ZADD', held, ms(cursor), cursor)
@@ -114,6 +119,7 @@ while taken < max do
   end
 end
 redis.call('HSET', groups, group, cursor)
+if read and scanned > 0 then redis.call('HSET', gstate, '\31r', read) end
 
 local nxt = -1
 local d = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')

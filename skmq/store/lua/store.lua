@@ -9,7 +9,9 @@
 -- Once the app has a consumer group (skmq/pull/), a stored message is also appended to
 -- the group log `glog` (groups read it from their cursors) and the log's channel is told;
 -- while no push recipient is registered, it then skips the push queue (docs/HTTP.md).
--- KEYS: msgs, ready, delayed, listed, groups, glog, gseen, recipients, state, kq,
+-- Each log entry carries `n`, the count of entries ever added to the log with it (kept
+-- in `gadded`): a group's backlog is counted from it (skmq/pull/groups.py).
+-- KEYS: msgs, ready, delayed, listed, groups, glog, gseen, recipients, state, kq, gadded,
 --       done:<current bucket>, done:<previous bucket>
 -- ARGV: now (13 digits), then (msgid, header (its kind and now: skmq/store/messages.py),
 --       content, deliver_at ms,
@@ -17,12 +19,13 @@
 -- Returns 1 if the mark is new (else 0), then 1 (stored) or 0 (duplicate) a message.
 local msgs, ready, delayed, listed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local groups, glog, gseen, recipients = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local state, kq, cur, prev = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local state, kq, gadded, cur, prev = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local now = ARGV[1]
 local pulled = redis.call('HLEN', groups) > 0
 local pull_only = pulled and redis.call('HLEN', recipients) == 0
 local out = {redis.call('SET', listed, 1, 'NX') and 1 or 0}
 local logged = false
+local added  -- entries ever added to the log: read at the first logged here
 -- The batch's writes of `msgs`, `ready` and plain state fields wait here for one call
 -- each (ready in stored order); ordered and delayed messages write as they go.
 local contents, pushes, sets = {}, {}, {}
@@ -74,7 +77,9 @@ for j = 1, #ids do
       end
     end
     if pulled then
-      local entry = {'m', id, 'k', read_message(ARGV[i + 1], now), 'c', ARGV[i + 2], 'd', at}
+      added = (added or log_added(gadded, glog)) + 1
+      local entry = {'m', id, 'k', read_message(ARGV[i + 1], now), 'c', ARGV[i + 2], 'd', at,
+                     'n', added}
       if ARGV[i + 4] ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = ARGV[i + 4] end
       if ARGV[i + 5] ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = ARGV[i + 5] end
       local eid = redis.call('XADD', glog, '*', unpack(entry))
@@ -87,5 +92,8 @@ end
 if #contents > 0 then call_all('HSET', msgs, contents) end
 if #sets > 0 then call_all('HSET', state, sets) end
 if #pushes > 0 then call_all('RPUSH', ready, pushes) end
-if logged then redis.call('PUBLISH', glog, now) end
+if logged then
+  redis.call('SET', gadded, added)
+  redis.call('PUBLISH', glog, now)
+end
 return out
