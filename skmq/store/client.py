@@ -212,6 +212,13 @@ class Cluster(RedisCluster):  # type: ignore[misc]
         finally:
             _RUNNING.reset(running)
 
+    async def initialize(self, *args: Any, **kwargs: Any) -> Cluster:
+        try:
+            await super().initialize(*args, **kwargs)
+        except (RedisClusterException, *_TORN) as exc:
+            raise _unavailable(exc) from exc
+        return self
+
     async def aclose(self) -> None:
         """Close every connection; but called by redis-py's retry of a command (a node
         lost or timed out, CLUSTERDOWN, a pipeline's connection error: to start again from
