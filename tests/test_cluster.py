@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from skmq.broker import Misconfigured
 from skmq.client import Producer as ClientProducer
+from skmq.embedded import free_port
 from skmq.embedded_cluster import LocalCluster
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
-from skmq.store.shards import ReplicasMissing, WriteFailed
+from skmq.store.shards import ReplicasMissing, WriteFailed, node_round_trip
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_reliability import (
@@ -244,6 +245,34 @@ async def test_kill9_of_a_broker_on_a_cluster_loses_nothing(
     await all_in(cluster_redis, prefix, acked, ("done",), 3 * ACK_TIMEOUT + 10)
     assert set(recipient.msgids()) >= set(acked)
     await recipient.stop()
+
+
+async def test_a_retry_elsewhere_leaves_the_connections_in_use_alone(
+    cluster_redis: RedisCluster, prefix: str
+) -> None:
+    """Issue 42, after a recovery: redis-py's cluster pipeline, failing to reach a node,
+    closed every connection of the client before trying again, under the commands others
+    were running on them ("Connection closed by server", `'NoneType' object has no
+    attribute 'writelines'`). Here it only refreshes the slot map: a round trip running
+    on another node meanwhile (a blocked BLPOP) ends as it would have."""
+    key = f"{prefix}:{{retry}}:list"
+    await cluster_redis.initialize()
+    node = cluster_redis.get_node_from_key(key)
+    running = asyncio.ensure_future(node_round_trip(node, [("BLPOP", key, 2)]))
+    watcher = aioredis.Redis(host=node.host, port=node.port)
+
+    async def blocked() -> bool:
+        return any(c["cmd"] == "blpop" for c in await watcher.client_list())
+
+    await eventually(blocked)
+    await watcher.aclose()
+    pipe = cluster_redis.pipeline()
+    # (a node nobody listens on: the first try fails to connect, redis-py calls aclose
+    # and tries again, sending the GET to the node of its key: redis-py drops the
+    # target_nodes of the first try, the way WAIT went to another node)
+    pipe.execute_command("GET", key, target_nodes=ClusterNode("127.0.0.1", free_port()))
+    assert await pipe.execute() == [None]
+    assert await running == [None]
 
 
 # -- REPLICA_ACKS: WAIT before the producer's ack -----------------------------------

@@ -5,9 +5,13 @@ A batch's replies are `resp` bytes to be, ready once the batch is stored; each
 connection writes them in frame order, so several batches can wait on Redis at once while
 every connection still gets its answers in order.
 
+Each app of a batch is answered for itself: on a Redis Cluster, trouble on one master
+fails only the apps it holds (skmq/store/shards.py), and an `error` says whether the
+message may be stored all the same (UNKNOWN) or certainly is not (NOT_STORED).
+
 Memory while the store is slow or stalled is bounded: a store call (the wait for a
 Redis connection included) gives up after STORE_TIMEOUT, its producers then hear
-`error` "store unavailable"; and while MAX_STORE_PENDING_BYTES of content wait for the
+`error` "outcome unknown: store unavailable"; and while MAX_STORE_PENDING_BYTES of content wait for the
 store, `room()` holds the handle stage back (backpressure down to TCP). While the
 embedded Redis's disk is nearly full nothing is stored or acknowledged
 (skmq/store/disk.py).
