@@ -402,6 +402,7 @@ async def test_replica_acks_never_ack_a_master_without_replica(tmp_path: Path, p
             return {port: res[app] for port, app in apps.items()}
 
         await store_all(set())
+        await duplicates_are_confirmed_too(local, store, apps[a])
         local.kill(local.ports[local.masters])  # A's (replica i follows master i % masters)
         for n in range(8):
             if n % 2 == 0:  # (the store's connections to it, if it has some now)
@@ -431,6 +432,34 @@ async def test_replica_acks_never_ack_a_master_without_replica(tmp_path: Path, p
     finally:
         await client.aclose()
         local.stop()
+
+
+async def duplicates_are_confirmed_too(local: LocalCluster, store: Store, app: str) -> None:
+    """The replica of the app's master (the first) frozen: a message stored, then sent
+    again on a connection that wrote nothing yet (every connection of the master killed
+    meanwhile), is not acked as a duplicate before the replica has it (a WAIT counts the
+    replicas that have the connection's last write: here none of it), once it runs it
+    is."""
+    replica = local.procs[local.ports[local.masters]]
+    dup = {app: [NewMessage("dup", "queue", b"x")]}
+    replica.send_signal(signal.SIGSTOP)
+    try:
+        assert isinstance((await store.store(dup, NOW))[app], ReplicasMissing)
+        node = local.client(local.master_ports[0])
+        assert node.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
+        node.close()
+        answers = [(await store.store(dup, NOW))[app] for _ in range(3)]
+        assert all(isinstance(got, WriteFailed) for got in answers), answers
+        assert [got.reply for got in answers if isinstance(got, ReplicasMissing)][-1] == [0, 0]
+    finally:
+        replica.send_signal(signal.SIGCONT)
+
+    async def confirmed() -> bool:
+        got = (await store.store(dup, NOW))[app]
+        assert got == [False] or isinstance(got, ReplicasMissing), got
+        return got == [False]
+
+    await eventually(confirmed)
 
 
 async def test_a_master_down_fails_only_its_apps_and_says_so(

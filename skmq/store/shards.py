@@ -28,7 +28,7 @@ answered `error` with the batch. Here:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -143,15 +143,15 @@ def master_of(cluster: RedisCluster, key: str) -> ClusterNode:
 async def by_node(
     cluster: RedisCluster,
     commands: Sequence[tuple[str, Command]],
-    last: Sequence[Command] = (),
+    last: Callable[[str], Sequence[Command]] = lambda key: (),
     deadline: float | None = None,
 ) -> list[tuple[Any, list[Any]]]:
     """Each (key, command) sent to the master of its key (`master_of`), one pipeline a
-    master (`node_round_trip`) followed by the commands `last` (a `WAIT`), the masters
-    at once. Returns for each command its reply (an error reply or a WriteFailed in its
-    place) and the replies of `last` in its master's round trip (none if it failed).
-    `deadline` (the loop's time) bounds every round trip: one still running then fails
-    as lost after its write."""
+    master (`node_round_trip`) followed by the commands `last(the key of its first
+    command)` (a `WAIT`), the masters at once. Returns for each command its reply (an
+    error reply or a WriteFailed in its place) and the replies of `last` in its master's
+    round trip (none if it failed). `deadline` (the loop's time) bounds every round trip:
+    one still running then fails as lost after its write."""
     out: list[tuple[Any, list[Any]]] = [(None, [])] * len(commands)
     nodes: dict[str, tuple[ClusterNode, list[int]]] = {}
     for i, (key, _) in enumerate(commands):
@@ -163,7 +163,8 @@ async def by_node(
         nodes.setdefault(node.name, (node, []))[1].append(i)
 
     async def one(node: ClusterNode, indexes: list[int]) -> None:
-        trip = node_round_trip(node, [*(commands[i][1] for i in indexes), *last])
+        then = last(commands[indexes[0]][0])
+        trip = node_round_trip(node, [*(commands[i][1] for i in indexes), *then])
         try:
             async with asyncio.timeout_at(deadline):
                 got = await trip
@@ -187,14 +188,26 @@ async def write_by_node(
     replicas: int = 0,
     wait_ms: int = 0,
     deadline: float | None = None,
+    touch: Callable[[str], Command] | None = None,
 ) -> list[Any]:
     """Writes (script calls, each with one of its keys) by master (`by_node`): each one's
     reply, or a WriteFailed. A master without the scripts (a restart) loads `sources` and
-    runs again only the calls it refused. With `replicas`, each master's round trip ends
-    with `WAIT replicas wait_ms` on its connection, and a call that ran on a master with
-    fewer replicas acknowledging fails with ReplicasMissing (it ran: `maybe_ran`)."""
-    wait = [("WAIT", replicas, wait_ms)] if replicas else []
-    out = await by_node(cluster, commands, wait, deadline)
+    runs again only the calls it refused.
+
+    With `replicas`, each master's round trip ends with `touch(a key of its calls)` then
+    `WAIT replicas wait_ms` on its connection, and a call that ran on a master with fewer
+    replicas acknowledging fails with ReplicasMissing (it ran: `maybe_ran`). WAIT counts
+    the replicas that have the connection's last write: `touch`, a write that changes
+    nothing and is replicated all the same, makes that the master's latest, so that a
+    call that wrote nothing (a duplicate, whose first store went on another connection,
+    perhaps not replicated yet) is confirmed too."""
+
+    def last(key: str) -> list[Command]:
+        if not replicas:
+            return []
+        return [*((touch(key),) if touch is not None else ()), ("WAIT", replicas, wait_ms)]
+
+    out = await by_node(cluster, commands, last, deadline)
     again = [i for i, (reply, _) in enumerate(out) if isinstance(reply, NoScriptError)]
     if again:
         redo: list[tuple[str, Command]] = []
@@ -202,7 +215,7 @@ async def write_by_node(
             key = commands[i][0]
             redo += [(key, ("SCRIPT", "LOAD", source)) for source in sources]
             redo.append(commands[i])
-        redone = (await by_node(cluster, redo, wait, deadline))[len(sources) :: len(sources) + 1]
+        redone = (await by_node(cluster, redo, last, deadline))[len(sources) :: len(sources) + 1]
         for i, (reply, tail) in zip(again, redone, strict=True):
             # (the WAIT of the first round trip covered the calls that ran then)
             out[i] = (reply, tail)
@@ -211,7 +224,7 @@ async def write_by_node(
         if isinstance(reply, ResponseError):
             reply = WriteFailed(str(reply), maybe_ran=not refused(reply))
         elif replicas and not isinstance(reply, WriteFailed):
-            acked = tail[0] if tail and isinstance(tail[0], int) else 0
+            acked = tail[-1] if tail and isinstance(tail[-1], int) else 0
             if acked < replicas:
                 reply = ReplicasMissing(f"{acked} of {replicas} replicas acknowledged", reply)
         results.append(reply)

@@ -577,11 +577,14 @@ class Store:
         commands = []
         for app, args, extra in calls:
             keys = self._keys("store", app, *extra)
-            commands.append((keys[0], ("EVALSHA", sha, len(keys), *keys, *args)))
+            # (routed by the app's `listed` mark, which store.lua has just set to 1: a
+            # `SET mark 1 XX` before the WAIT changes nothing, see write_by_node)
+            commands.append((self.base(app) + "listed", ("EVALSHA", sha, len(keys), *keys, *args)))
         source = [self._scripts["store"].script]
         replies = await write_by_node(
-            self.redis, commands, source, self.replica_acks, self.replica_ack_ms, deadline
-        )
+            self.redis, commands, source, self.replica_acks, self.replica_ack_ms, deadline,
+            touch=lambda mark: ("SET", mark, 1, "XX"),
+        )  # fmt: skip
         if self._slots is not None and any(map(stale_map, replies)):
             self._slots.refresh()
         answers: dict[str, AppStored] = {}

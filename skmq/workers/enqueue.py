@@ -11,10 +11,10 @@ message may be stored all the same (UNKNOWN) or certainly is not (NOT_STORED).
 
 Memory while the store is slow or stalled is bounded: a store call (the wait for a
 Redis connection included) gives up after STORE_TIMEOUT, its producers then hear
-`error` "outcome unknown: store unavailable"; and while MAX_STORE_PENDING_BYTES of content wait for the
-store, `room()` holds the handle stage back (backpressure down to TCP). While the
-embedded Redis's disk is nearly full nothing is stored or acknowledged
-(skmq/store/disk.py).
+`error` "outcome unknown: store unavailable"; and while MAX_STORE_PENDING_BYTES of
+content wait for the store, `room()` holds the handle stage back (backpressure down
+to TCP). While the embedded Redis's disk is nearly full nothing is stored or
+acknowledged (skmq/store/disk.py).
 """
 
 from __future__ import annotations
