@@ -1,9 +1,9 @@
 """A store's writes on a Redis Cluster: one pipeline a master, each on one connection
 of that master, sent once (issue 42).
 
-redis-py's cluster pipeline sends each node its commands, but when one node fails with
-a connection error or a timeout it closes every connection of the client (the calls
-running on them fail: an error storm), and sends again whatever has no truthy answer,
+redis-py's cluster pipeline sends each node its commands, but when it cannot write to
+one node (a connection refused, lost) it closes every connection of the client (the
+calls running on them fail: an error storm), and sends again whatever has no truthy answer,
 routed anew: a `WAIT` (no key) then goes to the client's default node, not to the
 master that ran the scripts, and answers for that node's replicas (an `ack` for a
 message whose master has none); the scripts of the healthy masters, which ran, are
@@ -12,7 +12,9 @@ answered `error` with the batch. Here:
 - each master gets its own pipeline on one of its own connections (redis-py's public
   per-node API: `ClusterNode.acquire_connection`, the connection's `send_packed_command`
   and `read_response`), with `WAIT` last on that same connection: it counts the
-  replicas of the master that ran the scripts, whatever happens elsewhere;
+  replicas of the master that ran the scripts, whatever happens elsewhere (and a write
+  that changes nothing before it makes it count them for everything the master holds:
+  `write_by_node`);
 - nothing is sent twice (a script sent again after a lost answer would answer
   "duplicate" for what it stored);
 - a master's trouble is that master's calls' alone: each call ends with its reply or

@@ -397,9 +397,9 @@ class Store:
         cluster's stores go by master, skmq/store/shards.py), WAIT then runs on the
         connection that ran the scripts (how many replicas have the writes, waiting up
         to REPLICA_ACK_TIMEOUT for `replicas`): its answer follows the scripts' in the
-        list returned. `riders`, (script, app, args) calls
-        that ride last in the same round trip (a carried claim), answer last; an error
-        of theirs is returned in its place, never raised. `linger`: how long the round
+        list returned. `riders`, (script, app, args) calls that ride last in the same
+        round trip (a carried claim), answer last; an error of theirs is returned in its
+        place, never raised. `linger`: how long the round
         trip may wait for another caller's write to ride on (the store's own connection
         only: skmq/store/multiplex.py)."""
         names = {name, *(rider for rider, _, _ in riders)}
@@ -585,8 +585,6 @@ class Store:
             self.redis, commands, source, self.replica_acks, self.replica_ack_ms, deadline,
             touch=lambda mark: ("SET", mark, 1, "XX"),
         )  # fmt: skip
-        if self._slots is not None and any(map(stale_map, replies)):
-            self._slots.refresh()
         answers: dict[str, AppStored] = {}
         ran: dict[str, list[Any]] = {}  # the replies of the calls that ran
         for app, reply in zip(batches, replies, strict=True):
@@ -604,6 +602,8 @@ class Store:
             self.redis, [(key, ("SADD", key, *apps)) for key, apps in shards.items()], [],
             deadline=deadline,
         )  # fmt: skip
+        if self._slots is not None and any(map(stale_map, [*replies, *added])):
+            self._slots.refresh()
         for apps, reply in zip(shards.values(), added, strict=True):
             if isinstance(reply, WriteFailed):
                 for app in apps:
