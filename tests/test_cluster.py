@@ -247,6 +247,36 @@ async def test_kill9_of_a_broker_on_a_cluster_loses_nothing(
     await recipient.stop()
 
 
+async def test_a_stalled_master_fails_only_its_apps_at_the_deadline(
+    tmp_path: Path, prefix: str
+) -> None:
+    """One master of 3 frozen (SIGSTOP): a store with a deadline (STORE_TIMEOUT's, from
+    the enqueuer) answers the other masters' apps, and fails the frozen one's as maybe
+    stored (its answer lost after the write), instead of failing the whole batch when
+    the deadline comes."""
+    local = LocalCluster(tmp_path / "c", masters=3).start()
+    client = connect_redis(local.url)
+    assert isinstance(client, RedisCluster)
+    frozen = local.master_ports[2]
+    try:
+        store = Store(client, prefix)
+        await store.load_scripts()
+        apps = one_app_a_master(client, store, local.master_ports)
+        # (a first message also lists its app, in a directory shard on any master)
+        await store.store({app: [NewMessage("m0", "queue", b"x")] for app in apps.values()}, NOW)
+        batch = {app: [NewMessage("m1", "queue", b"x")] for app in apps.values()}
+        local.procs[frozen].send_signal(signal.SIGSTOP)
+        deadline = asyncio.get_running_loop().time() + 0.5
+        res = await store.store(batch, NOW, deadline=deadline)
+        got = res.pop(apps[frozen])
+        assert isinstance(got, WriteFailed) and got.maybe_ran, got
+        assert res == {app: [True] for port, app in apps.items() if port != frozen}
+    finally:
+        local.procs[frozen].send_signal(signal.SIGCONT)
+        await client.aclose()
+        local.stop()
+
+
 async def test_a_retry_elsewhere_leaves_the_connections_in_use_alone(
     cluster_redis: RedisCluster, prefix: str
 ) -> None:
