@@ -53,6 +53,10 @@ BROKER_TIMEOUT = 10.0
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 #: What our Consumer handles on a push connection (declared in its registration).
 CONSUMER_CAPS = ("pipeline", "length", "token")
+#: How a broker's `error` answer to a message starts when the message may be stored all
+#: the same (docs/PROTOCOL.md, section 3): sent again with the same msgid, it is stored
+#: once (a duplicate is answered `ack`).
+OUTCOME_UNKNOWN = "outcome unknown"
 #: The msgid of the `hello` frame. An original broker stores an unknown frame type as a
 #: message; one fixed msgid makes its duplicate check drop every hello after the first.
 HELLO_MSGID = "skmq-hello"
@@ -74,6 +78,11 @@ class Resp:
     @property
     def ok(self) -> bool:
         return self.status == "ack"
+
+    @property
+    def outcome_unknown(self) -> bool:
+        """An `error` for a message that may be stored all the same (OUTCOME_UNKNOWN)."""
+        return self.status == "error" and self.content.startswith(OUTCOME_UNKNOWN)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Resp:
@@ -309,6 +318,11 @@ class Producer(_Scoped):
     right away and the broker's resps, which come back in order, are matched to
     the senders first-in first-out.
 
+    A message answered `error` with an unknown outcome (`Resp.outcome_unknown`: the
+    broker could not tell whether it is stored) is sent again with the same msgid, at
+    most `unknown_retries` times, `unknown_wait` seconds apart (the broker deduplicates
+    by msgid: one message); the last answer is returned.
+
     `max_in_flight` bounds the frames written and not yet answered (None: no
     bound). The original Go broker needs 1: its reader reuses one 1 KiB buffer
     while its decoder may still be reading it, so frames arriving back to back are
@@ -324,9 +338,15 @@ class Producer(_Scoped):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         token: str | None = None,
         max_in_flight: int | None = None,
+        unknown_retries: int = 3,
+        unknown_wait: float = 0.5,
     ) -> None:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        if unknown_retries < 0 or unknown_wait < 0:
+            raise ValueError("unknown_retries and unknown_wait must not be negative")
+        self.unknown_retries = unknown_retries
+        self.unknown_wait = unknown_wait
         self.host = host
         self.port = port
         self._max_frame_bytes = max_frame_bytes
@@ -471,12 +491,27 @@ class Producer(_Scoped):
             await self.require("trace")
             fields.append(("traceparent", traceparent))
         data = content.encode() if isinstance(content, str) else content
-        return _named(await self.request("topic" if topic else "queue", fields, data), msgid)
+        frame_type = "topic" if topic else "queue"
+        resp = _named(await self.request(frame_type, fields, data), msgid)
+        return await self._until_known(resp, frame_type, fields, data)
+
+    async def _until_known(
+        self, resp: Resp, frame_type: str, fields: list[tuple[str, str]], data: bytes
+    ) -> Resp:
+        """`resp`, or while it is an unknown outcome, the answer to the same frame sent
+        again (at most `unknown_retries` times)."""
+        for _ in range(self.unknown_retries):
+            if not resp.outcome_unknown:
+                break
+            await asyncio.sleep(self.unknown_wait)
+            resp = _named(await self.request(frame_type, fields, data), resp.msgid or "")
+        return resp
 
     async def send_many(
         self, app: str, contents: Iterable[bytes], topic: bool = False
     ) -> list[Resp]:
         """Send many messages (each with a new msgid) in one write; their resps in order.
+        Those answered with an unknown outcome are sent again as `send` does, each alone.
 
         With `max_in_flight` set, they go as separate `send` calls within that bound.
         """
@@ -485,7 +520,8 @@ class Producer(_Scoped):
         frame_type = "topic" if topic else "queue"
         msgids: list[str] = []
         frames: list[bytes] = []
-        for content in contents:
+        sent = list(contents)
+        for content in sent:
             msgid = new_msgid()
             msgids.append(msgid)
             frames.append(encode_frame(frame_type, (("appid", app), ("msgid", msgid)), content))
@@ -497,8 +533,18 @@ class Producer(_Scoped):
         proto.pending.extend(futs)
         assert proto.writer is not None
         proto.writer.add(b"".join(frames))
-        resps = await asyncio.gather(*futs)
-        return [_named(resp, msgid) for resp, msgid in zip(resps, msgids, strict=True)]
+        resps = [_named(r, m) for r, m in zip(await asyncio.gather(*futs), msgids, strict=True)]
+        again = [i for i, r in enumerate(resps) if r.outcome_unknown]
+        redone = await asyncio.gather(
+            *(
+                self._until_known(resps[i], frame_type, [("appid", app), ("msgid", msgids[i])],
+                                  sent[i])
+                for i in again
+            )
+        )  # fmt: skip
+        for i, resp in zip(again, redone, strict=True):
+            resps[i] = resp
+        return resps
 
 
 # --------------------------------------------------------------------------- consumer

@@ -226,6 +226,38 @@ async def test_msgid_generated_by_the_client_is_returned(fake_broker: FakeBroker
     assert fake_broker.frames[0].fields["msgid"] == resp.msgid
 
 
+async def test_an_unknown_outcome_is_sent_again_with_the_same_msgid(
+    fake_broker: FakeBroker,
+) -> None:
+    """An `error` whose outcome is unknown (the message may be stored) is sent again with
+    the same msgid until answered otherwise, at most unknown_retries times; `not stored`
+    and any other error are the caller's. (The broker's side: tests/test_cluster.py.)"""
+    tries: dict[str, int] = {}
+
+    def answer(frame: Frame) -> bytes:
+        msgid = frame.fields["msgid"]
+        tries[msgid] = tries.get(msgid, 0) + 1
+        if frame.content == b"not stored":
+            return encode_resp("error", "not stored: store unavailable: send it again", msgid)
+        if tries[msgid] <= int(frame.content or b"0"):
+            return encode_resp("error", "outcome unknown: store unavailable", msgid)
+        return encode_resp("ack", "duplicate: a message with this msgid is already stored", msgid)
+
+    fake_broker.answer = answer
+    async with Producer("127.0.0.1", fake_broker.port, unknown_retries=2, unknown_wait=0) as p:
+        assert (await within(p.send("a", b"2", msgid="m1"))).ok
+        resp = await within(p.send("a", b"3", msgid="m2"))
+        assert resp.outcome_unknown and resp.msgid == "m2"
+        resp = await within(p.send("a", b"not stored", msgid="m3"))
+        assert resp.status == "error" and not resp.outcome_unknown
+        many = await within(p.send_many("a", [b"0", b"1", b"5"]))
+        assert [r.ok for r in many] == [True, True, False] and many[2].outcome_unknown
+    assert tries["m1"] == 3 and tries["m2"] == 3 and tries["m3"] == 1
+    assert [tries[r.msgid or ""] for r in many] == [1, 2, 3]
+    with pytest.raises(ValueError, match="unknown_retries"):
+        Producer(unknown_retries=-1)
+
+
 async def test_binary_content_round_trips(fake_broker: FakeBroker) -> None:
     content = b"line one\r\nline two\n\r\n"
     async with Producer("127.0.0.1", fake_broker.port) as producer:

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from skmq.broker import Misconfigured
+from skmq.client import Producer as ClientProducer
+from skmq.embedded import free_port
 from skmq.embedded_cluster import LocalCluster
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
+from skmq.store.shards import ReplicasMissing, WriteFailed, node_round_trip
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_reliability import (
@@ -244,6 +247,64 @@ async def test_kill9_of_a_broker_on_a_cluster_loses_nothing(
     await recipient.stop()
 
 
+async def test_a_stalled_master_fails_only_its_apps_at_the_deadline(
+    tmp_path: Path, prefix: str
+) -> None:
+    """One master of 3 frozen (SIGSTOP): a store with a deadline (STORE_TIMEOUT's, from
+    the enqueuer) answers the other masters' apps, and fails the frozen one's as maybe
+    stored (its answer lost after the write), instead of failing the whole batch when
+    the deadline comes."""
+    local = LocalCluster(tmp_path / "c", masters=3).start()
+    client = connect_redis(local.url)
+    assert isinstance(client, RedisCluster)
+    frozen = local.master_ports[2]
+    try:
+        store = Store(client, prefix)
+        await store.load_scripts()
+        apps = one_app_a_master(client, store, local.master_ports)
+        # (a first message also lists its app, in a directory shard on any master)
+        await store.store({app: [NewMessage("m0", "queue", b"x")] for app in apps.values()}, NOW)
+        batch = {app: [NewMessage("m1", "queue", b"x")] for app in apps.values()}
+        local.procs[frozen].send_signal(signal.SIGSTOP)
+        deadline = asyncio.get_running_loop().time() + 0.5
+        res = await store.store(batch, NOW, deadline=deadline)
+        got = res.pop(apps[frozen])
+        assert isinstance(got, WriteFailed) and got.maybe_ran, got
+        assert res == {app: [True] for port, app in apps.items() if port != frozen}
+    finally:
+        local.procs[frozen].send_signal(signal.SIGCONT)
+        await client.aclose()
+        local.stop()
+
+
+async def test_a_retry_elsewhere_leaves_the_connections_in_use_alone(
+    cluster_redis: RedisCluster, prefix: str
+) -> None:
+    """Issue 42, after a recovery: redis-py's cluster pipeline, failing to reach a node,
+    closed every connection of the client before trying again, under the commands others
+    were running on them ("Connection closed by server", `'NoneType' object has no
+    attribute 'writelines'`). Here it only refreshes the slot map: a round trip running
+    on another node meanwhile (a blocked BLPOP) ends as it would have."""
+    key = f"{prefix}:{{retry}}:list"
+    await cluster_redis.initialize()
+    node = cluster_redis.get_node_from_key(key)
+    running = asyncio.ensure_future(node_round_trip(node, [("BLPOP", key, 2)]))
+    watcher = aioredis.Redis(host=node.host, port=node.port)
+
+    async def blocked() -> bool:
+        return any(c["cmd"] == "blpop" for c in await watcher.client_list())
+
+    await eventually(blocked)
+    await watcher.aclose()
+    pipe = cluster_redis.pipeline()
+    # (a node nobody listens on: the first try fails to connect, redis-py calls aclose
+    # and tries again, sending the GET to the node of its key: redis-py drops the
+    # target_nodes of the first try, the way WAIT went to another node)
+    pipe.execute_command("GET", key, target_nodes=ClusterNode("127.0.0.1", free_port()))
+    assert await pipe.execute() == [None]
+    assert await running == [None]
+
+
 # -- REPLICA_ACKS: WAIT before the producer's ack -----------------------------------
 
 
@@ -252,7 +313,7 @@ async def test_replica_acks_wait_for_replicas_or_refuse(
 ) -> None:
     """On a 3+3 cluster, REPLICA_ACKS=1 acks once a replica has the message. With the
     replicas frozen (SIGSTOP), the WAIT on the connection that stored it times out: the
-    producer gets `error` (store unavailable), though the message is stored on its
+    producer gets `error` (outcome unknown), though the message is stored on its
     master; sent again once the replicas run, it is acked as a duplicate, delivered once."""
     local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
     replicas = [local.procs[p] for p in local.ports[local.masters :]]
@@ -263,7 +324,7 @@ async def test_replica_acks_wait_for_replicas_or_refuse(
         for proc in replicas:
             proc.send_signal(signal.SIGSTOP)
         resp = await client.request("queue", b"x", appid="w2", msgid="m2")
-        assert resp["status"] == "error" and "store unavailable" in resp["content"], resp
+        assert resp["status"] == "error" and "outcome unknown" in resp["content"], resp
         assert "w2" in await broker.store.apps()  # stored on its master: listed
         for proc in replicas:
             proc.send_signal(signal.SIGCONT)
@@ -319,6 +380,159 @@ async def test_a_master_killed_fails_over_and_loses_no_acked_message(
         local.stop()
 
 
+def one_app_a_master(client: RedisCluster, store: Store, ports: list[int]) -> dict[int, str]:
+    """An app whose keys each master holds, by master port."""
+    found: dict[int, str] = {}
+    for i in range(1000):
+        node = client.get_node_from_key(store.base(f"app{i}") + "msgs")
+        found.setdefault(node.port, f"app{i}")
+        if len(found) == len(ports):
+            return found
+    raise AssertionError(found)
+
+
+async def test_replica_acks_never_ack_a_master_without_replica(tmp_path: Path, prefix: str) -> None:
+    """Issue 42: REPLICA_ACKS=1 on a 3+3 cluster. The apps of a master without replica
+    are never acked, the other masters' apps of the same batches are:
+    - the replica of master A killed and left down; every client connection of A killed
+      now and then under the store (CLIENT KILL): a round trip that fails;
+    - master B killed and left down, its replica promoted (it has none): the first
+      stores go to B by the old slot map and fail connecting, where redis-py's pipeline
+      tried again, the scripts on the new master and the WAIT on its default node, whose
+      replica answered (an `ack`). Here WAIT goes to the master that ran the scripts, on
+      their connection, once."""
+    local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
+    client = connect_redis(local.url)
+    assert isinstance(client, RedisCluster)
+    try:
+        store = Store(client, prefix, replica_acks=1, replica_ack_timeout=0.1)
+        await store.load_scripts()
+        apps = one_app_a_master(client, store, local.master_ports)
+        a, b, _ = local.master_ports
+        answers: Counter[str] = Counter()
+        unconfirmed: dict[int, list[str]] = {}  # by master: stored, not confirmed
+        sent = 0
+
+        async def store_all(alone: set[int]) -> dict[int, object]:
+            """A store of one message for each app: those of the masters `alone` never
+            acked, the others always."""
+            nonlocal sent
+            sent += 1
+            batch = {app: [NewMessage(f"m{sent}", "queue", b"x")] for app in apps.values()}
+            res = await store.store(batch, NOW)
+            for port, app in apps.items():
+                got = res[app]
+                if port not in alone:
+                    assert got == [True], (port, got)
+                    continue
+                assert isinstance(got, WriteFailed), (port, got)
+                answers[f"{port}: {type(got).__name__} maybe_ran={got.maybe_ran}"] += 1
+                if isinstance(got, ReplicasMissing):
+                    unconfirmed.setdefault(port, []).append(f"m{sent}")
+            return {port: res[app] for port, app in apps.items()}
+
+        await store_all(set())
+        await duplicates_are_confirmed_too(local, store, apps[a])
+        local.kill(local.ports[local.masters])  # A's (replica i follows master i % masters)
+        for n in range(8):
+            if n % 2 == 0:  # (the store's connections to it, if it has some now)
+                node = local.client(a)
+                answers["killed"] += node.execute_command("CLIENT", "KILL", "TYPE", "normal")
+                node.close()
+            await store_all({a})
+        assert answers["killed"] >= 1 and answers[f"{a}: ReplicasMissing maybe_ran=True"] >= 4
+        # Stored on A all the same (sent again: a duplicate, still not confirmed).
+        assert None not in await store.stored_of(apps[a], unconfirmed[a], NOW)
+
+        local.kill(b)
+        promoted = local.client(local.ports[local.masters + 1])
+
+        async def b_replaced() -> bool:
+            role = await asyncio.to_thread(promoted.execute_command, "ROLE")
+            return bool(role[0] in (b"master", "master"))
+
+        await eventually(b_replaced, timeout=20)
+        promoted.close()
+
+        async def stored_on_the_new_master() -> bool:
+            res = await store_all({a, b})
+            return isinstance(res[b], ReplicasMissing)
+
+        await eventually(stored_on_the_new_master, timeout=20)
+    finally:
+        await client.aclose()
+        local.stop()
+
+
+async def duplicates_are_confirmed_too(local: LocalCluster, store: Store, app: str) -> None:
+    """The replica of the app's master (the first) frozen: a message stored, then sent
+    again on a connection that wrote nothing yet (every connection of the master killed
+    meanwhile), is not acked as a duplicate before the replica has it (a WAIT counts the
+    replicas that have the connection's last write: here none of it), once it runs it
+    is."""
+    replica = local.procs[local.ports[local.masters]]
+    dup = {app: [NewMessage("dup", "queue", b"x")]}
+    replica.send_signal(signal.SIGSTOP)
+    try:
+        assert isinstance((await store.store(dup, NOW))[app], ReplicasMissing)
+        node = local.client(local.master_ports[0])
+        assert node.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
+        node.close()
+        answers = [(await store.store(dup, NOW))[app] for _ in range(3)]
+        assert all(isinstance(got, WriteFailed) for got in answers), answers
+        assert [got.reply for got in answers if isinstance(got, ReplicasMissing)][-1] == [0, 0]
+    finally:
+        replica.send_signal(signal.SIGCONT)
+
+    async def confirmed() -> bool:
+        got = (await store.store(dup, NOW))[app]
+        assert got == [False] or isinstance(got, ReplicasMissing), got
+        return got == [False]
+
+    await eventually(confirmed)
+
+
+async def test_a_master_down_fails_only_its_apps_and_says_so(
+    make_broker: BrokerFactory, tmp_path: Path
+) -> None:
+    """Issue 42: one master of 3 killed (no replica: its slots stay unserved). Stores
+    pipelined for an app of each master, in one write: the other masters' apps are
+    acked; the dead one's hear `error`, `not stored` once its node refuses connections
+    (never `ack`); the messages answered `ack` are stored, those `not stored` are not."""
+    local = LocalCluster(tmp_path / "c", masters=3).start()
+    try:
+        broker = await make_broker(redis_url=local.url)
+        store = broker.store
+        assert isinstance(store.redis, RedisCluster)
+        apps = one_app_a_master(store.redis, store, local.master_ports)
+        down = local.master_ports[1]
+        client = await RawClient.connect(broker.server.port)
+
+        async def send_all(msgid: str) -> dict[int, dict[str, object]]:
+            for app in apps.values():
+                client.send("queue", b"x", appid=app, msgid=msgid)
+            return {port: await client.resp() for port in apps}
+
+        assert all(r["status"] == "ack" for r in (await send_all("m0")).values())
+        local.kill(down)
+        for n in range(1, 4):
+            resps = await send_all(f"m{n}")
+            assert all(r["status"] == "ack" for p, r in resps.items() if p != down), resps
+            dead = resps[down]
+            assert dead["status"] == "error", dead
+            assert str(dead["content"]).startswith(("not stored", "outcome unknown")), dead
+        assert str(dead["content"]).startswith("not stored"), dead
+        await client.close()
+        for port, app in apps.items():
+            if port != down:
+                assert None not in await store.stored_of(app, ["m1", "m2", "m3"], NOW)
+        local.launch(down)  # (its AOF: m0 is there, m3 never was)
+        [m0, m3] = await store.stored_of(apps[down], ["m0", "m3"], NOW)
+        assert m0 is not None and m3 is None
+    finally:
+        local.stop()
+
+
 async def test_replica_acks_on_a_redis_without_replicas_refuses(
     make_broker: BrokerFactory,
 ) -> None:
@@ -326,7 +540,28 @@ async def test_replica_acks_on_a_redis_without_replicas_refuses(
     client = await RawClient.connect(broker.server.port)
     resp = await client.request("queue", b"x", appid="w", msgid="m1")
     assert resp["status"] == "error", resp
+    assert resp["content"].startswith("outcome unknown: stored on its master"), resp
     await client.close()
+
+
+async def test_the_client_sends_an_unknown_outcome_again_with_the_same_msgid(
+    make_broker: BrokerFactory,
+) -> None:
+    """REPLICA_ACKS=1 on a Redis without replicas: every store is stored, not confirmed
+    (`outcome unknown`). Our client sends it again with the same msgid, unknown_retries
+    times: one message is stored, the others are duplicates (the delivery log)."""
+    broker = await make_broker(replica_acks=1, replica_ack_timeout=0.05)
+    async with ClientProducer("127.0.0.1", broker.server.port, unknown_retries=2,
+                        unknown_wait=0) as producer:  # fmt: skip
+        resp = await producer.send("w", b"x", msgid="m1")
+        assert resp.outcome_unknown and resp.msgid == "m1", resp
+        [resp] = await producer.send_many("w", [b"y"])
+        assert resp.outcome_unknown, resp
+    counts = await broker.store.counts(["w"], NOW * 2)
+    assert counts["w"].pending == 2
+    events = log_events(broker.settings.delivery_log_dir)
+    m1 = [e["event"] for e in events if e["msgid"] == "m1"]
+    assert m1.count("stored") == 1 and m1.count("duplicate") == 2, m1
 
 
 # -- docker/compose.cluster.yaml (no Docker engine here: checked, not run) ------------

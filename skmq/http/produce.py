@@ -203,9 +203,10 @@ class Producer:
                 results = await batch.future
         except TimeoutError:
             results = UNAVAILABLE
-        if isinstance(results, str):
-            raise ApiError(503, results, {"Retry-After": "1"})
+        stored = results if isinstance(results, str) else results[app]
+        if isinstance(stored, str):
+            raise ApiError(503, stored, {"Retry-After": "1"})
         return [
             StoreResult(msgid=m.msgid, status="stored" if ok else "duplicate")
-            for m, ok in zip(messages, results[app], strict=True)
+            for m, ok in zip(messages, stored, strict=True)
         ]

@@ -8,15 +8,19 @@ failovers (it asks for the slot map again)."""
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisClusterException, RedisError
+
+log = structlog.get_logger("skmq.store")
 
 RedisClient = aioredis.Redis | RedisCluster
 
@@ -179,23 +183,58 @@ def _unavailable(exc: Exception) -> ClusterUnavailable:
     return ClusterUnavailable(f"connection closed under the command: {exc!r}")
 
 
+# Set while a command (or a pipeline) of the client runs: a `Cluster.aclose` then is
+# redis-py's retry, not the client's owner closing it.
+_RUNNING: ContextVar[bool] = ContextVar("skmq_cluster_running", default=False)
+
+
 class _Pipeline(ClusterPipeline):  # type: ignore[misc]
     async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        running = _RUNNING.set(True)
         try:
             return await super().execute(*args, **kwargs)  # type: ignore[no-any-return]
         except (RedisClusterException, *_TORN) as exc:
             raise _unavailable(exc) from exc
+        finally:
+            _RUNNING.reset(running)
 
 
 class Cluster(RedisCluster):  # type: ignore[misc]
     """RedisCluster whose client-side cluster errors, and those of a connection closed
-    under a command, are RedisErrors too."""
+    under a command, are RedisErrors too; whose retries do not close every connection."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        running = _RUNNING.set(True)
         try:
             return await super().execute_command(*args, **kwargs)
         except (RedisClusterException, *_TORN) as exc:
             raise _unavailable(exc) from exc
+        finally:
+            _RUNNING.reset(running)
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Cluster:
+        try:
+            await super().initialize(*args, **kwargs)
+        except (RedisClusterException, *_TORN) as exc:
+            raise _unavailable(exc) from exc
+        return self
+
+    async def aclose(self) -> None:
+        """Close every connection; but called by redis-py's retry of a command (a node
+        lost or timed out, CLUSTERDOWN, a pipeline's connection error: to start again from
+        a new slot map), only ask for the slot map again. redis-py closed every
+        connection of every node there, under the commands other callers were running on
+        them (issue 42: for about 1.5 s after a master came back, "Connection closed by
+        server", `'NoneType' object has no attribute 'writelines'`, "handler is closed").
+        A refresh marks each connection to be made again once its command is done
+        (redis-py's `NodesManager.set_nodes`): they are replaced one by one."""
+        if not _RUNNING.get():
+            await super().aclose()
+            return
+        try:
+            await self.nodes_manager.initialize()
+        except (RedisClusterException, RedisError, OSError) as exc:  # the retry goes on
+            log.warning("cluster slot map not refreshed", error=str(exc) or repr(exc))
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         if shard_hint:

@@ -36,7 +36,8 @@ class AppDirectory:
         """The shard set that lists `app`."""
         return self.keys[zlib.crc32(app.encode("utf-8", ENC)) % len(self.keys)]
 
-    def _by_shard(self, apps: Iterable[str]) -> dict[str, list[str]]:
+    def by_shard(self, apps: Iterable[str]) -> dict[str, list[str]]:
+        """`apps` by the shard set that lists them."""
         shards: dict[str, list[str]] = {}
         for app in apps:
             shards.setdefault(self.key_of(app), []).append(app)
@@ -52,7 +53,7 @@ class AppDirectory:
         """`command shard-key app...` for each shard holding some of `apps`: one command
         when one shard (a lone command is retried on a connection that died with a
         restarted Redis; a pipeline is not), else one pipeline."""
-        shards = self._by_shard(apps)
+        shards = self.by_shard(apps)
         if len(shards) == 1:
             ((key, members),) = shards.items()
             await self.redis.execute_command(command, key, *members)

@@ -9,6 +9,7 @@ delivery is in flight from one broker at most.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -43,6 +44,7 @@ from skmq.store.messages import read as read_message
 from skmq.store.msgids import COMPACT, PACKED, pack_delivery, split_held, unpack
 from skmq.store.msgids import SEP as HELD_SEP
 from skmq.store.multiplex import multiplexed
+from skmq.store.shards import ReplicasMissing, SlotMap, WriteFailed, stale_map, write_by_node
 
 log = structlog.get_logger("skmq.store")
 
@@ -73,8 +75,9 @@ class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):  # 
     """The Sentinel-managed pool (master discovery) that waits for a free connection."""
 
 
-class ReplicasMissing(RedisError):  # type: ignore[misc]
-    """Fewer replicas than REPLICA_ACKS acknowledged a store within REPLICA_ACK_TIMEOUT."""
+# What a store answers for an app: each message stored (True) or a duplicate (False),
+# or why none of them is acknowledged.
+AppStored = list[bool] | WriteFailed
 
 
 def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> RedisClient:
@@ -301,6 +304,7 @@ class Store:
         }
         self._bases: dict[str, str] = {}
         self._lane = multiplexed(redis)
+        self._slots = SlotMap(redis) if isinstance(redis, RedisCluster) else None
         self.ack_linger = ack_linger
         self._format: bytes | None = None  # the store's format, once read
 
@@ -389,28 +393,24 @@ class Store:
         linger: float = 0.0,
     ) -> list[Any]:
         """Script `name` once per (app, args, extra keys), pipelined in one round trip (a
-        cluster pipeline sends each node its calls). With `replicas`, each node then
-        runs WAIT on the connection that ran its scripts (how many of its replicas have
-        the writes, waiting up to REPLICA_ACK_TIMEOUT for `replicas`): their answers
-        follow the scripts' in the list returned. `riders`, (script, app, args) calls
-        that ride last in the same round trip (a carried claim), answer last; an error
-        of theirs is returned in its place, never raised. `linger`: how long the round
+        cluster pipeline sends each node its calls). With `replicas` (one Redis only: a
+        cluster's stores go by master, skmq/store/shards.py), WAIT then runs on the
+        connection that ran the scripts (how many replicas have the writes, waiting up
+        to REPLICA_ACK_TIMEOUT for `replicas`): its answer follows the scripts' in the
+        list returned. `riders`, (script, app, args) calls that ride last in the same
+        round trip (a carried claim), answer last; an error of theirs is returned in its
+        place, never raised. `linger`: how long the round
         trip may wait for another caller's write to ride on (the store's own connection
         only: skmq/store/multiplex.py)."""
         names = {name, *(rider for rider, _, _ in riders)}
         script = self._scripts[name]
         commands: list[Routed] = []
-        nodes: dict[str, Any] = {}
         for app, args, extra in calls:
             keys = self._keys(name, app, *extra)
             commands.append((("EVALSHA", script.sha, len(keys), *keys, *args), {}))
-            if replicas and isinstance(self.redis, RedisCluster):
-                node = self.redis.get_node_from_key(keys[0])
-                nodes[node.name] = node
         if replicas:
-            for node in nodes.values() or (None,):
-                options = {"target_nodes": node} if node is not None else {}
-                commands.append((("WAIT", replicas, self.replica_ack_ms), options))
+            assert not isinstance(self.redis, RedisCluster)
+            commands.append((("WAIT", replicas, self.replica_ack_ms), {}))
         for rider, app, args in riders:
             keys = self._keys(rider, app)
             commands.append((("EVALSHA", self._scripts[rider].sha, len(keys), *keys, *args), {}))
@@ -477,25 +477,62 @@ class Store:
         now: int,
         stored: Callable[[dict[str, list[bool]]], None] | None = None,
         claims: Sequence[ClaimArgs] = (),
-    ) -> dict[str, list[bool]]:
+        deadline: float | None = None,
+    ) -> dict[str, AppStored]:
         """Store the messages of several apps in one round trip; True stored, False duplicate.
-        `stored` hears the results as soon as the scripts ran, before anything else is
-        awaited: from then on a dispatcher may push them, so what must come first (the
-        delivery log's `stored` lines) goes there.
+        `stored` hears the results of the apps whose scripts ran as soon as they did,
+        before anything else is awaited: from then on a dispatcher may push them, so what
+        must come first (the delivery log's `stored` lines) goes there.
+
+        On one Redis the batch is acknowledged or raises as a whole (ReplicasMissing when
+        fewer than REPLICA_ACKS replicas acknowledged it). On a Redis Cluster each
+        master's apps are stored apart (skmq/store/shards.py): an app whose master fails,
+        or has fewer than REPLICA_ACKS replicas acknowledging, gets a WriteFailed in
+        place of its results, the other apps are acknowledged.
 
         `claims` (only where `carries_claims`) ride in the same round trip, each run
         after the stores: each hears its result (or the error) with `ClaimArgs.done`,
-        after `stored`; a claim that fails never fails the store."""
+        after `stored`; a claim that fails never fails the store. `deadline` (the event
+        loop's time) bounds the call (TimeoutError; on a cluster, the masters not done by
+        then fail their apps, as lost after the write)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                calls = await self._store_calls(batches, now)
+                if isinstance(self.redis, RedisCluster):
+                    await self.redis.initialize()  # (a no-op once the slot map is known)
+        except BaseException as exc:
+            for c in claims:
+                c.done(exc)
+            raise
+        if isinstance(self.redis, RedisCluster):
+            return await self._store_by_master(batches, calls, stored, deadline)
+        async with asyncio.timeout_at(deadline):
+            return await self._store_at_once(batches, calls, stored, claims)
+
+    async def _store_calls(
+        self, batches: dict[str, list[NewMessage]], now: int
+    ) -> list[tuple[str, Sequence[Any], tuple[str, ...]]]:
+        """The store script's calls (app, args, extra keys) of `batches`."""
         done = self._dedupe_keys(now)
         hold = await self._holder()
         headers = await self._headers(now)
-        calls = []
+        calls: list[tuple[str, Sequence[Any], tuple[str, ...]]] = []
         for app, messages in batches.items():
             args: list[Any] = [now]
             for m in messages:
                 h = headers[m.kind]
                 args += (hold(m.msgid), h, m.content, m.deliver_at, m.expires_at, m.key, m.trace)
             calls.append((app, args, done))
+        return calls
+
+    async def _store_at_once(
+        self,
+        batches: dict[str, list[NewMessage]],
+        calls: list[tuple[str, Sequence[Any], tuple[str, ...]]],
+        stored: Callable[[dict[str, list[bool]]], None] | None,
+        claims: Sequence[ClaimArgs],
+    ) -> dict[str, AppStored]:
+        """`store` on one Redis: one round trip, acknowledged or raising as a whole."""
         riders = [("claim", c.app, c.args) for c in claims]
         try:
             replies = await self._call_each("store", calls, self.replica_acks, riders)
@@ -522,7 +559,58 @@ class Store:
         )
         if any(int(n) < self.replica_acks for n in acked):
             raise ReplicasMissing(f"{min(acked)} of {self.replica_acks} replicas acknowledged")
-        return outcome
+        return dict(outcome)
+
+    async def _store_by_master(
+        self,
+        batches: dict[str, list[NewMessage]],
+        calls: list[tuple[str, Sequence[Any], tuple[str, ...]]],
+        stored: Callable[[dict[str, list[bool]]], None] | None,
+        deadline: float | None,
+    ) -> dict[str, AppStored]:
+        """`store` on a Redis Cluster: one pipeline a master, each app's answer its own
+        (skmq/store/shards.py). An app that is stored and must be listed in the apps
+        directory (`_store_at_once`), whose listing fails, is not acknowledged either: it
+        may be stored (sent again, the duplicate lists it)."""
+        assert isinstance(self.redis, RedisCluster)
+        sha = self._scripts["store"].sha
+        commands = []
+        for app, args, extra in calls:
+            keys = self._keys("store", app, *extra)
+            # (routed by the app's `listed` mark, which store.lua has just set to 1: a
+            # `SET mark 1 XX` before the WAIT changes nothing, see write_by_node)
+            commands.append((self.base(app) + "listed", ("EVALSHA", sha, len(keys), *keys, *args)))
+        source = [self._scripts["store"].script]
+        replies = await write_by_node(
+            self.redis, commands, source, self.replica_acks, self.replica_ack_ms, deadline,
+            touch=lambda mark: ("SET", mark, 1, "XX"),
+        )  # fmt: skip
+        answers: dict[str, AppStored] = {}
+        ran: dict[str, list[Any]] = {}  # the replies of the calls that ran
+        for app, reply in zip(batches, replies, strict=True):
+            if isinstance(reply, WriteFailed):
+                answers[app] = reply
+                if isinstance(reply, ReplicasMissing):
+                    ran[app] = reply.reply
+            else:
+                ran[app] = reply
+        outcome = {app: [bool(x) for x in res[1:]] for app, res in ran.items()}
+        if stored is not None and outcome:
+            stored(outcome)
+        shards = self.directory.by_shard(app for app, r in ran.items() if r[0] or 0 in r[1:])
+        added = await write_by_node(
+            self.redis, [(key, ("SADD", key, *apps)) for key, apps in shards.items()], [],
+            deadline=deadline,
+        )  # fmt: skip
+        if self._slots is not None and any(map(stale_map, [*replies, *added])):
+            self._slots.refresh()
+        for apps, reply in zip(shards.values(), added, strict=True):
+            if isinstance(reply, WriteFailed):
+                for app in apps:
+                    answers.setdefault(app, WriteFailed(f"stored, not listed: {reply}", True))
+        for app, results in outcome.items():
+            answers.setdefault(app, results)
+        return {app: answers[app] for app in batches}
 
     async def note_broker(self, broker_id: str, info: dict[str, Any]) -> None:
         """Record that a broker is alive (for `skmq status`)."""

@@ -5,18 +5,22 @@ A batch's replies are `resp` bytes to be, ready once the batch is stored; each
 connection writes them in frame order, so several batches can wait on Redis at once while
 every connection still gets its answers in order.
 
+Each app of a batch is answered for itself: on a Redis Cluster, trouble on one master
+fails only the apps it holds (skmq/store/shards.py), and an `error` says whether the
+message may be stored all the same (UNKNOWN) or certainly is not (NOT_STORED).
+
 Memory while the store is slow or stalled is bounded: a store call (the wait for a
 Redis connection included) gives up after STORE_TIMEOUT, its producers then hear
-`error` "store unavailable"; and while MAX_STORE_PENDING_BYTES of content wait for the
-store, `room()` holds the handle stage back (backpressure down to TCP). While the
-embedded Redis's disk is nearly full nothing is stored or acknowledged
-(skmq/store/disk.py).
+`error` "outcome unknown: store unavailable"; and while MAX_STORE_PENDING_BYTES of
+content wait for the store, `room()` holds the handle stage back (backpressure down
+to TCP). While the embedded Redis's disk is nearly full nothing is stored or
+acknowledged (skmq/store/disk.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -30,12 +34,23 @@ from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
 from skmq.store import ClaimArgs, NewMessage, Store
 from skmq.store.disk import DiskSpace
+from skmq.store.shards import ReplicasMissing, WriteFailed
+from skmq.store.store import AppStored
 
 log = structlog.get_logger("skmq.enqueue")
 
-# A batch not acknowledged: each of its producers hears `error` and this. A store that
-# failed or timed out may have run: the message may be stored, hence the msgid.
-UNAVAILABLE = "store unavailable: send it again with the same msgid (it may be stored)"
+# A message not acknowledged: its producer hears `error` and one of these. Those that
+# start with UNKNOWN (docs/PROTOCOL.md, section 3) may be stored: the store's answer
+# was lost after the write (a timeout, a connection lost), or REPLICA_ACKS replicas did
+# not confirm it; sent again with the same msgid, it is stored once. NOT_STORED: the
+# store certainly did not run (its master unreachable, a refusal such as MOVED).
+UNKNOWN = "outcome unknown"
+UNAVAILABLE = f"{UNKNOWN}: store unavailable: send it again with the same msgid (it may be stored)"
+REPLICAS_MISSING = (
+    f"{UNKNOWN}: stored on its master, not confirmed by REPLICA_ACKS replicas: send it again "
+    "with the same msgid"
+)
+NOT_STORED = "not stored: store unavailable: send it again"
 # Messages of batches whose store's answer was lost remembered at most, for the lookup
 # that logs those that were stored after all (Enqueuer._reconcile).
 MAX_UNCERTAIN = 10_000
@@ -63,10 +78,11 @@ class StoreReply:
         self.batch.future.add_done_callback(callback)
 
     def result(self) -> bytes:
-        results = self.batch.future.result()
+        batch = self.batch.future.result()
+        results = batch if isinstance(batch, str) else batch[self.app]
         if isinstance(results, str):
             return encode_resp("error", results, self.msgid)
-        if results[self.app][self.index]:
+        if results[self.index]:
             return encode_resp("ack", "stored", self.msgid)
         return encode_resp(
             "ack", "duplicate: a message with this msgid is already stored", self.msgid
@@ -78,8 +94,9 @@ class EnqueueBatch:
         self.messages: dict[str, list[NewMessage]] = {}
         self.received: list[int] = []
         self.size = 0  # content bytes
-        # Each app's results (stored, or a duplicate), or why none was acknowledged.
-        self.future: asyncio.Future[dict[str, list[bool]] | str] = (
+        # Each app's results (stored, or a duplicate) or why they are not acknowledged, or
+        # why none of the batch is.
+        self.future: asyncio.Future[dict[str, list[bool] | str] | str] = (
             asyncio.get_running_loop().create_future()
         )
 
@@ -162,13 +179,14 @@ class Enqueuer:
                 self._room.set()
 
     def _log(self, batch: EnqueueBatch, received: int, results: dict[str, list[bool]]) -> None:
-        """`stored` carries the time the store stamped on the message (`received`): a
-        dispatcher may push it, on another connection, before this broker hears it is
-        stored, and the log must not show a push before the store."""
+        """The results of the apps whose store ran. `stored` carries the time the store
+        stamped on the message (`received`): a dispatcher may push it, on another
+        connection, before this broker hears it is stored, and the log must not show a
+        push before the store."""
         event = self.dlog.event
-        for app, msgs in batch.messages.items():
+        for app, res in results.items():
             uncertain = self._uncertain.get(app, {})
-            for m, ok in zip(msgs, results[app], strict=True):
+            for m, ok in zip(batch.messages[app], res, strict=True):
                 if ok:
                     uncertain.pop(m.msgid, None)  # (the earlier try was not stored)
                     self._log_stored(app, m, received, received)
@@ -183,10 +201,11 @@ class Enqueuer:
         self.dlog.event(Event.STORED, m.msgid, app, m.kind, detail=" ".join(details) or None,
                         ts=stored)  # fmt: skip
 
-    def _remember(self, batch: EnqueueBatch, received: int) -> None:
-        """A batch whose store's answer was lost: its messages may be stored."""
+    def _remember(self, batch: EnqueueBatch, received: int, apps: Iterable[str]) -> None:
+        """Apps of a batch whose store's answer was lost: their messages may be stored."""
         room = MAX_UNCERTAIN - sum(map(len, self._uncertain.values()))
-        for app, msgs in batch.messages.items():
+        for app in apps:
+            msgs = batch.messages[app]
             uncertain = self._uncertain.setdefault(app, {})
             for m in msgs[: max(0, room)]:
                 uncertain[m.msgid] = (m, received)
@@ -234,26 +253,56 @@ class Enqueuer:
             batch.future.set_result(refused or DISK_LOW)
             return
         received = now_ms()
+        deadline = asyncio.get_running_loop().time() + self.timeout
         carried: set[str] = set()
+        ran: dict[str, list[bool]] = {}  # the results of the apps whose store ran
+
+        def stored(results: dict[str, list[bool]]) -> None:
+            ran.update(results)
+            self._log(batch, received, results)
+
         try:
-            async with asyncio.timeout(self.timeout):
-                await self.note_apps(set(batch.messages))
+            async with asyncio.timeout_at(deadline):
+                try:
+                    await self.note_apps(set(batch.messages))
+                except (RedisError, OSError) as exc:
+                    # The store lists each app whose `listed` mark it makes: a Redis node
+                    # down (holding a directory shard) must not fail other nodes' apps.
+                    log.warning("apps not noted", error=str(exc) or repr(exc))
                 # (made right before the store: it hands each its end, whatever happens)
                 claims = self.carry_claims(batch.messages, received) if self.carry_claims else []
                 carried = {c.app for c in claims}
-                results = await self.store.store(
-                    batch.messages, received, lambda res: self._log(batch, received, res), claims
-                )
+            # (the store keeps the deadline itself: on a cluster, one master too slow
+            # fails only its apps)
+            results = await self.store.store(batch.messages, received, stored, claims, deadline)
+        except WriteFailed as exc:  # (one Redis: the batch as a whole)
+            results = dict.fromkeys(batch.messages, exc)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store unavailable", error=str(exc) or repr(exc))
             batch.future.set_result(UNAVAILABLE)
-            self._remember(batch, received)
+            self._remember(batch, received, set(batch.messages) - set(ran))
             return
+        answers = {app: self._answer(res) for app, res in results.items()}
+        failed = {app: res for app, res in results.items() if isinstance(res, WriteFailed)}
+        if failed:
+            log.warning("store failed", apps=len(failed), of=len(results),
+                        error=str(next(iter(failed.values()))))  # fmt: skip
+            maybe = [app for app, f in failed.items() if f.maybe_ran and app not in ran]
+            self._remember(batch, received, maybe)
         # The log lines reach the kernel before any producer hears `ack`.
         self.dlog.flush()
         # Redis appended the batch to its AOF before it answered: a disk low now may
         # have failed that append.
-        batch.future.set_result(DISK_LOW if self._disk_is_low() else results)
-        self.on_stored({app for app, res in results.items() if any(res)} - carried)
+        batch.future.set_result(DISK_LOW if self._disk_is_low() else answers)
+        self.on_stored({app for app, res in ran.items() if any(res)} - carried)
         if self._uncertain and not self._reconciling:
             spawn(self._reconcile(), self._tasks)
+
+    @staticmethod
+    def _answer(result: AppStored) -> list[bool] | str:
+        """An app's results, or the `error` text its producers hear (see UNKNOWN)."""
+        if isinstance(result, ReplicasMissing):
+            return REPLICAS_MISSING
+        if isinstance(result, WriteFailed):
+            return UNAVAILABLE if result.maybe_ran else NOT_STORED
+        return result
