@@ -8,6 +8,7 @@ are, on the owners' memory.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from skmq.store.client import ENC
 from skmq.store.store import (
     AliveRecipient,
     AppCounts,
+    AppStored,
     ClaimArgs,
     ClaimResult,
     DeadLetter,
@@ -55,12 +57,14 @@ class OwnedStore(Store):
         now: int,
         stored: Callable[[dict[str, list[bool]]], None] | None = None,
         claims: Sequence[ClaimArgs] = (),
-    ) -> dict[str, list[bool]]:
-        outcome = await self._owners.store(batches, now)
-        if stored is not None:
-            stored(outcome)
-        await self.directory.add(outcome)
-        return outcome
+        deadline: float | None = None,
+    ) -> dict[str, AppStored]:
+        async with asyncio.timeout_at(deadline):
+            outcome = await self._owners.store(batches, now)
+            if stored is not None:
+                stored(outcome)
+            await self.directory.add(outcome)
+        return dict(outcome)
 
     async def claim(
         self,
