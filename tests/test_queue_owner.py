@@ -54,6 +54,17 @@ async def test_stored_pushed_acked_in_one_write_a_turn(wire: Wire, keys: AppKeys
     assert await a.store(msgs("m1", "m2", "m4", "m4"), T) == [False, False, True, False]
 
 
+async def test_a_key_stored_through_another_broker_first_is_pushed_first(
+    wire: Wire, keys: AppKeys
+) -> None:
+    # k-1 acked by another broker (in the inbox, its owner not told yet), then k-2 here
+    a = await owner(wire, keys, "A", ["r1"])
+    await append(wire, keys, T, DEDUPE, [Appended(b"k-1", b"one", b"q\x1f0\x1f0\x1fk\x1f")])
+    assert await a.store(msgs("k-2", key="k"), T) == [True]
+    assert [d.msgid for d in a.queue.take(10, T)] == [b"k-1"]  # k-2 waits for it
+    assert states(a)[(b"k-2", QUEUE)] == (State.WAITING_KEY, 0)
+
+
 async def test_a_store_on_another_broker_reaches_the_owner_through_the_inbox(
     wire: Wire, keys: AppKeys
 ) -> None:

@@ -149,6 +149,12 @@ def _fenced(reply: Any, lease: Lease) -> None:
         raise Fenced(lease.epoch, int(reply[1]))
 
 
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    ids: list[bytes | None]  # each message's log entry, None: a duplicate
+    inbox: list[tuple[bytes, list[bytes]]]  # the inbox entries read first (XRANGE's)
+
+
 class Journal:
     """The fenced writes of one app's owner (a holder of `lease`)."""
 
@@ -169,13 +175,15 @@ class Journal:
         records: bytes = b"",
         settled: Sequence[bytes] = (),
         dead: Sequence[Any] = (0,),
-    ) -> list[bytes | None]:
+        inbox_after: bytes = b"",
+    ) -> Flushed:
         """Append `messages` to the log, `records` to the journal, the dead letters
         (`dead`: dead.flush_args) to the app's, `settled` to the dedupe window, in one
         fenced script. Each message's log entry id, or None where its msgid was settled
-        within the dedupe window (a duplicate). Raises Fenced."""
+        within the dedupe window (a duplicate); with `inbox_after`, the inbox's entries
+        after it, read first. Raises Fenced."""
         cur, prev = self._dedupe(now)
-        args: list[Any] = [self.lease.epoch, 2 * self.dedupe_ms, len(messages)]
+        args: list[Any] = [self.lease.epoch, 2 * self.dedupe_ms, inbox_after, len(messages)]
         for m in messages:
             args += (m.msgid, m.content, m.header)
         args.append(records)
@@ -185,7 +193,7 @@ class Journal:
         keys = (k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease)
-        return [entry or None for entry in reply]
+        return Flushed([entry or None for entry in reply[1:]], reply[0])
 
     async def checkpoint(self, state: bytes, journal_id: bytes, oldest_needed: bytes) -> None:
         """Keep `state` as of journal entry `journal_id`; drop the journal up to it and

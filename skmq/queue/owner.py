@@ -118,7 +118,7 @@ class AppOwner:
                 fresh.append(m)
                 seen.add(m.msgid)
         appended = [Appended(m.msgid, m.content, encode_header(m.meta)) for m in fresh]
-        ids = await self.flush(now, appended)
+        ids = await self.flush(now, appended, read_inbox=True)
         stored: dict[bytes, bool] = {}
         for m, entry in zip(fresh, ids, strict=True):
             stored[m.msgid] = entry is not None
@@ -128,16 +128,24 @@ class AppOwner:
                 self.log_cursor = entry
         return [stored.pop(m.msgid, False) for m in messages]
 
-    async def flush(self, now: int, appended: Sequence[Appended] = ()) -> list[bytes | None]:
-        """One fenced write: `appended` and every record made since the last flush."""
+    async def flush(
+        self, now: int, appended: Sequence[Appended] = (), read_inbox: bool = False
+    ) -> list[bytes | None]:
+        """One fenced write: `appended` and every record made since the last flush. With
+        `read_inbox`, what other brokers stored before it is materialised first."""
         records, settled, forgotten, dead = self.queue.drain()
         if self.fanned:
             records = END.join([*self.fanned, records] if records else self.fanned)
             self.fanned = []
         self.live.difference_update(forgotten)
-        if not appended and not records and not settled:
+        if not appended and not records and not settled and not dead:
             return []
-        return await self.journal.flush(now, appended, records, settled, flush_args(dead, now))
+        after = self.inbox_cursor if read_inbox else b""
+        flushed = await self.journal.flush(
+            now, appended, records, settled, flush_args(dead, now), after
+        )
+        self._inbox_entries(flushed.inbox, now)
+        return flushed.ids
 
     def durable(self) -> asyncio.Future[None]:
         """A future done when what was recorded so far is in the journal: one flush a
@@ -161,7 +169,13 @@ class AppOwner:
         reply = await self.wire.call(
             "XRANGE", keys.inbox, b"(" + self.inbox_cursor, "+", "COUNT", READ_BATCH
         )
+        self._inbox_entries(reply, now)
+        return len(reply)
+
+    def _inbox_entries(self, reply: list[tuple[bytes, list[bytes]]], now: int) -> None:
         for entry, fields in reply:
+            if entry_order(entry) <= entry_order(self.inbox_cursor):
+                continue  # (read by a read that overlapped this one)
             self.inbox_cursor = entry
             if is_question(fields):
                 self.questions.append(fields[1])
@@ -172,7 +186,6 @@ class AppOwner:
             ):
                 self.live.add(e.msgid)
                 self._materialise(e, now, inbox=True)
-        return len(reply)
 
     async def contents(self, deliveries: Sequence[Delivery]) -> None:
         """Read back the content of deliveries that do not hold it (restored from a
@@ -222,21 +235,29 @@ class AppOwner:
                     fanned[msgid] = names.decode().split(",") if names else []
                 else:
                     records.append(raw)
-        for inbox in (False, True):
-            stream = keys.inbox if inbox else keys.log
-            start = b"(" + (self.inbox_cursor if inbox else self.log_cursor)
-            for entry, fields in await self._read_all(stream, start):
-                if inbox:
-                    self.inbox_cursor = entry
-                else:
-                    self.log_cursor = entry
-                if is_question(fields):
-                    continue  # (its asker heard no verdict and sends it again)
-                e = parse_entry(entry, fields)
-                if e.msgid not in self.live:
-                    self.live.add(e.msgid)
-                    copies = fanned.get(e.msgid) if e.meta.topic else None
-                    self._materialise(e, now, inbox, copies)
+        # both streams after the checkpoint, in the order they were written (an inbox
+        # entry first in a tie: the old owner read it before it wrote its next log entry)
+        entries = [
+            (entry_order(entry), inbox, entry, fields)
+            for inbox, stream, cursor in (
+                (True, keys.inbox, self.inbox_cursor),
+                (False, keys.log, self.log_cursor),
+            )
+            for entry, fields in await self._read_all(stream, b"(" + cursor)
+        ]
+        entries.sort(key=lambda e: (e[0], not e[1]))
+        for _, inbox, entry, fields in entries:
+            if inbox:
+                self.inbox_cursor = entry
+            else:
+                self.log_cursor = entry
+            if is_question(fields):
+                continue  # (its asker heard no verdict and sends it again)
+            e = parse_entry(entry, fields)
+            if e.msgid not in self.live:
+                self.live.add(e.msgid)
+                copies = fanned.get(e.msgid) if e.meta.topic else None
+                self._materialise(e, now, inbox, copies)
         for record in parse_records(END.join(records)) if records else ():
             self.queue.apply(*record, now)
         self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]

@@ -6,32 +6,38 @@
 -- whose epoch is not the current one writes nothing: it was taken over.
 -- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>, inbox,
 --       dead letters (hash), dead letters by time (zset)
--- ARGV: epoch, done ttl ms, message count m, (msgid, content, header ('': none))*m,
+-- Entries appended to the inbox after the owner's inbox cursor are returned first, read
+-- before the messages are logged: a message acked through another broker before this
+-- store came is materialised before it (per-key order over brokers).
+-- ARGV: epoch, done ttl ms, inbox cursor ('': not read), message count m,
+--       (msgid, content, header ('': none))*m,
 --       records ('': none), dead count d, (delivery id, died ms, value head, entry,
 --       in inbox '1'|'0')*d, settled msgid*
--- Returns {'fenced', current epoch} or {log entry id, or 0 for a duplicate}*m.
+-- Returns {'fenced', current epoch} or {inbox entries (XRANGE's reply),
+-- (log entry id, or 0 for a duplicate)*m}.
 local epoch = redis.call('GET', KEYS[1])
 if epoch ~= ARGV[1] then return {'fenced', epoch or '0'} end
 local log, journal, cur, prev = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local m = tonumber(ARGV[3])
-local out = {}
+local m = tonumber(ARGV[4])
+local out = {{}}
+if ARGV[3] ~= '' then out[1] = redis.call('XRANGE', KEYS[6], '(' .. ARGV[3], '+', 'COUNT', 512) end
 if m > 0 then
   local ids = {}
-  for j = 1, m do ids[j] = ARGV[1 + 3 * j] end
+  for j = 1, m do ids[j] = ARGV[2 + 3 * j] end
   local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
   local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
   for j = 1, m do
-    local i = 1 + 3 * j
+    local i = 2 + 3 * j
     if in_cur[j] == 1 or in_prev[j] == 1 then
-      out[j] = 0
+      out[j + 1] = 0
     elseif ARGV[i + 2] == '' then
-      out[j] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1])
+      out[j + 1] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1])
     else
-      out[j] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1], 'h', ARGV[i + 2])
+      out[j + 1] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1], 'h', ARGV[i + 2])
     end
   end
 end
-local r = 4 + 3 * m
+local r = 5 + 3 * m
 if ARGV[r] ~= '' then redis.call('XADD', journal, '*', 'r', ARGV[r]) end
 local d = tonumber(ARGV[r + 1])
 for j = 0, d - 1 do
