@@ -54,7 +54,7 @@ async def test_one_owner_at_a_time_and_a_takeover_fences_the_old_one(
         await old.flush(NOW, [Appended(b"m2", b"two")], b"rec2", [b"m1"])
     assert (fenced.value.mine, fenced.value.current) == (1, 2)
     with pytest.raises(Fenced):
-        await old.checkpoint(b"state", b"0-1", b"0-1")
+        await old.checkpoint(b"state", b"0-1", b"0-1", b"0-1")
     assert not await renew(wire, keys, a, LEASE)
     assert await lengths(wire, keys) == (1, 1)
     assert await wire.call("SCARD", keys.done(NOW // DEDUPE)) == 0
@@ -139,7 +139,7 @@ async def test_a_checkpoint_trims_the_journal_and_the_log(wire: Wire, keys: AppK
     await journal.flush(NOW, records=b"r2")
     first, second = await wire.call("XRANGE", keys.journal, "-", "+")
     assert logged[1] is not None
-    await journal.checkpoint(b"state@r1", first[0], logged[1])
+    await journal.checkpoint(b"state@r1", first[0], logged[1], b"0-1")
     assert await wire.call("GET", keys.checkpoint) == b"state@r1"
     assert [e[0] for e in await wire.call("XRANGE", keys.journal, "-", "+")] == [second[0]]
     assert [e[1][1] for e in await wire.call("XRANGE", keys.log, "-", "+")] == [b"b"]

@@ -195,11 +195,14 @@ class Journal:
         _fenced(reply, self.lease)
         return Flushed([entry or None for entry in reply[1:]], reply[0])
 
-    async def checkpoint(self, state: bytes, journal_id: bytes, oldest_needed: bytes) -> None:
-        """Keep `state` as of journal entry `journal_id`; drop the journal up to it and
-        the log below `oldest_needed`. Raises Fenced."""
-        keys = (self.keys.epoch, self.keys.checkpoint, self.keys.journal, self.keys.log)
-        args = (self.lease.epoch, state, journal_id, oldest_needed)
+    async def checkpoint(
+        self, state: bytes, journal_id: bytes, oldest_needed: bytes, oldest_inbox: bytes
+    ) -> None:
+        """Keep `state` as of journal entry `journal_id`; drop the journal up to it, the
+        log below `oldest_needed` and the inbox below `oldest_inbox`. Raises Fenced."""
+        k = self.keys
+        keys = (k.epoch, k.checkpoint, k.journal, k.log, k.inbox)
+        args = (self.lease.epoch, state, journal_id, oldest_needed, oldest_inbox)
         _fenced(await run_script(self.wire, "checkpoint", keys, args), self.lease)
 
 

@@ -41,6 +41,7 @@ class OwnedStore(Store):
         self.owners: Owners | None = None  # set by the broker once its wire is up
         self._dead_out = self.redis.register_script(script_source("dead_out"))
         self._dead_purge = self.redis.register_script(script_source("dead_purge"))
+        self._forget = self.redis.register_script(script_source("forget"))
 
     @property
     def _owners(self) -> Owners:
@@ -105,6 +106,18 @@ class OwnedStore(Store):
 
     async def find_apps(self, msgids: Sequence[str]) -> dict[str, list[str]]:
         return self._owners.holding(msgids)
+
+    async def drop_empty(self, apps: Sequence[str]) -> list[str]:
+        """As Store.drop_empty, over the owner engine's keys (lua/forget.lua)."""
+        dropped = []
+        for app in apps:
+            k = AppKeys.of(self.prefix, app)
+            keys = [k.log, k.inbox, k.dead_order, k.base + "recipients", k.base + "groups"]
+            keys += [k.checkpoint, k.journal, k.stats, k.owner]
+            keys += [k.base + name for name in ("rstate", "rbeat", "rate", "listed")]
+            if await self._forget(keys, []):
+                dropped.append(app)
+        return dropped
 
     async def stored_of(self, app: str, msgids: Sequence[str], now: int) -> list[int | None]:
         """For messages whose store's answer was lost: each one's stored ms (found among

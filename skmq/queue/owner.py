@@ -208,10 +208,14 @@ class AppOwner:
         keys = self.journal.keys
         last = await self.wire.call("XREVRANGE", keys.journal, "+", "-", "COUNT", 1)
         journal_id = last[0][0] if last else b"0-1"
-        held = [d.entry for d in self.queue.deliveries.values()]
-        oldest = min(held, key=entry_order) if held else _after(self.log_cursor)
+        held = [(d.entry, d.inbox) for d in self.queue.deliveries.values()]
+        held += [(e.entry, inbox) for e, inbox in self.unfanned]
+        oldest = [
+            min((e for e, i in held if i is inbox), key=entry_order, default=_after(cursor))
+            for inbox, cursor in ((False, self.log_cursor), (True, self.inbox_cursor))
+        ]
         state = SEP.join((self.log_cursor, self.inbox_cursor, self.queue.snapshot()))
-        await self.journal.checkpoint(state, journal_id, oldest)
+        await self.journal.checkpoint(state, journal_id, *oldest)
 
     async def load(self, now: int) -> None:
         """A new owner: the checkpoint, the log and inbox after it (the old owner's

@@ -46,9 +46,16 @@ def policy_of(s: Settings) -> Policy:
 
 class OwnerRuntime:
     def __init__(
-        self, settings: Settings, wire: Wire, store: OwnedStore, broker_id: str, engine: Engine
+        self,
+        settings: Settings,
+        url: str,
+        wire: Wire,
+        store: OwnedStore,
+        broker_id: str,
+        engine: Engine,
     ) -> None:
         self.settings = settings
+        self.url = url
         self.wire = wire
         self.store = store
         self.notify = engine.notify
@@ -65,7 +72,7 @@ class OwnerRuntime:
             broker_id,
             settings.key_prefix,
             self.lease_ms,
-            lambda app: wire,
+            lambda app: self.wire,
             wire,
             self._gained,
             self._lost,
@@ -99,7 +106,7 @@ class OwnerRuntime:
         orphans: bool = False,
     ) -> OwnerRuntime:
         wire = await Wire.connect(url, settings.store_timeout)
-        runtime = cls(settings, wire, store, broker_id, engine)
+        runtime = cls(settings, url, wire, store, broker_id, engine)
         if orphans:  # this broker's Redis alone: every lease in it is a dead process's
             for app in await store.apps():
                 await wire.call("DEL", AppKeys.of(settings.key_prefix, app).owner)
@@ -183,9 +190,23 @@ class OwnerRuntime:
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
             try:
+                if self.wire.closed:
+                    await self._reconnect()
                 await self.round()
             except TROUBLE as exc:
                 log.warning("ownership round failed", error=repr(exc))
+
+    async def _reconnect(self) -> None:
+        """The connection was lost (Redis restarted, the network): every owned app is
+        dropped from memory and taken again on the new connection, with a new epoch, its
+        state rebuilt from Redis as a new owner's would be (what was in flight is pushed
+        again)."""
+        wire = await Wire.connect(self.url, self.settings.store_timeout)
+        for app in list(self.owners.owned):
+            self.owners.lost(app)
+        self.ownership.held.clear()
+        self.wire = self.owners.wire = self.ownership.members = self.forwarder.wire = wire
+        log.warning("owners' Redis connection made again: owned apps taken again")
 
     async def stop(self) -> None:
         """Hand every owned app over at once (not after the lease), its state flushed."""
