@@ -105,7 +105,11 @@ class OwnedStore(Store):
         return self._owners.in_flight_of(app, msgid)
 
     async def find_apps(self, msgids: Sequence[str]) -> dict[str, list[str]]:
-        return self._owners.holding(msgids)
+        """The owned apps holding each msgid, and every app owned elsewhere (whose owner
+        alone knows: the router asks it, skmq/queue/forward.py)."""
+        elsewhere = [app for app in await self.apps() if app not in self._owners.owned]
+        held = self._owners.holding(msgids)
+        return {msgid: [*held[msgid], *elsewhere] for msgid in msgids}
 
     async def drop_empty(self, apps: Sequence[str]) -> list[str]:
         """As Store.drop_empty, over the owner engine's keys (lua/forget.lua)."""

@@ -92,9 +92,13 @@ class AnswerRouter:
             apps = await self.apps_of(frame, peer, sender)
         if isinstance(apps, str):
             return (Status.REJECT, apps)
+        remote: list[str] = []  # apps owned by other brokers the answer may be for
         if self.forward is not None and sender is None and vouched is None:
             if len(apps) == 1 and not self.owns(apps[0]):
                 return await self._forward(frame, apps[0], peer)
+            # (a search's apps: those of other owners whose recipient the sender may be)
+            remote = [a for a in apps if not self.owns(a) and self._vouch(frame, a, peer) != []]
+            apps = [a for a in apps if self.owns(a)]
         matches: list[tuple[str, InFlight]] = []
         why = f"message {msgid!r} is not in flight"
         for candidate in apps:
@@ -103,10 +107,12 @@ class AnswerRouter:
                 why = found if len(apps) == 1 else why
             else:
                 matches.append((candidate, found))
-        if not matches:
+        if remote and not matches and len(remote) == 1:
+            return await self._forward(frame, remote[0], peer)
+        if not matches and not remote:
             return (Status.REJECT, why)
-        if len(matches) > 1:
-            names = ", ".join(repr(a) for a, _ in matches)
+        if len(matches) + len(remote) > 1:
+            names = ", ".join(repr(a) for a in [*(a for a, _ in matches), *remote])
             return (Status.REJECT, f"ambiguous: {msgid!r} is in flight to you in apps {names}; "
                     "name one (appid=)")  # fmt: skip
         app, (delivery_id, rid, attempt) = matches[0]
@@ -132,18 +138,24 @@ class AnswerRouter:
         self.answers.submit(app, delivery_id, outcome, detail, rid, attempt, verdict.set_result)
         return await verdict
 
-    async def _forward(self, frame: Frame, app: str, peer: Peer | None) -> Verdict:
-        """To the app's owner, with who the sender may be."""
-        assert self.forward is not None
+    def _vouch(self, frame: Frame, app: str, peer: Peer | None) -> list[str] | None:
+        """Which of the app's recipients the sender may be (None: any: its token or its
+        authentication for the app decides)."""
         if frame.fields.get("token") is not None or (
             peer is not None and peer.authenticated_for(app)
         ):
-            return await self.forward(app, frame, None)
-        may_be = [r.id for r in self.registry.all(app) if self._sent_by(peer, app, r.id)]
-        if not may_be:
+            return None
+        return [r.id for r in self.registry.all(app) if self._sent_by(peer, app, r.id)]
+
+    async def _forward(self, frame: Frame, app: str, peer: Peer | None) -> Verdict:
+        """To the app's owner, with who the sender may be."""
+        assert self.forward is not None
+        may_be = self._vouch(frame, app, peer)
+        if may_be == []:
             msgid = frame.fields.get("msgid")
             return (Status.REJECT, f"message {msgid!r} is not in flight to a recipient you are")
-        return await self.forward(app, frame, may_be)
+        named = Frame(frame.type, {**frame.fields, "appid": app}, frame.content)
+        return await self.forward(app, named, may_be)
 
     async def _delivery(
         self,
