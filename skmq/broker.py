@@ -58,6 +58,7 @@ from skmq.store import (
 from skmq.store.checks import check_persistence
 from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
+from skmq.store.engine_mark import claim_engine
 from skmq.supervisor import Supervisor
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
@@ -197,6 +198,7 @@ class Broker:
         self.supervisor.start("eviction-watch", self.eviction.run)
         self.store = make_store(s, self.redis)
         await self.store.adopt_legacy_apps()
+        await claim_engine(self.redis, s.key_prefix, s.engine)
         self.dlog = DeliveryLog(
             s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
         )

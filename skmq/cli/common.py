@@ -16,6 +16,7 @@ from skmq.embedded import SECRET_FILE, EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
 from skmq.store import Store, connect_redis
 from skmq.store.client import RedisClient
+from skmq.store.engine_mark import engine_of
 
 LOADING_POLL = 0.05  # how often a command asks a loading server again
 
@@ -38,7 +39,8 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
         redis = connect_redis(url)
         try:
             await wait_loaded(redis, settings.redis_wait)
-            yield make_store(settings, redis)
+            engine = await engine_of(redis, settings.key_prefix)  # (as its brokers run)
+            yield make_store(settings.model_copy(update={"engine": engine}), redis)
         finally:
             await redis.aclose()
     finally:
