@@ -332,8 +332,9 @@ class Settings(BaseSettings):
     engine: Literal["scripts", "owner"] = Field(
         "scripts",
         description="The delivery engine: scripts (a Redis script a transition, any broker "
-        "runs any) or owner (experimental, one Redis only: each app's queue held by one "
-        "broker, its state in memory, written in fenced batches; docs/OWNER-DESIGN.md)",
+        "runs any) or owner (experimental: each app's queue held by one broker, its state "
+        "in memory, written in fenced batches; one Redis, no REPLICA_ACKS, no pull groups "
+        "yet: docs/OWNER-DESIGN.md). Every broker of a store runs the same",
     )
     owner_lease: Seconds = Field(
         5.0,
