@@ -17,6 +17,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from skmq.store.directory import shard_key
 from skmq.store.store import escape_tag
 from skmq.store.wire import ReplyError, Wire
 
@@ -46,10 +47,17 @@ class AppKeys:
     """The Redis keys of one app's queue (docs/ARCHITECTURE.md has the layout)."""
 
     base: str
+    app: str = ""
+    listing: str = ""  # the apps directory's shard set that lists the app
 
     @classmethod
     def of(cls, prefix: str, app: str) -> AppKeys:
-        return cls(f"{prefix}:{{{escape_tag(app)}}}:")
+        return cls(f"{prefix}:{{{escape_tag(app)}}}:", app, shard_key(prefix, app))
+
+    @property
+    def listed(self) -> str:
+        """The app's mark (skmq/store/directory.py): set by a store, listing it anew."""
+        return self.base + "listed"
 
     @property
     def owner(self) -> str:
@@ -188,9 +196,11 @@ class Journal:
             args += (m.msgid, m.content, m.header)
         args.append(records)
         args.extend(dead)
+        args.append(self.keys.app)
         args.extend(settled)
         k = self.keys
-        keys = (k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order)
+        keys = [k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order, k.listed]
+        keys.append(k.listing)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease)
         return Flushed([entry or None for entry in reply[1:]], reply[0])
@@ -212,10 +222,9 @@ async def append(
     """A store by a broker that does not own the queue: appended to the inbox, and the
     owner told."""
     bucket = now // dedupe_ms
-    args: list[Any] = [keys.wakeup]
+    args: list[Any] = [keys.wakeup, keys.app]
     for m in messages:
         args += (m.msgid, m.content, m.header)
-    reply = await run_script(
-        wire, "append", (keys.inbox, keys.done(bucket), keys.done(bucket - 1)), args
-    )
+    listing = (keys.inbox, keys.done(bucket), keys.done(bucket - 1), keys.listed, keys.listing)
+    reply = await run_script(wire, "append", listing, args)
     return [entry or None for entry in reply]

@@ -64,7 +64,6 @@ class OwnedStore(Store):
             outcome = await self._owners.store(batches, now)
             if stored is not None:
                 stored(outcome)
-            await self.directory.add(outcome)
         return dict(outcome)
 
     async def claim(

@@ -27,14 +27,21 @@ from skmq.store.client import ENC, RedisClient, text
 APP_SHARDS = 16
 
 
+def shard_key(prefix: str, app: str, shards: int = APP_SHARDS) -> str:
+    """The shard set that lists `app`."""
+    return f"{prefix}:apps:{{{zlib.crc32(app.encode('utf-8', ENC)) % shards}}}"
+
+
 class AppDirectory:
     def __init__(self, redis: RedisClient, prefix: str, shards: int = APP_SHARDS) -> None:
         self.redis = redis
+        self.prefix = prefix
+        self.shards = shards
         self.keys = [f"{prefix}:apps:{{{i}}}" for i in range(shards)]
 
     def key_of(self, app: str) -> str:
         """The shard set that lists `app`."""
-        return self.keys[zlib.crc32(app.encode("utf-8", ENC)) % len(self.keys)]
+        return shard_key(self.prefix, app, self.shards)
 
     def by_shard(self, apps: Iterable[str]) -> dict[str, list[str]]:
         """`apps` by the shard set that lists them."""

@@ -4,15 +4,17 @@
 -- (to the app's dead letters, their content copied from their log or inbox entry:
 -- skmq/queue/dead.py), and the msgids settled (to the dedupe window's bucket). An owner
 -- whose epoch is not the current one writes nothing: it was taken over.
+-- A flush that logs messages sets the app's `listed` mark, and lists the app in the
+-- apps directory when the mark is new (skmq/store/directory.py).
 -- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>, inbox,
---       dead letters (hash), dead letters by time (zset)
+--       dead letters (hash), dead letters by time (zset), listed, the directory's set
 -- Entries appended to the inbox after the owner's inbox cursor are returned first, read
 -- before the messages are logged: a message acked through another broker before this
 -- store came is materialised before it (per-key order over brokers).
 -- ARGV: epoch, done ttl ms, inbox cursor ('': not read), message count m,
 --       (msgid, content, header ('': none))*m,
 --       records ('': none), dead count d, (delivery id, died ms, value head, entry,
---       in inbox '1'|'0')*d, settled msgid*
+--       in inbox '1'|'0')*d, app id, settled msgid*
 -- Returns {'fenced', current epoch} or {inbox entries (XRANGE's reply),
 -- (log entry id, or 0 for a duplicate)*m}.
 local epoch = redis.call('GET', KEYS[1])
@@ -54,7 +56,8 @@ for j = 0, d - 1 do
   redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 2] .. content)
   redis.call('ZADD', KEYS[8], ARGV[i + 1], ARGV[i])
 end
-local s = r + 2 + 5 * d
+local s = r + 3 + 5 * d
+if m > 0 and redis.call('SET', KEYS[9], 1, 'NX') then redis.call('SADD', KEYS[10], ARGV[s - 1]) end
 if #ARGV >= s then
   redis.call('SADD', cur, unpack(ARGV, s))
   redis.call('PEXPIRE', cur, ARGV[2])
