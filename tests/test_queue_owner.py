@@ -10,7 +10,7 @@ import pytest
 
 from skmq.queue.deliveries import QUEUE, Policy
 from skmq.queue.entries import Meta
-from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, acquire, append
+from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, acquire, append
 from skmq.queue.lifecycle import State
 from skmq.queue.owner import AppOwner, NewMessage
 from skmq.store.wire import Wire
@@ -80,6 +80,36 @@ async def test_a_topic_message_is_copied_to_each_recipient(wire: Wire, keys: App
     a = await owner(wire, keys, "A", ["r1", "r2"])
     await a.store(msgs("t1", topic=True), T)
     assert set(a.queue.deliveries) == {(b"t1", "r1"), (b"t1", "r2")}
+
+
+async def test_a_topic_message_waiting_for_a_first_recipient_survives_a_takeover(
+    wire: Wire, keys: AppKeys
+) -> None:
+    recipients: list[str] = []
+    a = AppOwner(
+        Journal(wire, keys, await acquire(wire, keys, "A", LEASE) or _never(), DEDUPE),
+        POLICY,
+        lambda: recipients,
+        lambda: T,
+    )
+    await a.store(msgs("t1", topic=True), T)
+    await a.store(msgs("m1"), T)  # the log's cursor goes past t1
+    await a.checkpoint(T)
+    await wire.call("DEL", keys.owner)
+    recipients.append("r1")
+    b = AppOwner(
+        Journal(wire, keys, await acquire(wire, keys, "B", LEASE) or _never(), DEDUPE),
+        POLICY,
+        lambda: recipients,
+        lambda: T,
+    )
+    await b.load(T + 1)
+    b.fan_out(T + 1)
+    assert [d.content for d in b.queue.take(10, T + 1, "r1")] == [b"body t1"]
+
+
+def _never() -> Lease:
+    raise AssertionError("the lease was taken")
 
 
 async def test_a_takeover_rebuilds_the_state_and_fences_the_old_owner(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -214,7 +215,10 @@ class AppOwner:
             min((e for e, i in held if i is inbox), key=entry_order, default=_after(cursor))
             for inbox, cursor in ((False, self.log_cursor), (True, self.inbox_cursor))
         ]
-        state = SEP.join((self.log_cursor, self.inbox_cursor, self.queue.snapshot()))
+        waiting = json.dumps([[e.entry.decode(), inbox] for e, inbox in self.unfanned])
+        state = SEP.join(
+            (self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting.encode())
+        )
         await self.journal.checkpoint(state, journal_id, *oldest)
 
     async def load(self, now: int) -> None:
@@ -224,10 +228,11 @@ class AppOwner:
         keys = self.journal.keys
         saved = await self.wire.call("GET", keys.checkpoint)
         if saved:
-            self.log_cursor, self.inbox_cursor, snapshot = saved.split(SEP, 2)
+            self.log_cursor, self.inbox_cursor, snapshot, waiting = saved.split(SEP, 3)
             self.queue.restore(snapshot, now)
             for d in self.queue.deliveries.values():
                 self.live.add(d.msgid)
+            await self._restore_unfanned(json.loads(waiting))
         journal = await self._read_all(keys.journal, b"-")
         fanned: dict[bytes, list[str]] = {}
         records = []
@@ -268,6 +273,18 @@ class AppOwner:
         self.queue.tick(now)
         self.live = {d.msgid for d in self.queue.deliveries.values()}
         self.live.update(e.msgid for e, _ in self.unfanned)
+
+    async def _restore_unfanned(self, waiting: list[tuple[str, bool]]) -> None:
+        """The topic messages a checkpoint says wait for a first recipient."""
+        keys = self.journal.keys
+        replies = await self.wire.call_many(
+            [("XRANGE", keys.inbox if inbox else keys.log, e, e) for e, inbox in waiting]
+        )
+        for (_, inbox), reply in zip(waiting, replies, strict=True):
+            if reply:
+                e = parse_entry(*reply[0])
+                self.unfanned.append((e, inbox))
+                self.live.add(e.msgid)
 
     async def _read_all(self, stream: str, start: bytes) -> list[tuple[bytes, list[bytes]]]:
         out: list[tuple[bytes, list[bytes]]] = []
