@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import os
 import re
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -30,7 +33,25 @@ LOCAL_DRIVER_MEMORY = "2g"
 # machine (1M events on 2 cores: 2.0 s of GC CPU with G1, 0.9 s with it).
 DRIVER_JAVA_OPTIONS = ("-XX:+UseParallelGC",)
 
-__all__ = ["LOCAL_DRIVER_MEMORY", "build_spark", "driver_address", "local_cores", "parse_conf"]
+# Class data sharing: the JVM maps the classes a start of Spark loads (some 10,000)
+# from an archive instead of reading, parsing and verifying each jar's classes again.
+# The first audit of a Spark and Java writes it as its JVM exits; SKMQ_AUDIT_CDS=off: none.
+CDS_ENV = "SKMQ_AUDIT_CDS"
+CDS_DIR_ENV = "SKMQ_AUDIT_CDS_DIR"
+_CDS_DUMP_WAIT_S = 120.0
+# The JVM's own lines about the archive (one it cannot use, classes it leaves out) go
+# to stdout: none.
+_CDS_QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
+
+__all__ = [
+    "CDS_ENV",
+    "LOCAL_DRIVER_MEMORY",
+    "build_spark",
+    "cds_archive",
+    "driver_address",
+    "local_cores",
+    "parse_conf",
+]
 
 # WARN at the root (the level Spark's shell default expects, so it says nothing about
 # it); ERROR for the usual start-up noise; build_spark then sets ERROR everywhere.  No
@@ -88,6 +109,69 @@ def _stderr_to(path: str | None) -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(target)
+
+
+def _java() -> str | None:
+    """The java that Spark's launcher runs: JAVA_HOME's, else the one on the PATH."""
+    home = os.environ.get("JAVA_HOME")
+    found = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    return os.path.realpath(found) if found and os.path.exists(found) else None
+
+
+def cds_archive() -> str | None:
+    """Where the class archive of this Spark and Java is (or goes); None: no archive
+    (``SKMQ_AUDIT_CDS=off``, no java found).  Its name holds a digest of both: a new
+    version of either gets an archive of its own (the JVM would refuse the old one)."""
+    if os.environ.get(CDS_ENV, "on").lower() in ("off", "0", "false", "no"):
+        return None
+    java = _java()
+    if java is None:
+        return None
+    import pyspark
+
+    st = os.stat(java)
+    identity = f"{java}|{st.st_size}|{st.st_mtime_ns}|{pyspark.__file__}|{pyspark.__version__}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    directory = os.environ.get(CDS_DIR_ENV) or os.path.join(cache, "skmq", "audit-cds")
+    return os.path.join(directory, f"spark-{digest}.jsa")
+
+
+def _cds_options(archive: str | None) -> list[str]:
+    """The JVM options that use the archive, or that write it at the JVM's exit (to a
+    file of this process, renamed into place by :func:`_finish_cds_dump` once the JVM
+    is gone: a JVM starting meanwhile never maps half an archive)."""
+    if archive is None:
+        return []
+    if os.path.isfile(archive):
+        return [f"-XX:SharedArchiveFile={archive}", _CDS_QUIET]
+    try:
+        os.makedirs(os.path.dirname(archive), exist_ok=True)
+    except OSError:
+        return []
+    if not os.access(os.path.dirname(archive), os.W_OK):
+        return []
+    partial = f"{archive}.{os.getpid()}.tmp"
+    atexit.register(_finish_cds_dump, partial, archive)
+    return [f"-XX:ArchiveClassesAtExit={partial}", _CDS_QUIET]
+
+
+def _finish_cds_dump(partial: str, archive: str) -> None:
+    """At Python's exit: end the JVM (it exits when its stdin closes), wait for it to
+    write the archive, and move the archive into place."""
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None) if gateway is not None else None
+    try:
+        if proc is not None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=_CDS_DUMP_WAIT_S)
+        if proc is not None and os.path.getsize(partial) > 0:
+            os.replace(partial, archive)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        _remove(partial)
 
 
 def local_cores(master: str | None) -> int | None:
@@ -179,9 +263,14 @@ def build_spark(
         if address is not None:
             os.environ["SPARK_LOCAL_IP"] = address
             settings["spark.driver.host"] = address
+    starts_jvm = not under_submit and SparkContext._gateway is None
     if not under_submit:
         settings["spark.driver.extraJavaOptions"] = " ".join(
-            [*DRIVER_JAVA_OPTIONS, f"-Dlog4j2.configurationFile=file:{_quiet_log4j_file(debug)}"]
+            [
+                *DRIVER_JAVA_OPTIONS,
+                *(_cds_options(cds_archive()) if starts_jvm else []),
+                f"-Dlog4j2.configurationFile=file:{_quiet_log4j_file(debug)}",
+            ]
         )
     if driver_memory:
         settings["spark.driver.memory"] = driver_memory
@@ -191,7 +280,6 @@ def build_spark(
         builder = builder.master(master)
     for key, value in settings.items():
         builder = builder.config(key, value)
-    starts_jvm = not under_submit and SparkContext._gateway is None
     log = _temporary_file("skmq-audit-spark-", ".log") if starts_jvm and not debug else None
     with _stderr_to(log):
         session = builder.getOrCreate()
