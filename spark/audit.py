@@ -49,7 +49,7 @@ from .report import (
     compute_report,
 )
 from .report_html import render_html
-from .session import build_spark, local_cores, parse_conf
+from .session import build_spark, input_bytes, local_cores, parse_conf
 
 # timezone.utc, not datetime.UTC: the official Spark images run Python 3.10.
 UTC = timezone.utc  # noqa: UP017
@@ -217,7 +217,13 @@ def run_audit(
     session = spark
     if session is None:
         prog.note(f"starting Spark ({'as submitted' if submitted else master or 'local[*]'}) ...")
-        session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
+        session = build_spark(
+            master,
+            conf=conf,
+            driver_memory=driver_memory,
+            debug=debug,
+            input_size=input_bytes(paths),
+        )
         if submitted:
             prog.note(f"Spark master: {session.sparkContext.master}")
         asked = [*(conf or {}), *(["spark.driver.memory"] if driver_memory else [])]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from skmq.events import (
@@ -245,43 +245,43 @@ def _units(events: DataFrame) -> DataFrame:
 
 def _joined_deliveries(units: DataFrame) -> DataFrame:
     """Deliveries with their message's fields: every copy (a topic message's recipient, a
-    consumer group) joined to its message's row; a message's own row is a delivery when it
-    has no copy, or, for a queue message, when it was pushed too."""
-    rkey = F.col("rkey")
-    message_rows = units.where(rkey.isNull()).select(
-        "appid",
-        "msgid",
-        F.col("topic").alias("m_topic"),
-        *_MESSAGE_FIELDS,
-        *(F.col(f).alias("m_" + f) for f in _DELIVERY_FIELDS),
+    consumer group) with its message's row's fields; a message's own row is a delivery
+    when it has no copy, or, for a queue message, when it was pushed too.
+
+    The message's fields reach its copies through a window over (appid, msgid), not a
+    join: one shuffle of the units, no second computation of them (a join reads them
+    twice).
+    """
+    c = F.col
+    rkey = c("rkey")
+    whole_message = Window.partitionBy("appid", "msgid")
+    own = rkey.isNull()
+
+    def of_message(name: str) -> Column:
+        # one row of a message has no rkey (its own): max picks it, null if none
+        return F.max(F.when(own, c(name))).over(whole_message)
+
+    marked = units.select(
+        "*",
+        of_message("topic").alias("m_topic"),
+        *(of_message(f).alias("m_" + f) for f in _MESSAGE_FIELDS),
+        of_message(_WHOLE_MESSAGE).alias("m_" + _WHOLE_MESSAGE),
+        F.max(rkey.isNotNull()).over(whole_message).alias("copied"),
     )
-    copies = units.where(rkey.isNotNull()).select(
-        "appid", "msgid", "rkey", F.col("topic").alias("c_topic"), *_DELIVERY_FIELDS
-    )
-    whole = F.greatest(F.col(_WHOLE_MESSAGE), F.col("m_" + _WHOLE_MESSAGE))
-    copy_rows = message_rows.join(copies, ["appid", "msgid"], "right").select(
+    pushed = c("first_push").isNotNull() | (c("n_acked") > 0) | (c("n_dl") > 0)
+    whole = F.greatest(c(_WHOLE_MESSAGE), c("m_" + _WHOLE_MESSAGE))
+    kept = marked.where(rkey.isNotNull() | ~c("copied") | (~c("topic") & pushed))
+    return kept.select(
         "appid",
         "msgid",
         rkey.alias("recipient"),
-        F.coalesce(F.col("m_topic"), F.col("c_topic")).alias("topic"),
-        *_MESSAGE_FIELDS,
-        *(whole.alias(f) if f == _WHOLE_MESSAGE else F.col(f) for f in _DELIVERY_FIELDS),
+        F.when(own, c("topic")).otherwise(F.coalesce(c("m_topic"), c("topic"))).alias("topic"),
+        *(F.when(own, c(f)).otherwise(c("m_" + f)).alias(f) for f in _MESSAGE_FIELDS),
+        *(
+            F.when(own, c(f)).otherwise(whole).alias(f) if f == _WHOLE_MESSAGE else c(f)
+            for f in _DELIVERY_FIELDS
+        ),
     )
-    copied = copies.select("appid", "msgid").distinct().withColumn("copied", F.lit(True))
-    pushed = F.col("m_first_push").isNotNull() | (F.col("m_n_acked") > 0) | (F.col("m_n_dl") > 0)
-    own_rows = (
-        message_rows.join(copied, ["appid", "msgid"], "left")
-        .where(F.col("copied").isNull() | (~F.col("m_topic") & pushed))
-        .select(
-            "appid",
-            "msgid",
-            F.lit(None).cast("string").alias("recipient"),
-            F.col("m_topic").alias("topic"),
-            *_MESSAGE_FIELDS,
-            *(F.col("m_" + f).alias(f) for f in _DELIVERY_FIELDS),
-        )
-    )
-    return own_rows.unionByName(copy_rows)
 
 
 def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFrame:

@@ -223,7 +223,6 @@ def _ref_order() -> list[Column]:
     return [F.col("appid").asc(), F.col("msgid").asc(), F.col("recipient").asc_nulls_first()]
 
 
-_KEYS = "k_appid string, k_msgid string, k_recipient string"
 _Ref = tuple[str, str, str | None]
 # A pull's `pushed` detail: "pulled by <consumer>; receipt <receipt>".
 _PULLED_BY = re.compile(r"pulled by (.+?); receipt ")
@@ -279,6 +278,25 @@ def _acked_after_dead_letter(picked: DataFrame) -> DataFrame:
         .where(F.col("flag"))
         .select("appid", "msgid", "recipient")
     )
+
+
+def _key_frame(spark: SparkSession, keys: Sequence[_Ref]) -> DataFrame:
+    """A few delivery keys as a frame (k_appid, k_msgid, k_recipient) of literals: made
+    in the JVM, where ``createDataFrame`` of Python rows would start a Python worker
+    (seconds, for a handful of rows)."""
+    rows = [
+        F.struct(
+            F.lit(appid).cast("string").alias("k_appid"),
+            F.lit(msgid).cast("string").alias("k_msgid"),
+            F.lit(recipient).cast("string").alias("k_recipient"),
+        )
+        for appid, msgid, recipient in keys
+    ]
+    if not rows:
+        return spark.range(0).select(
+            *(F.lit(None).cast("string").alias(k) for k in ("k_appid", "k_msgid", "k_recipient"))
+        )
+    return spark.range(1).select(F.inline(F.array(*rows)))
 
 
 def _line_stats() -> list[Column]:
@@ -605,8 +623,8 @@ class _Job:
         The same pass over the events keeps those of the deliveries with both an ack
         and a dead letter, for the acked-after-dead-letter scan (``self.picked``).
         """
-        wanted = self.spark.createDataFrame(
-            sorted({(r["appid"], r["msgid"], r["recipient"]) for r in rows}, key=str), _KEYS
+        wanted = _key_frame(
+            self.spark, sorted({(r["appid"], r["msgid"], r["recipient"]) for r in rows}, key=str)
         )
         candidates = self.deliveries.where(F.col("stored") & F.col("acked_and_dead")).select(
             F.col("appid").alias("k_appid"),

@@ -74,7 +74,15 @@ from skmq.audit_job.deliveries import (  # noqa: E402
 from skmq.audit_job.inputs import LOG_SCHEMA, BadFile, BadLinesError, check_files  # noqa: E402
 from skmq.audit_job.report import fill_buckets  # noqa: E402
 from skmq.audit_job.report_html import COLORS  # noqa: E402
-from skmq.audit_job.session import driver_address, local_cores, parse_conf  # noqa: E402
+from skmq.audit_job.session import (  # noqa: E402
+    CDS_ENV,
+    _cds_options,
+    cds_archive,
+    driver_address,
+    input_bytes,
+    local_cores,
+    parse_conf,
+)
 
 from skmq.clock import now_ms  # noqa: E402
 from skmq.events import Event  # noqa: E402
@@ -1141,6 +1149,28 @@ def test_spark_settings_and_driver_address() -> None:
     assert driver_address("k8s://https://127.0.0.1:6443") == "127.0.0.1"
     assert driver_address("yarn") is None
     assert local_cores("local[3]") == 3 and local_cores("spark://h:7077") is None
+
+
+def test_class_archive_of_the_driver_jvm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JVM maps the archive of its Spark and Java once there is one (an archive of
+    another Spark or Java has another name); SKMQ_AUDIT_CDS=off: none."""
+    monkeypatch.setenv("SKMQ_AUDIT_CDS_DIR", str(tmp_path))
+    archive = cds_archive()
+    assert archive is not None and os.path.dirname(archive) == str(tmp_path)
+    assert re.fullmatch(r"spark-[0-9a-f]{16}\.jsa", os.path.basename(archive))
+    Path(archive).write_bytes(b"archive")
+    assert _cds_options(archive)[0] == f"-XX:SharedArchiveFile={archive}"
+    monkeypatch.setenv(CDS_ENV, "off")
+    assert cds_archive() is None and _cds_options(None) == []
+
+
+def test_input_bytes_count_compressed_files_as_their_text(tmp_path: Path) -> None:
+    """The size that decides a small audit (quick compiler, uncompressed cache)."""
+    (tmp_path / "a.jsonl").write_bytes(b"x" * 100)
+    (tmp_path / "b.jsonl.gz").write_bytes(b"x" * 10)
+    files = [str(tmp_path / "a.jsonl"), f"file://{tmp_path / 'b.jsonl.gz'}"]
+    assert input_bytes(files) == 100 + 10 * 8
+    assert input_bytes([*files, "s3a://bucket/logs/c.jsonl"]) is None
 
 
 def test_events_enum_names_every_event_the_broker_writes() -> None:

@@ -17,6 +17,7 @@ from skmq.pull.groups import (
     NoSuchGroup,
     Pulled,
     Receipt,
+    Received,
     parse_receipt,
 )
 from skmq.pull.longpoll import LongPoll
@@ -352,6 +353,31 @@ async def test_a_receive_cancelled_mid_call_lets_what_it_leased_go(
 
     await eventually(back)
     assert got[0].msgid == "a" and got[0].attempt == 2
+
+
+async def test_a_receive_cancelled_mid_call_still_tells_the_leases_it_ended(
+    groups: Groups, redis: aioredis.Redis, prefix: str
+) -> None:
+    """The receive script of a poll cancelled meanwhile (its client gone) ends the leases
+    that ran out all the same: they go to on_ended (the delivery log's timeout and retry
+    lines), as an answered receive's do; nothing else would tell them."""
+    await groups.create(APP, "g")
+    await stored(groups, "a")
+    (leased,) = (await groups.receive(APP, "g", now_ms() - 60_000, 1, 1)).messages
+    ended: list[Received] = []
+    poll = LongPoll(groups, Wakeups(redis, prefix), 10)
+    gone = asyncio.create_task(poll.receive(APP, "g", 1, 0, 600_000, ended.append))
+    await asyncio.sleep(0)  # (its receive is under way)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+
+    async def told() -> bool:
+        return bool(ended)
+
+    await eventually(told)
+    (got,) = ended
+    assert [(p.msgid, p.attempt, p.receipt) for p in got.ran_out] == [("a", 1, leased.receipt)]
 
 
 def test_receipts_parse_with_and_without_a_generation() -> None:

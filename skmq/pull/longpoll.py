@@ -57,7 +57,7 @@ class LongPoll:
             woken = waiting.event
             while True:
                 woken.clear()
-                got = await self._receive(app, group, max_messages, visibility_ms)
+                got = await self._receive(app, group, max_messages, visibility_ms, on_ended)
                 if got.expired or got.ran_out:
                     on_ended(got)
                 left = deadline - loop.time()
@@ -81,23 +81,41 @@ class LongPoll:
                 if gone is not None and gone.is_set():
                     return []
 
-    async def _receive(self, app: str, group: str, max_messages: int, lease_ms: int) -> Received:
+    async def _receive(
+        self,
+        app: str,
+        group: str,
+        max_messages: int,
+        lease_ms: int,
+        on_ended: Callable[[Received], None],
+    ) -> Received:
         """One receive. Cancelled meanwhile (its HTTP client hung up), it still runs to
-        its end, and what it leased to nobody is let go at once: it comes back after the
-        retry backoff rather than the whole lease."""
+        its end: what it ended goes to `on_ended` all the same (the script took those
+        entries and leases out of the group: nothing else would log them), and what it
+        leased to nobody is let go at once: it comes back after the retry backoff rather
+        than the whole lease."""
         call = asyncio.ensure_future(
             self.groups.receive(app, group, now_ms(), max_messages, lease_ms)
         )
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            call.add_done_callback(lambda done: self._let_go(app, group, done))
+            call.add_done_callback(lambda done: self._let_go(app, group, done, on_ended))
             raise
 
-    def _let_go(self, app: str, group: str, call: asyncio.Future[Received]) -> None:
+    def _let_go(
+        self,
+        app: str,
+        group: str,
+        call: asyncio.Future[Received],
+        on_ended: Callable[[Received], None],
+    ) -> None:
         if call.cancelled() or call.exception() is not None:
             return
-        receipts = [parse_receipt(p.receipt) for p in call.result().messages]
+        got = call.result()
+        if got.expired or got.ran_out:
+            on_ended(got)
+        receipts = [parse_receipt(p.receipt) for p in got.messages]
         leases = [(*r, 1) for r in receipts if r is not None]
         if leases:
             spawn(self._end_leases(app, group, leases), self._releases)
