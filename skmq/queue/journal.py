@@ -17,9 +17,14 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+import structlog
+from redis.exceptions import RedisError
+
 from skmq.store.directory import shard_key
 from skmq.store.store import escape_tag
 from skmq.store.wire import ReplyError, Wire
+
+log = structlog.get_logger("skmq.queue.journal")
 
 
 @cache
@@ -108,8 +113,10 @@ class AppKeys:
         return f"{self.base}done:{bucket}"
 
 
-class Fenced(Exception):
-    """The queue was taken over: this owner's epoch is no longer the current one."""
+class Fenced(RedisError):  # type: ignore[misc]
+    """The queue was taken over: this owner's epoch is no longer the current one. (A
+    RedisError: what the write was for is answered as the store's trouble, and the
+    ownership round lets the app go.)"""
 
     def __init__(self, mine: int, current: int) -> None:
         super().__init__(f"fenced: epoch {mine} is over, the queue is at epoch {current}")
@@ -152,8 +159,10 @@ class Appended:
     header: bytes = b""
 
 
-def _fenced(reply: Any, lease: Lease) -> None:
+def _fenced(reply: Any, lease: Lease, keys: AppKeys) -> None:
     if isinstance(reply, list) and reply and reply[0] == b"fenced":
+        log.warning("owner write fenced: nothing of it landed", app=keys.app,
+                    epoch=lease.epoch, current=int(reply[1]))  # fmt: skip
         raise Fenced(lease.epoch, int(reply[1]))
 
 
@@ -202,7 +211,7 @@ class Journal:
         keys = [k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order, k.listed]
         keys.append(k.listing)
         reply = await run_script(self.wire, "flush", keys, args)
-        _fenced(reply, self.lease)
+        _fenced(reply, self.lease, self.keys)
         return Flushed([entry or None for entry in reply[1:]], reply[0])
 
     async def checkpoint(
@@ -213,7 +222,7 @@ class Journal:
         k = self.keys
         keys = (k.epoch, k.checkpoint, k.journal, k.log, k.inbox)
         args = (self.lease.epoch, state, journal_id, oldest_needed, oldest_inbox)
-        _fenced(await run_script(self.wire, "checkpoint", keys, args), self.lease)
+        _fenced(await run_script(self.wire, "checkpoint", keys, args), self.lease, self.keys)
 
 
 async def append(

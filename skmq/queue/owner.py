@@ -307,6 +307,12 @@ def _settle(done: asyncio.Future[None], task: asyncio.Task[list[bytes | None]]) 
         done.set_result(None)
 
 
+def observed(done: asyncio.Future[None]) -> None:
+    """For a flush nobody awaits: its failure is seen (not "never retrieved")."""
+    if not done.cancelled():
+        done.exception()
+
+
 def _after(entry: bytes) -> bytes:
     ms, _, seq = entry.partition(b"-")
     return b"%s-%d" % (ms, int(seq) + 1)

@@ -17,7 +17,7 @@ from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, append
 from skmq.queue.lifecycle import Refused, State, Trigger
-from skmq.queue.owner import AppOwner
+from skmq.queue.owner import AppOwner, observed
 from skmq.queue.owner import NewMessage as Stored
 from skmq.store.client import ENC, text
 from skmq.store.store import (
@@ -196,6 +196,8 @@ class Owners:
         if q.expired:  # (dead letters: there when the caller logs them)
             q.expired.clear()
             await flushed
+        else:  # (a failure is the next flush's too: Fenced, the round's)
+            flushed.add_done_callback(observed)
         return out, q.next_due(), rate_wait
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:

@@ -16,8 +16,12 @@ import hashlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+import structlog
+
 from skmq.queue.journal import AppKeys, Lease, acquire, release, renew
 from skmq.store.wire import Wire
+
+log = structlog.get_logger("skmq.queue.ownership")
 
 
 def rank(app: str, broker: str) -> bytes:
@@ -65,6 +69,8 @@ class Ownership:
         self.brokers = await self.live(now)
         for app, lease in list(self.held.items()):
             if not await renew(self.wire_for(app), self.keys(app), lease, self.lease_ms):
+                log.warning("app taken over by another broker: this one's lease ran out",
+                            app=app, epoch=lease.epoch)  # fmt: skip
                 del self.held[app]
                 await self.lost(app)
         for app in apps:

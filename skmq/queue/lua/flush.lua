@@ -1,6 +1,7 @@
 -- The owner's write of one loop turn, fenced by its epoch: the messages it stored
 -- (each appended to the log, unless its msgid was settled within the dedupe window),
--- the journal's records since the last flush (one entry), the deliveries dead since
+-- the journal's records since the last flush (one entry, with the epoch that wrote it),
+-- the deliveries dead since
 -- (to the app's dead letters, their content copied from their log or inbox entry:
 -- skmq/queue/dead.py), and the msgids settled (to the dedupe window's bucket). An owner
 -- whose epoch is not the current one writes nothing: it was taken over.
@@ -40,7 +41,7 @@ if m > 0 then
   end
 end
 local r = 5 + 3 * m
-if ARGV[r] ~= '' then redis.call('XADD', journal, '*', 'r', ARGV[r]) end
+if ARGV[r] ~= '' then redis.call('XADD', journal, '*', 'r', ARGV[r], 'e', ARGV[1]) end
 local d = tonumber(ARGV[r + 1])
 for j = 0, d - 1 do
   local i = r + 2 + 5 * j
