@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import structlog
@@ -49,3 +49,22 @@ async def unless_set(event: asyncio.Event, coro: Coroutine[Any, Any, None]) -> b
         return False
     task.result()
     return True
+
+
+async def listen_again(
+    listen: Callable[[], Awaitable[None]],
+    lost: tuple[type[BaseException], ...],
+    what: str,
+    logger: Any = log,
+) -> None:
+    """Run `listen` (a subscription's loop: a supervised task's body) again each time its
+    connection is lost (one of `lost`), after a pause growing from 50 ms to 2 s, said on
+    `logger`."""
+    pause = 0.05
+    while True:
+        try:
+            await listen()
+        except lost as exc:
+            logger.warning(f"{what} lost, subscribing again", error=repr(exc), retry_in=pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)

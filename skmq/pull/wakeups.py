@@ -22,6 +22,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from skmq.aio import listen_again
+
 log = structlog.get_logger("skmq.pull.wakeups")
 
 
@@ -82,18 +84,9 @@ class Wakeups:
                     _first(polls)
 
     async def run(self) -> None:
-        """Listen for wake-ups (a supervised task). A lost connection is retried with a
-        growing pause; each new subscription wakes every poll once, for what it missed."""
-        pause = 0.05
-        while True:
-            try:
-                await self._listen()
-            except (RedisError, OSError) as exc:
-                log.warning(
-                    "pull wake-ups lost, subscribing again", error=repr(exc), retry_in=pause
-                )
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 2.0)
+        """Listen for wake-ups (a supervised task); each new subscription wakes every poll
+        once, for what it missed."""
+        await listen_again(self._listen, (RedisError, OSError), "pull wake-ups", log)
 
     async def _listen(self) -> None:
         pubsub = self.redis.pubsub()

@@ -19,7 +19,6 @@ from typing import Any
 
 from skmq.queue.deliveries import QUEUE, Delivery
 from skmq.queue.entries import Meta, encode_header
-from skmq.queue.journal import AppKeys
 from skmq.store.client import ENC, text
 from skmq.store.store import SEP, DeadLetter
 
@@ -69,8 +68,3 @@ def letter(app: str, did: bytes, value: bytes, died: float) -> DeadLetter:
         died_at=int(died),
         stored_at=about["s"],
     )
-
-
-def keys_of(prefix: str, app: str) -> tuple[str, str]:
-    keys = AppKeys.of(prefix, app)
-    return keys.dead, keys.dead_order

@@ -18,8 +18,7 @@ from typing import Any
 from skmq.codec import Frame, Status
 from skmq.queue.journal import AppKeys, run_script
 from skmq.store.wire import Wire
-
-Verdict = tuple[str, str]
+from skmq.workers.link import Verdict
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,13 +6,14 @@ owners' verdicts on answers this broker forwarded (skmq/queue/forward.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
+
+from skmq.aio import listen_again
 
 log = structlog.get_logger("skmq.queue.inbox_watch")
 
@@ -48,15 +49,8 @@ class InboxWatch:
         return unescape_tag(channel[len(self.head) : -len("}:inbox")])
 
     async def run(self) -> None:
-        """Listen (a supervised task); a lost connection is retried with a growing pause."""
-        pause = 0.05
-        while True:
-            try:
-                await self._listen()
-            except (RedisError, OSError) as exc:
-                log.warning("inbox wake-ups lost, subscribing again", error=repr(exc))
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 2.0)
+        """Listen (a supervised task)."""
+        await listen_again(self._listen, (RedisError, OSError), "inbox wake-ups", log)
 
     async def _listen(self) -> None:
         pubsub = self.redis.pubsub()

@@ -17,7 +17,7 @@ from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.config import Settings
 from skmq.queue.deliveries import Policy
-from skmq.queue.forward import Forwarder, Verdict, answer_question
+from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import AppKeys, Fenced, Lease
 from skmq.queue.owned_store import OwnedStore
@@ -27,10 +27,11 @@ from skmq.store.wire import ReplyError, Wire, WireClosed
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import Vouched
 from skmq.workers.engine import Engine
+from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.queue.runtime")
 
-TROUBLE = (RedisError, OSError, ReplyError, WireClosed, Fenced, TimeoutError)
+TROUBLE = (RedisError, OSError, ReplyError, WireClosed, TimeoutError)  # (Fenced: a RedisError)
 
 
 def policy_of(s: Settings) -> Policy:
