@@ -112,6 +112,11 @@ class AppKeys:
     def done(self, bucket: int) -> str:
         return f"{self.base}done:{bucket}"
 
+    def dedupe(self, now: int, window_ms: int) -> tuple[str, str]:
+        """The dedupe window's sets at `now`: the current bucket's and the one before."""
+        bucket = now // window_ms
+        return self.done(bucket), self.done(bucket - 1)
+
 
 class Fenced(RedisError):  # type: ignore[misc]
     """The queue was taken over: this owner's epoch is no longer the current one. (A
@@ -181,10 +186,6 @@ class Journal:
         self.lease = lease
         self.dedupe_ms = dedupe_ms
 
-    def _dedupe(self, now: int) -> tuple[str, str]:
-        bucket = now // self.dedupe_ms
-        return self.keys.done(bucket), self.keys.done(bucket - 1)
-
     async def flush(
         self,
         now: int,
@@ -199,7 +200,7 @@ class Journal:
         fenced script. Each message's log entry id, or None where its msgid was settled
         within the dedupe window (a duplicate); with `inbox_after`, the inbox's entries
         after it, read first. Raises Fenced."""
-        cur, prev = self._dedupe(now)
+        cur, prev = self.keys.dedupe(now, self.dedupe_ms)
         args: list[Any] = [self.lease.epoch, 2 * self.dedupe_ms, inbox_after, len(messages)]
         for m in messages:
             args += (m.msgid, m.content, m.header)
@@ -230,10 +231,9 @@ async def append(
 ) -> list[bytes | None]:
     """A store by a broker that does not own the queue: appended to the inbox, and the
     owner told."""
-    bucket = now // dedupe_ms
     args: list[Any] = [keys.wakeup, keys.app]
     for m in messages:
         args += (m.msgid, m.content, m.header)
-    listing = (keys.inbox, keys.done(bucket), keys.done(bucket - 1), keys.listed, keys.listing)
+    listing = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, keys.listing)
     reply = await run_script(wire, "append", listing, args)
     return [entry or None for entry in reply]

@@ -127,11 +127,10 @@ class OwnedStore(Store):
         the last STORED_LOOKBACK entries of the app's log and inbox), 0 when settled
         since (within DEDUPE_WINDOW), None when not found."""
         keys = AppKeys.of(self.prefix, app)
-        bucket = now // self.dedupe_ms
         pipe = self.redis.pipeline(transaction=False)
         pipe.xrevrange(keys.log, count=STORED_LOOKBACK)
         pipe.xrevrange(keys.inbox, count=STORED_LOOKBACK)
-        for done in (keys.done(bucket), keys.done(bucket - 1)):
+        for done in keys.dedupe(now, self.dedupe_ms):
             pipe.smismember(done, [m.encode("utf-8", ENC) for m in msgids])
         log, inbox, cur, prev = await pipe.execute()
         at = {fields[b"m"]: int(entry.split(b"-", 1)[0]) for entry, fields in [*inbox, *log]}
@@ -175,21 +174,22 @@ class OwnedStore(Store):
             if value is not None
         ]
 
-    async def _out(self, app: str, to_app: str, ids: Sequence[str], check: bool) -> list[int]:
+    async def _out(
+        self, app: str, to_app: str, ids: Sequence[str], check: bool, now: int
+    ) -> list[int]:
         if not ids:
             return []
         source, target = AppKeys.of(self.prefix, app), AppKeys.of(self.prefix, to_app)
-        bucket = now_ms() // self.dedupe_ms
         keys = [source.dead, source.dead_order, target.inbox]
-        keys += [target.done(bucket), target.done(bucket - 1)]
+        keys += target.dedupe(now, self.dedupe_ms)
         args = [target.wakeup, "1" if check else "0", *(i.encode("utf-8", ENC) for i in ids)]
         return [int(x) for x in await self._dead_out(keys, args)]
 
     async def replay(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
-        return [x == 1 for x in await self._out(app, app, delivery_ids, False)]
+        return [x == 1 for x in await self._out(app, app, delivery_ids, False, now)]
 
     async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
-        moved = await self._out(app, to_app, delivery_ids, True)
+        moved = await self._out(app, to_app, delivery_ids, True, now)
         if 1 in moved:
             await self.directory.add([to_app])
         return moved
