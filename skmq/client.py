@@ -475,7 +475,9 @@ class Producer(_Scoped):
         (ExtensionUnsupported otherwise). A `key` (queue messages only, the `key`
         extension) orders delivery: one message of the app and key at a time, in stored
         order. A W3C `traceparent` (the `trace` extension) goes with the message to its
-        pushes (`Message.fields["traceparent"]`) and into the delivery log.
+        pushes (`Message.fields["traceparent"]`) and into the delivery log; while tracing
+        is on (skmq/tracing.py), the message carries instead the traceparent of this
+        send's span, a child of the one given (or of the current span).
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
