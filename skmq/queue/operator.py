@@ -117,11 +117,9 @@ def _unfanned(e: Entry) -> Seen:
 
 async def _purge(owner: AppOwner, request: Request, now: int) -> list[Any]:
     cutoff = None if request.older_than_ms is None else now - request.older_than_ms
-    chosen = [
-        d.msgid
-        for d in _waiting(owner)
-        if cutoff is None or d.stored_at <= cutoff
-    ][: request.limit]
+    chosen = [d.msgid for d in _waiting(owner) if cutoff is None or d.stored_at <= cutoff][
+        : request.limit
+    ]
     if request.dry_run or not chosen:
         return [m.decode("latin-1") for m in chosen]
     picked = set(chosen)
@@ -145,8 +143,9 @@ async def ask_owner(
     try:
         async with asyncio.timeout(timeout):
             await pubsub.subscribe(channel)
-            question = Request(request.op, request.limit, request.older_than_ms,
-                               request.dry_run, channel)
+            question = Request(
+                request.op, request.limit, request.older_than_ms, request.dry_run, channel
+            )
             ask = redis.register_script(script_source("ask"))
             await ask([keys.inbox], [keys.wakeup, question.encode()])
             while True:

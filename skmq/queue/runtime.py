@@ -187,8 +187,8 @@ class OwnerRuntime:
                 self.owners.lost(app)
                 continue
             due, later, in_flight = owner.queue.counts(now)
-            counted = ("pending", due, "delayed", later, "in_flight", in_flight)
-            counted += ("oldest", oldest_waiting(owner) or "")
+            oldest = oldest_waiting(owner) or ""
+            counted = ("pending", due, "delayed", later, "in_flight", in_flight, "oldest", oldest)
             stats = owner.journal.keys.stats
             await self.wire.call_many(
                 [

@@ -15,27 +15,32 @@ from skmq.codec import PING, CodecError, Decoder, Frame
 
 log = structlog.get_logger("skmq.heartbeat")
 
-AFTER_STALL = 0.05  # s: what a socket already holds is read within this
+STALL = 0.05  # s: a timer this late means the loop stalled (what waits is then read)
 
 
-async def ping(host: str, port: int, timeout: float) -> bool:
+async def ping(host: str, port: int, timeout: float, again: bool = True) -> bool:
     """True when host:port answers `pong` within timeout.
 
     A broker woken from a stall (GC, SIGSTOP) meets the timers that ran out meanwhile
-    before the sockets they were waiting on: a pong that arrived during the stall is then
-    read (AFTER_STALL) before the recipient is called lost."""
+    before the sockets they were waiting on. A timeout that fired late by STALL or more
+    is therefore not taken as the recipient's silence: a pong that came meanwhile is
+    read, and a ping whose connection was being made is sent once more."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     writer: asyncio.StreamWriter | None = None
     received = bytearray()
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(PING)
             return await _pong(reader, received)
     except TimeoutError:
+        if loop.time() - deadline < STALL:
+            return False  # the recipient's silence
         if writer is None:
-            return False
+            return again and await ping(host, port, timeout, again=False)
         try:
-            async with asyncio.timeout(AFTER_STALL):
+            async with asyncio.timeout(STALL):
                 return await _pong(reader, received)
         except (OSError, TimeoutError, CodecError):
             return False
