@@ -21,9 +21,9 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import AppKeys, Fenced, Lease
+from skmq.queue.operator import answer_request, oldest_waiting, request_of
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owners import Owners
-from skmq.queue.operator import answer_request, oldest_waiting, request_of
 from skmq.queue.ownership import Ownership
 from skmq.store.wire import ReplyError, Wire, WireClosed
 from skmq.supervisor import Supervisor
