@@ -60,6 +60,7 @@ from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
 from skmq.store.engine_mark import claim_engine
 from skmq.supervisor import Supervisor
+from skmq.throughput import Throughput
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
 
@@ -226,6 +227,7 @@ class Broker:
             self.metrics.observe_latency,
             own=self.own,
             signer=self.signer,
+            throughput=Throughput(self.metrics.counts).last_minute,
         )
         if isinstance(self.store, OwnedStore):
             if not isinstance(self.redis, aioredis.Redis) or isinstance(
