@@ -33,6 +33,7 @@ from skmq.embedded import EmbeddedRedis, preloaded_allocator
 from skmq.errors import Misconfigured, UsageError, redis_error_text
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
+from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.pull import PullApi, PullRoutes
 from skmq.logarchive import LogArchive
@@ -282,8 +283,11 @@ class Broker:
         self.pull = PullApi(s, self.groups, longpoll, self.dlog)
         pull = PullRoutes(self.pull, self.tokens)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
+        console = ConsoleRoutes(self.store, self.dlog, self.tokens)
         admission = Admission(s)  # one count of connections for PORT and HTTP_PORT
-        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens, admission)
+        self.gateway = Gateway(
+            s, self.metrics, self.enqueuer, pull, dlq, console, self.tokens, admission
+        )
         handler = FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull)
         self.server = Server(s, handler, self.supervisor, admission)
         with listening(s.host, s.port, "HOST/PORT"):
