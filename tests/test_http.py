@@ -222,6 +222,8 @@ async def test_openapi_document_is_valid_and_names_every_route(
         "/v1/apps/{app}/dlq",
         "/v1/apps/{app}/dlq/replay",
         "/v1/apps/{app}/dlq/purge",
+        "/v1/apps",
+        "/v1/apps/{app}/purge",
         "/metrics",
         "/healthz",
         "/openapi.json",
