@@ -230,9 +230,7 @@ async def test_purge_removes_exactly_what_waits_and_logs_each(
     counts = (await store.counts(["q"], now_ms()))["q"]
     assert (counts.pending, counts.delayed, counts.in_flight) == (0, 0, 1)
     logged = cli_purges(tmp_path)
-    assert [(app, msgid, rid) for app, msgid, rid, _ in logged] == [
-        ("q", m, None) for m in waiting
-    ]
+    assert [(app, msgid, rid) for app, msgid, rid, _ in logged] == [("q", m, None) for m in waiting]
     assert all(d.startswith(f"{PENDING_PURGED} by an operator (user ") for *_, d in logged)
     (ack,) = await store.finish("q", [(got[0].delivery_id, 0)], now_ms())
     assert ack.ok  # the one in flight was left alone
@@ -299,7 +297,7 @@ async def test_the_console_over_http_is_for_admins(
     assert set(peeked["messages"][0]) == {"msgid", "age_s", "attempts", "key", "size", "preview"}
     for query in (f"max={PEEK_MAX + 1}", "max=0", "max=x", "dead=2"):
         status, error = await call("GET", f"/h/messages?{query}", TENANT)
-        assert status == 400, query
+        assert status == 400 and error["error"].startswith(query[:3]), query
     assert (await call("GET", "/h/messages?dead=1", TENANT)) == (200, {"messages": []})
     dry = {"older_than_s": 10.5, "max": None, "dry_run": True}
     assert await call("POST", "/h/purge", TENANT, dry) == (
