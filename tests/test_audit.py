@@ -537,6 +537,13 @@ def test_every_outcome_on_a_small_log(spark: SparkSession, tmp_path: Path) -> No
         _line(t + 10, "pushed", "tp", "o", attempt=1, **r2, **topic),
         _line(t + 30, "purged", "tp", "o", detail="pending message purged by an operator",
               **topic),
+        # a topic message: c1 acked, c2's copy purged while pending (alone), c3 in flight
+        _line(t, "stored", "tc", "o", **topic),
+        _line(t + 10, "pushed", "tc", "o", attempt=1, recipient="c1", **topic),
+        _line(t + 20, "acked", "tc", "o", attempt=1, recipient="c1", **topic),
+        _line(t + 30, "purged", "tc", "o", recipient="c2",
+              detail="pending message purged by an operator (user ops)", **topic),
+        _line(t + 95_000, "pushed", "tc", "o", attempt=1, recipient="c3", **topic),
         # a topic message acked by n1, dropped for n2, in flight for n3: dropped
         _line(t, "stored", "tm", "o", **topic),
         _line(t + 10, "pushed", "tm", "o", attempt=1, recipient="n1", **topic),
