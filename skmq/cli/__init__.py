@@ -109,6 +109,16 @@ def fail(command: str, message: str, status: int) -> int:
     return status
 
 
+def trace_as_the_environment_says(command: str) -> None:
+    """Spans as the OTEL_* variables ask (docs/OPERATIONS.md, "Tracing"), under the
+    service name skmq-COMMAND unless OTEL_SERVICE_NAME says otherwise; when they ask for
+    traces that cannot be made, one line on stderr, and the command runs untraced."""
+    from skmq.tracing import from_environment
+
+    if (why := from_environment(f"skmq-{command}")) is not None:
+        print(f"skmq {command}: tracing off: {why}", file=sys.stderr)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line (status 2) instead of the whole usage."""
 
