@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,12 @@ TENANT = "console-tenant-token-0123456789a"
 CONSUMER = "console-consumer-token-012345678"
 
 Cli = Callable[..., Awaitable[tuple[int, str, str]]]
+
+# A test that stores at a time of its own (`stored`, backdated) reads ages and picks by
+# them: ENGINE=owner stamps a message with the time its log entry was written.
+backdated = pytest.mark.skipif(
+    os.environ.get("SKMQ_ENGINE") == "owner", reason="stores at a time of its own"
+)
 
 
 @pytest.fixture
@@ -126,6 +133,7 @@ def test_throughput_counts_only_the_last_window() -> None:
 
 
 # -- skmq peek -----------------------------------------------------------------------
+@backdated
 async def test_peek_lists_what_waits_oldest_first_and_changes_nothing(
     make_broker: BrokerFactory, cli: Cli
 ) -> None:
@@ -197,6 +205,41 @@ async def test_peek_shows_at_most_its_cap(store: Store, cli: Cli) -> None:
     assert code == 2 and "--app" in one_line(err)
 
 
+async def test_peek_and_purge_from_another_process_on_either_engine(
+    make_broker: BrokerFactory, cli: Cli, tmp_path: Path
+) -> None:
+    """As an operator runs them beside a running broker (ENGINE=owner: asked of the app's
+    owner through its inbox): peek in stored order, twice the same, then a purge of the
+    oldest two, logged, and the rest still delivered."""
+    broker = await make_broker()
+    client = await RawClient.connect(broker.server.port)
+    try:
+        answers = await client.produce("e", [f"e{i}" for i in range(5)])
+    finally:
+        await client.close()
+    assert all(a["status"] == "ack" for a in answers)
+    first = await cli_json(cli, "peek", "--app", "e")
+    assert [m["msgid"] for m in first["messages"]] == [f"e{i}" for i in range(5)]
+    assert all((m["attempts"], m["size"], m["preview"]) == (0, 1, "x") for m in first["messages"])
+    again = await cli_json(cli, "peek", "--app", "e")
+    assert [m["msgid"] for m in again["messages"]] == [f"e{i}" for i in range(5)]
+    dry = await cli_json(cli, "purge", "--app", "e", "--max", "2", "--dry-run")
+    assert dry == {"app": "e", "purged": 2, "dry_run": True, "msgids": ["e0", "e1"]}
+    assert cli_purges(tmp_path) == []
+    done = await cli_json(cli, "purge", "--app", "e", "--max", "2")
+    assert done == {"app": "e", "purged": 2, "dry_run": False, "msgids": ["e0", "e1"]}
+    assert [p[1] for p in cli_purges(tmp_path)] == ["e0", "e1"]
+    left = await cli_json(cli, "peek", "--app", "e")
+    assert [m["msgid"] for m in left["messages"]] == ["e2", "e3", "e4"]
+    rec = await FakeRecipient("e", "r1").start()
+    try:
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+        got = {(await rec.next_push()).fields["msgid"] for _ in range(3)}
+    finally:
+        await rec.stop()
+    assert got == {"e2", "e3", "e4"}
+
+
 # -- skmq purge ----------------------------------------------------------------------
 async def test_purge_removes_exactly_what_waits_and_logs_each(
     store: Store, cli: Cli, tmp_path: Path
@@ -264,6 +307,7 @@ async def test_a_topic_copy_waiting_is_purged_alone(store: Store) -> None:
 
 
 # -- HTTP ------------------------------------------------------------------------------
+@backdated
 async def test_the_console_over_http_is_for_admins(
     make_broker: BrokerFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
