@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
+from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis, _write_private
@@ -533,7 +534,7 @@ async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_sto
 
     await eventually(refused)
     acked = sum(a["content"] == "stored" for a in answers)  # before the watch saw it
-    assert await admin.hlen(f"{broker.settings.key_prefix}:{{evict}}:msgs") == acked
+    assert (await broker.store.counts(["evict"], now_ms()))["evict"].pending == acked
     assert (await answer())["content"] == EVICTING_REFUSAL
     assert await broker.metrics.health() == (
         True, f"degraded: messages are not stored: {EVICTING_REFUSAL}"
@@ -567,10 +568,9 @@ async def test_a_message_stored_after_its_store_timed_out_is_logged_stored(
     finally:
         os.kill(own_redis.proc.pid, signal.SIGCONT)
     assert late["status"] == "error" and "may be stored" in late["content"], late
-    msgs = f"{broker.settings.key_prefix}:{{uncertain}}:msgs"
 
-    async def stored_anyway() -> bool:  # the script, queued on the stalled connection
-        return bool(await admin.hexists(msgs, "late"))
+    async def stored_anyway() -> bool:  # the write, queued on the stalled connection
+        return (await broker.store.stored_of("uncertain", ["late"], now_ms())) != [None]
 
     await eventually(stored_anyway)
     assert log_events(broker, "late") == []
@@ -581,6 +581,14 @@ async def test_a_message_stored_after_its_store_timed_out_is_logged_stored(
         return [e["event"] for e in log_events(broker, "late")] == ["received", "stored"]
 
     await eventually(logged)
+    # and delivered, as any message stored
+    rec = await FakeRecipient("uncertain", "r1").start()
+    try:
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+        got = {(await rec.next_push()).fields["msgid"] for _ in range(3)}
+    finally:
+        await rec.stop()
+    assert got == {"first", "late", "after"}
     await client.close()
     await admin.aclose()
 

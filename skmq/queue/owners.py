@@ -346,5 +346,10 @@ class Owners:
             return [i is not None for i in ids]
 
         apps = list(batches)
-        results = await asyncio.gather(*(one(app, batches[app]) for app in apps))
+        # Shielded: a caller that stops waiting (STORE_TIMEOUT) leaves the writes to end,
+        # and each owner materialises what its flush logged. (Cancelled, an owner would
+        # hold a message its log has, never push it, and its next checkpoint trim it.)
+        storing = asyncio.ensure_future(asyncio.gather(*(one(app, batches[app]) for app in apps)))
+        storing.add_done_callback(observed)
+        results = await asyncio.shield(storing)
         return dict(zip(apps, results, strict=True))
