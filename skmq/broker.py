@@ -272,6 +272,7 @@ class Broker:
                 else None
             ),
             refusal=lambda: self.eviction.refusal,
+            routes=self.engine.routes,
         )
         self.metrics.attach(self.engine, self.enqueuer)
         self.groups = Groups(self.store)

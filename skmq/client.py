@@ -74,6 +74,9 @@ class Resp:
     status: str
     content: str
     msgid: str | None
+    # (extension) On a `register`'s ack: the address the id was alive at, whose place
+    # this registration took (another consumer was running with the same id).
+    took_over: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -103,7 +106,7 @@ class Resp:
         content = lowered.get("content", "")
         if not isinstance(content, str):
             content = "" if content is None else json.dumps(content)
-        return cls(str(lowered.get("status", "error")), content, msgid)
+        return cls(str(lowered.get("status", "error")), content, msgid, frame.get("took_over"))
 
     def to_dict(self) -> dict[str, str | None]:
         return {"status": self.status, "content": self.content, "msgid": self.msgid}
@@ -460,6 +463,7 @@ class Producer(_Scoped):
         ttl_ms: int | None = None,
         key: str | None = None,
         traceparent: str | None = None,
+        mandatory: bool = False,
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
@@ -471,7 +475,9 @@ class Producer(_Scoped):
         (ExtensionUnsupported otherwise). A `key` (queue messages only, the `key`
         extension) orders delivery: one message of the app and key at a time, in stored
         order. A W3C `traceparent` (the `trace` extension) goes with the message to its
-        pushes (`Message.fields["traceparent"]`) and into the delivery log.
+        pushes (`Message.fields["traceparent"]`) and into the delivery log. `mandatory`
+        (the `mandatory` extension): answered `reject`, not stored, when the app has no
+        recipient and no consumer group (else it is stored to wait for one).
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -490,6 +496,9 @@ class Producer(_Scoped):
         if traceparent is not None:
             await self.require("trace")
             fields.append(("traceparent", traceparent))
+        if mandatory:
+            await self.require("mandatory")
+            fields.append(("mandatory", "1"))
         data = content.encode() if isinstance(content, str) else content
         frame_type = "topic" if topic else "queue"
         resp = _named(await self.request(frame_type, fields, data), msgid)
@@ -782,6 +791,10 @@ class Consumer(_Scoped):
             PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
         )
 
+    #: After `register`: the address the broker said this registration took the id over
+    #: from (another consumer was running with it), else None.
+    took_over: str | None = None
+
     async def start(self) -> None:
         """Listen on host:port (port 0: any free port), then register."""
         self._stopping = False
@@ -823,6 +836,7 @@ class Consumer(_Scoped):
         resp = await self._request(broker, "register", body)
         if not resp.ok:
             raise RegistrationError(resp)
+        self.took_over = resp.took_over
         return resp
 
     async def extend(self, msg: Message) -> Resp:

@@ -22,6 +22,7 @@ from skmq.store.store import (
     Reaped,
     Retries,
     Store,
+    Tally,
     connect_redis,
     split_delivery,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "Reaped",
     "Retries",
     "Store",
+    "Tally",
     "check_eviction_policy",
     "check_listpack_sizes",
     "connect_redis",

@@ -43,6 +43,7 @@ from skmq.workers.dispatchers import Dispatchers
 from skmq.workers.link import RecipientLink, Verdict
 from skmq.workers.pusher import Pusher
 from skmq.workers.reaper import Reaper
+from skmq.workers.routes import Routes
 from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.engine")
@@ -66,6 +67,7 @@ class Engine:
         self.supervisor = supervisor
         self.own = own or OwnAddresses()
         self.registry = Registry(store, dlog, self.notify, settings.max_recipients_per_app)
+        self.routes = Routes(store)
         self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.pusher = Pusher(
             settings, store, dlog, self.registry, self.answers, self.notify, self.own, signer
@@ -188,6 +190,7 @@ class Engine:
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:
         self.pusher.forget(await self.apps.refresh())
+        await self.routes.refresh(self.apps.known)
         await self.store.note_broker(
             self.broker_id,
             {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port},
