@@ -323,6 +323,7 @@ class FrameHandler:
         if ttl is None:
             ttl = self.settings.app_ttl(app)
         expires = now + ttl if ttl else 0
+        peer.took("producer", app)
         return batch.add(
             app, NewMessage(msgid, frame.type, frame.content, due, expires, key, trace)
         )
@@ -385,6 +386,7 @@ class FrameHandler:
             return self._resp(f"400 content {exc}", msgid, Status.REJECT)
         op, group = fields.get("op") or "", fields.get("group") or ""
         who = peer.principal or peer.host
+        peer.took("pull consumer", app)
         try:
             if op == "receive":  # a long poll: bounded by PULL_MAX_WAITING, not held here
                 answer = await self.pull.call(op, app, group, raw, who, peer.gone)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -70,3 +72,11 @@ async def wait_loaded(redis: RedisClient, timeout: float) -> None:
                     f"Redis is still loading its dataset after {timeout:g}s (REDIS_WAIT)"
                 ) from None
             await asyncio.sleep(LOADING_POLL)
+
+
+def user_name() -> str:
+    """Who runs an operator command, for the logs of what it changed."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return str(os.getuid())

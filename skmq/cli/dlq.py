@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from datetime import UTC, datetime
 import structlog
 from rich.progress import Progress
 
-from skmq.cli.common import open_store
+from skmq.cli.common import open_store, user_name
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.clock import now_ms
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
@@ -179,7 +178,7 @@ async def _run(args: argparse.Namespace) -> int:
         structlog.get_logger("skmq.dlq").info(
             "operator action",
             action=f"dlq {args.verb}",
-            user=_user(),
+            user=user_name(),
             done=done,
             selected=len(letters),
             msgids=[d.msgid for d in letters][:100],
@@ -201,13 +200,6 @@ def _dry_run(verb: str, letters: list[DeadLetter], as_json: bool) -> int:
         print(f"would {verb}: {d.appid} {d.msgid}{who} error={printable(d.last_error, 200)}")
     print(f"dry run: would {verb} {len(letters)} dead letter(s); nothing done")
     return 0
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (OSError, KeyError):
-        return str(os.getuid())
 
 
 async def _apply(

@@ -202,3 +202,24 @@ async def remove_recipient(
     log.info("operator action", action="recipients remove", app=app, recipient=rid,
              principal=by, removed=removed)  # fmt: skip
     return removed
+
+
+def recipient_rows(found: dict[str, list[dict[str, Any]]], now: int) -> list[dict[str, Any]]:
+    """Store.recipients' records as the console lists them: {app, id, address, weight,
+    state (alive or lost), last_seen_age_s (None: never heard of)}. A record of another
+    shape (by hand, an older release) shows as what it has."""
+    rows = []
+    for app, records in sorted(found.items()):
+        for r in records:
+            beat = r["last_heartbeat"]
+            rows.append(
+                {
+                    "app": app,
+                    "id": str(r.get("id", "")),
+                    "address": f"{r.get('host', '')}:{r.get('port', '')}",
+                    "weight": r.get("weight", 0),
+                    "state": "alive" if r["alive"] else "lost",
+                    "last_seen_age_s": round(max(0, now - beat) / 1000, 1) if beat else None,
+                }
+            )
+    return rows

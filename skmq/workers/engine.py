@@ -26,6 +26,7 @@ from skmq.aio import cancel_and_wait
 from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.config import Settings
+from skmq.connections import Connections
 from skmq.deliverylog import DeliveryLog
 from skmq.errors import redis_error_text
 from skmq.peer import Peer
@@ -68,6 +69,7 @@ class Engine:
         self.own = own or OwnAddresses()
         self.registry = Registry(store, dlog, self.notify, settings.max_recipients_per_app)
         self.routes = Routes(store)
+        self.connections = Connections()
         self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.pusher = Pusher(
             settings, store, dlog, self.registry, self.answers, self.notify, self.own, signer
@@ -88,6 +90,7 @@ class Engine:
             self.answers,
             AppSearch(store.find_apps, settings.max_searches_per_host),
         )
+        self.connections.add_source(self.pusher.described)
         self.pusher.late_answer = lambda frame, sender: self.router.answer(frame, sender=sender)
         self.reaper = Reaper(
             store, self.apps.by_app, self.pusher, self.answers, self.notify, settings.ack_timeout
@@ -193,7 +196,12 @@ class Engine:
         await self.routes.refresh(self.apps.known)
         await self.store.note_broker(
             self.broker_id,
-            {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port},
+            {
+                "last_seen": now_ms(),
+                "host": self.settings.host,
+                "port": self.settings.port,
+                **self.connections.note(),
+            },
         )
 
     async def _heartbeat(self) -> None:
