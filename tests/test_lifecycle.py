@@ -211,7 +211,8 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     await store.replay(APP, dead[:1], NOW)
     assert await store.move(APP, "life2", dead[1:2], NOW) == [1]
     await store.purge(APP, dead[2:])
-    await store.register(APP, "r1", {"id": "r1"}, NOW, 10)
+    await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 1}, NOW, 10)
+    assert await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 2}, NOW, 10) == "h:1"
     await store.set_state(APP, "r1", False, NOW)
     await store.unregister(APP, "r1")
     await pull_transitions(store)

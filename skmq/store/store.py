@@ -857,7 +857,7 @@ class Store:
         """False when rid is new and the app has `most` recipients already (refused);
         else True, or the address (host:port) rid was alive at when this registration,
         at another address, took it over (counted in the app's tally: `tallies`)."""
-        address = f"{registration['host']}:{registration['port']}"
+        address = f"{registration.get('host', '')}:{registration.get('port', '')}"
         args = [rid, json.dumps(registration), now, most, address]
         answer = await self._call("register", app, args)
         if not answer:
