@@ -34,6 +34,7 @@ from skmq.errors import Misconfigured, UsageError, redis_error_text
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
 from skmq.http.connections import ConnectionRoutes
+from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.pull import PullApi, PullRoutes
 from skmq.http.recipients import RecipientRoutes
@@ -62,6 +63,7 @@ from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
 from skmq.store.engine_mark import claim_engine
 from skmq.supervisor import Supervisor
+from skmq.throughput import Throughput
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
 
@@ -228,14 +230,13 @@ class Broker:
             self.metrics.observe_latency,
             own=self.own,
             signer=self.signer,
+            throughput=Throughput(self.metrics.counts).last_minute,
         )
         if isinstance(self.store, OwnedStore):
             if not isinstance(self.redis, aioredis.Redis) or isinstance(
                 self.redis.connection_pool, SentinelConnectionPool
             ):
                 raise Misconfigured("ENGINE=owner runs on one Redis for now (no Cluster, Sentinel)")
-            if s.replica_acks:
-                raise Misconfigured("ENGINE=owner does not wait for REPLICA_ACKS yet")
             self.owned = await OwnerRuntime.start(
                 s,
                 url,
@@ -283,13 +284,14 @@ class Broker:
         self.pull = PullApi(s, self.groups, longpoll, self.dlog, self.engine.routes.mark)
         pull = PullRoutes(self.pull, self.tokens, self.engine.connections)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
+        console = ConsoleRoutes(self.store, self.dlog, self.tokens)
         admission = Admission(s)  # one count of connections for PORT and HTTP_PORT
         operator = (
             RecipientRoutes(self.store, self.dlog, self.tokens, self.engine.registry.unregister),
             ConnectionRoutes(self.store, self.tokens),
         )
         self.gateway = Gateway(
-            s, self.metrics, self.enqueuer, pull, dlq, self.tokens, admission, operator
+            s, self.metrics, self.enqueuer, pull, dlq, console, self.tokens, admission, operator
         )
         handler = FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull)
         self.server = Server(s, handler, self.supervisor, admission)

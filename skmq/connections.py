@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from skmq.clock import now_ms
+from skmq.console import ALIVE_MS
 
 Role = Literal["producer", "recipient push link", "pull consumer", "http"]
 ROLES: Final = ("producer", "recipient push link", "pull consumer", "http")
 MAX_LISTED = 1000
 MAX_APPS = 16  # apps named for one connection and role
-# A broker whose note is older than this is not alive (as `skmq status` says).
-BROKER_ALIVE_MS = 5000
 
 
 def peer_address(transport: asyncio.BaseTransport | None) -> str:
@@ -82,7 +81,7 @@ def live_connections(
     rows: list[dict[str, Any]] = []
     truncated = 0
     for broker, note in sorted(notes.items()):
-        if now - _int(note.get("last_seen")) >= BROKER_ALIVE_MS:
+        if now - _int(note.get("last_seen")) >= ALIVE_MS:
             continue
         listed = note.get("connections")
         for c in listed if isinstance(listed, list) else []:

@@ -14,20 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 
 from rich.console import Console
 from rich.table import Table
 
-from skmq.cli.common import open_store, user_name
+from skmq.cli.common import admin_app, open_store, operator, operator_log
 from skmq.cli.dlq import printable
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.clock import now_ms
 from skmq.config import STORE_FLAGS, Settings, add_settings_flags, settings_from_args
-from skmq.deliverylog import DeliveryLog
 from skmq.errors import UsageError
-from skmq.handler import bad_app
 from skmq.logs import configure_logging
 from skmq.registry.recipients import recipient_rows, remove_recipient
 from skmq.registry.registration import CONTROL, MAX_ID
@@ -76,9 +72,9 @@ async def _list(args: argparse.Namespace, settings: Settings, only: frozenset[st
 async def _remove(args: argparse.Namespace, settings: Settings) -> int:
     configure_logging(settings.log_level, settings.log_format)
     async with open_store(settings) as store:
-        dlog = DeliveryLog(settings.delivery_log_dir, f"cli-{socket.gethostname()}-{os.getpid()}")
+        dlog = operator_log(settings)
         try:
-            by = f"{user_name()} via cli"
+            by = f"{operator()} via cli"
             removed = await remove_recipient(store.unregister, dlog, args.app, args.rid, by)
         finally:
             dlog.close()
@@ -92,12 +88,10 @@ async def _remove(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    if args.app is not None and (why := bad_app(args.app)) is not None:
-        raise UsageError(f"--app {why}")
     settings = settings_from_args(args)
     only = admin_apps(settings, args.token)
-    if args.app and only is not None and args.app not in only:
-        raise UsageError(f"this token has no admin role for app {args.app!r}")
+    if args.app is not None:
+        admin_app(args.app, only)
     if args.verb != "remove":
         return await _list(args, settings, only)
     if not args.rid or len(args.rid) > MAX_ID or CONTROL.search(args.rid):

@@ -11,7 +11,7 @@ _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="skmq"'}
 
 
 def _grant(tokens: Tokens, request: web.Request) -> Grant:
-    """The grant of the request's Bearer token; ApiError 401 when none or unknown."""
+    """The grant of the request's token; ApiError 401 (no or unknown token)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "authentication required: Authorization: Bearer <token>", _CHALLENGE)
@@ -32,12 +32,15 @@ def authorize(tokens: Tokens | None, request: web.Request, role: Role, app: str)
     return grant.name
 
 
-def scope(tokens: Tokens | None, request: web.Request, role: Role) -> frozenset[str] | None:
-    """The apps the request's token has `role` for, for a route about every app: None for
-    every app (or auth off); ApiError 401, or 403 when it has the role for no app."""
+def role_apps(
+    tokens: Tokens | None, request: web.Request, role: Role
+) -> tuple[frozenset[str] | None, str]:
+    """The apps this request may act on as `role` (None: every app) and the token's name
+    ("" with auth off); ApiError 401 (no or unknown token) or 403 (no app at all)."""
     if tokens is None:
-        return None
-    apps = _grant(tokens, request).apps(role)
+        return None, ""
+    grant = _grant(tokens, request)
+    apps = grant.apps(role)
     if not apps:
         raise ApiError(403, f"not allowed: this token has the {role} role for no app")
-    return None if EVERY_APP in apps else apps
+    return (None if EVERY_APP in apps else apps), grant.name

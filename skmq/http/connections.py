@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from skmq.auth import Tokens
 from skmq.clock import now_ms
 from skmq.connections import live_connections, visible
-from skmq.http.bearer import scope
+from skmq.http.bearer import role_apps
 from skmq.store import Store
 
 
@@ -38,7 +38,7 @@ class ConnectionRoutes:
         app.router.add_get("/v1/connections", self.list_connections)
 
     async def list_connections(self, request: web.Request) -> web.Response:
-        allowed = scope(self.tokens, request, "admin")
+        allowed, _ = role_apps(self.tokens, request, "admin")
         rows, truncated = live_connections(await self.store.brokers(), now_ms())
         rows = visible(rows, allowed)
         listed = ConnectionList.model_validate({"connections": rows, "truncated": truncated})

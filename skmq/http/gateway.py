@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from skmq.admission import Admission
 from skmq.auth import Tokens
 from skmq.config import Settings
+from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.errors import json_errors
 from skmq.http.guard import CountedSite, ServerLog
@@ -40,6 +41,7 @@ class Gateway:
         enqueuer: Enqueuer,
         pull: PullRoutes,
         dlq: DlqRoutes,
+        console: ConsoleRoutes,
         tokens: Tokens | None,
         admission: Admission | None = None,
         operator: Sequence[Mountable] = (),
@@ -50,6 +52,7 @@ class Gateway:
         self.producer = Producer(settings, enqueuer, tokens)
         self.pull = pull
         self.dlq = dlq
+        self.console = console
         self.operator = operator  # further routes for operators (recipients, connections)
         self._openapi = document()
         self._runners: list[web.AppRunner] = []
@@ -81,6 +84,7 @@ class Gateway:
             app.router.add_post("/v1/apps/{app}/messages", self.producer.handle)
             self.pull.add_to(app)
             self.dlq.add_to(app)
+            self.console.add_to(app)
             for routes in self.operator:
                 routes.add_to(app)
         return app

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from skmq.auth import Tokens
 from skmq.clock import now_ms
 from skmq.deliverylog import DeliveryLog
-from skmq.http.bearer import authorize, scope
+from skmq.http.bearer import authorize, role_apps
 from skmq.http.errors import ApiError
 from skmq.http.produce import app_id, path_app
 from skmq.registry.recipients import recipient_rows, remove_recipient
@@ -66,7 +66,7 @@ class RecipientRoutes:
             authorize(self.tokens, request, "admin", app_id(wanted, "app"))
             apps = [wanted]
         else:
-            allowed = scope(self.tokens, request, "admin")
+            allowed, _ = role_apps(self.tokens, request, "admin")
             apps = [a for a in await self.store.apps() if allowed is None or a in allowed]
         rows = recipient_rows(await self.store.recipients(apps), now_ms())
         listed = RecipientList.model_validate({"recipients": rows})

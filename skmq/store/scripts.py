@@ -34,6 +34,10 @@ KEYS: dict[str, tuple[str, ...]] = {
     "settled_of": ("msgs", "inflight", "delayed", "dead"),  # + done:<cur>, done:<prev>
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
+    # an operator's (skmq/console.py): look at, or purge, the messages waiting
+    "peek": ("msgs", "state", "ready", "delayed", "kq"),
+    "purge_waiting": ("msgs", "state", "ready", "delayed", "kq"),
+    "oldest_pending": ("msgs", "ready", "delayed"),
     # the source app's; Store.move adds the target app's msgs, ready, listed, done:*
     "move": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),
@@ -96,7 +100,7 @@ def _used(code: str, names: set[str]) -> set[str]:
     return names & words
 
 
-def _lib_for(code: str) -> str:
+def lib_for(code: str) -> str:
     """The paragraphs of lib.lua defining what `code` uses, directly or through another,
     in file order: Redis runs a script's whole prelude on every call (each helper a new
     closure, more for Lua's collector to sweep), so a script carries only what it calls."""
@@ -114,4 +118,4 @@ def source(name: str) -> str:
     """The full source of script `name`: the lib.lua helpers it uses, its preludes, then
     its own file (built once a process: every Store registers every script)."""
     own = "\n".join([*(_read(p) for p in _PRELUDES.get(name, ())), _read(name)])
-    return _lib_for(own) + "\n" + own
+    return lib_for(own) + "\n" + own
