@@ -19,7 +19,7 @@ import pytest
 from skmq.broker import Broker
 from skmq.client import Consumer, Message, Producer
 from skmq.clock import now_ms
-from skmq.connections import live_connections
+from skmq.connections import ConnectionInfo, Connections, live_connections
 from tests.conftest import BrokerFactory, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 from tests.test_cli_ops import skmq
@@ -183,6 +183,26 @@ async def test_connections_list_a_producer_a_push_link_and_pull_polls(
     for c in (producer, puller):
         await c.close()
     await rec.stop()
+
+
+def test_a_broker_note_lists_at_most_its_cap_and_counts_the_rest() -> None:
+    table = Connections()
+    table.add_source(
+        lambda: (ConnectionInfo(f"10.0.0.1:{p}", "producer", ("a",), 1) for p in range(5))
+    )
+    with table.polling("10.0.0.2:9", "b"):
+        note = table.note(most=2)
+        assert [c["role"] for c in note["connections"]] == ["http", "producer"]
+        assert note["truncated"] == 4
+    now = now_ms()
+    notes = {
+        "live": {"last_seen": now, **note},
+        "stopped": {"last_seen": now - 60_000, **note},  # a stopped broker's note
+        "old": {"last_seen": now},  # a broker of an earlier release: no connections
+    }
+    rows, truncated = live_connections(notes, now)
+    assert [(r["broker"], r["role"]) for r in rows] == [("live", "http"), ("live", "producer")]
+    assert truncated == 4
 
 
 # -- takeovers ---------------------------------------------------------------------------

@@ -405,12 +405,10 @@ class PullApi:
 class PullRoutes:
     """The HTTP routes of PullApi: path parameters, Bearer tokens, JSON bodies."""
 
-    def __init__(
-        self, api: PullApi, tokens: Tokens | None, connections: Connections | None = None
-    ) -> None:
+    def __init__(self, api: PullApi, tokens: Tokens | None, connections: Connections) -> None:
         self.api = api
         self.tokens = tokens
-        self.connections = connections if connections is not None else Connections()
+        self.connections = connections  # (lists the long polls waiting: skmq connections)
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
