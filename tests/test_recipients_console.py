@@ -79,12 +79,12 @@ async def test_remove_of_a_lost_recipient_frees_its_topic_copies(
     assert (await stays.next_push()).fields["msgid"] == "t1"
     assert (await gone.next_push()).fields["msgid"] == "t1"  # and never answered
     await gone.stop()  # its push connection breaks; no pong to the next heartbeat: lost
-    await eventually(lambda: _is(state_of(broker, app, "gone"), "lost"))
+    await eventually(lambda: _is(state_of(broker, app, "gone"), "lost"), 20)
     code, out, err = await run(env, "recipients", "--app", app)
     assert code == 0, err
     assert "gone" in out and "lost" in out and "stays" in out, out
     # The lost recipient's copy waits for it (spending no attempt), never in flight.
-    await eventually(lambda: _waiting(broker, app, 1))
+    await eventually(lambda: _waiting(broker, app, 1), 20)
 
     code, out, err = await run(env, "recipients", "remove", "--app", app, "--id", "gone")
     assert (code, out.strip()) == (0, f"removed recipient gone of app {app}"), err
