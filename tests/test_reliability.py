@@ -23,15 +23,22 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psutil
 import pytest
 import redis.asyncio as aioredis
 
+from skmq.clock import now_ms
 from skmq.codec import Frame, encode_frame
 from skmq.embedded import EmbeddedRedis, read_info
 from skmq.logarchive import log_files, read_lines
+from skmq.queue.deliveries import Policy as QueuePolicy
+from skmq.queue.journal import AppKeys, Journal, Lease
+from skmq.queue.lifecycle import State
+from skmq.queue.owner import AppOwner
 from skmq.store import Store
+from skmq.store.wire import Wire
 from tests.conftest import (
     BrokerFactory,
     BrokerProcess,
@@ -44,6 +51,8 @@ from tests.peers import FakeRecipient, Policy, RawClient
 
 ACK_TIMEOUT = 1.5  # as in broker_env
 APP = "app"
+ENGINE = os.environ.get("SKMQ_ENGINE", "scripts")  # the suite runs on either engine
+DEDUPE_MS = 3_600_000  # (DEDUPE_WINDOW's default: the brokers here keep it)
 
 # -- peers and brokers -------------------------------------------------------------
 
@@ -276,6 +285,8 @@ async def where(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[s
     """msgid -> pending | delayed | inflight | dead | done, or what is wrong with it."""
     if not msgids:
         return {}
+    if ENGINE == "owner":
+        return await where_owned(redis, prefix, msgids)
     raw = await redis.eval(WHERE, 1, base_of(prefix), *msgids)  # type: ignore[misc]
     out = {}
     for msgid, w in zip(msgids, raw, strict=True):
@@ -288,6 +299,58 @@ async def where(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[s
             out[msgid] = "done"
         else:
             out[msgid] = "LOST" if places == [""] else "CORRUPT:" + ",".join(places)
+    return out
+
+
+OWNED_PLACES = {
+    State.PENDING: "pending",
+    State.IN_FLIGHT: "inflight",
+    State.DELAYED: "delayed",
+    State.WAITING_RETRY: "delayed",
+    State.WAITING_KEY: "delayed",
+}
+
+
+async def where_owned(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[str, str]:
+    """ENGINE=owner: where each msgid is as a new owner would rebuild it from Redis (its
+    checkpoint, journal, log and inbox; what is in flight left in flight), else among the
+    app's dead letters or the dedupe window's settled msgids. These are read after the
+    rebuild: a message that left the owner's state meanwhile is found there (they only
+    grow), so an owner's writes between the reads never make a message look lost."""
+    kw = redis.connection_pool.connection_kwargs
+    auth = f":{quote(kw['password'], safe='')}@" if kw.get("password") else ""
+    url = (
+        f"unix://{auth}{kw['path']}"
+        if kw.get("path")
+        else f"redis://{auth}{kw['host']}:{kw['port']}"
+    )
+    keys = AppKeys.of(prefix, APP)
+    wire = await Wire.connect(url)
+    try:
+        now = now_ms()
+        rebuilt = AppOwner(Journal(wire, keys, Lease("test", 0), DEDUPE_MS), QueuePolicy(), list)
+        await rebuilt.load(now, adopt=False)
+        held = {d.msgid.decode(): d.state for d in rebuilt.queue.deliveries.values()}
+        held.update((e.msgid.decode(), State.PENDING) for e, _ in rebuilt.unfanned)
+        done: set[bytes] = set()
+        for bucket in keys.dedupe(now, DEDUPE_MS):
+            done.update(await wire.call("SMEMBERS", bucket))
+        dead = set(await wire.call("ZRANGE", keys.dead_order, 0, -1))
+    finally:
+        wire.close()
+    out = {}
+    for msgid in msgids:
+        raw = msgid.encode()
+        places = [p for p, there in (("dead", raw in dead), ("done", raw in done)) if there]
+        if msgid in held and held[msgid] in OWNED_PLACES:
+            places.insert(0, OWNED_PLACES[held[msgid]])
+        out[msgid] = (
+            places[0]
+            if len(places) == 1
+            else "LOST"
+            if not places
+            else "CORRUPT:" + ",".join(places)
+        )
     return out
 
 

@@ -135,7 +135,7 @@ class OwnedStore(Store):
             k = AppKeys.of(self.prefix, app)
             keys = [k.log, k.inbox, k.dead_order, k.base + "recipients", k.base + "groups"]
             keys += [k.checkpoint, k.journal, k.stats, k.owner]
-            keys += [k.base + name for name in ("rstate", "rbeat", "rate", "listed")]
+            keys += [k.base + name for name in ("rstate", "rbeat", "rate", "listed", "tally")]
             if await self._forget(keys, []):
                 dropped.append(app)
         return dropped

@@ -236,10 +236,11 @@ class AppOwner:
         flushed = await self._flush(now, mark=True)
         await self.journal.checkpoint(state, flushed.journaled, *oldest)
 
-    async def load(self, now: int) -> None:
+    async def load(self, now: int, adopt: bool = True) -> None:
         """A new owner: the checkpoint, the log and inbox after it (the old owner's
         materialised entries), the journal's records replayed through the table; then
-        what was in flight is pushed again."""
+        what was in flight is pushed again (unless not `adopt`: a look at what Redis
+        holds, as tests take it, leaves it in flight). Nothing is written."""
         keys = self.journal.keys
         saved = await self.wire.call("GET", keys.checkpoint)
         if saved:
@@ -286,7 +287,8 @@ class AppOwner:
                 self._materialise(e, now, inbox, copies)
         for record in parse_records(END.join(records)) if records else ():
             self.queue.apply(*record, now)
-        self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
+        if adopt:
+            self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
         self.queue.tick(now)
         self.live = {d.msgid for d in self.queue.deliveries.values()}
         self.live.update(e.msgid for e, _ in self.unfanned)

@@ -203,6 +203,15 @@ class Owners:
                 q.push(d, r.rid, now)
                 copies.append(d)
                 budget -= 1
+        # A copy of a recipient neither alive nor lost (unregistered, removed): one a
+        # claim handed to it, which the pusher fails (no longer registered), its
+        # attempts spent as under ENGINE=scripts; none waits for it for ever.
+        registered = {r.rid for r in alive} | set(lost)
+        for line in q.lines():
+            if line != QUEUE and line not in registered:
+                for d in list(q.take(1, now, line)):
+                    q.push(d, line, now)
+                    copies.append(d)
         await owner.contents(copies)
         out.extend(_claimed(d) for d in copies)
         for change in q.expired:
