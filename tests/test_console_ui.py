@@ -145,7 +145,7 @@ async def test_the_console_in_a_browser(console: Broker, browser: Any) -> None:
         await dead.get_by_role("button", name="Peek").click()
         await expect(page.locator("#dead tr.peek pre").first).to_have_text(POISON)
         assert await page.evaluate("window.pwned") is None
-        await expect(page.locator('#recipients tbody tr td').first).to_have_text("r1")
+        await expect(page.locator("#recipients tbody tr td").first).to_have_text("r1")
 
         # the rate chart moves once traffic flows
         line = app_row.locator("polyline.in")
@@ -185,4 +185,3 @@ async def test_the_console_in_a_browser(console: Broker, browser: Any) -> None:
         await phone.screenshot(path=SHOTS / "phone.png", full_page=True)
     await client.close()
     await rec.stop()
-

@@ -94,7 +94,9 @@ async function part(id, request, rowsOf, draw) {
 function showApp(app) {
   $("detail").hidden = false;
   $("detail-app").textContent = app;
-  const fill = (draw) => (body, rows) => body.replaceChildren(...rows.flatMap(draw));
+  const fill = (draw) => (body, rows) => {
+    if (selectedApp() === app) body.replaceChildren(...rows.flatMap(draw)); // not a click ago
+  };
   const query = `recipients?app=${encodeURIComponent(app)}`;
   return Promise.all([
     part("recipients", call(query), (d) => d.recipients, fill(recipientRow)),
@@ -259,7 +261,7 @@ function purgePending(event) {
   const app = selectedApp();
   const form = event.target;
   const body = { dry_run: form.dry_run.checked };
-  if (form.older_than_s.value) body.older_than_s = Number(form.older_than_s.value);
+  if (Number(form.older_than_s.value) > 0) body.older_than_s = Number(form.older_than_s.value);
   if (form.max.value) body.max = Number(form.max.value);
   if (!body.dry_run && !confirm(`Purge pending messages of ${app}? This cannot be undone.`)) {
     return;
