@@ -165,15 +165,16 @@ function newChart() {
   svg.setAttribute("class", "chart");
   svg.setAttribute("role", "img");
   const line = (name) => {
-    const l = document.createElementNS(SVG, "polyline");
+    const l = document.createElementNS(SVG, name === "area" ? "polygon" : "polyline");
     l.setAttribute("class", name);
     svg.append(l);
     return l;
   };
-  return { svg, in: line("in"), out: line("out") };
+  return { svg, area: line("area"), in: line("in"), out: line("out") };
 }
 
-// The newest sample at the right edge; both lines on one scale, the larger peak on top.
+// The newest sample at the right edge; both lines on one scale, the larger peak on top;
+// the area under the rate in shaded.
 function drawChart(chart, ins, outs) {
   const top = Math.max(1, ...ins, ...outs);
   const step = CHART_W / (SAMPLES - 1);
@@ -182,6 +183,8 @@ function drawChart(chart, ins, outs) {
     const y = CHART_H - 1 - (v / top) * (CHART_H - 2);
     return `${x.toFixed(1)},${y.toFixed(1)}`;
   }).join(" ");
+  const first = CHART_W - (ins.length - 1) * step;
+  chart.area.setAttribute("points", `${first},${CHART_H} ${points(ins)} ${CHART_W},${CHART_H}`);
   chart.in.setAttribute("points", points(ins));
   chart.out.setAttribute("points", points(outs));
   const last = (values) => rate(values[values.length - 1]);
