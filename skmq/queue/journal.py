@@ -21,15 +21,26 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.store.directory import shard_key
+from skmq.store.scripts import lib_for
 from skmq.store.store import escape_tag
 from skmq.store.wire import ReplyError, Wire
 
 log = structlog.get_logger("skmq.queue.journal")
 
 
+_PRELUDES = {"flush": "feed", "append": "feed"}  # the consumer groups' feed
+
+
+def _read(name: str) -> str:
+    return (resources.files("skmq.queue") / "lua" / f"{name}.lua").read_text("utf-8")
+
+
 @cache
 def script_source(name: str) -> bytes:
-    return (resources.files("skmq.queue") / "lua" / f"{name}.lua").read_bytes()
+    """Script `name`: its prelude (skmq/queue/lua/) and the store's lib.lua helpers it
+    uses (skmq/store/scripts.py), then its own file."""
+    own = "\n".join([*((_read(_PRELUDES[name]),) if name in _PRELUDES else ()), _read(name)])
+    return (lib_for(own) + "\n" + own).encode()
 
 
 @cache
@@ -109,6 +120,12 @@ class AppKeys:
         """The app's dead letters by the time they died (the key the DLQ always had)."""
         return self.base + "dead"
 
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """What feeds the app's consumer groups (skmq/queue/lua/feed.lua): its groups, its
+        recipients (none: pull only), the group log, its msgids and its count."""
+        return tuple(self.base + n for n in ("groups", "recipients", "glog", "gseen", "gadded"))
+
     def done(self, bucket: int) -> str:
         return f"{self.base}done:{bucket}"
 
@@ -171,9 +188,12 @@ def _fenced(reply: Any, lease: Lease, keys: AppKeys) -> None:
         raise Fenced(lease.epoch, int(reply[1]))
 
 
+GROUPS_ONLY = b"-"  # a message stored for the app's consumer groups alone (pull only)
+
+
 @dataclass(frozen=True, slots=True)
 class Flushed:
-    ids: list[bytes | None]  # each message's log entry, None: a duplicate
+    ids: list[bytes | None]  # each message's log entry (GROUPS_ONLY: none), None: a duplicate
     inbox: list[tuple[bytes, list[bytes]]]  # the inbox entries read first (XRANGE's)
 
 
@@ -210,7 +230,7 @@ class Journal:
         args.extend(settled)
         k = self.keys
         keys = [k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order, k.listed]
-        keys.append(k.listing)
+        keys += (k.listing, *k.groups)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease, self.keys)
         return Flushed([entry or None for entry in reply[1:]], reply[0])
@@ -234,6 +254,6 @@ async def append(
     args: list[Any] = [keys.wakeup, keys.app]
     for m in messages:
         args += (m.msgid, m.content, m.header)
-    listing = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, keys.listing)
+    listing = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, keys.listing, *keys.groups)
     reply = await run_script(wire, "append", listing, args)
     return [entry or None for entry in reply]

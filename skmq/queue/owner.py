@@ -37,7 +37,7 @@ from skmq.queue.entries import (
     is_question,
     parse_entry,
 )
-from skmq.queue.journal import Appended, Journal
+from skmq.queue.journal import GROUPS_ONLY, Appended, Journal
 from skmq.queue.lifecycle import State, Trigger
 from skmq.store.wire import Wire
 
@@ -123,7 +123,7 @@ class AppOwner:
         stored: dict[bytes, bool] = {}
         for m, entry in zip(fresh, ids, strict=True):
             stored[m.msgid] = entry is not None
-            if entry is not None:
+            if entry is not None and entry != GROUPS_ONLY:
                 self.live.add(m.msgid)
                 self._materialise(Entry(entry, m.msgid, m.content, m.meta), now)
                 self.log_cursor = entry

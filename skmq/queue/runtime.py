@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import redis.asyncio as aioredis
 import structlog
@@ -20,6 +21,7 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import AppKeys, Fenced, Lease
+from skmq.queue.operator import answer_request, oldest_waiting, request_of
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
@@ -124,13 +126,19 @@ class OwnerRuntime:
         return runtime
 
     def _asked(self, app: str, raw: bytes) -> None:
-        """A question (an answer forwarded to us, the owner), answered in a task."""
+        """A question (an answer forwarded to us, the owner, or an operator's request:
+        skmq/queue/operator.py), answered in a task."""
+        request = request_of(raw)
 
         async def answer() -> None:
             try:
-                await answer_question(self.wire, self._answer, raw)
+                if request is None:
+                    await answer_question(self.wire, self._answer, raw)
+                elif (owner := self.owners.owned.get(app)) is not None:
+                    reply = await answer_request(owner, request, now_ms())
+                    await self.wire.call("PUBLISH", request.reply, json.dumps(reply))
             except TROUBLE as exc:  # (its asker hears nothing and says `error`)
-                log.warning("a forwarded answer went unanswered", app=app, error=repr(exc))
+                log.warning("a question went unanswered", app=app, error=repr(exc))
 
         spawn(answer(), self.tasks)
 
@@ -179,10 +187,12 @@ class OwnerRuntime:
                 self.owners.lost(app)
                 continue
             due, later, in_flight = owner.queue.counts(now)
+            oldest = oldest_waiting(owner) or ""
+            counted = ("pending", due, "delayed", later, "in_flight", in_flight, "oldest", oldest)
             stats = owner.journal.keys.stats
             await self.wire.call_many(
                 [
-                    ("HSET", stats, "pending", due, "delayed", later, "in_flight", in_flight),
+                    ("HSET", stats, *counted),
                     ("PEXPIRE", stats, 3 * self.lease_ms),
                 ]
             )

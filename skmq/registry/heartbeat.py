@@ -15,29 +15,53 @@ from skmq.codec import PING, CodecError, Decoder, Frame
 
 log = structlog.get_logger("skmq.heartbeat")
 
+STALL = 0.05  # s: a timer this late means the loop stalled (what waits is then read)
 
-async def ping(host: str, port: int, timeout: float) -> bool:
-    """True when host:port answers `pong` within timeout."""
+
+async def ping(host: str, port: int, timeout: float, again: bool = True) -> bool:
+    """True when host:port answers `pong` within timeout.
+
+    A broker woken from a stall (GC, SIGSTOP) meets the timers that ran out meanwhile
+    before the sockets they were waiting on. A timeout that fired late by STALL or more
+    is therefore not taken as the recipient's silence: a pong that came meanwhile is
+    read, and a ping whose connection was being made is sent once more."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     writer: asyncio.StreamWriter | None = None
+    received = bytearray()
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(PING)
-            data = b""
-            while b"\r\n\r\n" not in data and len(data) < 64:
-                chunk = await reader.read(64)
-                if not chunk:
-                    break
-                data += chunk
-            frames = Decoder(max_frame_bytes=len(data) + 1).feed(data)
-            return bool(frames) and isinstance(frames[0], Frame) and frames[0].type == "pong"
-    except (OSError, TimeoutError, CodecError):
+            return await _pong(reader, received)
+    except TimeoutError:
+        if loop.time() - deadline < STALL:
+            return False  # the recipient's silence
+        if writer is None:
+            return again and await ping(host, port, timeout, again=False)
+        try:
+            async with asyncio.timeout(STALL):
+                return await _pong(reader, received)
+        except (OSError, TimeoutError, CodecError):
+            return False
+    except (OSError, CodecError):
         return False
     finally:
         if writer is not None:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+async def _pong(reader: asyncio.StreamReader, received: bytearray) -> bool:
+    """Read one frame's worth (into `received`, kept across a timeout) and tell a pong."""
+    while b"\r\n\r\n" not in received and len(received) < 64:
+        chunk = await reader.read(64)
+        if not chunk:
+            break
+        received += chunk
+    frames = Decoder(max_frame_bytes=len(received) + 1).feed(bytes(received))
+    return bool(frames) and isinstance(frames[0], Frame) and frames[0].type == "pong"
 
 
 Target = tuple[str, str, str, int]  # app, recipient id, host, port

@@ -95,7 +95,7 @@ def _used(code: str, names: set[str]) -> set[str]:
     return names & words
 
 
-def _lib_for(code: str) -> str:
+def lib_for(code: str) -> str:
     """The paragraphs of lib.lua defining what `code` uses, directly or through another,
     in file order: Redis runs a script's whole prelude on every call (each helper a new
     closure, more for Lua's collector to sweep), so a script carries only what it calls."""
@@ -113,4 +113,4 @@ def source(name: str) -> str:
     """The full source of script `name`: the lib.lua helpers it uses, its preludes, then
     its own file (built once a process: every Store registers every script)."""
     own = "\n".join([*(_read(p) for p in _PRELUDES.get(name, ())), _read(name)])
-    return _lib_for(own) + "\n" + own
+    return lib_for(own) + "\n" + own

@@ -5,25 +5,38 @@
 -- writer, knows every entry of it without reading it back.
 -- The app's `listed` mark is set, and the app listed in the apps directory when the mark
 -- is new (skmq/store/directory.py).
--- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed, the directory's set
+-- The app's consumer groups are fed as feed.lua (prepended) says.
+-- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed, the directory's set,
+--       groups, recipients, glog, gseen, gadded
 -- ARGV: channel, app id, (msgid, content, header ('': none))*
--- Returns {log entry id, or 0 for a duplicate}*.
+-- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*.
 local log, cur, prev = KEYS[1], KEYS[2], KEYS[3]
 local ids = {}
 for i = 3, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
 local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
 local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
+local g = groups_of(KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], ids)
 local out = {}
+local told = false
 for j = 1, #ids do
   local i = 3 * j
-  if in_cur[j] == 1 or in_prev[j] == 1 then
+  if in_cur[j] == 1 or in_prev[j] == 1 or (g and g.seen[j]) then
     out[j] = 0
-  elseif ARGV[i + 2] == '' then
-    out[j] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1])
   else
-    out[j] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1], 'h', ARGV[i + 2])
+    if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
+    if g and g.pull_only then
+      out[j] = '-'
+    else
+      told = true
+      if ARGV[i + 2] == '' then
+        out[j] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1])
+      else
+        out[j] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1], 'h', ARGV[i + 2])
+      end
+    end
   end
 end
+fed(g, '1')
 if redis.call('SET', KEYS[4], 1, 'NX') then redis.call('SADD', KEYS[5], ARGV[2]) end
-redis.call('PUBLISH', ARGV[1], '1')
+if told then redis.call('PUBLISH', ARGV[1], '1') end
 return out

@@ -7,8 +7,11 @@
 -- whose epoch is not the current one writes nothing: it was taken over.
 -- A flush that logs messages sets the app's `listed` mark, and lists the app in the
 -- apps directory when the mark is new (skmq/store/directory.py).
+-- The app's consumer groups are fed as feed.lua (prepended) says: a message for the
+-- groups alone is answered '-' (stored, with no log entry).
 -- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>, inbox,
---       dead letters (hash), dead letters by time (zset), listed, the directory's set
+--       dead letters (hash), dead letters by time (zset), listed, the directory's set,
+--       groups, recipients, glog, gseen, gadded
 -- Entries appended to the inbox after the owner's inbox cursor are returned first, read
 -- before the messages are logged: a message acked through another broker before this
 -- store came is materialised before it (per-key order over brokers).
@@ -17,7 +20,7 @@
 --       records ('': none), dead count d, (delivery id, died ms, value head, entry,
 --       in inbox '1'|'0')*d, app id, settled msgid*
 -- Returns {'fenced', current epoch} or {inbox entries (XRANGE's reply),
--- (log entry id, or 0 for a duplicate)*m}.
+-- (log entry id, '-' for the groups alone, or 0 for a duplicate)*m}.
 local epoch = redis.call('GET', KEYS[1])
 if epoch ~= ARGV[1] then return {'fenced', epoch or '0'} end
 local log, journal, cur, prev = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -29,16 +32,23 @@ if m > 0 then
   for j = 1, m do ids[j] = ARGV[2 + 3 * j] end
   local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
   local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
+  local g = groups_of(KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], ids)
   for j = 1, m do
     local i = 2 + 3 * j
-    if in_cur[j] == 1 or in_prev[j] == 1 then
+    if in_cur[j] == 1 or in_prev[j] == 1 or (g and g.seen[j]) then
       out[j + 1] = 0
-    elseif ARGV[i + 2] == '' then
-      out[j + 1] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1])
     else
-      out[j + 1] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1], 'h', ARGV[i + 2])
+      if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
+      if g and g.pull_only then
+        out[j + 1] = '-'
+      elseif ARGV[i + 2] == '' then
+        out[j + 1] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1])
+      else
+        out[j + 1] = redis.call('XADD', log, '*', 'm', ARGV[i], 'c', ARGV[i + 1], 'h', ARGV[i + 2])
+      end
     end
   end
+  fed(g, ARGV[1])
 end
 local r = 5 + 3 * m
 if ARGV[r] ~= '' then redis.call('XADD', journal, '*', 'r', ARGV[r], 'e', ARGV[1]) end
