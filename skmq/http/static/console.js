@@ -127,7 +127,7 @@ function drawApps(body, apps) {
       age(a.oldest_pending_age_s), recipients, groups];
     values.forEach((v, i) => (r.cells[i].textContent = v ?? "–"));
     r.tr.classList.toggle("selected", a.app === selectedApp());
-    r.tr.classList.toggle("has-dead", a.dead > 0);
+    r.cells[3].classList.toggle("bad", a.dead > 0);
     body.append(r.tr); // moved, not made again: in the gateway's order
   }
   for (const [app, r] of appRows) {
