@@ -157,7 +157,7 @@ async def look_and_act(
 
     # the app, its depths and its dead letter, whose content is shown as text only
     app_row = page.locator('#apps tr[data-app="orders"]')
-    cells = ["orders", re.compile(r"/s / .*/s"), "0", "0", "0", "1", "–", "1 alive", "0"]
+    cells = ["orders", re.compile(r"/s / .*/s"), "0", "0", "0", "1", "\u2013", "1 alive", "0"]
     await expect(app_row.locator("td")).to_have_text(cells, timeout=10_000)
     idle_row = page.locator('#apps tr[data-app="idle"]')
     await expect(idle_row.locator("td").nth(2)).to_have_text("3")  # pending
