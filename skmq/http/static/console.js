@@ -120,11 +120,10 @@ function drawApps(body, apps) {
     sample(r.out, a.rate_out);
     drawChart(r.chart, r.in, r.out);
     r.rate.textContent = `${rate(a.rate_in)} / ${rate(a.rate_out)}`;
-    const groups = Array.isArray(a.groups) ? a.groups.length : a.groups;
     const recipients = `${a.recipients.alive} alive` +
       (a.recipients.lost ? `, ${a.recipients.lost} lost` : "");
     const values = [a.pending, a.delayed, a.in_flight, a.dead,
-      age(a.oldest_pending_age_s), recipients, groups];
+      age(a.oldest_pending_age_s), recipients, a.groups];
     values.forEach((v, i) => (r.cells[i].textContent = v ?? "–"));
     r.tr.classList.toggle("selected", a.app === selectedApp());
     r.cells[3].classList.toggle("bad", a.dead > 0);
@@ -220,13 +219,12 @@ function deadRows(app, d) {
   });
   td.append(content, history);
   full.append(td);
-  const peek = button("Peek", () => {
+  const peek = button(full.hidden ? "Peek" : "Hide", () => {
     full.hidden = !full.hidden;
     peek.textContent = full.hidden ? "Peek" : "Hide";
     if (full.hidden) peeked.delete(d.msgid);
     else peeked.add(d.msgid);
   });
-  if (!full.hidden) peek.textContent = "Hide";
   const one = { msgids: [d.msgid] };
   const replay = button("Replay", () => redrive(app, "replay", one));
   const purge = button("Purge", () => confirm(`Purge dead letter ${d.msgid} of ${app}?`) &&
