@@ -232,8 +232,6 @@ class Broker:
                 self.redis.connection_pool, SentinelConnectionPool
             ):
                 raise Misconfigured("ENGINE=owner runs on one Redis for now (no Cluster, Sentinel)")
-            if s.replica_acks:
-                raise Misconfigured("ENGINE=owner does not wait for REPLICA_ACKS yet")
             self.owned = await OwnerRuntime.start(
                 s,
                 url,

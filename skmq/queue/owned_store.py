@@ -17,6 +17,7 @@ from skmq.queue.dead import letter
 from skmq.queue.journal import AppKeys, script_source
 from skmq.queue.owners import Owners
 from skmq.store.client import ENC
+from skmq.store.shards import ReplicasMissing
 from skmq.store.store import (
     AliveRecipient,
     AppCounts,
@@ -64,7 +65,21 @@ class OwnedStore(Store):
             outcome = await self._owners.store(batches, now)
             if stored is not None:
                 stored(outcome)
+            if self.replica_acks:
+                missing = await self._replicas_missing()
+                if missing is not None:
+                    return dict.fromkeys(outcome, missing)
         return dict(outcome)
+
+    async def _replicas_missing(self) -> ReplicasMissing | None:
+        """REPLICA_ACKS: WAIT on the owners' connection, after the writes it made (WAIT
+        counts the replicas that have every write of its connection so far); None when
+        enough replicas acknowledged them within REPLICA_ACK_TIMEOUT."""
+        wire = self._owners.wire
+        acked = int(await wire.call("WAIT", self.replica_acks, self.replica_ack_ms))
+        if acked >= self.replica_acks:
+            return None
+        return ReplicasMissing(f"{acked} of {self.replica_acks} replicas acknowledged")
 
     async def claim(
         self,

@@ -1,0 +1,66 @@
+"""REPLICA_ACKS on one Redis with a real replica: a store is answered `ack` once the
+replica has it, and `error` (outcome unknown: stored on its master) while the replica
+does not answer. On either engine (SKMQ_ENGINE)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from skmq.embedded import EmbeddedRedis
+from tests.conftest import BrokerFactory
+from tests.peers import RawClient
+
+
+@pytest.fixture
+async def replicated(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedRedis, EmbeddedRedis]]:
+    """A master and its replica, in sync."""
+    master = EmbeddedRedis(tmp_path / "master", auth=False)
+    replica = EmbeddedRedis(tmp_path / "replica", auth=False)
+    master.start()
+    replica.start()
+    try:
+        to_replica = aioredis.Redis.from_url(replica.tcp_url)
+        to_master = aioredis.Redis.from_url(master.tcp_url)
+        await to_replica.execute_command("REPLICAOF", master.host, str(master.port))
+        async with asyncio.timeout(20):  # until the master counts it online
+            while (await to_master.info("replication")).get("connected_slaves") != 1 or (
+                (await to_replica.info("replication")).get("master_link_status") != "up"
+            ):
+                await asyncio.sleep(0.05)
+        await to_master.aclose()
+        await to_replica.aclose()
+        yield master, replica
+    finally:
+        replica.stop()
+        master.stop()
+
+
+async def test_an_ack_waits_for_the_replica_and_a_stalled_replica_is_said(
+    replicated: tuple[EmbeddedRedis, EmbeddedRedis], make_broker: BrokerFactory
+) -> None:
+    master, replica = replicated
+    broker = await make_broker(redis_url=master.tcp_url, replica_acks=1, replica_ack_timeout=0.3)
+    client = await RawClient.connect(broker.server.port)
+    try:
+        resp = await client.request("queue", b"one", appid="r", msgid="r1")
+        assert resp["status"] == "ack", resp
+        assert replica.proc is not None
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        try:
+            resp = await client.request("queue", b"two", appid="r", msgid="r2")
+        finally:
+            os.kill(replica.proc.pid, signal.SIGCONT)
+        assert resp["status"] == "error", resp
+        assert resp["content"].startswith("outcome unknown: stored on its master"), resp
+        # The replica back: sent again with its msgid, one message (a duplicate, acked).
+        resp = await client.request("queue", b"two", appid="r", msgid="r2")
+        assert resp["status"] == "ack", resp
+    finally:
+        await client.close()
