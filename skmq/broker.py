@@ -33,6 +33,7 @@ from skmq.embedded import EmbeddedRedis, preloaded_allocator
 from skmq.errors import Misconfigured, UsageError, redis_error_text
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
+from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.pull import PullApi, PullRoutes
 from skmq.logarchive import LogArchive
@@ -60,6 +61,7 @@ from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
 from skmq.store.engine_mark import claim_engine
 from skmq.supervisor import Supervisor
+from skmq.throughput import Throughput
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import Enqueuer
 
@@ -226,6 +228,7 @@ class Broker:
             self.metrics.observe_latency,
             own=self.own,
             signer=self.signer,
+            throughput=Throughput(self.metrics.counts).last_minute,
         )
         if isinstance(self.store, OwnedStore):
             if not isinstance(self.redis, aioredis.Redis) or isinstance(
@@ -278,8 +281,11 @@ class Broker:
         self.pull = PullApi(s, self.groups, longpoll, self.dlog)
         pull = PullRoutes(self.pull, self.tokens)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
+        console = ConsoleRoutes(self.store, self.dlog, self.tokens)
         admission = Admission(s)  # one count of connections for PORT and HTTP_PORT
-        self.gateway = Gateway(s, self.metrics, self.enqueuer, pull, dlq, self.tokens, admission)
+        self.gateway = Gateway(
+            s, self.metrics, self.enqueuer, pull, dlq, console, self.tokens, admission
+        )
         handler = FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull)
         self.server = Server(s, handler, self.supervisor, admission)
         with listening(s.host, s.port, "HOST/PORT"):

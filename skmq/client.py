@@ -23,11 +23,15 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, InitVar, dataclass, field, replace
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
+from skmq import tracing
 from skmq.coalesce import Coalescer, transport_sink
 from skmq.codec import PONG, CodecError, Frame, FrameProtocol, InvalidFrame, encode_frame
 from skmq.signing import DEFAULT_TOLERANCE, PushVerifier
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 __all__ = [
     "AuthenticationError",
@@ -471,7 +475,9 @@ class Producer(_Scoped):
         (ExtensionUnsupported otherwise). A `key` (queue messages only, the `key`
         extension) orders delivery: one message of the app and key at a time, in stored
         order. A W3C `traceparent` (the `trace` extension) goes with the message to its
-        pushes (`Message.fields["traceparent"]`) and into the delivery log.
+        pushes (`Message.fields["traceparent"]`) and into the delivery log; while tracing
+        is on (skmq/tracing.py), the message carries instead the traceparent of this
+        send's span, a child of the one given (or of the current span).
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -489,9 +495,31 @@ class Producer(_Scoped):
             fields.append(("key", key))
         if traceparent is not None:
             await self.require("trace")
-            fields.append(("traceparent", traceparent))
         data = content.encode() if isinstance(content, str) else content
         frame_type = "topic" if topic else "queue"
+        if tracing.tracer is not None:
+            span = tracing.start("send", traceparent, app, msgid)
+            return await self._traced_send(span, frame_type, fields, data, msgid)
+        if traceparent is not None:
+            fields.append(("traceparent", traceparent))
+        return await self._sent(frame_type, fields, data, msgid)
+
+    async def _traced_send(
+        self, span: Span, frame_type: str, fields: list[tuple[str, str]], data: bytes, msgid: str
+    ) -> Resp:
+        """Send within `span` (`skmq send`), its traceparent the message's when the broker
+        takes one."""
+        with tracing.current(span):
+            if (await self.hello()).supports("trace"):
+                fields.append(("traceparent", tracing.traceparent(span)))
+            resp = await self._sent(frame_type, fields, data, msgid)
+            if not resp.ok:
+                tracing.failed(span, f"{resp.status}: {resp.content}")
+            return resp
+
+    async def _sent(
+        self, frame_type: str, fields: list[tuple[str, str]], data: bytes, msgid: str
+    ) -> Resp:
         resp = _named(await self.request(frame_type, fields, data), msgid)
         return await self._until_known(resp, frame_type, fields, data)
 
@@ -661,29 +689,41 @@ class _PushProtocol(FrameProtocol):
         self._consumer._track(asyncio.get_running_loop().create_task(self._handle(msg)))
 
     async def _handle(self, msg: Message) -> None:
-        consumer = self._consumer
         try:
-            try:
-                await consumer.handler(msg)
-            except Reject:
-                consumer.stats["rejected"] += 1
-                self._answer(msg, "reject")
-            except Exception as exc:
-                consumer.stats["errored"] += 1
-                reason = _error_reason(exc)
-                log.warning(
-                    "handler failed for %s: %s",
-                    msg.msgid,
-                    reason,
-                    exc_info=log.isEnabledFor(logging.DEBUG),
-                )
-                self._answer(msg, "error", reason)
+            if tracing.tracer is not None and (parent := msg.fields.get("traceparent")):
+                span = tracing.start("receive", parent, msg.appid, msg.msgid)
+                with tracing.current(span):  # (the handler's spans are its children)
+                    if (why := await self._run(msg)) is not None:
+                        tracing.failed(span, why)
             else:
-                consumer.stats["acked"] += 1
-                self._answer(msg, "ack")
+                await self._run(msg)
         finally:
             self._active -= 1
             self._start_next()
+
+    async def _run(self, msg: Message) -> str | None:
+        """Run the handler on msg and answer; None, or why it was not acked."""
+        consumer = self._consumer
+        try:
+            await consumer.handler(msg)
+        except Reject:
+            consumer.stats["rejected"] += 1
+            self._answer(msg, "reject")
+            return "rejected"
+        except Exception as exc:
+            consumer.stats["errored"] += 1
+            reason = _error_reason(exc)
+            log.warning(
+                "handler failed for %s: %s",
+                msg.msgid,
+                reason,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            self._answer(msg, "error", reason)
+            return reason
+        consumer.stats["acked"] += 1
+        self._answer(msg, "ack")
+        return None
 
     def _start_next(self) -> None:
         if self._lost or self._consumer._stopping:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import structlog
 from redis.exceptions import RedisError
 
-from skmq import __version__
+from skmq import __version__, tracing
 from skmq.aio import spawn
 from skmq.auth import Role, Tokens
 from skmq.clock import now_ms
@@ -317,9 +317,10 @@ class FrameHandler:
         if ttl is None:
             ttl = self.settings.app_ttl(app)
         expires = now + ttl if ttl else 0
-        return batch.add(
-            app, NewMessage(msgid, frame.type, frame.content, due, expires, key, trace)
-        )
+        message = NewMessage(msgid, frame.type, frame.content, due, expires, key, trace)
+        if trace and tracing.tracer is not None:
+            return batch.add_traced(app, message)
+        return batch.add(app, message)
 
     # -- recipients' answers and registrations ------------------------------
     async def _answer(self, frame: Frame, peer: Peer) -> bytes:

@@ -27,6 +27,9 @@ table and tests/test_lifecycle.py has a test for each row, refusals included.
     dead --purge--> gone                               (anything not dead: refused)
     dead --move--> gone, and pending in another app    (`dlq replay --to-app`; not dead,
                                                         or a duplicate there: refused)
+    pending | delayed | waiting_retry | waiting_key --purge_waiting--> gone
+                                                       (`skmq purge`; in flight or dead:
+                                                        left alone)
 
 Pull consumption (skmq/pull/): each consumer group holds its own copy of these states
 for every message stored after it subscribed (its receipts name an attempt and the
@@ -98,6 +101,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t("replay", {S.DEAD}, {S.DELAYED}, "not dead"),
     _t("purge", {S.DEAD}, {S.GONE}, "not dead"),
     _t("move", {S.DEAD}, {S.GONE}, "not dead, or its msgid a duplicate in the target app"),
+    _t(
+        "purge_waiting",
+        {S.PENDING, S.DELAYED, S.WAITING_RETRY, S.WAITING_KEY},
+        {S.GONE},
+        "in flight or dead: left alone",
+    ),
     _t(
         "pull_receive",
         {S.PENDING, S.DELAYED, S.WAITING_RETRY, S.IN_FLIGHT},

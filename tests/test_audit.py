@@ -537,6 +537,13 @@ def test_every_outcome_on_a_small_log(spark: SparkSession, tmp_path: Path) -> No
         _line(t + 10, "pushed", "tp", "o", attempt=1, **r2, **topic),
         _line(t + 30, "purged", "tp", "o", detail="pending message purged by an operator",
               **topic),
+        # a topic message: c1 acked, c2's copy purged while pending (alone), c3 in flight
+        _line(t, "stored", "tc", "o", **topic),
+        _line(t + 10, "pushed", "tc", "o", attempt=1, recipient="c1", **topic),
+        _line(t + 20, "acked", "tc", "o", attempt=1, recipient="c1", **topic),
+        _line(t + 30, "purged", "tc", "o", recipient="c2",
+              detail="pending message purged by an operator (user ops)", **topic),
+        _line(t + 95_000, "pushed", "tc", "o", attempt=1, recipient="c3", **topic),
         # a topic message acked by n1, dropped for n2, in flight for n3: dropped
         _line(t, "stored", "tm", "o", **topic),
         _line(t + 10, "pushed", "tm", "o", attempt=1, recipient="n1", **topic),
@@ -569,23 +576,23 @@ def test_every_outcome_on_a_small_log(spark: SparkSession, tmp_path: Path) -> No
         "acked": 2,  # a1, m1 in app other
         "dead_lettered_attempts": 2,  # d1, g1
         "expired_dropped": 2,  # x1, tm
-        "purged_pending": 2,  # pp1, tp
+        "purged_pending": 3,  # pp1, tp, tc
     }
     assert _rows(report, "deliveries") == every | {
-        "acked": 4,  # a1, other/m1, tp/r1, tm/n1
+        "acked": 5,  # a1, other/m1, tp/r1, tm/n1, tc/c1
         "dead_lettered_attempts": 2,
         "expired_dropped": 2,  # x1, tm/n2
-        "purged_pending": 2,  # pp1, tp/r2
-        "in_flight": 2,  # f1, tm/n3
+        "purged_pending": 3,  # pp1, tp/r2, tc/c2 (its copy alone)
+        "in_flight": 3,  # f1, tm/n3, tc/c3
     }
     totals = report["totals"]
-    assert (totals["messages"], totals["deliveries"]) == (18, 21)
-    assert [totals[g] for g in ("acked", "dead_lettered", "dropped", "unresolved")] == [2, 8, 4, 4]
+    assert (totals["messages"], totals["deliveries"]) == (19, 24)
+    assert [totals[g] for g in ("acked", "dead_lettered", "dropped", "unresolved")] == [2, 8, 5, 4]
     assert (totals["dead_letter_entries"], totals["purged_dead_letters"]) == (6, 2)
     assert report["outcomes"]["holds"] is True
     unresolved = report["unresolved"]
     assert [unresolved[s] for s in ("not_yet_due", "waiting_for_recipient")] == [1, 1]
-    assert [unresolved[s] for s in ("in_flight", "stuck")] == [2, 1]
+    assert [unresolved[s] for s in ("in_flight", "stuck")] == [3, 1]  # (tc/c3 too)
     assert _refs(unresolved["stuck_sample"]) == [("o", "s1", None)]
     dlq = report["dead_letters"]
     assert dlq["by_app_reason"] == [

@@ -211,6 +211,12 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     await store.replay(APP, dead[:1], NOW)
     assert await store.move(APP, "life2", dead[1:2], NOW) == [1]
     await store.purge(APP, dead[2:])
+    ordered = [NewMessage(m, "queue", b"o", key="o") for m in ("o1", "o2")]  # o2 waits
+    await store.store({APP: ordered}, NOW)
+    await store.peek(APP, 10, NOW)
+    await store.oldest_pending([APP], NOW)
+    purged = await store.purge_waiting(APP, None, None, False, NOW)
+    assert {"o1", "o2"} <= {p.msgid for p in purged}
     await store.register(APP, "r1", {"id": "r1"}, NOW, 10)
     await store.set_state(APP, "r1", False, NOW)
     await store.unregister(APP, "r1")

@@ -173,6 +173,30 @@ async def test_a_takeover_rebuilds_the_state_and_fences_the_old_owner(
     assert set(c.queue.deliveries) == set(b.queue.deliveries)
 
 
+async def test_pushes_made_while_a_checkpoint_is_written_are_replayed_once(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A checkpoint's state stands for exactly the journal up to the entry it names:
+    what the owner does while the checkpoint is on its way (pushes, here) is replayed
+    by a new owner from the journal after it, once (not on top of a state that already
+    has it: a push of a delivery in flight is refused by the table)."""
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("m1", "m2", "m3"), T)
+    writing = asyncio.ensure_future(a.checkpoint(T))
+    await asyncio.sleep(0)  # (the checkpoint is under way: its first write sent)
+    for d in list(a.queue.take(10, T)):
+        a.queue.push(d, "r1", T)
+    await writing
+    await a.flush(T)
+    before = states(a)
+
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    await b.load(T + 1)
+    assert before == {k: (State.IN_FLIGHT, 1) for k in before} and len(before) == 3
+    assert states(b) == {k: (State.PENDING, 1) for k in before}  # pushed again
+
+
 async def test_the_answers_of_one_loop_turn_share_one_write(wire: Wire, keys: AppKeys) -> None:
     a = await owner(wire, keys, "A", ["r1"])
     await a.store(msgs(*(f"m{n}" for n in range(20))), T)

@@ -26,6 +26,9 @@ COMMANDS = {
     "send": "send one message to the broker",
     "consume": "receive pushed messages",
     "status": "apps, depths, recipients and how Redis persists them",
+    "apps": "each app at a glance: depths, oldest pending, recipients, rates",
+    "peek": "look at an app's waiting messages (or dead letters), changing nothing",
+    "purge": "delete an app's waiting messages (not in flight, not dead)",
     "dlq": "list, replay or purge dead letters",
     "groups": "list, create, reset or delete consumer groups",
     "audit": "audit delivery logs with Spark (report.json, report.html, CSV)",
@@ -104,6 +107,16 @@ def fail(command: str, message: str, status: int) -> int:
         traceback.print_exc()
     print(f"skmq {command}: {message}", file=sys.stderr)
     return status
+
+
+def trace_as_the_environment_says(command: str) -> None:
+    """Spans as the OTEL_* variables ask (docs/OPERATIONS.md, "Tracing"), under the
+    service name skmq-COMMAND unless OTEL_SERVICE_NAME says otherwise; when they ask for
+    traces that cannot be made, one line on stderr, and the command runs untraced."""
+    from skmq.tracing import from_environment
+
+    if (why := from_environment(f"skmq-{command}")) is not None:
+        print(f"skmq {command}: tracing off: {why}", file=sys.stderr)
 
 
 class Parser(argparse.ArgumentParser):

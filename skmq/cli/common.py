@@ -1,9 +1,13 @@
-"""What operator commands share: the store found from their settings."""
+"""What operator commands share: the store found from their settings, the app they
+act on, the delivery log they write to and the user they name."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,8 +16,10 @@ from redis.exceptions import BusyLoadingError
 
 from skmq.broker import make_store
 from skmq.config import Settings
+from skmq.deliverylog import DeliveryLog
 from skmq.embedded import SECRET_FILE, EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
+from skmq.handler import bad_app
 from skmq.store import Store, connect_redis
 from skmq.store.client import RedisClient
 from skmq.store.engine_mark import engine_of
@@ -70,3 +76,26 @@ async def wait_loaded(redis: RedisClient, timeout: float) -> None:
                     f"Redis is still loading its dataset after {timeout:g}s (REDIS_WAIT)"
                 ) from None
             await asyncio.sleep(LOADING_POLL)
+
+
+def admin_app(app: str, only: frozenset[str] | None) -> str:
+    """`--app`, checked: an app id the token (`only`: cli/tokens.py admin_apps) is admin of."""
+    if (why := bad_app(app)) is not None:
+        raise UsageError(f"--app {why}")
+    if only is not None and app not in only:
+        raise UsageError(f"this token has no admin role for app {app!r}")
+    return app
+
+
+def operator_log(settings: Settings) -> DeliveryLog:
+    """The delivery log of one operator command (its own instance id), so that the audit
+    sees what it changed."""
+    return DeliveryLog(settings.delivery_log_dir, f"cli-{socket.gethostname()}-{os.getpid()}")
+
+
+def operator() -> str:
+    """Who runs the command, for the logs."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return str(os.getuid())

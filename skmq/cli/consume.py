@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from skmq.cli import fail, seconds, unreachable, whole_number
+from skmq.cli import fail, seconds, trace_as_the_environment_says, unreachable, whole_number
 from skmq.cli.broker_settings import broker_addresses
 from skmq.cli.consume_pull import add_pull_flags, consume_pull
 from skmq.cli.send import port_number
@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="skmq consume: %(levelname)s %(message)s"
     )
+    trace_as_the_environment_says("consume")
     if args.pull:
         return consume_pull(args, exec_handler, print_message)
     if args.id is None or args.port is None:

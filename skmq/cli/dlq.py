@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
 import json
-import os
 import re
-import socket
 from datetime import UTC, datetime
 
 import structlog
 from rich.progress import Progress
 
-from skmq.cli.common import open_store
+from skmq.cli.common import open_store, operator, operator_log
 from skmq.cli.tokens import add_token_flag, admin_apps
 from skmq.clock import now_ms
 from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
@@ -175,11 +172,11 @@ async def _run(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _dry_run(verb, letters, args.json)
         pace = TokenBucket(args.rate, burst=max(1.0, args.rate)) if args.rate else None
-        done = await _apply(where, settings.delivery_log_dir, args.verb, letters, to_app, pace)
+        done = await _apply(where, operator_log(settings), args.verb, letters, to_app, pace)
         structlog.get_logger("skmq.dlq").info(
             "operator action",
             action=f"dlq {args.verb}",
-            user=_user(),
+            user=operator(),
             done=done,
             selected=len(letters),
             msgids=[d.msgid for d in letters][:100],
@@ -203,22 +200,14 @@ def _dry_run(verb: str, letters: list[DeadLetter], as_json: bool) -> int:
     return 0
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (OSError, KeyError):
-        return str(os.getuid())
-
-
 async def _apply(
     store: DeadLetters,
-    log_dir: os.PathLike[str],
+    dlog: DeliveryLog,
     verb: Verb,
     letters: list[DeadLetter],
     to_app: str | None = None,
     pace: TokenBucket | None = None,
 ) -> int:
-    dlog = DeliveryLog(log_dir, f"cli-{socket.gethostname()}-{os.getpid()}")  # type: ignore[arg-type]
     try:
         with Progress(transient=True, disable=len(letters) <= CHUNK) as progress:
             task = progress.add_task(f"{verb}ing", total=len(letters))

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from skmq.cli import fail, seconds, unreachable, whole_number
+from skmq.cli import fail, seconds, trace_as_the_environment_says, unreachable, whole_number
 from skmq.cli.tokens import add_token_flag
 from skmq.client import (
     DEFAULT_HOST,
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("send", f"not sent: {exc}", 2)
     # os.fsencode gives back exactly the bytes of the argument, even non-UTF-8 ones.
     content = sys.stdin.buffer.read() if args.content == "-" else os.fsencode(args.content)
+    trace_as_the_environment_says("send")
     try:
         resp: Resp = run_main(_send(args, host, port, content))
     except AuthenticationError as exc:

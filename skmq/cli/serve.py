@@ -29,10 +29,14 @@ def run(args: argparse.Namespace) -> int:
     from skmq.config import settings_from_args, unknown_env
     from skmq.logs import configure_logging
     from skmq.loop import run_main
+    from skmq.tracing import from_environment
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
+    log = structlog.get_logger("skmq")
     for name in unknown_env(os.environ):
-        structlog.get_logger("skmq").warning("environment variable names no setting", name=name)
+        log.warning("environment variable names no setting", name=name)
+    if (why := from_environment("skmq-broker")) is not None:
+        log.warning("tracing off", reason=why)
     run_main(serve(settings))
     return 0

@@ -14,6 +14,7 @@ from skmq.admission import Admission
 from skmq.auth import Tokens
 from skmq.config import Settings
 from skmq.http import ui
+from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.errors import json_errors
 from skmq.http.guard import CountedSite, ServerLog
@@ -34,6 +35,7 @@ class Gateway:
         enqueuer: Enqueuer,
         pull: PullRoutes,
         dlq: DlqRoutes,
+        console: ConsoleRoutes,
         tokens: Tokens | None,
         admission: Admission | None = None,
     ) -> None:
@@ -43,6 +45,7 @@ class Gateway:
         self.producer = Producer(settings, enqueuer, tokens)
         self.pull = pull
         self.dlq = dlq
+        self.console = console
         self._openapi = document()
         self._runners: list[web.AppRunner] = []
         self.port: int | None = None
@@ -74,6 +77,7 @@ class Gateway:
             self.pull.add_to(app)
             self.dlq.add_to(app)
             ui.add_to(app)
+            self.console.add_to(app)
         return app
 
     # -- serving --------------------------------------------------------------

@@ -8,6 +8,8 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from skmq import __version__
+from skmq.console import PEEK_MAX
+from skmq.http.console import MODELS as CONSOLE_MODELS
 from skmq.http.dlq import MODELS as DLQ_MODELS
 from skmq.http.produce import BatchResult, MessageBatch, OutgoingMessage, StoreResult
 from skmq.http.pull import MODELS as PULL_MODELS
@@ -60,6 +62,7 @@ def document() -> dict[str, Any]:
                 BatchResult,
                 *PULL_MODELS,
                 *DLQ_MODELS,
+                *CONSOLE_MODELS,
             )
         ],
         ref_template=_REF,
@@ -208,6 +211,31 @@ def document() -> dict[str, Any]:
                        "DlqRequest", "DlqResult", "what was selected and done", 404),
         },
     }  # fmt: skip
+    peek_params = [
+        {"name": "max", "in": "query", "required": False,
+         "description": "at most this many, oldest first (default 100)",
+         "schema": {"type": "integer", "minimum": 1, "maximum": PEEK_MAX}},
+        {"name": "dead", "in": "query", "required": False,
+         "description": "1: the dead letters instead of the messages waiting",
+         "schema": {"type": "string", "enum": ["0", "1"]}},
+    ]  # fmt: skip
+    console_paths: dict[str, Any] = {
+        "/v1/apps": {
+            "get": op("listApps", "Every app the token is admin of: depths, recipients, "
+                      "groups, rates over the last minute", None, "AppList", "the apps"),
+        },
+        "/v1/apps/{app}/purge": {
+            "parameters": [app_param],
+            "post": op("purgeWaiting", "Delete messages waiting (not in flight, not dead), "
+                       "oldest first (dry run; admin role)", "PurgeRequest", "PurgeResult",
+                       "what was purged (on a dry run: would be)"),
+        },
+    }  # fmt: skip
+    produce["get"] = {
+        **op("peek", "The messages waiting, oldest first, or the dead letters; nothing "
+             "changes (admin role)", None, "MessageList", "oldest first"),
+        "parameters": [app_param, *peek_params],
+    }  # fmt: skip
     text = {"text/plain": {"schema": {"type": "string"}}}
     # Any route: one connection too many is refused before routing (skmq/http/guard.py).
     crowded = _errors(503)["503"]["content"]
@@ -222,6 +250,7 @@ def document() -> dict[str, Any]:
             "/v1/apps/{app}/messages": produce,
             **pull_paths,
             **dlq_paths,
+            **console_paths,
             "/metrics": {
                 "get": {
                     "operationId": "metrics",

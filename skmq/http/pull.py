@@ -14,6 +14,7 @@ from aiohttp import web
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from skmq import tracing
 from skmq.auth import Role, Tokens
 from skmq.clock import now_ms
 from skmq.config import Settings
@@ -101,6 +102,9 @@ class PulledMessage(BaseModel):
     content: str
     encoding: Literal["text", "base64"] = Field(description="base64 when not UTF-8 text")
     attempt: int
+    traceparent: str | None = Field(
+        None, description="the W3C trace context it was sent with (absent: none)"
+    )
 
 
 class ReceiveResult(BaseModel):
@@ -160,7 +164,7 @@ def _pulled(p: Pulled) -> PulledMessage:
         content, encoding = base64.b64encode(p.content).decode(), "base64"
     return PulledMessage(
         receipt=p.receipt, msgid=p.msgid, kind="topic" if p.kind == "topic" else "queue",
-        content=content, encoding=encoding, attempt=p.attempt,
+        content=content, encoding=encoding, attempt=p.attempt, traceparent=p.trace or None,
     )  # fmt: skip
 
 
@@ -351,7 +355,11 @@ class PullApi:
         for p in got:
             self.dlog.event(Event.PUSHED, p.msgid, app, p.kind, GROUP_PREFIX + group, p.attempt,
                             f"{by}receipt {p.receipt}")  # fmt: skip
-        return ReceiveResult(messages=[_pulled(p) for p in got]).model_dump()
+            if p.trace and tracing.tracer is not None:
+                span = tracing.start("pull", p.trace, app, p.msgid, **{tracing.GROUP: group})
+                p.trace = tracing.traceparent(span)  # (the consumer's receive: its child)
+                span.end()
+        return ReceiveResult(messages=[_pulled(p) for p in got]).model_dump(exclude_none=True)
 
     async def ack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, AckRequest)

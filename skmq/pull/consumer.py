@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
+from skmq import tracing
 from skmq.client import Producer
 from skmq.coalesce import Coalescer
 from skmq.pull.position import parse_position
@@ -82,6 +83,7 @@ class PulledMessage:
     consumer: PullConsumer = field(repr=False)
     # When the lease runs out, on the event loop's clock (as far as this client knows).
     lease_ends: float = field(default=0.0, repr=False)
+    trace: str = field(default="", repr=False)  # its W3C traceparent, if it has one
 
     async def ack(self) -> bool:
         """True when settled; False for a stale receipt (the lease ran out). Acks made in
@@ -348,10 +350,20 @@ class PullConsumer:
         for m in answer["messages"]:
             text: str = m["content"]
             raw = base64.b64decode(text) if m["encoding"] == "base64" else text.encode()
-            out.append(
-                PulledMessage(m["msgid"], raw, m["kind"], m["attempt"], m["receipt"], self, ends)
-            )
+            msg = PulledMessage(m["msgid"], raw, m["kind"], m["attempt"], m["receipt"], self, ends)
+            if trace := m.get("traceparent"):
+                msg.trace = self._received(trace, msg.msgid)
+            out.append(msg)
         return out
+
+    def _received(self, parent: str, msgid: str) -> str:
+        """With tracing on, a `skmq receive` span (a child of the broker's `skmq pull`):
+        its traceparent, the parent for the handling of the message."""
+        if tracing.tracer is None:
+            return parent
+        span = tracing.start("receive", parent, self.app, msgid, **{tracing.GROUP: self.group})
+        span.end()
+        return tracing.traceparent(span)
 
     def __aiter__(self) -> PullConsumer:
         return self

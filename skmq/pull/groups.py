@@ -58,6 +58,7 @@ class Pulled:
     kind: str
     content: bytes
     attempt: int
+    trace: str = ""  # the traceparent it was stored with
 
 
 @dataclass(slots=True)
@@ -206,13 +207,14 @@ class Groups:
         nxt = int(res[-2])
         got = Received([], None if nxt < 0 else nxt, res[-1] == 1)
         lists = {b"x": got.expired, b"r": got.ran_out}
-        for i in range(0, len(res) - 3, 6):
-            entry, msgid, kind, content, n, attempt = res[i : i + 6]
+        for i in range(0, len(res) - 3, 7):
+            entry, msgid, kind, content, n, attempt, trace = res[i : i + 7]
             expired = kind[:1] == b"x"
             receipt = "" if expired else make_receipt(entry.decode(), int(n), generation)
             pulled = Pulled(
-                receipt, unpack(msgid), _KINDS.get(kind[-1:], "queue"), content, int(attempt)
-            )
+                receipt, unpack(msgid), _KINDS.get(kind[-1:], "queue"), content, int(attempt),
+                trace.decode(),
+            )  # fmt: skip
             lists.get(kind[:1], got.messages).append(pulled)
         return got
 

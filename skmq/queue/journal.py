@@ -195,6 +195,7 @@ GROUPS_ONLY = b"-"  # a message stored for the app's consumer groups alone (pull
 class Flushed:
     ids: list[bytes | None]  # each message's log entry (GROUPS_ONLY: none), None: a duplicate
     inbox: list[tuple[bytes, list[bytes]]]  # the inbox entries read first (XRANGE's)
+    journaled: bytes = b""  # the journal entry written (b"": no records)
 
 
 class Journal:
@@ -233,7 +234,7 @@ class Journal:
         keys += (k.listing, *k.groups)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease, self.keys)
-        return Flushed([entry or None for entry in reply[1:]], reply[0])
+        return Flushed([entry or None for entry in reply[1:-1]], reply[0], reply[-1])
 
     async def checkpoint(
         self, state: bytes, journal_id: bytes, oldest_needed: bytes, oldest_inbox: bytes

@@ -12,6 +12,7 @@ still waiting for a first recipient is shown but not purged (it has no delivery 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import uuid
@@ -20,42 +21,34 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from skmq.queue.deliveries import Delivery
-from skmq.queue.entries import Entry, entry_order
+from skmq.queue.entries import entry_order
 from skmq.queue.journal import AppKeys, script_source
-from skmq.queue.lifecycle import WAITING
+from skmq.queue.lifecycle import WAITING, State
 from skmq.queue.owner import AppOwner
+from skmq.store.store import PREVIEW_BYTES
 
 OP = "op"  # a question's JSON field naming an operator's request (a forwarded answer has none)
+ASK_TIMEOUT = 5.0  # s: how long an asker waits for the owner's reply
 
 
-class NoOwner(Exception):
-    """No broker owns the app now: its waiting messages are in no one's memory."""
+class NoOwner(RedisError):  # type: ignore[misc]
+    """No broker owns the app now (its waiting messages are in no one's memory), or its
+    owner did not reply in time. (A RedisError: the store's trouble, to the CLI and HTTP.)"""
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
     op: Literal["peek", "purge"]
     limit: int | None
-    older_than_ms: int | None = None  # purge: only messages stored before now minus this
+    before_ms: int | None = None  # purge: only what was stored at or before (unix ms)
     dry_run: bool = False
     reply: str = ""  # the asker's channel
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
-
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    """One waiting message as the owner has it (what `peek` shows)."""
-
-    msgid: str
-    stored_ms: int
-    attempts: int
-    key: str
-    content: str  # latin-1: the bytes as they are
-    due_ms: int
 
 
 def request_of(raw: bytes) -> Request | None:
@@ -66,21 +59,20 @@ def request_of(raw: bytes) -> Request | None:
     return Request(**body)
 
 
-def oldest_waiting(owner: AppOwner) -> int | None:
-    """When the oldest message still waiting was stored (unix ms), or None."""
+def oldest_pending(owner: AppOwner) -> int | None:
+    """When the oldest message pending (due, waiting for a recipient) was stored (unix
+    ms), or None."""
     for d in _waiting(owner):
-        return d.stored_at
+        if d.state is State.PENDING:
+            return d.stored_at
     return None
 
 
 def _waiting(owner: AppOwner) -> Iterator[Delivery]:
-    """Waiting deliveries (not in flight), one a message, in the order they were read:
-    the order they were stored but for what a takeover merged from the inbox."""
-    seen: set[bytes] = set()
-    for d in owner.queue.deliveries.values():
-        if d.state in WAITING and d.msgid not in seen:
-            seen.add(d.msgid)
-            yield d
+    """Waiting deliveries (not in flight; a topic message's copies each), in the order
+    they were read: the order they were stored but for what a takeover merged from the
+    inbox."""
+    return (d for d in owner.queue.deliveries.values() if d.state in WAITING)
 
 
 async def answer_request(owner: AppOwner, request: Request, now: int) -> list[Any]:
@@ -91,50 +83,52 @@ async def answer_request(owner: AppOwner, request: Request, now: int) -> list[An
 
 
 async def _peek(owner: AppOwner, limit: int | None) -> list[Any]:
+    """[msgid, stored ms, attempts, key, size, preview, due ms (0: now, -1: its key's
+    turn)] a waiting message, oldest first."""
     shown = list(itertools.islice(_waiting(owner), limit))
     await owner.contents(shown)
     seen = [
-        Seen(
-            d.msgid.decode("latin-1"),
-            d.stored_at,
-            d.attempt,
-            d.key,
-            (d.content or b"").decode("latin-1"),
-            d.due,
-        )
+        _seen(d.msgid, d.stored_at, d.attempt, d.key, d.content or b"", _due(d))
         for d in sorted(shown, key=lambda d: entry_order(d.entry))
     ]
     room = None if limit is None else limit - len(seen)
-    seen += [_unfanned(e) for e, _ in itertools.islice(owner.unfanned, room)]
-    return [asdict(s) for s in seen]
+    for e, _ in itertools.islice(owner.unfanned, room):  # (a topic message, no copy yet)
+        stored = int(e.entry.split(b"-", 1)[0])
+        seen.append(_seen(e.msgid, stored, 0, e.meta.key, e.content, e.meta.deliver_at))
+    return seen
 
 
-def _unfanned(e: Entry) -> Seen:
-    stored = int(e.entry.split(b"-", 1)[0])
-    due = max(stored, e.meta.deliver_at)
-    return Seen(e.msgid.decode("latin-1"), stored, 0, e.meta.key, e.content.decode("latin-1"), due)
+def _due(d: Delivery) -> int:
+    if d.state is State.WAITING_KEY:
+        return -1
+    return 0 if d.state is State.PENDING else d.due
+
+
+def _seen(
+    msgid: bytes, stored: int, attempts: int, key: str, content: bytes, due: int
+) -> list[Any]:
+    preview = content[:PREVIEW_BYTES].decode("latin-1")
+    return [msgid.decode("latin-1"), stored, attempts, key, len(content), preview, due]
 
 
 async def _purge(owner: AppOwner, request: Request, now: int) -> list[Any]:
-    cutoff = None if request.older_than_ms is None else now - request.older_than_ms
-    chosen = [d.msgid for d in _waiting(owner) if cutoff is None or d.stored_at <= cutoff][
-        : request.limit
-    ]
-    if request.dry_run or not chosen:
-        return [m.decode("latin-1") for m in chosen]
-    picked = set(chosen)
-    for d in list(owner.queue.deliveries.values()):
-        if d.msgid in picked and d.state in WAITING:
+    """[msgid, kind, recipient ('': a queue message)] a delivery purged (on a dry run:
+    that would be); flushed before the reply."""
+    before = request.before_ms
+    old_enough = (d for d in _waiting(owner) if before is None or d.stored_at <= before)
+    chosen = list(itertools.islice(old_enough, request.limit))
+    if not request.dry_run and chosen:
+        for d in chosen:
             owner.queue.purge(d.msgid, d.copy, now)
-    await owner.flush(now)
-    return [m.decode("latin-1") for m in chosen]
+        await owner.flush(now)
+    return [[d.msgid.decode("latin-1"), "topic" if d.topic else "queue", d.copy] for d in chosen]
 
 
 async def ask_owner(
-    redis: aioredis.Redis, prefix: str, app: str, request: Request, timeout: float
+    redis: aioredis.Redis, prefix: str, app: str, request: Request, timeout: float = ASK_TIMEOUT
 ) -> list[Any]:
-    """The owner's reply to `request`; NoOwner where no broker owns the app, TimeoutError
-    where its owner did not reply within `timeout` seconds."""
+    """The owner's reply to `request`; NoOwner where no broker owns the app or its owner
+    did not reply within `timeout` seconds."""
     keys = AppKeys.of(prefix, app)
     if not await redis.exists(keys.owner):
         raise NoOwner(f"no broker owns app {app!r} now: start one, then ask again")
@@ -143,9 +137,7 @@ async def ask_owner(
     try:
         async with asyncio.timeout(timeout):
             await pubsub.subscribe(channel)
-            question = Request(
-                request.op, request.limit, request.older_than_ms, request.dry_run, channel
-            )
+            question = dataclasses.replace(request, reply=channel)
             ask = redis.register_script(script_source("ask"))
             await ask([keys.inbox], [keys.wakeup, question.encode()])
             while True:
@@ -153,5 +145,7 @@ async def ask_owner(
                 if message is not None and message["type"] == "message":
                     reply: list[Any] = json.loads(message["data"])
                     return reply
+    except TimeoutError:
+        raise NoOwner(f"the owner of app {app!r} did not reply within {timeout} s") from None
     finally:
         await pubsub.aclose()

@@ -15,6 +15,7 @@ from typing import Any
 from skmq.clock import now_ms
 from skmq.queue.dead import letter
 from skmq.queue.journal import AppKeys, script_source
+from skmq.queue.operator import Request, answer_request, ask_owner, oldest_pending
 from skmq.queue.owners import Owners
 from skmq.store.client import ENC
 from skmq.store.shards import ReplicasMissing
@@ -29,8 +30,10 @@ from skmq.store.store import (
     Failed,
     Finished,
     NewMessage,
+    Purged,
     Reaped,
     Store,
+    Waiting,
 )
 
 STORED_LOOKBACK = 10_000
@@ -175,6 +178,43 @@ class OwnedStore(Store):
                 pending, delayed, in_flight = (int(x or 0) for x in res[2 * i])
             out[app] = AppCounts(pending, delayed, in_flight, int(res[2 * i + 1]))
         return out
+
+    async def oldest_pending(self, apps: Sequence[str], now: int) -> dict[str, int | None]:
+        """As each app's owner has it (another broker's: as it last said, each round)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.hget(AppKeys.of(self.prefix, app).stats, "oldest")
+        said = await pipe.execute()
+        out: dict[str, int | None] = {}
+        for app, oldest in zip(apps, said, strict=True):
+            owner = self.owners.owned.get(app) if self.owners is not None else None
+            if owner is not None:
+                out[app] = oldest_pending(owner)
+            else:
+                out[app] = int(oldest) if oldest else None
+        return out
+
+    async def _ask(self, app: str, request: Request) -> list[Any]:
+        """An operator's request, done by the app's owner: here, or asked through its
+        inbox (skmq/queue/operator.py)."""
+        owner = self.owners.owned.get(app) if self.owners is not None else None
+        if owner is not None:
+            return await answer_request(owner, request, now_ms())
+        return await ask_owner(self.redis, self.prefix, app, request)
+
+    async def peek(self, app: str, limit: int, now: int) -> list[Waiting]:
+        seen = await self._ask(app, Request("peek", limit))
+        return [
+            Waiting(msgid, stored, attempts, key or None, size, preview.encode("latin-1"), due)
+            for msgid, stored, attempts, key, size, preview, due in seen
+        ]
+
+    async def purge_waiting(
+        self, app: str, older_than_ms: int | None, limit: int | None, dry_run: bool, now: int
+    ) -> list[Purged]:
+        before = None if older_than_ms is None else now - older_than_ms
+        purged = await self._ask(app, Request("purge", limit, before, dry_run))
+        return [Purged(msgid, kind, copy or None) for msgid, kind, copy in purged]
 
     async def dead_letters(self, app: str, limit: int | None = None) -> list[DeadLetter]:
         keys = AppKeys.of(self.prefix, app)

@@ -37,11 +37,12 @@ from skmq.queue.entries import (
     is_question,
     parse_entry,
 )
-from skmq.queue.journal import GROUPS_ONLY, Appended, Journal
+from skmq.queue.journal import GROUPS_ONLY, Appended, Flushed, Journal
 from skmq.queue.lifecycle import State, Trigger
 from skmq.store.wire import Wire
 
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
+CHECKPOINTED = b"k"  # a journal record outside the table: the flush a checkpoint names
 READ_BATCH = 512
 ADOPTED = (Trigger.RETRY, Trigger.GIVE_UP)  # an attempt the old owner had in flight, failed
 
@@ -134,19 +135,32 @@ class AppOwner:
     ) -> list[bytes | None]:
         """One fenced write: `appended` and every record made since the last flush. With
         `read_inbox`, what other brokers stored before it is materialised first."""
+        return (await self._flush(now, appended, read_inbox)).ids
+
+    async def _flush(
+        self,
+        now: int,
+        appended: Sequence[Appended] = (),
+        read_inbox: bool = False,
+        mark: bool = False,
+    ) -> Flushed:
+        # (Up to the script's send, nothing here waits: the records drained are sent before
+        # any other coroutine makes more, so the journal keeps them in the order made.)
         records, settled, forgotten, dead = self.queue.drain()
         if self.fanned:
             records = END.join([*self.fanned, records] if records else self.fanned)
             self.fanned = []
+        if mark:
+            records = END.join([records, CHECKPOINTED]) if records else CHECKPOINTED
         self.live.difference_update(forgotten)
         if not appended and not records and not settled and not dead:
-            return []
+            return Flushed([], [])
         after = self.inbox_cursor if read_inbox else b""
         flushed = await self.journal.flush(
             now, appended, records, settled, flush_args(dead, now), after
         )
         self._inbox_entries(flushed.inbox, now)
-        return flushed.ids
+        return flushed
 
     def durable(self) -> asyncio.Future[None]:
         """A future done when what was recorded so far is in the journal: one flush a
@@ -203,12 +217,11 @@ class AppOwner:
 
     # -- checkpoints and a new owner ---------------------------------------------
     async def checkpoint(self, now: int) -> None:
-        """Flush, then keep the state as of the journal's last entry, and drop what no
-        delivery needs any more."""
-        await self.flush(now)
-        keys = self.journal.keys
-        last = await self.wire.call("XREVRANGE", keys.journal, "+", "-", "COUNT", 1)
-        journal_id = last[0][0] if last else b"0-1"
+        """Keep the state as of the journal's last entry, and drop what no delivery needs
+        any more. The state is taken, and every record made up to it drained into one
+        flush, with no wait between (no other coroutine makes a record meanwhile): the
+        checkpoint names that flush's journal entry, and a new owner replays exactly the
+        records made after it."""
         held = [(d.entry, d.inbox) for d in self.queue.deliveries.values()]
         held += [(e.entry, inbox) for e, inbox in self.unfanned]
         oldest = [
@@ -219,7 +232,8 @@ class AppOwner:
         state = SEP.join(
             (self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting.encode())
         )
-        await self.journal.checkpoint(state, journal_id, *oldest)
+        flushed = await self._flush(now, mark=True)
+        await self.journal.checkpoint(state, flushed.journaled, *oldest)
 
     async def load(self, now: int) -> None:
         """A new owner: the checkpoint, the log and inbox after it (the old owner's
@@ -239,6 +253,8 @@ class AppOwner:
         for _, fields in journal:
             blob = dict(zip(fields[::2], fields[1::2], strict=True))[b"r"]
             for raw in blob.split(END):
+                if raw == CHECKPOINTED:
+                    continue
                 if raw.startswith(FANNED + SEP):
                     _, msgid, names = raw.split(SEP, 2)
                     fanned[msgid] = names.decode().split(",") if names else []

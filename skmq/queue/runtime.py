@@ -21,7 +21,7 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import AppKeys, Fenced, Lease
-from skmq.queue.operator import answer_request, oldest_waiting, request_of
+from skmq.queue.operator import answer_request, oldest_pending, request_of
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
@@ -187,7 +187,7 @@ class OwnerRuntime:
                 self.owners.lost(app)
                 continue
             due, later, in_flight = owner.queue.counts(now)
-            oldest = oldest_waiting(owner) or ""
+            oldest = oldest_pending(owner) or ""
             counted = ("pending", due, "delayed", later, "in_flight", in_flight, "oldest", oldest)
             stats = owner.journal.keys.stats
             await self.wire.call_many(

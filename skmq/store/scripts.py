@@ -34,6 +34,10 @@ KEYS: dict[str, tuple[str, ...]] = {
     "settled_of": ("msgs", "inflight", "delayed", "dead"),  # + done:<cur>, done:<prev>
     "replay": ("state", "delayed", "dead"),
     "purge": ("msgs", "state", "dead"),
+    # an operator's (skmq/console.py): look at, or purge, the messages waiting
+    "peek": ("msgs", "state", "ready", "delayed", "kq"),
+    "purge_waiting": ("msgs", "state", "ready", "delayed", "kq"),
+    "oldest_pending": ("msgs", "ready", "delayed"),
     # the source app's; Store.move adds the target app's msgs, ready, listed, done:*
     "move": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),

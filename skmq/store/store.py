@@ -235,6 +235,33 @@ class AppCounts:
 
 
 @dataclass(slots=True)
+class Waiting:
+    """A message waiting (pending, delayed, waiting for a retry or behind its ordering
+    key), as an operator's peek shows it (a topic copy: its message's msgid)."""
+
+    msgid: str
+    stored_ms: int
+    attempts: int
+    key: str | None  # its ordering key
+    size: int  # of its content, bytes
+    preview: bytes  # the first PREVIEW_BYTES of its content
+    due_ms: int  # when it falls due (unix ms); 0: due now, -1: never
+
+
+@dataclass(slots=True)
+class Purged:
+    """A message (or one recipient's copy of a topic message) an operator purged."""
+
+    msgid: str
+    kind: str  # queue | topic
+    recipient: str | None  # a topic copy's
+
+
+# How much of a waiting message's content a peek shows.
+PREVIEW_BYTES = 64
+
+
+@dataclass(slots=True)
 class DeadLetter:
     appid: str
     delivery_id: str
@@ -902,6 +929,46 @@ class Store:
             )
             for i, app in enumerate(apps)
         }
+
+    async def oldest_pending(self, apps: Sequence[str], now: int) -> dict[str, int | None]:
+        """When each app's oldest pending message was stored (unix ms; None: none pending),
+        read at the heads of its queues (lua/oldest_pending.lua): one round trip."""
+        if not apps:
+            return {}
+        found = await self._call_each("oldest_pending", [(app, [now], ()) for app in apps])
+        return {app: int(f) if int(f) >= 0 else None for app, f in zip(apps, found, strict=True)}
+
+    async def peek(self, app: str, limit: int, now: int) -> list[Waiting]:
+        """Up to `limit` messages waiting, oldest stored first (lua/lib.lua's `waiting`:
+        read at the heads of the queues); nothing changes."""
+        res = await self._call("peek", app, [now, limit, PREVIEW_BYTES])
+        return [
+            Waiting(
+                msgid=split_delivery(unpack(res[i]))[0],
+                stored_ms=int(res[i + 1]),
+                attempts=int(res[i + 2]),
+                key=_s(res[i + 3]) or None,
+                size=int(res[i + 4]),
+                preview=res[i + 5],
+                due_ms=int(res[i + 6]),
+            )
+            for i in range(0, len(res), 7)
+        ]
+
+    async def purge_waiting(
+        self, app: str, older_than_ms: int | None, limit: int | None, dry_run: bool, now: int
+    ) -> list[Purged]:
+        """Purge up to `limit` (None: all) messages waiting, oldest first, those stored
+        `older_than_ms` ago or more (None: any), in one script (lua/purge_waiting.lua);
+        in flight and dead ones stay. Returns those purged (on a dry run: that would be)."""
+        cutoff = -1 if older_than_ms is None else now - older_than_ms
+        args = [now, limit or 0, cutoff, 1 if dry_run else 0]
+        res = await self._call("purge_waiting", app, args)
+        out = []
+        for i in range(0, len(res), 2):
+            msgid, rid = split_delivery(unpack(res[i]))
+            out.append(Purged(msgid, _KINDS[res[i + 1]], rid))
+        return out
 
     async def dead_letters(self, app: str, limit: int | None = None) -> list[DeadLetter]:
         base = self.base(app)

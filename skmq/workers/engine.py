@@ -59,12 +59,15 @@ class Engine:
         on_acked: Callable[[str, int], None] | None = None,
         own: OwnAddresses | None = None,
         signer: PushSigner | None = None,
+        throughput: Callable[[], dict[str, list[int]]] | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.broker_id = broker_id
         self.supervisor = supervisor
         self.own = own or OwnAddresses()
+        # per app, [in, out] over the last minute, published in the broker's note
+        self.throughput = throughput
         self.registry = Registry(store, dlog, self.notify, settings.max_recipients_per_app)
         self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.pusher = Pusher(
@@ -188,10 +191,10 @@ class Engine:
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:
         self.pusher.forget(await self.apps.refresh())
-        await self.store.note_broker(
-            self.broker_id,
-            {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port},
-        )
+        note = {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port}
+        if self.throughput is not None:
+            note["minute"] = self.throughput()
+        await self.store.note_broker(self.broker_id, note)
 
     async def _heartbeat(self) -> None:
         s = self.settings

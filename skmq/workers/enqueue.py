@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from redis.exceptions import RedisError
 
+from skmq import tracing
 from skmq.aio import spawn
 from skmq.clock import now_ms
 from skmq.codec import encode_resp
@@ -36,6 +37,9 @@ from skmq.store import ClaimArgs, NewMessage, Store
 from skmq.store.disk import DiskSpace
 from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import AppStored
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = structlog.get_logger("skmq.enqueue")
 
@@ -99,12 +103,30 @@ class EnqueueBatch:
         self.future: asyncio.Future[dict[str, list[bool] | str] | str] = (
             asyncio.get_running_loop().create_future()
         )
+        self.spans: list[tuple[str, Span]] | None = None  # (app, its `skmq store` span)
 
     def add(self, app: str, message: NewMessage) -> StoreReply:
         msgs = self.messages.setdefault(app, [])
         msgs.append(message)
         self.size += len(message.content)
         return StoreReply(self, app, len(msgs) - 1, message.msgid)
+
+    def add_traced(self, app: str, message: NewMessage) -> StoreReply:
+        """Add a message within a `skmq store` span, a child of its traceparent: it is
+        stored with the span's, the parent of its pushes and pulls."""
+        span = tracing.start("store", message.trace, app, message.msgid)
+        if self.spans is None:
+            self.spans = []
+        self.spans.append((app, span))
+        message.trace = tracing.traceparent(span)
+        return self.add(app, message)
+
+    def end_spans(self) -> None:
+        """The store spans end with the batch's answer (failed: its error's text)."""
+        results = self.future.result()
+        for app, span in self.spans or ():
+            why = results if isinstance(results, str) else results.get(app)
+            tracing.end(span, why if isinstance(why, str) else None)
 
 
 @dataclass(eq=False)
@@ -174,6 +196,8 @@ class Enqueuer:
         finally:
             if not batch.future.done():
                 batch.future.set_result(UNAVAILABLE)
+            if batch.spans is not None:
+                batch.end_spans()
             self.pending_bytes -= batch.size
             if self.pending_bytes < self.max_pending_bytes:
                 self._room.set()

@@ -27,6 +27,7 @@ from typing import Protocol, cast
 
 import structlog
 
+from skmq import tracing
 from skmq.coalesce import Coalescer
 from skmq.codec import (
     PING,
@@ -55,6 +56,7 @@ class Delivery(Claimed):
     pushed_at: float = field(default_factory=time.monotonic)
     arrived_at: float = 0.0
     conn: PushConnection | None = None
+    pushed_as: str = ""  # the traceparent of its `skmq push` span (tracing on)
 
 
 class LinkOwner(Protocol):
@@ -345,6 +347,10 @@ class RecipientLink:
         """Original peers get only the fields the original broker sends; a recipient that
         declared capabilities also gets the delivery metadata (attempt, stored_at)."""
         fields: list[tuple[str, str]] = [("appid", self.app), ("msgid", d.msgid)]
+        if d.trace and tracing.tracer is not None:
+            span = tracing.start("push", d.trace, self.app, d.msgid)
+            d.pushed_as = tracing.traceparent(span)
+            span.end()
         if self.caps:
             fields += (("attempt", str(d.attempt)), ("stored_at", str(d.stored_at)))
             if d.kind == "topic":
@@ -352,7 +358,7 @@ class RecipientLink:
             if d.token and "token" in self.caps:
                 fields.append(("token", d.token))
             if d.trace:
-                fields.append(("traceparent", d.trace))
+                fields.append(("traceparent", d.pushed_as or d.trace))
         fields += self.owner.push_fields(self.app, d.msgid, d.content)
         return encode_frame("push", fields, d.content)
 
@@ -398,7 +404,22 @@ class RecipientLink:
         self.take(msgid)
         self.benched_until = 0.0
         detail = (frame.content or b"").decode("utf-8", "replace") or DETAILS[kind]
+        if d.pushed_as and tracing.tracer is not None:
+            reply = self._traced_answer(d, kind, reply)
         self.owner.on_answer(self, d, outcome, detail, reply)
+
+    def _traced_answer(
+        self, d: Delivery, kind: str, reply: Callable[[Verdict], None]
+    ) -> Callable[[Verdict], None]:
+        """`reply`, ending a `skmq answer` span (a child of the push's) begun now: it
+        lasts until the store took the answer."""
+        span = tracing.start("answer", d.pushed_as, self.app, d.msgid, **{tracing.ANSWER: kind})
+
+        def replied(verdict: Verdict) -> None:
+            tracing.end(span, None if verdict[0] == Status.ACK else verdict[1])
+            reply(verdict)
+
+        return replied
 
     def connection_lost(self, conn: PushConnection, detail: str) -> None:
         self.connections.discard(conn)

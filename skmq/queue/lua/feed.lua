@@ -5,7 +5,8 @@
 -- no push recipient is registered it goes to the groups alone (pull only: neither log
 -- nor inbox, and so no owner, holds it). A msgid still in the group log is a duplicate.
 -- The group log's fields: m msgid, k kind q|t, c content, d deliver_at ms (0: now),
--- x expires ms (only with a TTL), o ordering key (only with one).
+-- x expires ms (only with a TTL), o ordering key (only with one), t traceparent (only
+-- with one).
 
 -- The groups' state for a batch of msgids, or nil where the app has no group.
 local function groups_of(groups, recipients, glog, gseen, gadded, ids)
@@ -17,16 +18,17 @@ end
 
 -- One message appended to the group log (its header: skmq/queue/entries.py).
 local function feed(g, id, content, header)
-  local kind, at, x, key = 'q', '0', '0', ''
+  local kind, at, x, key, trace = 'q', '0', '0', '', ''
   if header ~= '' then
     local parts = {}
     for part in string.gmatch(header .. '\31', '(.-)\31') do parts[#parts + 1] = part end
-    kind, at, x, key = parts[1], parts[2], parts[3], parts[4]
+    kind, at, x, key, trace = parts[1], parts[2], parts[3], parts[4], parts[5]
   end
   g.added = (g.added or log_added(g.gadded, g.glog)) + 1
   local entry = {'m', id, 'k', kind, 'c', content, 'd', at, 'n', g.added}
   if x ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = x end
   if key ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = key end
+  if trace ~= '' then entry[#entry + 1] = 't'; entry[#entry + 1] = trace end
   redis.call('HSET', g.gseen, id, redis.call('XADD', g.glog, '*', unpack(entry)))
 end
 

@@ -20,7 +20,8 @@
 --       records ('': none), dead count d, (delivery id, died ms, value head, entry,
 --       in inbox '1'|'0')*d, app id, settled msgid*
 -- Returns {'fenced', current epoch} or {inbox entries (XRANGE's reply),
--- (log entry id, '-' for the groups alone, or 0 for a duplicate)*m}.
+-- (log entry id, '-' for the groups alone, or 0 for a duplicate)*m, the journal entry
+-- written ('' : none)}.
 local epoch = redis.call('GET', KEYS[1])
 if epoch ~= ARGV[1] then return {'fenced', epoch or '0'} end
 local log, journal, cur, prev = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -51,7 +52,8 @@ if m > 0 then
   fed(g, ARGV[1])
 end
 local r = 5 + 3 * m
-if ARGV[r] ~= '' then redis.call('XADD', journal, '*', 'r', ARGV[r], 'e', ARGV[1]) end
+local journaled = ''
+if ARGV[r] ~= '' then journaled = redis.call('XADD', journal, '*', 'r', ARGV[r], 'e', ARGV[1]) end
 local d = tonumber(ARGV[r + 1])
 for j = 0, d - 1 do
   local i = r + 2 + 5 * j
@@ -73,4 +75,5 @@ if #ARGV >= s then
   redis.call('SADD', cur, unpack(ARGV, s))
   redis.call('PEXPIRE', cur, ARGV[2])
 end
+out[#out + 1] = journaled
 return out

@@ -214,3 +214,47 @@ local function log_added(gadded, glog)
   if n > 0 then redis.call('SET', gadded, n) end
   return n
 end
+
+-- The messages waiting (pending, delayed, waiting for a retry or behind their ordering
+-- key: neither in flight nor dead), oldest stored first, for an operator (peek, purge):
+-- up to `limit` (false: all) from the head of `ready`, from the first of `delayed` (by
+-- due time) and from those behind their key in `kq`, stored at or before `cutoff` (false:
+-- any time), the oldest `limit` of those. Reading the heads, not everything, keeps it
+-- cheap on a long queue; a retry back in `ready` may then show after younger messages.
+-- Each: {delivery id, r|d|k (ready, delayed, behind its key), stored ms, `msgs` value,
+-- due ms (0: due now), its `kq` member (k only)}.
+local function waiting(msgs, state, ready, delayed, kq, now, limit, cutoff)
+  local found = {}
+  local function add(id, from, due, member)
+    local m = redis.call('HGET', msgs, (split(id)))
+    if not m then return end
+    local _, stored = read_message(m, now)
+    if cutoff and stored > cutoff then return end
+    found[#found + 1] = {id, from, stored, m, due, member, #found}
+  end
+  local stop = limit and limit - 1 or -1
+  for _, id in ipairs(redis.call('LRANGE', ready, 0, stop)) do add(id, 'r', 0) end
+  local d = redis.call('ZRANGE', delayed, 0, stop, 'WITHSCORES')
+  for i = 1, #d, 2 do add(d[i], 'd', tonumber(d[i + 1])) end
+  -- A key's first member is the one of its key in ready, delayed or in flight: skipped.
+  local want, behind, start, prev = limit or math.huge, 0, 0, nil
+  while behind < want do
+    local page = redis.call('ZRANGE', kq, start, start + 511)
+    if #page == 0 then break end
+    for _, member in ipairs(page) do
+      local key = string.sub(member, 1, string.find(member, SEP, 1, true) - 1)
+      if key == prev and behind < want then
+        local id = string.sub(member, #key + 19)
+        add(id, 'k', tonumber(redis.call('HGET', state, field(id, 'd')) or '0'), member)
+        behind = behind + 1
+      end
+      prev = key
+    end
+    start = start + 512
+  end
+  table.sort(found, function(a, b) return a[3] < b[3] or (a[3] == b[3] and a[7] < b[7]) end)
+  if limit then
+    for i = #found, limit + 1, -1 do found[i] = nil end
+  end
+  return found
+end

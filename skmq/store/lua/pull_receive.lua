@@ -7,7 +7,7 @@
 -- waiting for their key, must not hold Redis): then it says `more`, and the caller calls
 -- again at once rather than wait.
 -- Returns (entry id, msgid, kind q|t, content, n for its receipt, attempt since its last
--- replay)*, an expired entry with kind xq|xt and content `dead` or `drop` (attempts:
+-- replay, traceparent ('': none))*, an expired entry with kind xq|xt and content `dead` or `drop` (attempts:
 -- those before), a lease that ran out with kind rq|rt and content `dead` or the ms its
 -- retry falls due (n and attempt: the attempt that failed; logged by the broker, as a
 -- timed-out push is), then the group's generation,
@@ -41,7 +41,7 @@ local function admitted(id, f)
 end
 local function emit(id, f, kind, content, n)
   out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
-  out[#out + 1] = n; out[#out + 1] = since_replay(id, n)
+  out[#out + 1] = n; out[#out + 1] = since_replay(id, n); out[#out + 1] = f.t or ''
 end
 -- The group's leases that ran out: each a failed attempt (retried, or dead on its last).
 local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'WITHSCORES',

@@ -82,6 +82,7 @@ for j = 1, #ids do
                      'n', added}
       if ARGV[i + 4] ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = ARGV[i + 4] end
       if ARGV[i + 5] ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = ARGV[i + 5] end
+      if ARGV[i + 6] ~= '' then entry[#entry + 1] = 't'; entry[#entry + 1] = ARGV[i + 6] end
       local eid = redis.call('XADD', glog, '*', unpack(entry))
       redis.call('HSET', gseen, id, eid)
       logged = true
