@@ -33,9 +33,11 @@ from skmq.embedded import EmbeddedRedis, preloaded_allocator
 from skmq.errors import Misconfigured, UsageError, redis_error_text
 from skmq.handler import FrameHandler
 from skmq.http import Gateway
+from skmq.http.connections import ConnectionRoutes
 from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.pull import PullApi, PullRoutes
+from skmq.http.recipients import RecipientRoutes
 from skmq.logarchive import LogArchive
 from skmq.metrics import Metrics
 from skmq.pull.groups import Groups
@@ -273,21 +275,29 @@ class Broker:
                 else None
             ),
             refusal=lambda: self.eviction.refusal,
+            routes=self.engine.routes,
         )
         self.metrics.attach(self.engine, self.enqueuer)
         self.groups = Groups(self.store)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
-        self.pull = PullApi(s, self.groups, longpoll, self.dlog)
-        pull = PullRoutes(self.pull, self.tokens)
+        self.pull = PullApi(s, self.groups, longpoll, self.dlog, self.engine.routes.mark)
+        pull = PullRoutes(self.pull, self.tokens, self.engine.connections)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
         console = ConsoleRoutes(self.store, self.dlog, self.tokens)
         admission = Admission(s)  # one count of connections for PORT and HTTP_PORT
+        operator = (
+            RecipientRoutes(self.store, self.dlog, self.tokens, self.engine.registry.unregister),
+            ConnectionRoutes(self.store, self.tokens),
+        )
         self.gateway = Gateway(
-            s, self.metrics, self.enqueuer, pull, dlq, console, self.tokens, admission
+            s, self.metrics, self.enqueuer, pull, dlq, console, self.tokens, admission, operator
         )
         handler = FrameHandler(s, self.enqueuer, self.engine, self.tokens, self.pull)
         self.server = Server(s, handler, self.supervisor, admission)
+        self.engine.connections.add_source(
+            lambda: (c for conn in self.server.connections for c in conn.peer.described())
+        )
         with listening(s.host, s.port, "HOST/PORT"):
             await self.server.start()
         self.own.add(s.host, self.server.port)

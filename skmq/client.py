@@ -78,6 +78,9 @@ class Resp:
     status: str
     content: str
     msgid: str | None
+    # (extension) On a `register`'s ack: the address the id was alive at, whose place
+    # this registration took (another consumer was running with the same id).
+    took_over: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -107,7 +110,7 @@ class Resp:
         content = lowered.get("content", "")
         if not isinstance(content, str):
             content = "" if content is None else json.dumps(content)
-        return cls(str(lowered.get("status", "error")), content, msgid)
+        return cls(str(lowered.get("status", "error")), content, msgid, frame.get("took_over"))
 
     def to_dict(self) -> dict[str, str | None]:
         return {"status": self.status, "content": self.content, "msgid": self.msgid}
@@ -464,6 +467,7 @@ class Producer(_Scoped):
         ttl_ms: int | None = None,
         key: str | None = None,
         traceparent: str | None = None,
+        mandatory: bool = False,
     ) -> Resp:
         """Send one `queue` (or `topic`) message; returns the broker's resp.
 
@@ -477,7 +481,9 @@ class Producer(_Scoped):
         order. A W3C `traceparent` (the `trace` extension) goes with the message to its
         pushes (`Message.fields["traceparent"]`) and into the delivery log; while tracing
         is on (skmq/tracing.py), the message carries instead the traceparent of this
-        send's span, a child of the one given (or of the current span).
+        send's span, a child of the one given (or of the current span). `mandatory`
+        (the `mandatory` extension): answered `reject`, not stored, when the app has no
+        recipient and no consumer group (else it is stored to wait for one).
         """
         msgid = msgid or new_msgid()
         fields = [("appid", app), ("msgid", msgid)]
@@ -495,6 +501,9 @@ class Producer(_Scoped):
             fields.append(("key", key))
         if traceparent is not None:
             await self.require("trace")
+        if mandatory:
+            await self.require("mandatory")
+            fields.append(("mandatory", "1"))
         data = content.encode() if isinstance(content, str) else content
         frame_type = "topic" if topic else "queue"
         if tracing.tracer is not None:
@@ -822,6 +831,10 @@ class Consumer(_Scoped):
             PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
         )
 
+    #: After `register`: the address the broker said this registration took the id over
+    #: from (another consumer was running with it), else None.
+    took_over: str | None = None
+
     async def start(self) -> None:
         """Listen on host:port (port 0: any free port), then register."""
         self._stopping = False
@@ -863,6 +876,7 @@ class Consumer(_Scoped):
         resp = await self._request(broker, "register", body)
         if not resp.ok:
             raise RegistrationError(resp)
+        self.took_over = resp.took_over
         return resp
 
     async def extend(self, msg: Message) -> Resp:

@@ -48,6 +48,10 @@ class Event(str, Enum):  # noqa: UP042
     RECIPIENT_REGISTERED = "recipient_registered"
     RECIPIENT_LOST = "recipient_lost"
     RECIPIENT_ALIVE = "recipient_alive"
+    # A registration took over an id alive at another address (detail: from -> to).
+    RECIPIENT_TAKEN_OVER = "recipient_taken_over"
+    # An operator removed a recipient (`skmq recipients remove`; detail: by whom).
+    RECIPIENT_REMOVED = "recipient_removed"
 
     def __str__(self) -> str:
         return self.value
@@ -65,7 +69,13 @@ class Kind(str, Enum):  # noqa: UP042
 
 # Events about a recipient, not a message (their msgid is empty).
 RECIPIENT_EVENTS = frozenset(
-    {Event.RECIPIENT_REGISTERED, Event.RECIPIENT_LOST, Event.RECIPIENT_ALIVE}
+    {
+        Event.RECIPIENT_REGISTERED,
+        Event.RECIPIENT_LOST,
+        Event.RECIPIENT_ALIVE,
+        Event.RECIPIENT_TAKEN_OVER,
+        Event.RECIPIENT_REMOVED,
+    }
 )
 MESSAGE_EVENTS = frozenset(Event) - RECIPIENT_EVENTS
 

@@ -51,14 +51,15 @@ from skmq.registry.registration import (
 from skmq.store import NewMessage
 from skmq.workers.engine import Engine
 from skmq.workers.enqueue import EnqueueBatch, Enqueuer
+from skmq.workers.routes import unroutable_reason
 
 log = structlog.get_logger("skmq.handler")
 
 MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
 BROKER_CAPS = (
-    *("auth", "delay", "extend", "hello", "key", "length", "pipeline", "pull", "recipient"),
-    *("token", "trace", "ttl", "unregister"),
+    *("auth", "delay", "extend", "hello", "key", "length", "mandatory", "pipeline", "pull"),
+    *("recipient", "token", "trace", "ttl", "unregister"),
 )
 HELLO_BODY = json.dumps(
     {"server": "skmq", "version": __version__, "caps": list(BROKER_CAPS)}, separators=(",", ":")
@@ -297,6 +298,11 @@ class FrameHandler:
             return self._resp(f"key {why}", msgid)
         if key and frame.type != "queue":
             return self._resp("key= (ordered delivery) applies to queue messages only", msgid)
+        mandatory = fields.get("mandatory") or "0"
+        if mandatory not in ("0", "1"):
+            return self._resp("mandatory must be 0 or 1", msgid)
+        if mandatory == "1" and not self.engine.routes.routable(app):
+            return self._resp(unroutable_reason(app), msgid, Status.REJECT)
         trace = fields.get("traceparent") or ""
         if trace and TRACEPARENT.fullmatch(trace) is None:
             return self._resp(
@@ -317,6 +323,7 @@ class FrameHandler:
         if ttl is None:
             ttl = self.settings.app_ttl(app)
         expires = now + ttl if ttl else 0
+        peer.took("producer", app)
         message = NewMessage(msgid, frame.type, frame.content, due, expires, key, trace)
         if trace and tracing.tracer is not None:
             return batch.add_traced(app, message)
@@ -347,14 +354,19 @@ class FrameHandler:
                     "(its store or its own ports): never a recipient's"
                 )
             async with peer.store_calls, self.peer_store_calls:
-                await self.engine.registry.register(reg)
+                taken = await self.engine.registry.register(reg)
                 await self.engine.note_apps({reg.app})
         except RegistrationRefused as exc:
             return self._resp(str(exc), msgid, Status.REJECT)
         except (RedisError, OSError) as exc:
             log.warning("store unavailable for a registration", error=repr(exc))
             return self._resp("store unavailable, register again later", msgid)
-        return self._resp("registered", msgid, Status.ACK)
+        self.engine.routes.mark(reg.app)
+        reply = self._resp("registered", msgid, Status.ACK)
+        if taken and not CONTROL.search(taken):
+            # An extension field, which the original's clients ignore as they do msgid.
+            reply = b"took_over=" + taken.encode("utf-8", "surrogateescape") + b"\r\n" + reply
+        return reply
 
     async def _pull(self, frame: Frame, peer: Peer) -> bytes:
         """A `pull` frame (extension, docs/PROTOCOL.md): one operation of a consumer group,
@@ -375,6 +387,7 @@ class FrameHandler:
             return self._resp(f"400 content {exc}", msgid, Status.REJECT)
         op, group = fields.get("op") or "", fields.get("group") or ""
         who = peer.principal or peer.host
+        peer.took("pull consumer", app)
         try:
             if op == "receive":  # a long poll: bounded by PULL_MAX_WAITING, not held here
                 answer = await self.pull.call(op, app, group, raw, who, peer.gone)

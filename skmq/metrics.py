@@ -137,6 +137,15 @@ class Metrics(Collector):
                 if ev == event and app:
                     counter.add_metric([_label(app)], value)
             yield counter
+        unroutable = CounterMetricFamily(
+            "skmq_unroutable_total",
+            "Messages stored for an app with no recipient and no consumer group",
+            labels=["app"],
+        )
+        if self._engine is not None:
+            for app, value in sorted(self._engine.routes.total.items()):
+                unroutable.add_metric([_label(app)], value)
+        yield unroutable
         hist = HistogramMetricFamily(
             "skmq_delivery_latency_seconds", "Time from stored to acked", labels=["app"]
         )

@@ -4,9 +4,13 @@ frame succeeded) what its token grants. The handler decides every frame with it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from skmq.auth import EVERY_APP, Grant, Role
+from skmq.clock import now_ms
+from skmq.connections import MAX_APPS, ConnectionInfo
+from skmq.connections import Role as ConnectionRole
 
 
 @dataclass(slots=True, eq=False)
@@ -19,6 +23,21 @@ class Peer:
     admin_apps: set[str] = field(default_factory=set)
     # The name of the token that authenticated this connection (never the token); "": none.
     principal: str = ""
+    address: str = ""  # host:port, for `skmq connections`
+    # What it has done on this connection (`skmq connections`): role -> (since, apps).
+    roles: dict[ConnectionRole, tuple[int, set[str]]] = field(default_factory=dict)
+
+    def took(self, role: ConnectionRole, app: str) -> None:
+        """It acted as `role` for `app` (at most MAX_APPS apps named a role)."""
+        taken = self.roles.get(role)
+        if taken is None:
+            self.roles[role] = (now_ms(), {app})
+        elif len(taken[1]) < MAX_APPS:
+            taken[1].add(app)
+
+    def described(self) -> Iterator[ConnectionInfo]:
+        for role, (since, apps) in self.roles.items():
+            yield ConnectionInfo(self.address, role, tuple(sorted(apps)), since)
 
     @property
     def authenticated(self) -> bool:

@@ -43,6 +43,7 @@ from skmq.admission import LINGER, LINGER_BYTES, Admission
 from skmq.aio import cancel_and_wait
 from skmq.codec import CodecError, Decoder, Frame, InvalidFrame, encode_resp
 from skmq.config import Settings
+from skmq.connections import peer_address
 from skmq.handler import FrameHandler, Outcome, PendingReply
 from skmq.peer import Peer
 from skmq.ratelimit import TokenBucket
@@ -156,6 +157,7 @@ class Connection(asyncio.Protocol):
         server = self.server
         host = peer_host(transport)
         self.peer.host = host
+        self.peer.address = peer_address(transport)
         refusal = server.admission.refusal(host)
         if refusal is None:
             server.connections.add(self)

@@ -221,7 +221,8 @@ BAD_SETTINGS: list[tuple[str, Callable[[dict[str, Path]], list[str]], dict[str, 
         lambda f: ["sned"],
         {},
         "skmq: argument COMMAND: invalid choice: 'sned' (choose from 'serve', 'config', 'send', "
-        "'consume', 'status', 'dlq', 'groups', 'audit') (see skmq --help)",
+        "'consume', 'status', 'apps', 'peek', 'purge', 'dlq', 'groups', 'recipients', "
+        "'connections', 'audit') (see skmq --help)",
     ),
     (
         "HTTP_PORT equal to PORT",

@@ -17,7 +17,7 @@ from skmq.clock import now_ms
 from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured
-from skmq.store.messages import read as read_message
+from skmq.store.store import PREVIEW_BYTES
 from skmq.workers.enqueue import UNAVAILABLE
 from tests.conftest import FAST, BrokerFactory, eventually, free_port
 from tests.openapi_check import check_response
@@ -76,10 +76,9 @@ async def test_a_batch_with_base64_duplicates_topics_and_delays(
         {"msgid": "b1", "status": "duplicate"},
     ]
     store = broker.store
-    stored_b1 = await store.redis.hget(store.base("batch") + "msgs", "b1")
-    assert stored_b1 is not None and read_message(stored_b1, now_ms())[::2] == ("queue", raw)
-    stored = await store.redis.hget(store.base("batch") + "msgs", "b2")
-    assert stored is not None and read_message(stored, now_ms())[0] == "topic"
+    waiting = {w.msgid: w for w in await store.peek("batch", 10, now_ms())}
+    assert (waiting["b1"].size, waiting["b1"].preview) == (256, raw[:PREVIEW_BYTES])
+    assert set(waiting) == {"b1", "b2", "b3"} and waiting["b3"].due_ms > now_ms()
     counts = (await store.counts(["batch"], now_ms()))["batch"]
     assert (counts.pending, counts.delayed) == (2, 1)
 
@@ -202,8 +201,8 @@ async def test_bearer_tokens_with_the_roles_of_the_auth_file(
         http, f"{base}/v1/apps/a/messages", msg, Authorization=f"bearer {TENANT_A}"
     )
     assert (status, body["status"]) == (200, "stored")
-    assert await broker.store.redis.hlen(broker.store.base("a") + "msgs") == 1
-    assert await broker.store.redis.hlen(broker.store.base("b") + "msgs") == 0
+    counts = await broker.store.counts(["a", "b"], now_ms())
+    assert (counts["a"].pending, counts["b"].pending) == (1, 0)
 
 
 async def test_openapi_document_is_valid_and_names_every_route(
@@ -222,6 +221,9 @@ async def test_openapi_document_is_valid_and_names_every_route(
         "/v1/apps/{app}/dlq",
         "/v1/apps/{app}/dlq/replay",
         "/v1/apps/{app}/dlq/purge",
+        "/v1/recipients",
+        "/v1/apps/{app}/recipients/{id}",
+        "/v1/connections",
         "/v1/apps",
         "/v1/apps/{app}/purge",
         "/metrics",

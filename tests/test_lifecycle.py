@@ -217,7 +217,8 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     await store.oldest_pending([APP], NOW)
     purged = await store.purge_waiting(APP, None, None, False, NOW)
     assert {"o1", "o2"} <= {p.msgid for p in purged}
-    await store.register(APP, "r1", {"id": "r1"}, NOW, 10)
+    await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 1}, NOW, 10)
+    assert await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 2}, NOW, 10) == "h:1"
     await store.set_state(APP, "r1", False, NOW)
     await store.unregister(APP, "r1")
     await pull_transitions(store)

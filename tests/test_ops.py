@@ -23,16 +23,20 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
+from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis, _write_private
 from skmq.events import Event
+from skmq.store.engine_mark import mark_key
 from skmq.supervisor import Supervisor
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import log_events
 from tests.test_metrics import http_get
+
+ENGINE = os.environ.get("SKMQ_ENGINE", "scripts")  # the suite runs on either engine
 
 
 def metric(text: str, line_start: str) -> float | None:
@@ -101,6 +105,7 @@ async def test_a_recipient_record_of_another_shape_is_skipped_not_fatal(
 ) -> None:
     app = "odd"
     base = f"{prefix}:{{{app}}}:"
+    await redis.set(mark_key(prefix), ENGINE)  # (a store of the engine the test runs)
     await redis.sadd(f"{prefix}:apps", app)
     # Written by hand or an older release: no host, and one that is not even JSON.
     await redis.hset(base + "recipients", "old", json.dumps({"id": "old", "port": 9}))
@@ -151,6 +156,7 @@ def test_a_broker_process_starts_beside_a_bad_recipient_record(
     import redis as syncredis
 
     client = syncredis.Redis.from_url(own_redis.url)
+    client.set(mark_key("skmq"), ENGINE)  # (a store of the engine the test runs)
     client.sadd("skmq:apps", "odd")
     client.hset("skmq:{odd}:recipients", "old", json.dumps({"id": "old", "port": 9}))
     client.close()
@@ -533,7 +539,7 @@ async def test_a_redis_made_to_evict_keys_while_the_broker_runs_gets_nothing_sto
 
     await eventually(refused)
     acked = sum(a["content"] == "stored" for a in answers)  # before the watch saw it
-    assert await admin.hlen(f"{broker.settings.key_prefix}:{{evict}}:msgs") == acked
+    assert (await broker.store.counts(["evict"], now_ms()))["evict"].pending == acked
     assert (await answer())["content"] == EVICTING_REFUSAL
     assert await broker.metrics.health() == (
         True, f"degraded: messages are not stored: {EVICTING_REFUSAL}"
@@ -567,10 +573,9 @@ async def test_a_message_stored_after_its_store_timed_out_is_logged_stored(
     finally:
         os.kill(own_redis.proc.pid, signal.SIGCONT)
     assert late["status"] == "error" and "may be stored" in late["content"], late
-    msgs = f"{broker.settings.key_prefix}:{{uncertain}}:msgs"
 
-    async def stored_anyway() -> bool:  # the script, queued on the stalled connection
-        return bool(await admin.hexists(msgs, "late"))
+    async def stored_anyway() -> bool:  # the write, queued on the stalled connection
+        return (await broker.store.stored_of("uncertain", ["late"], now_ms())) != [None]
 
     await eventually(stored_anyway)
     assert log_events(broker, "late") == []
@@ -581,6 +586,14 @@ async def test_a_message_stored_after_its_store_timed_out_is_logged_stored(
         return [e["event"] for e in log_events(broker, "late")] == ["received", "stored"]
 
     await eventually(logged)
+    # and delivered, as any message stored
+    rec = await FakeRecipient("uncertain", "r1").start()
+    try:
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+        got = {(await rec.next_push()).fields["msgid"] for _ in range(3)}
+    finally:
+        await rec.stop()
+    assert got == {"first", "late", "after"}
     await client.close()
     await admin.aclose()
 
@@ -618,8 +631,8 @@ async def test_an_ack_recorded_after_its_finish_timed_out_is_logged_acked(
         os.kill(pid, signal.SIGCONT)
     assert json.loads(rec.resps[0].content or b"")["status"] == "error", rec.resps[0]
 
-    async def recorded_anyway() -> bool:
-        return not await admin.hexists(f"{broker.settings.key_prefix}:{{unsure}}:msgs", "first")
+    async def recorded_anyway() -> bool:  # (0: settled within the dedupe window)
+        return await broker.store.stored_of("unsure", ["first"], now_ms()) == [0]
 
     await eventually(recorded_anyway)
     assert "acked" not in [e["event"] for e in log_events(broker, "first")]

@@ -31,6 +31,8 @@ COMMANDS = {
     "purge": "delete an app's waiting messages (not in flight, not dead)",
     "dlq": "list, replay or purge dead letters",
     "groups": "list, create, reset or delete consumer groups",
+    "recipients": "list registered recipients, or remove one gone for good",
+    "connections": "producers, push links and pull polls of every live broker",
     "audit": "audit delivery logs with Spark (report.json, report.html, CSV)",
 }
 

@@ -204,6 +204,9 @@ async def _consume(args: argparse.Namespace, broker_host: str, broker_port: int)
         file=sys.stderr,
         flush=True,
     )
+    if consumer.took_over:
+        print(f"skmq consume: took the id {args.id} over from {consumer.took_over} "
+              "(another consumer was running with it)", file=sys.stderr, flush=True)  # fmt: skip
     await stopped.wait()
     code = await _unregister(consumer) if args.unregister_on_exit else 0
     await consumer.stop()

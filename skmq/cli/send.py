@@ -59,6 +59,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--deliver-at", type=whole_number(0), metavar="MS", help="deliver at this unix time in ms"
     )
+    p.add_argument(
+        "--mandatory",
+        action="store_true",
+        help="refused (reject), not stored, when the app has no recipient and no group",
+    )
     p.add_argument("--host", help="broker host (default: $SKMQ_HOST or 127.0.0.1)")
     p.add_argument("--port", type=port_number, help="broker port (default: $SKMQ_PORT or 1734)")
     p.add_argument("--timeout", type=seconds, default=30.0, help="seconds to wait for the resp")
@@ -79,6 +84,7 @@ async def _send(args: argparse.Namespace, host: str, port: int, content: bytes) 
                 msgid=args.msgid,
                 delay_ms=args.delay,
                 deliver_at_ms=args.deliver_at,
+                mandatory=args.mandatory,
             ),
             args.timeout,
         )

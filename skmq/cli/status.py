@@ -41,6 +41,7 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
     recipients = await store.recipients(apps)
     brokers = await store.brokers()
     groups = await Groups(store).describe_apps(apps)
+    tallies = await store.tallies(apps)
     return {
         "ts": now,
         "redis": await persistence(store.redis),
@@ -51,6 +52,11 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
                 "delayed": counts[app].delayed,
                 "in_flight": counts[app].in_flight,
                 "dead": counts[app].dead,
+                # stored with no recipient and no group to go to (skmq/workers/routes.py)
+                "unroutable": tallies[app].unroutable,
+                # registrations that took an id alive at another address over
+                "takeovers": tallies[app].takeovers,
+                "last_takeover": tallies[app].last_takeover,
                 "recipients": [
                     {
                         # A record of another shape (by hand, an older release) shows
@@ -86,7 +92,7 @@ async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str
 
 def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group:
     apps = Table(title="apps")
-    columns = ["app", "pending", "delayed", "in flight", "dead"]
+    columns = ["app", "pending", "delayed", "in flight", "dead", "unroutable", "takeovers"]
     if rates is not None:
         columns.append("done/s")
     for col in columns:
@@ -104,6 +110,8 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
             str(a["delayed"]),
             str(a["in_flight"]),
             str(a["dead"]),
+            str(a.get("unroutable", 0)),
+            str(a.get("takeovers", 0)),
         ]
         if rates is not None:
             row.append(f"{rates.get(a['appid'], 0.0):.0f}")
@@ -122,7 +130,23 @@ def render(snap: dict[str, Any], rates: dict[str, float] | None = None) -> Group
             groups.add_row(a["appid"], g["group"], str(g["backlog"]), str(g["in_flight"]),
                            str(g["delayed"]), str(g["dead"]))  # fmt: skip
     tables = (apps, recips, groups) if groups.row_count else (apps, recips)
-    return Group(*tables, Text(persisted(snap["redis"])))
+    return Group(*tables, *takeovers(snap), Text(persisted(snap["redis"])))
+
+
+def takeovers(snap: dict[str, Any]) -> list[Text]:
+    """A line for each app's last takeover: a registration that took an id alive at
+    another address over (a second consumer started with an id in use)."""
+    lines = []
+    for a in snap["apps"]:
+        last = a.get("last_takeover")
+        if last:
+            ago = (snap["ts"] - int(last.get("ts", 0))) / 1000
+            lines.append(Text(
+                f"takeover: app {a['appid']} recipient {last.get('id')} taken over from "
+                f"{last.get('from')} by {last.get('to')}, {ago:.0f}s ago "
+                f"({a['takeovers']} in all)"
+            ))  # fmt: skip
+    return lines
 
 
 def persisted(redis: dict[str, str | None]) -> str:

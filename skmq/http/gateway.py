@@ -5,6 +5,8 @@ METRICS_HOST:METRICS_PORT."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -27,6 +29,12 @@ from skmq.workers.enqueue import Enqueuer
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class Mountable(Protocol):
+    """Routes that add themselves to the gateway's application."""
+
+    def add_to(self, app: web.Application) -> None: ...
+
+
 class Gateway:
     def __init__(
         self,
@@ -38,6 +46,7 @@ class Gateway:
         console: ConsoleRoutes,
         tokens: Tokens | None,
         admission: Admission | None = None,
+        operator: Sequence[Mountable] = (),
     ) -> None:
         self.settings = settings
         self.admission = admission if admission is not None else Admission(settings)
@@ -46,6 +55,7 @@ class Gateway:
         self.pull = pull
         self.dlq = dlq
         self.console = console
+        self.operator = operator  # further routes for operators (recipients, connections)
         self._openapi = document()
         self._runners: list[web.AppRunner] = []
         self.port: int | None = None
@@ -78,6 +88,8 @@ class Gateway:
             self.dlq.add_to(app)
             ui.add_to(app)
             self.console.add_to(app)
+            for routes in self.operator:
+                routes.add_to(app)
         return app
 
     # -- serving --------------------------------------------------------------

@@ -9,10 +9,12 @@ from pydantic.json_schema import models_json_schema
 
 from skmq import __version__
 from skmq.console import PEEK_MAX
+from skmq.http.connections import MODELS as CONNECTION_MODELS
 from skmq.http.console import MODELS as CONSOLE_MODELS
 from skmq.http.dlq import MODELS as DLQ_MODELS
 from skmq.http.produce import BatchResult, MessageBatch, OutgoingMessage, StoreResult
 from skmq.http.pull import MODELS as PULL_MODELS
+from skmq.http.recipients import MODELS as RECIPIENT_MODELS
 
 _REF = "#/components/schemas/{model}"
 
@@ -34,6 +36,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         408: "body not complete within FRAME_TIMEOUT",
         413: "body, batch or content too large",
         415: "not application/json",
+        422: "a mandatory message for an app with no recipient and no consumer group "
+        "(nothing of the request stored)",
         500: "a fault of the broker (the traceback is in its log, never here)",
         503: "store unavailable or its disk nearly full (nothing acknowledged; a produce may "
         "be stored: resend with the same msgid), too many long polls, or too many "
@@ -62,6 +66,8 @@ def document() -> dict[str, Any]:
                 BatchResult,
                 *PULL_MODELS,
                 *DLQ_MODELS,
+                *RECIPIENT_MODELS,
+                *CONNECTION_MODELS,
                 *CONSOLE_MODELS,
             )
         ],
@@ -99,7 +105,7 @@ def document() -> dict[str, Any]:
                     {"oneOf": [_ref("StoreResult"), _ref("BatchResult")]},
                     "stored (or a duplicate of a msgid stored before): one result each",
                 ),
-                **_errors(400, 401, 403, 408, 413, 415, 500, 503),
+                **_errors(400, 401, 403, 408, 413, 415, 422, 500, 503),
             },
         }
     }
@@ -211,6 +217,33 @@ def document() -> dict[str, Any]:
                        "DlqRequest", "DlqResult", "what was selected and done", 404),
         },
     }  # fmt: skip
+    app_query = {
+        "name": "app", "in": "query", "required": False,
+        "description": "only this app (absent: every app the token has the admin role for)",
+        "schema": {"type": "string", "minLength": 1},
+    }  # fmt: skip
+    id_param = {
+        "name": "id", "in": "path", "required": True,
+        "description": "the recipient's id (at most 256 characters, no control characters)",
+        "schema": {"type": "string", "minLength": 1},
+    }  # fmt: skip
+    operator_paths: dict[str, Any] = {
+        "/v1/recipients": {
+            "get": {**op("listRecipients", "Registered recipients, alive or lost (admin role)",
+                         None, "RecipientList", "each recipient with its state"),
+                    "parameters": [app_query]},
+        },
+        "/v1/apps/{app}/recipients/{id}": {
+            "parameters": [app_param, id_param],
+            "delete": op("removeRecipient", "Remove a recipient gone for good, as its "
+                         "unregister would (admin role)", None, "RecipientRemoved",
+                         "removed, or it was not registered (removed false)"),
+        },
+        "/v1/connections": {
+            "get": op("listConnections", "Producers, push links and pull polls of every live "
+                      "broker (admin role)", None, "ConnectionList", "the connections"),
+        },
+    }  # fmt: skip
     peek_params = [
         {"name": "max", "in": "query", "required": False,
          "description": "at most this many, oldest first (default 100)",
@@ -250,6 +283,7 @@ def document() -> dict[str, Any]:
             "/v1/apps/{app}/messages": produce,
             **pull_paths,
             **dlq_paths,
+            **operator_paths,
             **console_paths,
             "/metrics": {
                 "get": {

@@ -24,6 +24,7 @@ from skmq.jsonbody import parse_json
 from skmq.registry.registration import is_text
 from skmq.store import NewMessage
 from skmq.workers.enqueue import UNAVAILABLE, EnqueueBatch, Enqueuer
+from skmq.workers.routes import unroutable_reason
 
 log = structlog.get_logger("skmq.http")
 
@@ -47,6 +48,11 @@ class OutgoingMessage(BaseModel):
     )
     key: Annotated[str, Field(max_length=256)] = Field(
         "", description="ordering key (queue only): one at a time, in stored order, per key"
+    )
+    mandatory: bool = Field(
+        False,
+        description="refuse it (422, nothing of the request stored) when the app has no "
+        "recipient and no consumer group, instead of storing it to wait for one",
     )
 
 
@@ -147,6 +153,9 @@ class Producer:
             raise ApiError(
                 413, f"{len(messages)} messages: at most {self.settings.http_max_batch} a batch"
             )
+        routes = self.enqueuer.routes
+        if any(m.mandatory for m in messages) and routes is not None and not routes.routable(app):
+            raise ApiError(422, unroutable_reason(app))
         stored = await self._store(
             app, [self._new(app, m, i, batch) for i, m in enumerate(messages)]
         )

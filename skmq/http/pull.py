@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -18,6 +18,7 @@ from skmq import tracing
 from skmq.auth import Role, Tokens
 from skmq.clock import now_ms
 from skmq.config import Settings
+from skmq.connections import Connections, peer_address
 from skmq.deliverylog import DeliveryLog
 from skmq.events import GROUP_PREFIX, Event
 from skmq.handler import bad_app
@@ -183,6 +184,8 @@ class PullApi:
     groups: Groups
     longpoll: LongPoll
     dlog: DeliveryLog
+    # Told of each group made (the app has somewhere to deliver: skmq/workers/routes.py).
+    on_group: Callable[[str], None] = lambda app: None
 
     async def call(
         self,
@@ -322,6 +325,7 @@ class PullApi:
         body = self._body(raw, NewGroup)
         group, position = self.group_name(body.group), parse_position(body.position)
         created = await self._started(self.groups.create(app, group, position))
+        self.on_group(app)
         return created, GroupCreated(group=group, created=created).model_dump()
 
     async def delete(self, app: str, group: str) -> dict[str, Any]:
@@ -401,9 +405,10 @@ class PullApi:
 class PullRoutes:
     """The HTTP routes of PullApi: path parameters, Bearer tokens, JSON bodies."""
 
-    def __init__(self, api: PullApi, tokens: Tokens | None) -> None:
+    def __init__(self, api: PullApi, tokens: Tokens | None, connections: Connections) -> None:
         self.api = api
         self.tokens = tokens
+        self.connections = connections  # (lists the long polls waiting: skmq connections)
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -450,4 +455,7 @@ class PullRoutes:
         group = self._group(request)
         verb = request.path.rsplit("/", 1)[1]
         raw = await read_json(request)
-        return web.json_response(await self.api.call(verb, app, group, raw, who))
+        if verb != "receive":
+            return web.json_response(await self.api.call(verb, app, group, raw, who))
+        with self.connections.polling(peer_address(request.transport), app):
+            return web.json_response(await self.api.call(verb, app, group, raw, who))

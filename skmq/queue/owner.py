@@ -15,6 +15,7 @@ import collections
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from skmq.clock import now_ms
 from skmq.queue.dead import flush_args
@@ -323,8 +324,8 @@ def _settle(done: asyncio.Future[None], task: asyncio.Task[list[bytes | None]]) 
         done.set_result(None)
 
 
-def observed(done: asyncio.Future[None]) -> None:
-    """For a flush nobody awaits: its failure is seen (not "never retrieved")."""
+def observed(done: asyncio.Future[Any]) -> None:
+    """For a write nobody awaits: its failure is seen (not "never retrieved")."""
     if not done.cancelled():
         done.exception()
 

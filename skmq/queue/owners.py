@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from skmq.queue.dead import delivery_id
 from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
@@ -92,10 +94,24 @@ class Owners:
     take: Callable[[str, int], Awaitable[bool]] | None = None
     # an answer another broker forwarded (skmq/queue/forward.py), for the engine's router
     questions: Callable[[str, bytes], None] | None = None
+    # how long an answer waits for its write (STORE_TIMEOUT): a stalled Redis must not
+    # hold a recipient's answer for ever
+    timeout: float = 10.0
     owned: dict[str, AppOwner] = field(default_factory=dict)
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    async def _durable(self, owner: AppOwner) -> None:
+        """Until what the owner recorded is in the journal, TIMEOUT at most (then a
+        store error; the write goes on, for the callers after)."""
+        done = owner.durable()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await asyncio.shield(done)
+        except TimeoutError:
+            done.add_done_callback(observed)
+            raise RedisTimeoutError(f"the owner's write took over {self.timeout} s") from None
 
     # -- ownership -----------------------------------------------------------------
     async def gained(self, app: str, lease: Lease, now: int) -> AppOwner:
@@ -192,12 +208,11 @@ class Owners:
         for change in q.expired:
             d = change.delivery
             out.append(_claimed(d, "expired", b"drop" if d.state is State.DROPPED else b"dead"))
-        flushed = owner.durable()  # (the pushes' records: with the next flush)
         if q.expired:  # (dead letters: there when the caller logs them)
             q.expired.clear()
-            await flushed
-        else:  # (a failure is the next flush's too: Fenced, the round's)
-            flushed.add_done_callback(observed)
+            await self._durable(owner)
+        else:  # (the pushes' records: with the next flush; its failure, the round's too)
+            owner.durable().add_done_callback(observed)
         return out, q.next_due(), rate_wait
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
@@ -214,7 +229,7 @@ class Owners:
                 continue
             out.append(Finished(True, d.attempt, d.stored_at, d.recipient, bool(d.key)))
         if owner is not None and any(f.ok for f in out):
-            await owner.durable()
+            await self._durable(owner)
         return out
 
     async def fail(
@@ -236,7 +251,7 @@ class Owners:
                 continue
             out.append(Failed(FAILED_CODES[change.trigger], d.attempt, d.due or now, d.recipient))
         if owner is not None and any(f.code != Failed.STALE for f in out):
-            await owner.durable()
+            await self._durable(owner)
         return out
 
     async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
@@ -277,7 +292,7 @@ class Owners:
                 for c in changes
             ]
             if changes:
-                await owner.durable()
+                await self._durable(owner)
         return out
 
     async def release(self, app: str, ids: Sequence[str], now: int) -> list[bool]:
@@ -293,7 +308,7 @@ class Owners:
             except Refused:
                 out.append(False)
         if owner is not None and any(out):
-            await owner.durable()
+            await self._durable(owner)
         return out
 
     def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
@@ -346,5 +361,10 @@ class Owners:
             return [i is not None for i in ids]
 
         apps = list(batches)
-        results = await asyncio.gather(*(one(app, batches[app]) for app in apps))
+        # Shielded: a caller that stops waiting (STORE_TIMEOUT) leaves the writes to end,
+        # and each owner materialises what its flush logged. (Cancelled, an owner would
+        # hold a message its log has, never push it, and its next checkpoint trim it.)
+        storing = asyncio.ensure_future(asyncio.gather(*(one(app, batches[app]) for app in apps)))
+        storing.add_done_callback(observed)
+        results = await asyncio.shield(storing)
         return dict(zip(apps, results, strict=True))

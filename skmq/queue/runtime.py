@@ -69,6 +69,7 @@ class OwnerRuntime:
             policy_of(settings),
             store.dedupe_ms,
             lambda app: [r.id for r in registry.alive(app)],
+            timeout=settings.store_timeout,
         )
         self.lease_ms = int(settings.owner_lease * 1000)
         self.ownership = Ownership(

@@ -4,7 +4,7 @@ made them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +122,13 @@ class Registry:
     def _changed(self, app: str) -> None:
         self._changes[app] = self._changes.get(app, 0) + 1
 
-    async def register(self, reg: Registration) -> None:
+    async def register(self, reg: Registration) -> str:
+        """Returns the address (host:port) the id was alive at when this registration, at
+        another address, took it over (logged as a takeover), else ""."""
         now = now_ms()
         self._changed(reg.app)
-        if not await self.store.register(reg.app, reg.id, reg.as_json(), now, self.max_recipients):
+        answer = await self.store.register(reg.app, reg.id, reg.as_json(), now, self.max_recipients)
+        if not answer:
             raise RegistrationRefused(
                 f"app {reg.app!r} has {self.max_recipients} recipients already "
                 "(MAX_RECIPIENTS_PER_APP)"
@@ -142,7 +145,15 @@ class Registry:
             reg.id,
             detail=f"{reg.host}:{reg.port} weight={reg.weight}",
         )
+        taken = answer if isinstance(answer, str) else ""
+        if taken:
+            detail = f"from {taken} to {reg.host}:{reg.port}"
+            self.dlog.event(Event.RECIPIENT_TAKEN_OVER, "", reg.app, None, reg.id, detail=detail)
+            log.warning("recipient id taken over: a second consumer registered it alive "
+                        "elsewhere", app=reg.app, recipient=reg.id, was=taken,
+                        now=f"{reg.host}:{reg.port}")  # fmt: skip
         self.on_change(reg.app)
+        return taken
 
     async def unregister(self, app: str, rid: str) -> bool:
         self._changed(app)
@@ -171,3 +182,44 @@ class Registry:
         self.dlog.event(event, "", app, None, rid, detail=detail or None)
         log.info(event, app=app, recipient=rid, detail=detail)
         self.on_change(app)
+
+
+async def remove_recipient(
+    unregister: Callable[[str, str], Awaitable[bool]],
+    dlog: DeliveryLog,
+    app: str,
+    rid: str,
+    by: str,
+) -> bool:
+    """An operator's removal of a recipient gone for good: an `unregister` (`unregister`:
+    Registry.unregister on a broker, Store.unregister elsewhere), so its topic copies
+    fail as undeliverable (dead-lettered after RETRY_TIMES) and nothing waits for it, and
+    its pushes in flight end as an unregistered recipient's do. Logged (`recipient_removed`,
+    naming `by`: the token's name or the user) when it was registered."""
+    removed = await unregister(app, rid)
+    if removed:
+        dlog.event(Event.RECIPIENT_REMOVED, "", app, None, rid, detail=f"by {by}")
+    log.info("operator action", action="recipients remove", app=app, recipient=rid,
+             principal=by, removed=removed)  # fmt: skip
+    return removed
+
+
+def recipient_rows(found: dict[str, list[dict[str, Any]]], now: int) -> list[dict[str, Any]]:
+    """Store.recipients' records as the console lists them: {app, id, address, weight,
+    state (alive or lost), last_seen_age_s (None: never heard of)}. A record of another
+    shape (by hand, an older release) shows as what it has."""
+    rows = []
+    for app, records in sorted(found.items()):
+        for r in records:
+            beat = r["last_heartbeat"]
+            rows.append(
+                {
+                    "app": app,
+                    "id": str(r.get("id", "")),
+                    "address": f"{r.get('host', '')}:{r.get('port', '')}",
+                    "weight": r.get("weight", 0),
+                    "state": "alive" if r["alive"] else "lost",
+                    "last_seen_age_s": round(max(0, now - beat) / 1000, 1) if beat else None,
+                }
+            )
+    return rows

@@ -41,12 +41,13 @@ KEYS: dict[str, tuple[str, ...]] = {
     # the source app's; Store.move adds the target app's msgs, ready, listed, done:*
     "move": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),
-    "register": ("recipients", "rstate", "rbeat", "listed"),
+    "register": ("recipients", "rstate", "rbeat", "listed", "tally"),
     "unregister": ("recipients", "rstate", "rbeat"),
     "forget": (
         *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
         *("msgs", "state", "rstate", "rbeat", "rate", "listed"),  # dropped
         "groups",  # checked empty
+        "tally",  # dropped
     ),
     # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead, kq.
     # group_create and group_reset: + gadded, after them.

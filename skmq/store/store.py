@@ -14,7 +14,7 @@ import json
 import math
 import random
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
@@ -224,6 +224,17 @@ class Extended:
 class Reaped:
     delivery_id: str
     result: Failed
+
+
+@dataclass(slots=True)
+class Tally:
+    """What an app's `tally` hash counts: messages stored while it had no recipient and no
+    consumer group, and registrations that took an id alive elsewhere over (the last
+    one: {ts, id, from, to}, or None)."""
+
+    unroutable: int
+    takeovers: int
+    last_takeover: dict[str, Any] | None
 
 
 @dataclass(slots=True)
@@ -869,12 +880,17 @@ class Store:
     # -- recipients ---------------------------------------------------------
     async def register(
         self, app: str, rid: str, registration: dict[str, Any], now: int, most: int
-    ) -> bool:
-        """False when rid is new and the app has `most` recipients already (refused)."""
-        if not await self._call("register", app, [rid, json.dumps(registration), now, most]):
+    ) -> bool | str:
+        """False when rid is new and the app has `most` recipients already (refused);
+        else True, or the address (host:port) rid was alive at when this registration,
+        at another address, took it over (counted in the app's tally: `tallies`)."""
+        address = f"{registration.get('host', '')}:{registration.get('port', '')}"
+        args = [rid, json.dumps(registration), now, most, address]
+        answer = await self._call("register", app, args)
+        if not answer:
             return False
         await self.directory.add([app])
-        return True
+        return True if answer == 1 else _s(answer)
 
     async def unregister(self, app: str, rid: str) -> bool:
         return bool(await self._call("unregister", app, [rid]))
@@ -907,6 +923,37 @@ class Store:
                 rec["last_heartbeat"] = int(beats.get(rid_b, 0))
                 found.append(rec)
             out[app] = sorted(found, key=lambda r: str(r.get("id", "")))
+        return out
+
+    async def routable(self, apps: Sequence[str], unroutable: Mapping[str, int]) -> set[str]:
+        """The apps of `apps` with a recipient registered or a consumer group, in one round
+        trip that also adds `unroutable` (messages stored for an app with neither, by app)
+        to each app's tally."""
+        pipe = self.redis.pipeline(transaction=False)
+        for app, n in unroutable.items():
+            pipe.hincrby(self.base(app) + "tally", "unroutable", n)
+        for app in apps:
+            pipe.hlen(self.base(app) + "recipients")
+            pipe.hlen(self.base(app) + "groups")
+        res = (await pipe.execute())[len(unroutable) :]
+        return {app for i, app in enumerate(apps) if int(res[2 * i]) or int(res[2 * i + 1])}
+
+    async def tallies(self, apps: Sequence[str]) -> dict[str, Tally]:
+        """Each app's messages stored while unroutable, and its recipients' takeovers."""
+        pipe = self.redis.pipeline(transaction=False)
+        for app in apps:
+            pipe.hmget(self.base(app) + "tally", "unroutable", "takeovers", "takeover")
+        out = {}
+        for app, (unroutable, takeovers, last) in zip(apps, await pipe.execute(), strict=True):
+            try:
+                taken = json.loads(last) if last else None
+            except ValueError:
+                taken = None
+            out[app] = Tally(
+                int(unroutable or 0),
+                int(takeovers or 0),
+                taken if isinstance(taken, dict) else None,
+            )
         return out
 
     # -- operators ----------------------------------------------------------

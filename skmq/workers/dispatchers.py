@@ -92,6 +92,11 @@ class Dispatchers:
             await self.store.add_apps(new)
             self._known |= new
 
+    @property
+    def known(self) -> list[str]:
+        """Every app listed in the store, as of the last refresh."""
+        return sorted(self._known)
+
     async def refresh(self) -> set[str]:
         """Every app of the store gets a dispatcher here; apps without recipients that
         hold no message are forgotten. Apps new to this broker are seen at once, the

@@ -26,6 +26,7 @@ from skmq.aio import cancel_and_wait
 from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.config import Settings
+from skmq.connections import Connections
 from skmq.deliverylog import DeliveryLog
 from skmq.errors import redis_error_text
 from skmq.peer import Peer
@@ -43,6 +44,7 @@ from skmq.workers.dispatchers import Dispatchers
 from skmq.workers.link import RecipientLink, Verdict
 from skmq.workers.pusher import Pusher
 from skmq.workers.reaper import Reaper
+from skmq.workers.routes import Routes
 from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.engine")
@@ -69,6 +71,8 @@ class Engine:
         # per app, [in, out] over the last minute, published in the broker's note
         self.throughput = throughput
         self.registry = Registry(store, dlog, self.notify, settings.max_recipients_per_app)
+        self.routes = Routes(store)
+        self.connections = Connections()
         self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.pusher = Pusher(
             settings, store, dlog, self.registry, self.answers, self.notify, self.own, signer
@@ -89,6 +93,7 @@ class Engine:
             self.answers,
             AppSearch(store.find_apps, settings.max_searches_per_host),
         )
+        self.connections.add_source(self.pusher.described)
         self.pusher.late_answer = lambda frame, sender: self.router.answer(frame, sender=sender)
         self.reaper = Reaper(
             store, self.apps.by_app, self.pusher, self.answers, self.notify, settings.ack_timeout
@@ -191,7 +196,13 @@ class Engine:
     # -- background steps -----------------------------------------------------
     async def _refresh(self) -> None:
         self.pusher.forget(await self.apps.refresh())
-        note = {"last_seen": now_ms(), "host": self.settings.host, "port": self.settings.port}
+        await self.routes.refresh(self.apps.known)
+        note = {
+            "last_seen": now_ms(),
+            "host": self.settings.host,
+            "port": self.settings.port,
+            **self.connections.note(),
+        }
         if self.throughput is not None:
             note["minute"] = self.throughput()
         await self.store.note_broker(self.broker_id, note)

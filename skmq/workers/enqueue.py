@@ -37,6 +37,7 @@ from skmq.store import ClaimArgs, NewMessage, Store
 from skmq.store.disk import DiskSpace
 from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import AppStored
+from skmq.workers.routes import Routes
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -144,6 +145,8 @@ class Enqueuer:
     disk: DiskSpace | None = None  # the embedded Redis's (None: a Redis of REDIS_URL)
     # Why nothing may be stored now (an evicting Redis: skmq/store/checks.py), or None.
     refusal: Callable[[], str | None] = lambda: None
+    # Which apps have a recipient or a group: messages stored for others are counted.
+    routes: Routes | None = None
     pending_bytes: int = field(init=False, default=0)
     disk_low: bool = field(init=False, default=False)
     # app -> msgid -> (message, received ms): stored or not, nobody knows yet
@@ -208,7 +211,10 @@ class Enqueuer:
         connection, before this broker hears it is stored, and the log must not show a
         push before the store."""
         event = self.dlog.event
+        routes = self.routes
         for app, res in results.items():
+            if routes is not None and not routes.routable(app) and (n := sum(res)):
+                routes.count(app, n)
             uncertain = self._uncertain.get(app, {})
             for m, ok in zip(batch.messages[app], res, strict=True):
                 if ok:

@@ -28,6 +28,7 @@ from typing import Protocol, cast
 import structlog
 
 from skmq import tracing
+from skmq.clock import now_ms
 from skmq.coalesce import Coalescer
 from skmq.codec import (
     PING,
@@ -327,6 +328,7 @@ class RecipientLink:
     expired: OrderedDict[str, Delivery] = field(init=False, default_factory=OrderedDict)
     connections: set[PushConnection] = field(init=False, default_factory=set)
     _shared: PushConnection | None = field(init=False, default=None)
+    since: int = field(init=False, default_factory=now_ms)  # unix ms it was made
 
     @property
     def free(self) -> int:

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from skmq.aio import spawn
 from skmq.codec import Frame, Status
 from skmq.config import Settings
+from skmq.connections import ConnectionInfo
 from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
 from skmq.registry.own_addresses import OwnAddresses
@@ -129,6 +130,13 @@ class Pusher:
         link = self.links.get((app, rid))
         if link is not None:
             link.timed_out(msgid, time.monotonic(), self.settings.ack_timeout)
+
+    def described(self) -> Iterator[ConnectionInfo]:
+        """The push links with a connection open (`skmq connections`)."""
+        for link in self.links.values():
+            if any(not conn.closed for conn in link.connections):
+                address = f"{link.host}:{link.port}"
+                yield ConnectionInfo(address, "recipient push link", (link.app,), link.since)
 
     def forget(self, apps: set[str]) -> None:
         for key in [key for key in self.links if key[0] in apps]:

@@ -1,0 +1,52 @@
+"""`skmq connections [--json]`: the producers, push links and pull polls of every live
+broker, each with its broker, peer address, role (producer, recipient push link, pull
+consumer, http), apps and since when, as the brokers' notes list them (each broker
+publishes its own about once a second, at most 1000 connections: skmq/connections.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from skmq.cli.common import open_store
+from skmq.cli.dlq import printable
+from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.clock import now_ms
+from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.connections import live_connections, visible
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add_settings_flags(parser, STORE_FLAGS)
+    add_token_flag(parser, "admin token, when the settings configure auth")
+    parser.set_defaults(func=run)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    only = admin_apps(settings, args.token)
+    async with open_store(settings) as store:
+        rows, truncated = live_connections(await store.brokers(), now_ms())
+    rows = visible(rows, only)
+    if args.json:
+        print(json.dumps({"connections": rows, "truncated": truncated}, indent=2))
+        return 0
+    table = Table(title="connections")
+    for col in ("broker", "peer", "role", "apps", "since"):
+        table.add_column(col)
+    for r in rows:
+        apps = printable(", ".join(r["apps"]), 80)
+        table.add_row(r["broker"], r["peer"], r["role"], apps, f"{r['since_s']:.1f}s ago")
+    Console().print(table)
+    if truncated:
+        print(f"{truncated} more connection(s) not listed (each broker lists 1000 at most)")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))
