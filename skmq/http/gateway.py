@@ -1,5 +1,6 @@
-"""The HTTP gateway on aiohttp: produce, /metrics, /healthz and /openapi.json on
-HOST:HTTP_PORT, and /metrics and /healthz alone on METRICS_HOST:METRICS_PORT."""
+"""The HTTP gateway on aiohttp: produce, /metrics, /healthz, /openapi.json and the web
+console (/ui/) on HOST:HTTP_PORT, and /metrics and /healthz alone on
+METRICS_HOST:METRICS_PORT."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from redis.exceptions import RedisError
 from skmq.admission import Admission
 from skmq.auth import Tokens
 from skmq.config import Settings
+from skmq.http import ui
 from skmq.http.console import ConsoleRoutes
 from skmq.http.dlq import DlqRoutes
 from skmq.http.errors import json_errors
@@ -84,6 +86,7 @@ class Gateway:
             app.router.add_post("/v1/apps/{app}/messages", self.producer.handle)
             self.pull.add_to(app)
             self.dlq.add_to(app)
+            ui.add_to(app)
             self.console.add_to(app)
             for routes in self.operator:
                 routes.add_to(app)
