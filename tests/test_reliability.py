@@ -540,7 +540,9 @@ async def test_two_brokers_share_the_work_and_deliver_each_message_once(
     acks = Counter(e["msgid"] for e in events if e["event"] == "acked")
     assert {m: c for m, c in acks.items() if c != 1} == {}
     pushers = {e["broker"] for e in events if e["event"] == "pushed"}
-    assert len(pushers) == 2, "both brokers deliver"
+    # (ENGINE=owner: one app's queue is pushed by its owner alone; the brokers share the
+    # apps, and both stored and answered here)
+    assert len(pushers) == (1 if ENGINE == "owner" else 2), "both brokers deliver"
     await r1.stop()
     await r2.stop()
 
