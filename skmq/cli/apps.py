@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from skmq.cli.common import open_store
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.config import settings_from_args
 from skmq.console import overview
 
 COLUMNS = ("app", "pending", "delayed", "in flight", "dead", "oldest pending",
@@ -22,9 +22,7 @@ COLUMNS = ("app", "pending", "delayed", "in flight", "dead", "oldest pending",
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, STORE_FLAGS)
-    add_token_flag(parser, "admin token, when the settings configure auth")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add_operator_flags(parser)
     parser.set_defaults(func=run)
 
 

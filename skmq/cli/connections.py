@@ -14,16 +14,14 @@ from rich.table import Table
 
 from skmq.cli.common import open_store
 from skmq.cli.dlq import printable
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.config import settings_from_args
 from skmq.connections import live_connections, visible
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    add_settings_flags(parser, STORE_FLAGS)
-    add_token_flag(parser, "admin token, when the settings configure auth")
+    add_operator_flags(parser)
     parser.set_defaults(func=run)
 
 

@@ -23,9 +23,9 @@ import structlog
 from rich.progress import Progress
 
 from skmq.cli.common import open_store, operator, operator_log
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.config import settings_from_args
 from skmq.deliverylog import DeliveryLog
 from skmq.dlq import CHUNK, DeadLetters, Filters, Verb, choose, dead_letters_of, redrive
 from skmq.errors import UsageError
@@ -43,8 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
     listing.add_argument("--limit", type=_positive, default=None, help="at most N an app")
     listing.add_argument("--group", help=GROUP_HELP)
-    add_settings_flags(listing, STORE_FLAGS)
-    add_token_flag(listing, "admin token, when the settings configure auth")
+    add_operator_flags(listing, json=False)
     listing.set_defaults(func=run)
     for verb, what in (("replay", "back to pending, attempts reset"), ("purge", "delete")):
         p = verbs.add_parser(verb, help=f"dead letters: {what}")
@@ -62,8 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--group", help=GROUP_HELP)
         if verb == "replay":
             p.add_argument("--to-app", help="replay into this app (a new message there)")
-        add_settings_flags(p, STORE_FLAGS)
-        add_token_flag(p, "admin token, when the settings configure auth")
+        add_operator_flags(p, json=False)
         p.set_defaults(func=run)
 
 

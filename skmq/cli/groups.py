@@ -9,8 +9,8 @@ import json
 
 from skmq.cli import group_position
 from skmq.cli.common import open_store
-from skmq.cli.tokens import add_token_flag, admin_apps
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.cli.tokens import add_operator_flags, admin_apps
+from skmq.config import settings_from_args
 from skmq.errors import UsageError
 from skmq.pull.groups import Groups, bad_group
 from skmq.pull.position import HELP, BadPosition
@@ -37,9 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest="position", type=group_position, metavar="POSITION",
                            required=verb == "reset", default="latest",
                            help=f"where the group reads from: {HELP}")  # fmt: skip
-        p.add_argument("--json", action="store_true", help="print JSON for scripts")
-        add_settings_flags(p, STORE_FLAGS)
-        add_token_flag(p, "admin token, when the settings configure auth")
+        add_operator_flags(p)
         p.set_defaults(func=run)
 
 

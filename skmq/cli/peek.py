@@ -11,9 +11,9 @@ import json
 
 from skmq.cli import whole_number
 from skmq.cli.common import admin_app, open_store
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.config import settings_from_args
 from skmq.console import PEEK_MAX, dead_json, waiting_json
 
 
@@ -26,9 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"at most N, oldest first (default 20, at most {PEEK_MAX})",
     )
     parser.add_argument("--dead", action="store_true", help="the dead letters instead")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    add_settings_flags(parser, STORE_FLAGS)
-    add_token_flag(parser, "admin token, when the settings configure auth")
+    add_operator_flags(parser)
     parser.set_defaults(func=run)
 
 

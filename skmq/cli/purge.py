@@ -15,9 +15,9 @@ import structlog
 
 from skmq.cli import seconds, whole_number
 from skmq.cli.common import admin_app, open_store, operator, operator_log
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.config import settings_from_args
 from skmq.console import purge
 from skmq.logs import configure_logging
 
@@ -27,9 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--older-than", type=seconds, help="only those stored SECONDS ago or more")
     parser.add_argument("--max", type=whole_number(1), help="at most N, oldest first")
     parser.add_argument("--dry-run", action="store_true", help="say what would go, do nothing")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    add_settings_flags(parser, STORE_FLAGS)
-    add_token_flag(parser, "admin token, when the settings configure auth")
+    add_operator_flags(parser)
     parser.set_defaults(func=run)
 
 

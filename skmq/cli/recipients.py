@@ -20,9 +20,9 @@ from rich.table import Table
 
 from skmq.cli.common import admin_app, open_store, operator, operator_log
 from skmq.cli.dlq import printable
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, Settings, add_settings_flags, settings_from_args
+from skmq.config import Settings, settings_from_args
 from skmq.errors import UsageError
 from skmq.logs import configure_logging
 from skmq.registry.recipients import recipient_rows, remove_recipient
@@ -31,16 +31,12 @@ from skmq.registry.registration import CONTROL, MAX_ID
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--app", help="only this app")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    add_settings_flags(parser, STORE_FLAGS)
-    add_token_flag(parser, "admin token, when the settings configure auth")
+    add_operator_flags(parser)
     verbs = parser.add_subparsers(dest="verb", metavar="remove")
     remove = verbs.add_parser("remove", help="remove a recipient gone for good")
     remove.add_argument("--app", required=True, help="its app")
     remove.add_argument("--id", required=True, dest="rid", help="its id")
-    remove.add_argument("--json", action="store_true", help="print JSON for scripts")
-    add_settings_flags(remove, STORE_FLAGS)
-    add_token_flag(remove, "admin token, when the settings configure auth")
+    add_operator_flags(remove)
     parser.set_defaults(func=run, verb=None)
 
 

@@ -16,18 +16,16 @@ from rich.text import Text
 
 from skmq.cli import seconds
 from skmq.cli.common import open_store
-from skmq.cli.tokens import add_token_flag, admin_apps
+from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
-from skmq.config import STORE_FLAGS, add_settings_flags, settings_from_args
+from skmq.config import settings_from_args
 from skmq.pull.groups import Groups
 from skmq.store import Store
 from skmq.store.checks import persistence
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, STORE_FLAGS)
-    add_token_flag(parser, "admin token, when the settings configure auth")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add_operator_flags(parser)
     parser.add_argument("--watch", action="store_true", help="refresh in place (live view)")
     parser.add_argument("--interval", type=seconds, default=1.0, help="--watch refresh, seconds")
     parser.set_defaults(func=run)

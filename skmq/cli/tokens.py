@@ -39,3 +39,14 @@ def admin_apps(settings: Settings, token: str | None) -> frozenset[str] | None:
     if not apps:
         raise UsageError("this token is unknown or has no admin role")
     return None if EVERY_APP in apps else apps
+
+
+def add_operator_flags(parser: argparse.ArgumentParser, json: bool = True) -> None:
+    """What an operator's command takes: the store's settings, the admin token (where
+    the settings configure auth) and, with `json`, --json."""
+    from skmq.config import STORE_FLAGS, add_settings_flags
+
+    if json:
+        parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add_settings_flags(parser, STORE_FLAGS)
+    add_token_flag(parser, "admin token, when the settings configure auth")
