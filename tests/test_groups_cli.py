@@ -39,16 +39,16 @@ async def test_create_list_reset_delete_from_the_command_line(
     )
     code, out, _ = groups_cmd(redis_url, prefix, "list", "--app", "shop", "--json")
     assert code == 0
-    assert json.loads(out) == [
-        {"group": "billing", "backlog": 2, "in_flight": 0, "delayed": 0, "dead": 0}
-    ]
+    [listed] = json.loads(out)
+    assert 0 <= listed.pop("oldest_age_s") < 60  # (m1, stored just now)
+    assert listed == {"group": "billing", "backlog": 2, "in_flight": 0, "delayed": 0, "dead": 0}
     code, out, _ = groups_cmd(
         redis_url, prefix, "reset", "--app", "shop", "billing", "--to", "latest"
     )
     assert (code, out) == (0, "billing: reset to latest\n")
     code, out, _ = groups_cmd(redis_url, prefix, "list", "--app", "shop")
     assert out.splitlines() == [
-        "group=billing backlog=0 in_flight=0 delayed=0 dead=0",
+        "group=billing backlog=0 in_flight=0 delayed=0 dead=0 oldest_age_s=None",
         "1 group(s) of app 'shop'",
     ]
     assert groups_cmd(redis_url, prefix, "delete", "--app", "shop", "billing")[:2] == (

@@ -88,10 +88,18 @@ async def test_groups_each_get_every_message_and_members_share_one_group(
     assert status == 200
     states = {g["group"]: g for g in body["groups"]}
     assert states["billing"]["in_flight"] == 4 and states["billing"]["backlog"] == 0
+    assert 0 <= states["billing"]["oldest_age_s"] < 60  # m1, in flight
     async with http.get(base.replace("/v1/apps", "/metrics")) as r:
         text = await r.text()
     assert 'skmq_group_in_flight{app="shop",group="billing"} 4.0' in text
     assert 'skmq_group_backlog{app="shop",group="billing"} 0.0' in text
+    # settled every one: none is left to be old
+    receipts = [m["receipt"] for m in got]
+    assert (await call(http, "POST", f"{base}/shop/groups/billing/ack", {"receipts": receipts}))[
+        0
+    ] == 200
+    body = (await call(http, "GET", f"{base}/shop/groups"))[1]
+    assert {g["group"]: g["oldest_age_s"] for g in body["groups"]}["billing"] is None
 
 
 async def test_a_long_poll_on_one_broker_wakes_for_a_message_stored_through_another(

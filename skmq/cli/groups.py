@@ -10,6 +10,7 @@ import json
 from skmq.cli import group_position
 from skmq.cli.common import open_store
 from skmq.cli.tokens import add_operator_flags, admin_apps
+from skmq.clock import now_ms
 from skmq.config import settings_from_args
 from skmq.errors import UsageError
 from skmq.pull.groups import Groups, bad_group
@@ -23,7 +24,7 @@ class NoSuchGroup(LookupError):
 def configure(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="verb", required=True)
     for verb, what in (
-        ("list", "the app's groups: backlog, in flight, delayed, dead"),
+        ("list", "the app's groups: backlog, in flight, delayed, dead, oldest message's age"),
         ("create", "subscribe a group: it gets every message stored from --from on"),
         ("reset", "move a group to latest, earliest or a time, dropping its leases and waits"),
         ("delete", "delete a group"),
@@ -53,9 +54,10 @@ async def _run(args: argparse.Namespace) -> int:
         groups = Groups(store)
         if args.verb == "list":
             infos = await groups.describe(args.app)
+            now = now_ms()
             rows = [
                 {"group": i.name, "backlog": i.backlog, "in_flight": i.in_flight,
-                 "delayed": i.delayed, "dead": i.dead}
+                 "delayed": i.delayed, "dead": i.dead, "oldest_age_s": i.oldest_age_s(now)}
                 for i in infos
             ]  # fmt: skip
             if args.json:

@@ -144,6 +144,10 @@ class GroupState(BaseModel):
     in_flight: int
     delayed: int
     dead: int
+    oldest_age_s: float | None = Field(
+        description="seconds since the oldest message the group has not settled was stored "
+        "(its dead letters aside); null: none"
+    )
 
 
 class GroupList(BaseModel):
@@ -313,9 +317,10 @@ class PullApi:
     # -- groups -------------------------------------------------------------
     async def list_groups(self, app: str) -> dict[str, Any]:
         infos = await self.groups.describe(app)
+        now = now_ms()
         states = [
             GroupState(group=i.name, backlog=i.backlog, in_flight=i.in_flight,
-                       delayed=i.delayed, dead=i.dead)
+                       delayed=i.delayed, dead=i.dead, oldest_age_s=i.oldest_age_s(now))
             for i in infos
         ]  # fmt: skip
         return GroupList(groups=states).model_dump()

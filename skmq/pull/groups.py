@@ -74,6 +74,9 @@ class Received:
     ran_out: list[Pulled] = field(default_factory=list)
 
 
+OLDEST_LOOK = 100  # held entries a group's oldest is looked for among
+
+
 @dataclass(slots=True)
 class GroupInfo:
     name: str
@@ -82,6 +85,12 @@ class GroupInfo:
     delayed: int
     dead: int
     backlog: int  # log entries after the cursor (messages not received yet)
+    # when the oldest message the group has not settled was stored (unix ms; its dead
+    # letters aside), None: none
+    oldest: int | None = None
+
+    def oldest_age_s(self, now: int) -> float | None:
+        return None if self.oldest is None else max(0, now - self.oldest) / 1000
 
 
 class Groups:
@@ -180,7 +189,32 @@ class Groups:
             else:
                 backlog = max(0, int(added or 0) - int(read))
             out.append(GroupInfo(name, cursor, int(in_flight), int(delayed), int(dead), backlog))
+        await self._oldest(app, out)
         return out
+
+    async def _oldest(self, app: str, infos: list[GroupInfo]) -> None:
+        """Each group's oldest message not settled: the oldest it holds (in flight or
+        delayed: the first OLDEST_LOOK of `held` that are not dead letters), else the
+        first after its cursor. Two round trips whatever the groups."""
+        redis, base = self.store.redis, self.store.base(app)
+        pipe = redis.pipeline(transaction=False)
+        for info in infos:
+            pipe.zrange(base + self._group_keys(info.name)[2], 0, OLDEST_LOOK - 1)
+            pipe.xrange(self.log_key(app), "(" + info.cursor, "+", count=1)
+        found = await pipe.execute()
+        pipe = redis.pipeline(transaction=False)
+        for i, info in enumerate(infos):
+            held = found[2 * i]
+            if held:
+                pipe.zmscore(base + self._group_keys(info.name)[4], held)
+            else:
+                pipe.echo("")
+        dead = await pipe.execute()
+        for i, info in enumerate(infos):
+            held, unread = found[2 * i], found[2 * i + 1]
+            alive = [e for e, d in zip(held, dead[i] or (), strict=False) if d is None]
+            first = alive[0] if alive else unread[0][0] if unread else None
+            info.oldest = None if first is None else int(first.split(b"-", 1)[0])
 
     async def _count_after(self, app: str, cursor: str) -> int:
         """The log entries after `cursor`, read page by page (a group made before the

@@ -201,7 +201,8 @@ function recipientRow(r) {
   return [row(r.id, r.address, r.weight, state, age(r.last_seen_age_s))];
 }
 
-const groupRow = (g) => [row(g.group, g.backlog, g.in_flight, g.delayed, g.dead)];
+const groupRow = (g) => [row(g.group, g.backlog, g.in_flight, g.delayed, g.dead,
+  g.oldest_age_s === null ? "–" : `${g.oldest_age_s.toFixed(1)} s`)];
 
 const pendingRow = (m) => [
   row(m.msgid, age(m.age_s), m.attempts, m.key, bytes(m.size), preview(m.preview)),
