@@ -217,6 +217,7 @@ async def test_nacks_retry_then_dead_letter_after_retry_times(
     assert await receive(http, base, "x", "g", wait=0.3) == []
     _, body = await call(http, "GET", f"{base}/x/groups")
     assert body["groups"][0]["dead"] == 1
+    assert body["groups"][0]["oldest_age_s"] is None  # (a dead letter is not waiting)
 
 
 async def test_extend_keeps_a_message_hidden(
