@@ -41,6 +41,7 @@ async def overview(store: Store, only: Collection[str] | None, now: int) -> list
     oldest = await store.oldest_pending(apps, now)
     recipients = await store.recipients(apps)
     groups = await Groups(store).describe_apps(apps)
+    tallies = await store.tallies(apps)
     minute = minute_totals(await store.brokers(), now)
     out = []
     for app in apps:
@@ -59,6 +60,7 @@ async def overview(store: Store, only: Collection[str] | None, now: int) -> list
                 "groups": len(groups.get(app, [])),
                 "rate_in": n_in / MINUTE_S,
                 "rate_out": n_out / MINUTE_S,
+                "unroutable": tallies[app].unroutable,
             }
         )
     return out

@@ -93,12 +93,18 @@ async def test_apps_shows_depths_recipients_and_the_rates_of_the_last_minute(
         return bool(app[rate] == n / 60)
 
     await eventually(lambda: noted("rate_in", 5))  # (the broker notes every 0.5 s)
+
+    async def unroutable() -> bool:  # (no recipient, no group: counted at a refresh)
+        (app,) = (await cli_json(cli, "apps"))["apps"]
+        return bool(app["unroutable"] == 5)
+
+    await eventually(unroutable)
     (app,) = (await cli_json(cli, "apps"))["apps"]
     age = app.pop("oldest_pending_age_s")
     assert 0 <= age < 60
     assert app == {"app": "shop", "pending": 5, "delayed": 0, "in_flight": 0, "dead": 0,
                    "recipients": {"alive": 0, "lost": 0}, "groups": 0, "rate_in": 5 / 60,
-                   "rate_out": 0.0}  # fmt: skip
+                   "rate_out": 0.0, "unroutable": 5}  # fmt: skip
     rec = await FakeRecipient("shop", "r1").start()
     try:
         assert (await rec.register(broker.server.port))["status"] == "ack"
@@ -335,7 +341,7 @@ async def test_the_console_over_http_is_for_admins(
     (h,) = listed["apps"]
     assert (status, h["app"], h["pending"], h["rate_in"]) == (200, "h", 3, 0.0)
     assert set(h) == {"app", "pending", "delayed", "in_flight", "dead", "oldest_pending_age_s",
-                      "recipients", "groups", "rate_in", "rate_out"}  # fmt: skip
+                      "recipients", "groups", "rate_in", "rate_out", "unroutable"}  # fmt: skip
     status, peeked = await call("GET", "/h/messages?max=2", TENANT)
     assert (status, [m["msgid"] for m in peeked["messages"]]) == (200, ["h1", "h2"])
     assert set(peeked["messages"][0]) == {"msgid", "age_s", "attempts", "key", "size", "preview"}

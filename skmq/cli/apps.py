@@ -18,7 +18,7 @@ from skmq.config import settings_from_args
 from skmq.console import overview
 
 COLUMNS = ("app", "pending", "delayed", "in flight", "dead", "oldest pending",
-           "recipients alive/lost", "groups", "in/s", "out/s")  # fmt: skip
+           "recipients alive/lost", "groups", "in/s", "out/s", "unroutable")  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ async def _run(args: argparse.Namespace) -> int:
         table.add_row(
             a["app"], str(a["pending"]), str(a["delayed"]), str(a["in_flight"]), str(a["dead"]),
             "-" if age is None else f"{age:.1f}s", f"{who['alive']}/{who['lost']}",
-            str(a["groups"]), f"{a['rate_in']:.2f}", f"{a['rate_out']:.2f}",
+            str(a["groups"]), f"{a['rate_in']:.2f}", f"{a['rate_out']:.2f}", str(a["unroutable"]),
         )  # fmt: skip
     Console().print(table)
     return 0

@@ -39,6 +39,9 @@ class AppInfo(BaseModel):
     groups: int = Field(description="consumer groups")
     rate_in: float = Field(description="messages stored a second, over the last minute")
     rate_out: float = Field(description="deliveries acked a second, over the last minute")
+    unroutable: int = Field(
+        description="messages stored while the app had no recipient and no consumer group"
+    )
 
 
 class AppList(BaseModel):
