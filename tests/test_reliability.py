@@ -35,7 +35,7 @@ from skmq.embedded import EmbeddedRedis, read_info
 from skmq.logarchive import log_files, read_lines
 from skmq.queue.deliveries import Policy as QueuePolicy
 from skmq.queue.journal import AppKeys, Journal, Lease
-from skmq.queue.lifecycle import State
+from skmq.queue.lifecycle import Refused, State
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
 from skmq.store import Store
@@ -317,6 +317,21 @@ OWNED_PLACES = {
 }
 
 
+async def rebuild(wire: Wire, keys: AppKeys, now: int) -> AppOwner:
+    """The app's state as its journal has it, read while its owner goes on: a checkpoint
+    written between the reads (the journal trimmed under them) is read again."""
+    for _ in range(20):
+        before = await wire.call("GET", keys.checkpoint)
+        rebuilt = AppOwner(Journal(wire, keys, Lease("test", 0), DEDUPE_MS), QueuePolicy(), list)
+        try:
+            await rebuilt.load(now, adopt=False)
+        except Refused:  # (records after a newer checkpoint, on the older one's state)
+            continue
+        if await wire.call("GET", keys.checkpoint) == before:
+            return rebuilt
+    raise AssertionError("the owner checkpointed under every read")
+
+
 async def where_owned(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[str, str]:
     """ENGINE=owner: where each msgid is as a new owner would rebuild it from Redis (its
     checkpoint, journal, log and inbox; what is in flight left in flight), else among the
@@ -335,8 +350,7 @@ async def where_owned(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> 
     wire = await Wire.connect(url)
     try:
         now = now_ms()
-        rebuilt = AppOwner(Journal(wire, keys, Lease("test", 0), DEDUPE_MS), QueuePolicy(), list)
-        await rebuilt.load(now, adopt=False)
+        rebuilt = await rebuild(wire, keys, now)
         held = {d.msgid.decode(): d.state for d in rebuilt.queue.deliveries.values()}
         held.update((e.msgid.decode(), State.PENDING) for e, _ in rebuilt.unfanned)
         done: set[bytes] = set()

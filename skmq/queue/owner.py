@@ -240,7 +240,8 @@ class AppOwner:
         """A new owner: the checkpoint, the log and inbox after it (the old owner's
         materialised entries), the journal's records replayed through the table; then
         what was in flight is pushed again (unless not `adopt`: a look at what Redis
-        holds, as tests take it, leaves it in flight). Nothing is written."""
+        holds, as tests take it, leaves every delivery as recorded, in flight or due).
+        Nothing is written."""
         keys = self.journal.keys
         saved = await self.wire.call("GET", keys.checkpoint)
         if saved:
@@ -289,7 +290,7 @@ class AppOwner:
             self.queue.apply(*record, now)
         if adopt:
             self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
-        self.queue.tick(now)
+            self.queue.tick(now)
         self.live = {d.msgid for d in self.queue.deliveries.values()}
         self.live.update(e.msgid for e, _ in self.unfanned)
 
