@@ -219,6 +219,8 @@ async def drain(system: System, args: argparse.Namespace, scenario: str, workdir
     row.delivered = len(got)
     row.duplicates = sum(int(r["received"]) for r in results) - row.delivered
     row.lost = row.stored - row.delivered
+    if not row.delivered:
+        raise BenchError(f"nothing received within {args.drain_time:.0f}s")
     t_first = min(int(r["t_first"]) for r in results if r["t_first"])
     t_acked = max(int(r["t_acked"]) for r in results)
     row.seconds = max((t_acked - t_first) / 1e9, 1e-9)
@@ -276,8 +278,8 @@ async def run_one(name: str, scenario: str, args: argparse.Namespace, workdir: P
         if isinstance(system, SkmqPull) and scenario.startswith("drain-"):
             system.ack = scenario.removeprefix("drain-")
         return await drain(system, args, scenario, workdir)
-    except (BenchError, OSError, TimeoutError) as exc:
-        return Row(scenario, name, error=str(exc).splitlines()[0][:300])
+    except Exception as exc:  # (a row of its own: the other systems still run)
+        return Row(scenario, name, error=(str(exc) or repr(exc)).splitlines()[0][:300])
     finally:
         await system.stop()
 
