@@ -423,7 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--drain-time",
         type=float,
-        default=120.0,
+        default=300.0,
         help="cap, seconds, on storing the backlog, on its drain, on e2e's sending",
     )
     p.add_argument(
