@@ -298,7 +298,7 @@ def table(rows: list[Row]) -> list[str]:
     head = (
         f"{'scenario':<12} {'system':<10} {'msg/s':>8} {'server µs/msg':>13} "
         f"{'(broker + redis)':>16} {'client µs/msg':>13} {'receive p50/p99 ms':>18} "
-        f"{'e2e p50/p99 ms':>15} {'lost':>5} {'dup':>4}"
+        f"{'e2e p50/p99 ms':>17} {'lost':>5} {'dup':>4}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -313,7 +313,7 @@ def table(rows: list[Row]) -> list[str]:
         lines.append(
             f"{r.scenario:<12} {r.system:<10} {fmt(r.rate):>8} {fmt(r.server_cpu_us, '.1f'):>13} "
             f"{split:>16} {fmt(r.clients_cpu_us, '.1f'):>13} {p50_p99(r.receive_ms):>18} "
-            f"{p50_p99(r.latency_ms):>15} {fmt(r.lost, 'd'):>5} {r.duplicates:>4}"
+            f"{p50_p99(r.latency_ms):>17} {fmt(r.lost, 'd'):>5} {r.duplicates:>4}"
         )
     return lines
 
