@@ -56,6 +56,7 @@ from bench.harness import BenchError, LoadPlan, LoadResult, run_load
 from bench.report import (
     as_json,
     backlog_table,
+    json_path,
     machine,
     paced_name,
     paced_table,
@@ -700,15 +701,7 @@ async def amain(args: argparse.Namespace, argv: list[str]) -> int:
         report = runner.report(started, argv)
         print(report, flush=True)
         if args.json is not None:
-            path = (
-                Path(args.json)
-                if args.json
-                else (
-                    Path(__file__).resolve().parent
-                    / "results"
-                    / f"bench-{started:%Y%m%d-%H%M%S}.json"
-                )
-            )
+            path = json_path(args.json, "bench", started)
             path.parent.mkdir(parents=True, exist_ok=True)
             _, checks = targets(runner.results)
             payload = {

@@ -44,6 +44,7 @@ from typing import Any
 import uvloop
 
 from bench.harness import BenchError, Child, LoadPlan, latency_summary, run_load
+from bench.report import json_path
 from bench.systems import NATS_URL, NatsSystem, SkmqBroker, free_port, port_open
 
 APP = "bench"
@@ -378,15 +379,7 @@ async def amain(args: argparse.Namespace) -> int:
     ]
     print("\n".join(out), flush=True)
     if args.json is not None:
-        path = (
-            Path(args.json)
-            if args.json
-            else (
-                Path(__file__).resolve().parent
-                / "results"
-                / f"pull-drain-{started:%Y%m%d-%H%M%S}.json"
-            )
-        )
+        path = json_path(args.json, "pull-drain", started)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload: dict[str, Any] = {
             "date": started.isoformat(timespec="seconds"),

@@ -7,6 +7,8 @@ import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from bench.harness import LoadResult
@@ -39,6 +41,13 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
     }
+
+
+def json_path(given: str, stem: str, started: datetime) -> Path:
+    """Where a run's --json goes: the path given, or bench/results/<stem>-<time>.json."""
+    if given:
+        return Path(given)
+    return Path(__file__).resolve().parent / "results" / f"{stem}-{started:%Y%m%d-%H%M%S}.json"
 
 
 def _mib(value: float | None) -> str:
