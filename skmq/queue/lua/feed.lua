@@ -25,11 +25,7 @@ local function feed(g, id, content, header)
     kind, at, x, key, trace = parts[1], parts[2], parts[3], parts[4], parts[5]
   end
   g.added = (g.added or log_added(g.gadded, g.glog)) + 1
-  local entry = {'m', id, 'k', kind, 'c', content, 'd', at, 'n', g.added}
-  if x ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = x end
-  if key ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = key end
-  if trace ~= '' then entry[#entry + 1] = 't'; entry[#entry + 1] = trace end
-  redis.call('HSET', g.gseen, id, redis.call('XADD', g.glog, '*', unpack(entry)))
+  append_to_groups(g.glog, g.gseen, id, kind, content, at, g.added, x, key, trace)
 end
 
 -- After the batch: the count kept, the groups' long polls told.

@@ -215,6 +215,17 @@ local function log_added(gadded, glog)
   return n
 end
 
+-- One message appended to an app's group log (its fields: pull_lib.lua), its msgid
+-- noted in `gseen`: `n` its count among the entries ever added (log_added), x its expiry
+-- ('0': none), key its ordering key and trace its traceparent ('': none).
+local function append_to_groups(glog, gseen, id, kind, content, at, n, x, key, trace)
+  local entry = {'m', id, 'k', kind, 'c', content, 'd', at, 'n', n}
+  if x ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = x end
+  if key ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = key end
+  if trace ~= '' then entry[#entry + 1] = 't'; entry[#entry + 1] = trace end
+  redis.call('HSET', gseen, id, redis.call('XADD', glog, '*', unpack(entry)))
+end
+
 -- The messages waiting (pending, delayed, waiting for a retry or behind their ordering
 -- key: neither in flight nor dead), oldest stored first, for an operator (peek, purge):
 -- up to `limit` (false: all) from the head of `ready`, from the first of `delayed` (by

@@ -78,13 +78,9 @@ for j = 1, #ids do
     end
     if pulled then
       added = (added or log_added(gadded, glog)) + 1
-      local entry = {'m', id, 'k', read_message(ARGV[i + 1], now), 'c', ARGV[i + 2], 'd', at,
-                     'n', added}
-      if ARGV[i + 4] ~= '0' then entry[#entry + 1] = 'x'; entry[#entry + 1] = ARGV[i + 4] end
-      if ARGV[i + 5] ~= '' then entry[#entry + 1] = 'o'; entry[#entry + 1] = ARGV[i + 5] end
-      if ARGV[i + 6] ~= '' then entry[#entry + 1] = 't'; entry[#entry + 1] = ARGV[i + 6] end
-      local eid = redis.call('XADD', glog, '*', unpack(entry))
-      redis.call('HSET', gseen, id, eid)
+      local kind = read_message(ARGV[i + 1], now)
+      append_to_groups(glog, gseen, id, kind, ARGV[i + 2], at, added, ARGV[i + 4], ARGV[i + 5],
+                       ARGV[i + 6])
       logged = true
     end
     out[#out + 1] = 1
