@@ -16,6 +16,7 @@ from skmq.clock import now_ms
 from skmq.queue.dead import letter
 from skmq.queue.journal import AppKeys, script_source
 from skmq.queue.operator import Request, answer_request, ask_owner, oldest_pending
+from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.store.client import ENC
 from skmq.store.shards import ReplicasMissing
@@ -51,6 +52,10 @@ class OwnedStore(Store):
     def _owners(self) -> Owners:
         assert self.owners is not None, "the owners start with the broker"
         return self.owners
+
+    def _owned(self, app: str) -> AppOwner | None:
+        """The app's owner when it is this process (None in an operator's command)."""
+        return self.owners.owned.get(app) if self.owners is not None else None
 
     @property
     def carries_claims(self) -> bool:
@@ -170,7 +175,7 @@ class OwnedStore(Store):
         res = await pipe.execute()
         out = {}
         for i, app in enumerate(apps):
-            owner = self.owners.owned.get(app) if self.owners is not None else None
+            owner = self._owned(app)
             if owner is not None:  # (this broker's own: as they are now)
                 pending, delayed, in_flight = owner.queue.counts(now)
                 pending += len(owner.unfanned)
@@ -187,7 +192,7 @@ class OwnedStore(Store):
         said = await pipe.execute()
         out: dict[str, int | None] = {}
         for app, oldest in zip(apps, said, strict=True):
-            owner = self.owners.owned.get(app) if self.owners is not None else None
+            owner = self._owned(app)
             if owner is not None:
                 out[app] = oldest_pending(owner)
             else:
@@ -197,7 +202,7 @@ class OwnedStore(Store):
     async def _ask(self, app: str, request: Request) -> list[Any]:
         """An operator's request, done by the app's owner: here, or asked through its
         inbox (skmq/queue/operator.py)."""
-        owner = self.owners.owned.get(app) if self.owners is not None else None
+        owner = self._owned(app)
         if owner is not None:
             return await answer_request(owner, request, now_ms())
         return await ask_owner(self.redis, self.prefix, app, request)
