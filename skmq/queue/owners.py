@@ -21,6 +21,7 @@ from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, append
 from skmq.queue.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import AppOwner, observed
 from skmq.queue.owner import NewMessage as Stored
+from skmq.stall import STALL
 from skmq.store.client import ENC, text
 from skmq.store.store import (
     AliveRecipient,
@@ -97,6 +98,9 @@ class Owners:
     # how long an answer waits for its write (STORE_TIMEOUT): a stalled Redis must not
     # hold a recipient's answer for ever
     timeout: float = 10.0
+    # the loop woke from a stall lately (skmq/stall.py): leases run out no sooner than
+    # the answers that waited in the sockets meanwhile are read
+    settling: Callable[[], bool] = lambda: False
     owned: dict[str, AppOwner] = field(default_factory=dict)
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
@@ -151,6 +155,8 @@ class Owners:
                 self.questions(app, raw)
 
     def _tick(self, app: str, owner: AppOwner, now: int) -> None:
+        if self.settling():
+            return
         for change in owner.queue.tick(now):
             if change.source is State.IN_FLIGHT:
                 self.timed_out.setdefault(app, []).append(change)
@@ -222,7 +228,10 @@ class Owners:
             await self._durable(owner)
         else:  # (the pushes' records: with the next flush; its failure, the round's too)
             owner.durable().add_done_callback(observed)
-        return out, q.next_due(), rate_wait
+        due = q.next_due()
+        if due is not None and self.settling():  # (leases run out once it has settled)
+            due = max(due, now + int(STALL * 1000))
+        return out, due, rate_wait
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         owner = self.owned.get(app)

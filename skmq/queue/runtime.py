@@ -70,6 +70,7 @@ class OwnerRuntime:
             store.dedupe_ms,
             lambda app: [r.id for r in registry.alive(app)],
             timeout=settings.store_timeout,
+            settling=engine.stalls.settling,
         )
         self.lease_ms = int(settings.owner_lease * 1000)
         self.ownership = Ownership(

@@ -12,10 +12,9 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from skmq.codec import PING, CodecError, Decoder, Frame
+from skmq.stall import STALL
 
 log = structlog.get_logger("skmq.heartbeat")
-
-STALL = 0.05  # s: a timer this late means the loop stalled (what waits is then read)
 
 
 async def ping(host: str, port: int, timeout: float, again: bool = True) -> bool:

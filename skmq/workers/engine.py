@@ -34,6 +34,7 @@ from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.registry.recipients import Registry
 from skmq.signing import PushSigner
+from skmq.stall import StallWatch
 from skmq.store import Store
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import AnswerRouter
@@ -73,6 +74,8 @@ class Engine:
         self.registry = Registry(store, dlog, self.notify, settings.max_recipients_per_app)
         self.routes = Routes(store)
         self.connections = Connections()
+        # a loop woken from a stall reads its sockets before it reaps (skmq/stall.py)
+        self.stalls = StallWatch()
         self.answers = AnswerBatcher(store, dlog, self._answered, on_acked)
         self.pusher = Pusher(
             settings, store, dlog, self.registry, self.answers, self.notify, self.own, signer
@@ -131,6 +134,7 @@ class Engine:
     async def start(self, orphans: bool = False) -> None:
         """`orphans`: every lease in Redis is a dead process's (this broker owns its Redis
         alone, as with the embedded one): hand them back now rather than at expiry."""
+        self.stalls.start()
         await self.store.load_scripts()
         self.pusher.tokens = DeliveryTokens(await self.store.delivery_secret())
         if orphans:
@@ -139,7 +143,7 @@ class Engine:
         s = self.settings
         self._tasks = [
             self._loop(self._refresh, min(1.0, s.heartbeat_interval), "refresh"),
-            self._loop(self.reaper.step, min(1.0, max(0.05, s.ack_timeout / 4)), "reap"),
+            self._loop(self._reap, min(1.0, max(0.05, s.ack_timeout / 4)), "reap"),
             self._loop(self._heartbeat, s.heartbeat_interval, "heartbeat"),
             self._loop(self._sweep_links, min(1.0, max(0.05, s.ack_wait / 2)), "links"),
         ]
@@ -191,6 +195,7 @@ class Engine:
                     return_exceptions=True,
                 )
         self.pusher.close()
+        self.stalls.stop()
         await cancel_and_wait(self.pusher.tasks)
 
     # -- background steps -----------------------------------------------------
@@ -223,6 +228,11 @@ class Engine:
 
         await heartbeat_round(targets, s.heartbeat_timeout, report, s.heartbeat_concurrency)
 
+    async def _reap(self) -> None:
+        await self.stalls.settled()  # (answers that came during a stall first)
+        await self.reaper.step()
+
     async def _sweep_links(self) -> None:
+        await self.stalls.settled()
         for app in self.pusher.sweep():
             self._answered(app, False)

@@ -1,0 +1,63 @@
+"""Stalls of the event loop (a long GC pause, SIGSTOP, a starved machine), and what must
+wait out one.
+
+A loop that wakes from a stall runs the timers that ran out meanwhile before it reads
+its sockets (libuv and asyncio alike: timers first, then I/O). So a timer's verdict of
+silence (a lease run out, a pong not come) may be wrong: the answer waits unread in a
+socket. What acts on such silence asks StallWatch first, and lets a woken loop read its
+sockets and apply what it read for SETTLE before it decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+STALL = 0.05  # s: a timer this late means the loop stalled
+SETTLE = 0.2  # s: after a stall, what waited in the sockets is read and applied by then
+TICK = 0.1  # s: how often the watch looks
+MAX_WAIT = 1.0  # s: a loop that stalls again and again still acts, this late at most
+
+
+class StallWatch:
+    """A timer every TICK that notes when it ran STALL or more late. `settling()` is true
+    while the loop is in the turn that woke it from a stall (the watch's own timer not yet
+    run) and for SETTLE after."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0.0
+        self._woke = float("-inf")
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._due = self._loop.time() + TICK
+        self._timer = self._loop.call_at(self._due, self._tick)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        if now - self._due >= STALL:
+            self._woke = now
+        self._due = now + TICK
+        self._timer = self._loop.call_at(self._due, self._tick)
+
+    def settling(self) -> bool:
+        if self._loop is None:
+            return False
+        now = self._loop.time()
+        return now - self._due >= STALL or now - self._woke < SETTLE
+
+    async def settled(self) -> None:
+        """Until the loop is not settling from a stall (MAX_WAIT at most)."""
+        if not self.settling():
+            return
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + MAX_WAIT
+        while self.settling() and loop.time() < give_up:
+            await asyncio.sleep(STALL)
