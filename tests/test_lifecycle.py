@@ -130,10 +130,23 @@ async def test_reap_counts_a_lease_run_out(store: Store) -> None:
 async def test_release_spends_no_attempt(store: Store) -> None:
     await stored(store, "m")
     await claimed(store)
-    assert await store.release(APP, ["m", "other"]) == [True, False]
+    assert await store.release(APP, [("m", 1), ("other", 0)]) == [True, False]
     assert await state_of(store, "m") == State.PENDING
     got, _, _ = await store.claim(APP, NOW, 1, alive("r1"), ["r1"])
     assert got[0].attempt == 1
+
+
+async def test_a_stale_attempt_is_not_released(store: Store) -> None:
+    """A broker that stalled past its lease hands back its attempt on SIGTERM: the
+    message, pushed again since (attempt 2, perhaps by another broker), stays in flight."""
+    await stored(store, "m")
+    await claimed(store)
+    await store.reap([APP], NOW + 10_001)
+    got, _, _ = await store.claim(APP, NOW + 90_000, 1, alive("r1"), ["r1"])
+    assert [(g.delivery_id, g.attempt) for g in got] == [("m", 2)]
+    assert await store.release(APP, [("m", 1)]) == [False]
+    assert await state_of(store, "m") == State.IN_FLIGHT
+    assert await store.release(APP, [("m", 2)]) == [True]
 
 
 async def test_replay_and_purge_take_dead_letters_only(store: Store) -> None:
@@ -203,7 +216,7 @@ async def test_every_script_touches_only_the_keys_it_declares(store: Store) -> N
     await store.finish(APP, [(ids[0], 0)], NOW)
     await store.fail(APP, [(ids[1], "errored", "x", "", 0)], NOW)
     await store.reap([APP], NOW + 20_000)
-    await store.release(APP, ids)
+    await store.release(APP, [(i, 0) for i in ids])
     for _ in range(3):
         await store.claim(APP, NOW + 90_000_000, 5, alive("r1", "r2"), ["r1"] * 5)
         await store.reap([APP], NOW + 100_000_000)

@@ -107,7 +107,7 @@ async def test_a_new_store_holds_hex_msgids_packed_through_their_life(store: Sto
     assert await store.replay(APP, [c], NOW) == [True]
     got, _, _ = await store.claim(APP, NOW, 1, [AliveRecipient("r1", 10, True)], ["r1"])
     assert [g.msgid for g in got] == [c]
-    assert await store.release(APP, [b, c]) == [True, True]
+    assert await store.release(APP, [(b, 0), (c, 0)]) == [True, True]
     # a completed msgid is a duplicate for the dedupe window
     late = await store.store({APP: [NewMessage(a, "queue", b"body", 0)]}, NOW)
     assert late[APP] == [False]

@@ -120,8 +120,8 @@ class OwnedStore(Store):
     async def in_flight(self, app: str) -> list[str]:
         return []  # an owner's in flight are its own: a new owner pushes them again
 
-    async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
-        return await self._owners.release(app, delivery_ids, now_ms())
+    async def release(self, app: str, deliveries: Sequence[tuple[str, int]]) -> list[bool]:
+        return await self._owners.release(app, deliveries, now_ms())
 
     async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
         return self._owners.in_flight_of(app, msgid)

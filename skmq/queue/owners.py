@@ -313,15 +313,17 @@ class Owners:
                 await self._durable(owner)
         return out
 
-    async def release(self, app: str, ids: Sequence[str], now: int) -> list[bool]:
+    async def release(
+        self, app: str, deliveries: Sequence[tuple[str, int]], now: int
+    ) -> list[bool]:
         owner = self.owned.get(app)
         out = []
-        for did in ids:
+        for did, attempt in deliveries:
             msgid, rid = split_delivery(did)
             try:
                 if owner is None:
                     raise Refused(State.ACKED, Trigger.RELEASE)
-                owner.queue.release(_b(msgid), rid or QUEUE, 0, now)
+                owner.queue.release(_b(msgid), rid or QUEUE, attempt, now)
                 out.append(True)
             except Refused:
                 out.append(False)

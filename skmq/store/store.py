@@ -838,11 +838,16 @@ class Store:
     async def in_flight(self, app: str) -> list[str]:
         return [unpack(x) for x in await self.redis.zrange(self.base(app) + "inflight", 0, -1)]
 
-    async def release(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
-        if not delivery_ids:
+    async def release(self, app: str, deliveries: Sequence[tuple[str, int]]) -> list[bool]:
+        """deliveries: (delivery id, attempt, or 0 for whichever: a dead process's) each
+        handed back in flight -> pending, no attempt spent."""
+        if not deliveries:
             return []
-        ids = await self._held(delivery_ids)
-        return [bool(x) for x in await self._call("release", app, ids)]
+        args: list[Any] = []
+        hold = await self._holder()
+        for delivery_id, attempt in deliveries:
+            args += (hold(delivery_id), attempt)
+        return [bool(x) for x in await self._call("release", app, args)]
 
     async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
         """The deliveries of msgid in flight: (delivery id, recipient, attempt)."""

@@ -151,7 +151,7 @@ class Engine:
     async def _release_orphans(self) -> None:
         for app in await self.store.apps():
             ids = await self.store.in_flight(app)
-            released = await self.store.release(app, ids)
+            released = await self.store.release(app, [(i, 0) for i in ids])
             if ids:
                 log.info("in-flight messages of a previous run handed back", app=app,
                          count=sum(released))  # fmt: skip
@@ -187,9 +187,9 @@ class Engine:
         with contextlib.suppress(TimeoutError, RedisError, OSError):
             async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
                 await self.answers.drain()
-                by_app: dict[str, list[str]] = {}
+                by_app: dict[str, list[tuple[str, int]]] = {}
                 for d in self.pusher.in_flight():
-                    by_app.setdefault(d.app, []).append(d.delivery_id)
+                    by_app.setdefault(d.app, []).append((d.delivery_id, d.attempt))
                 await asyncio.gather(
                     *(self.store.release(app, ids) for app, ids in by_app.items()),
                     return_exceptions=True,

@@ -206,7 +206,7 @@ class Pusher:
             if rid:
                 await self.registry.mark(app, rid, False, detail)
             queue = [d for d in deliveries if d.kind == "queue"]
-            released = await self.store.release(app, [d.delivery_id for d in queue])
+            released = await self.store.release(app, [(d.delivery_id, d.attempt) for d in queue])
             for d, ok in zip(queue, released, strict=True):
                 if ok:
                     self.dlog.event(
