@@ -69,14 +69,34 @@ local function expire(id, f)
   release(id)
   emit(id, f, 'x' .. f.k, drop and 'drop' or 'dead', n)
 end
+-- The entries this call hands out: leased at its end, in one call a key (not a few a
+-- message), and returned in the order they were taken.
+local leasing = {}
 local function lease(id, f)
   local x = expires(id, f)
   if x > 0 and now >= x then return expire(id, f) end
-  local n = redis.call('HINCRBY', gstate, nfield(id), 1)
-  redis.call('ZADD', inflight, now + vis, id)
-  redis.call('ZADD', held, ms(id), id)
-  emit(id, f, f.k, f.c, n)
+  leasing[#leasing + 1] = {id, f}
   taken = taken + 1
+end
+local function lease_all()
+  if #leasing == 0 then return end
+  local nf, bf = {}, {}
+  for j, l in ipairs(leasing) do nf[j] = nfield(l[1]); bf[j] = bfield(l[1]) end
+  local ns = call_all('HMGET', gstate, nf)
+  local bs = call_all('HMGET', gstate, bf)
+  local counts, leases, needed = {}, {}, {}
+  for j, l in ipairs(leasing) do
+    local id, f = l[1], l[2]
+    local n = tonumber(ns[j] or '0') + 1
+    counts[#counts + 1] = nf[j]; counts[#counts + 1] = n
+    leases[#leases + 1] = now + vis; leases[#leases + 1] = id
+    needed[#needed + 1] = ms(id); needed[#needed + 1] = id
+    out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = f.k; out[#out + 1] = f.c
+    out[#out + 1] = n; out[#out + 1] = n - tonumber(bs[j] or '0'); out[#out + 1] = f.t or ''
+  end
+  call_all('HSET', gstate, counts)
+  call_all('ZADD', inflight, leases)
+  call_all('ZADD', held, needed)
 end
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, max)) do
@@ -118,6 +138,7 @@ while taken < max do
     end
   end
 end
+lease_all()
 redis.call('HSET', groups, group, cursor)
 if read and scanned > 0 then redis.call('HSET', gstate, '\31r', read) end
 
