@@ -115,6 +115,23 @@ async def test_pull_ack_settles_only_the_current_attempt_while_its_lease_runs(
     assert await groups.ack(APP, "g", [receipt(again[0])], NOW + VIS + 1_001) == [2]
 
 
+async def test_one_batch_acks_each_receipt_once_and_names_its_entries(groups: Groups) -> None:
+    """A batch of receipts (pull_ack.lua reads and writes them in one call a key): the
+    same receipt twice acks once; the msgids of its entries are found for the delivery
+    log whether they are neighbours in the log or far apart (entries(): one XRANGE over
+    their span, then one an entry it did not reach)."""
+    await groups.create(APP, "g")
+    msgids = [f"m{i}" for i in range(40)]
+    await stored(groups, *msgids)
+    got = await received(groups, "g", n=40)
+    first, last = receipt(got[0]), receipt(got[-1])
+    assert await groups.ack(APP, "g", [first, first, last], NOW) == [1, 0, 1]
+    far = await groups.entries(APP, [last[0], "1-1", first[0]])
+    assert far == [("m39", "queue"), ("", "queue"), ("m0", "queue")]
+    near = await groups.entries(APP, [receipt(p)[0] for p in got[1:5]])
+    assert [m for m, _ in near] == ["m1", "m2", "m3", "m4"]
+
+
 async def test_a_lease_that_ran_out_waits_its_backoff_from_its_end_not_from_when_noticed(
     groups: Groups,
 ) -> None:
