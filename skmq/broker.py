@@ -280,8 +280,11 @@ class Broker:
         self.metrics.attach(self.engine, self.enqueuer)
         self.groups = Groups(self.store)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
-        longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting)
-        self.pull = PullApi(s, self.groups, longpoll, self.dlog, self.engine.routes.mark)
+        stalls = self.engine.stalls
+        longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting, stalls.settled)
+        self.pull = PullApi(
+            s, self.groups, longpoll, self.dlog, self.engine.routes.mark, stalls.answered_ms
+        )
         pull = PullRoutes(self.pull, self.tokens, self.engine.connections)
         dlq = DlqRoutes(self.store, self.dlog, self.tokens)
         console = ConsoleRoutes(self.store, self.dlog, self.tokens)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from skmq.clock import now_ms
+
 STALL = 0.05  # s: a timer this late means the loop stalled
 SETTLE = 0.2  # s: after a stall, what waited in the sockets is read and applied by then
 TICK = 0.1  # s: how often the watch looks
@@ -26,12 +28,15 @@ class StallWatch:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._due = 0.0
+        self._ticked = 0.0  # (loop time) the watch's last look
         self._woke = float("-inf")
+        self._stalled_from = 0.0  # (loop time) the last look before the last stall
         self._timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._due = self._loop.time() + TICK
+        self._ticked = self._loop.time()
+        self._due = self._ticked + TICK
         self._timer = self._loop.call_at(self._due, self._tick)
 
     def stop(self) -> None:
@@ -43,7 +48,8 @@ class StallWatch:
         assert self._loop is not None
         now = self._loop.time()
         if now - self._due >= STALL:
-            self._woke = now
+            self._woke, self._stalled_from = now, self._ticked
+        self._ticked = now
         self._due = now + TICK
         self._timer = self._loop.call_at(self._due, self._tick)
 
@@ -61,3 +67,15 @@ class StallWatch:
         give_up = loop.time() + MAX_WAIT
         while self.settling() and loop.time() < give_up:
             await asyncio.sleep(STALL)
+
+    def answered_ms(self) -> int:
+        """The time (store ms, as now_ms()) to judge an answer read now by: now; while the
+        loop settles from a stall, when the stall began. The answer may have come at any
+        moment of the stall: its sender must not lose a lease to the broker's pause. (A
+        lease that someone ended meanwhile, another broker, is ended all the same: what
+        judges an answer checks its attempt too.)"""
+        now = now_ms()
+        if self._loop is None or not self.settling():
+            return now
+        began = self._ticked if self._loop.time() - self._due >= STALL else self._stalled_from
+        return now - int((self._loop.time() - began) * 1000)

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from skmq.clock import now_ms
 from skmq.registry.heartbeat import ping
+from skmq.stall import StallWatch
 
 PONG = b"type=pong\r\n\r\n"
 
@@ -60,3 +62,28 @@ async def test_a_recipient_that_never_answers_is_lost(
 ) -> None:
     port, _ = recipient
     assert not await ping("127.0.0.1", port, 0.2)
+
+
+async def test_the_stall_watch_tells_a_stall_and_when_it_began() -> None:
+    watch = StallWatch()
+    watch.start()
+    loop = asyncio.get_running_loop()
+    try:
+        assert not watch.settling()
+        before = now_ms()
+        stalled = loop.create_future()
+
+        def stall() -> None:  # the loop stopped 0.4 s
+            time.sleep(0.4)
+            stalled.set_result(watch.settling())  # (woken, before the watch looks again)
+
+        loop.call_later(0.01, stall)
+        assert await stalled
+        began = watch.answered_ms()
+        assert abs(began - before) <= 150  # (when the stall began, not now)
+        assert now_ms() - began >= 350
+        await watch.settled()
+        assert not watch.settling()
+        assert now_ms() - watch.answered_ms() <= 5
+    finally:
+        watch.stop()

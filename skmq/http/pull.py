@@ -196,6 +196,9 @@ class PullApi:
     dlog: DeliveryLog
     # Told of each group made (the app has somewhere to deliver: skmq/workers/routes.py).
     on_group: Callable[[str], None] = lambda app: None
+    # The time an ack is judged by (skmq/stall.py: a woken broker's pause is not the
+    # consumer's; StallWatch.answered_ms)
+    answered_ms: Callable[[], int] = now_ms
 
     async def call(
         self,
@@ -379,7 +382,7 @@ class PullApi:
     async def ack(self, app: str, group: str, raw: Any) -> dict[str, Any]:
         body = self._body(raw, AckRequest)
         parsed = self._receipts(body.receipts)
-        done = await self.groups.ack(app, group, parsed, now_ms())
+        done = await self.groups.ack(app, group, parsed, self.answered_ms())
         logged = [[(Event.ACKED, "")] if ok else [] for ok in done]
         await self._log_settled(app, group, body.receipts, parsed, done, logged)
         return self._results(body.receipts, ["acked" if ok else "stale" for ok in done])

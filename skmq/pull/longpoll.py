@@ -5,7 +5,7 @@ the group's next delay or lease runs out: no polling of Redis."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from redis.exceptions import RedisError
@@ -28,10 +28,19 @@ class TooManyWaiting(RuntimeError):
 
 
 class LongPoll:
-    def __init__(self, groups: Groups, wakeups: Wakeups, max_waiting: int) -> None:
+    def __init__(
+        self,
+        groups: Groups,
+        wakeups: Wakeups,
+        max_waiting: int,
+        settled: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.groups = groups
         self.wakeups = wakeups
         self.max_waiting = max_waiting
+        # Until a loop woken from a stall has read its sockets (skmq/stall.py): a receive
+        # ends the leases that ran out, and acks sent during the stall come first.
+        self.settled = settled
         self._releases: set[asyncio.Task[None]] = set()
 
     async def receive(
@@ -94,6 +103,8 @@ class LongPoll:
         entries and leases out of the group: nothing else would log them), and what it
         leased to nobody is let go at once: it comes back after the retry backoff rather
         than the whole lease."""
+        if self.settled is not None:
+            await self.settled()
         call = asyncio.ensure_future(
             self.groups.receive(app, group, now_ms(), max_messages, lease_ms)
         )
