@@ -86,6 +86,9 @@ class Dispatcher:
                     async with asyncio.timeout(timeout):
                         await self.wake.wait()
                         self.idle_wait = POLL
+            else:  # (a claim from the owner's memory need not wait for anything: the
+                # sockets are read between two, whatever the window)
+                await asyncio.sleep(0)
 
     def _idle(self) -> float:
         """Nothing to do: sleep twice as long as last time, up to IDLE_POLL."""
