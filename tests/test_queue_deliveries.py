@@ -254,8 +254,12 @@ def test_a_takeover_pushes_again_what_the_old_owner_had_in_flight() -> None:
     assert q.deliveries[(b"m1", QUEUE)].state is State.PENDING
     assert (b"m2", QUEUE) not in q.deliveries and q.dead[0].msgid == b"m2"
     assert {c.delivery.msgid for c in changes} == {b"m1", b"m2"}
-    (again,) = pushed(q, T + 20_000)
+    (again,) = pushed(q, T + 20_000, to="r2")
     assert again.msgid == b"m1" and again.attempt == 2
+    # the change that adopted m1 still names the attempt that failed, and to whom: the
+    # reaper logs it after the new push, which it must not take for it
+    adopted = [(c.attempt, c.recipient) for c in changes if c.delivery is again]
+    assert adopted and set(adopted) == {(1, "r1")}
 
 
 def test_a_delivery_back_to_pending_before_its_turn_is_taken_once() -> None:

@@ -74,11 +74,17 @@ class Delivery:
 
 @dataclass(slots=True)
 class Change:
-    """A transition made: what the caller logs (the delivery log) and tells."""
+    """A transition made: what the caller logs (the delivery log) and tells. The delivery
+    goes on changing; `attempt`, `recipient` and `due` are its own at this transition (a
+    timed out attempt logged after the message was pushed again names the attempt that
+    failed, and when its retry was due)."""
 
     delivery: Delivery
     trigger: Trigger
     source: State
+    attempt: int = 0
+    recipient: str = ""
+    due: int = 0
 
 
 @dataclass
@@ -117,7 +123,7 @@ class AppQueue:
             self._timer(d)
         if target in OVER:
             self._over(d, now)
-        return Change(d, trigger, source)
+        return Change(d, trigger, source, d.attempt, d.recipient, d.due)
 
     def _timer(self, d: Delivery) -> None:
         self._seq += 1

@@ -302,9 +302,9 @@ class Owners:
                     delivery_id(c.delivery),
                     Failed(
                         FAILED_CODES[c.trigger],
-                        c.delivery.attempt,
-                        c.delivery.due or now,
-                        c.delivery.recipient,
+                        c.attempt,
+                        c.due or now,
+                        c.recipient,
                     ),
                 )
                 for c in changes

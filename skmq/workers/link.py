@@ -456,10 +456,15 @@ class RecipientLink:
             self.timed_out(msgid, now, ack_timeout)
         return len(expired)
 
-    def timed_out(self, msgid: str, now: float, bench_for: float) -> None:
+    def timed_out(self, msgid: str, now: float, bench_for: float, attempt: int = 0) -> None:
         """A push got no final answer in time: bench the recipient and drop the
         connection it went on, which is never reused (docs/PROTOCOL.md 6.1): its other
-        unanswered pushes fail too."""
+        unanswered pushes fail too. `attempt`: the one that timed out (0: whichever is
+        pushed); a push of another attempt is not it (a new owner's push of a message
+        whose earlier attempt, its old owner's, it reaps)."""
+        pushed = self.inflight.get(msgid)
+        if pushed is None or (attempt and pushed.attempt != attempt):
+            return
         d = self.take(msgid)
         if d is None:
             return

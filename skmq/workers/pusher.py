@@ -126,10 +126,10 @@ class Pusher:
                 freed.add(link.app)
         return freed
 
-    def timed_out(self, app: str, rid: str, msgid: str) -> None:
+    def timed_out(self, app: str, rid: str, msgid: str, attempt: int = 0) -> None:
         link = self.links.get((app, rid))
         if link is not None:
-            link.timed_out(msgid, time.monotonic(), self.settings.ack_timeout)
+            link.timed_out(msgid, time.monotonic(), self.settings.ack_timeout, attempt)
 
     def described(self) -> Iterator[ConnectionInfo]:
         """The push links with a connection open (`skmq connections`)."""

@@ -39,7 +39,7 @@ class Reaper:
                     continue
                 msgid, crid = split_delivery(r.delivery_id)
                 rid = crid or r.result.recipient
-                self.pusher.timed_out(app, rid, msgid)
+                self.pusher.timed_out(app, rid, msgid, r.result.attempt)
                 self.answers.record_failure(
                     app, r.delivery_id, Event.TIMEOUT, "no final answer within ack_timeout", rid,
                     r.result,
