@@ -363,8 +363,9 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
 
 def message_table(deliveries: DataFrame) -> DataFrame:
     """One row per message: its ``outcome``, the first in PRECEDENCE that one of its
-    deliveries has, and ``status``, the outcome's group (OUTCOME_GROUPS: acked,
-    dead_lettered, dropped, unresolved)."""
+    deliveries has, ``status``, the outcome's group (OUTCOME_GROUPS: acked,
+    dead_lettered, dropped, unresolved), and ``in_dlq``: a delivery of the stored
+    message is in the dead-letter queue."""
 
     def lookup(pairs: Iterable[tuple[str, Any]]) -> Column:
         return F.create_map(*(F.lit(v) for pair in pairs for v in pair))
@@ -374,7 +375,11 @@ def message_table(deliveries: DataFrame) -> DataFrame:
     group = lookup(OUTCOME_GROUPS.items())[F.col("outcome")]
     return (
         deliveries.groupBy("appid", "msgid")
-        .agg(F.max("stored").alias("stored"), F.min(rank).alias("rank"))
-        .select("appid", "msgid", "stored", first.alias("outcome"))
+        .agg(
+            F.max("stored").alias("stored"),
+            F.min(rank).alias("rank"),
+            F.max(F.col("stored") & (F.col("status") == "dead")).alias("in_dlq"),
+        )
+        .select("appid", "msgid", "stored", first.alias("outcome"), "in_dlq")
         .withColumn("status", group)
     )

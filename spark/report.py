@@ -7,7 +7,9 @@ samples; nothing grows with the number of messages.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -435,7 +437,7 @@ class _Job:
     def outcomes(self, stats: dict[str, Any]) -> dict[str, Any]:
         stored = self.deliveries.where(F.col("stored"))
         status, outcome = F.col("status"), F.col("outcome")
-        acked = status == "acked"
+        acked, dead = status == "acked", status == "dead"
         with self.prog.stage("totals, outcomes, latencies and attempts") as notes:
             # per app and (the rollup's total row) for all apps, in one job
             latency = F.when(acked, F.col("latency"))
@@ -444,7 +446,7 @@ class _Job:
                 .agg(
                     F.grouping("appid").alias("all"),
                     F.count(F.lit(1)).alias("deliveries"),
-                    count_if(status == "dead").alias("dead_letter_entries"),
+                    count_if(dead).alias("dead_letter_entries"),
                     count_if(status == "purged").alias("purged_dead_letters"),
                     F.percentile(latency, list(PERCENTILES)).alias("p"),
                     F.max(latency).alias("max"),
@@ -454,6 +456,10 @@ class _Job:
                     *(count_if(outcome == o).alias(o) for o in OUTCOMES),
                     count_if(F.col("topic")).alias("topic_deliveries"),
                     *(count_if(F.col(f)).alias(f) for f in _COUNTED_FLAGS),
+                    *(
+                        count_if(dead & (F.col("failure") == code)).alias(f"dead_{code}")
+                        for code in range(len(FAILURES) + 1)
+                    ),
                 )
                 .collect()
             )
@@ -472,6 +478,7 @@ class _Job:
                     *(count_if(F.col("stored") & (F.col("outcome") == o)).alias("m_" + o)
                       for o in OUTCOMES),
                     count_if(~F.col("stored")).alias("unstored"),
+                    count_if(F.col("in_dlq")).alias("in_dlq"),
                 )
                 .orderBy("appid")
                 .collect()
@@ -522,9 +529,8 @@ class _Job:
             unresolved: dict[str, Any] = {s: int(everything[s]) for s in UNRESOLVED_STATES}
             unresolved["as_of"] = stats["last_ts"]
             unresolved["stuck_after_ms"] = self.options.stuck_after_ms
-            unresolved["stuck_sample"] = (
-                self.sample(stored.where(outcome == "stuck")) if unresolved["stuck"] else []
-            )
+            self.lists = self.listed()
+            unresolved["stuck_sample"] = _ref_rows(self.lists["stuck"])
             lat = everything
             notes.append(
                 f"{totals['acked']:,} acked, p99 {_round(lat['p'][2]) if lat['p'] else None} ms"
@@ -545,53 +551,65 @@ class _Job:
             "histogram": _histogram(hist),
             "topic_deliveries": {r["appid"]: int(r["topic_deliveries"]) for r in app_rows},
             "flags": {f: sum(int(r[f]) for r in app_rows) for f in _COUNTED_FLAGS},
-        }
-
-    def sample(self, frame: DataFrame) -> list[dict[str, Any]]:
-        size = self.options.sample_size
-        if size <= 0:
-            return []
-        rows = frame.select("appid", "msgid", "recipient").orderBy(*_ref_order()).limit(size)
-        return _ref_rows(rows.collect())
-
-    # ---- 4. the dead-letter queue
-    def dead_letters(self) -> dict[str, Any]:
-        """The DLQ: the dead deliveries (not purged), and the messages they are of."""
-        with self.prog.stage("dead-letter queue") as notes:
-            dead = self.deliveries.where(F.col("stored") & (F.col("status") == "dead"))
-            reason_rows = dead.groupBy("appid", "failure").count().collect()
-            by_reason = sorted(
+            "dead_reasons": sorted(
                 (
-                    {
-                        "appid": r["appid"],
-                        "reason": _failure_name(r["failure"]),
-                        "entries": int(r["count"]),
-                    }
-                    for r in reason_rows
+                    {"appid": r["appid"], "reason": _failure_name(code), "entries": count}
+                    for r in app_rows
+                    for code in range(len(FAILURES) + 1)
+                    if (count := int(r[f"dead_{code}"]))
                 ),
                 key=lambda e: (e["appid"], e["reason"]),
+            ),
+            "dead_messages": sum(int(r["in_dlq"]) for r in message_rows),
+        }
+
+    def listed(self) -> dict[str, list[Any]]:
+        """The stored deliveries each bounded list of the report names, each in its
+        order, in one query (a window per list over the few candidates): the
+        dead-letter queue's oldest and most tried entries (DLQ_TABLE each), samples of
+        the stuck deliveries and of two anomalies (``sample_size`` each)."""
+        c = F.col
+        size = max(self.options.sample_size, 0)
+        dead = c("status") == "dead"
+        lists = {  # name: (which deliveries, how many, its first sort key)
+            "oldest": (dead, DLQ_TABLE, c("dead_since")),
+            "most_tried": (dead, DLQ_TABLE, -c("tries")),
+            "stuck": (c("outcome") == "stuck", size, F.lit(0)),
+            **{flag: (c(flag), size, F.lit(0)) for flag in _COUNTED_FLAGS},
+        }
+        wanted = {name: spec for name, spec in lists.items() if spec[1] > 0}
+        name = c("list")
+
+        def per_list(pick: int) -> Column:
+            return F.coalesce(*(F.when(name == n, spec[pick]) for n, spec in wanted.items()))
+
+        rank = F.row_number().over(Window.partitionBy(name).orderBy(per_list(2), *_ref_order()))
+        in_some = functools.reduce(operator.or_, (spec[0] for spec in wanted.values()))
+        names = F.array(*(F.when(spec[0], F.lit(n)) for n, spec in wanted.items()))
+        rows = (
+            self.deliveries.where(c("stored") & in_some)
+            .select(
+                F.explode(F.array_compact(names)).alias("list"),
+                *("appid", "msgid", "recipient", "failure", "tries", "dead_since"),
             )
-            columns = ["appid", "msgid", "recipient", "failure", "tries", "dead_since"]
-            by_age = Window.orderBy("dead_since", *_ref_order())
-            by_tries = Window.orderBy(F.desc("tries"), *_ref_order())
-            top = (
-                dead.select(
-                    *columns,
-                    F.row_number().over(by_age).alias("age_rank"),
-                    F.row_number().over(by_tries).alias("tries_rank"),
-                )
-                .where((F.col("age_rank") <= DLQ_TABLE) | (F.col("tries_rank") <= DLQ_TABLE))
-                .collect()
-            )
-            oldest_rows = sorted(
-                (r for r in top if r["age_rank"] <= DLQ_TABLE), key=lambda r: r["age_rank"]
-            )
-            most_rows = sorted(
-                (r for r in top if r["tries_rank"] <= DLQ_TABLE), key=lambda r: r["tries_rank"]
-            )
+            .select("*", rank.alias("rank"))
+            .where(c("rank") <= per_list(1))
+            .collect()
+        )
+        found: dict[str, list[Any]] = {n: [] for n in lists}
+        for r in sorted(rows, key=lambda r: int(r["rank"])):
+            found[r["list"]].append(r)
+        return found
+
+    # ---- 4. the dead-letter queue
+    def dead_letters(self, outcomes: dict[str, Any]) -> dict[str, Any]:
+        """The DLQ: the dead deliveries (not purged), and the messages they are of."""
+        with self.prog.stage("dead-letter queue") as notes:
+            by_reason = outcomes["dead_reasons"]
+            oldest_rows, most_rows = self.lists["oldest"], self.lists["most_tried"]
             histories, last_to = self._histories([*oldest_rows, *most_rows])
             entries = sum(r["entries"] for r in by_reason)
-            messages = dead.select("appid", "msgid").distinct().count() if entries else 0
+            messages = outcomes["dead_messages"]
             notes.append(f"{entries:,} entries of {messages:,} messages")
 
         def entry(r: Any) -> dict[str, Any]:
@@ -739,21 +757,30 @@ class _Job:
     # ---- 6. anomalies
     def anomalies(self, outcomes: dict[str, Any]) -> dict[str, Any]:
         with self.prog.stage("anomalies") as notes:
-            stored = self.deliveries.where(F.col("stored"))
-            late = self.keep(_acked_after_dead_letter(self.picked))
+            # how many, and the first ``sample_size`` of them, in one query
+            by_ref = Window.orderBy(*_ref_order())
+            everyone = by_ref.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+            size = max(self.options.sample_size, 0)
+            late = (
+                _acked_after_dead_letter(self.picked)
+                .select(
+                    "appid",
+                    "msgid",
+                    "recipient",
+                    F.row_number().over(by_ref).alias("rank"),
+                    F.count(F.lit(1)).over(everyone).alias("late"),
+                )
+                .where(F.col("rank") <= max(size, 1))
+                .collect()
+            )
             found = dict(outcomes["flags"])
-            found["acked_after_dead_letter"] = late.count()
+            found["acked_after_dead_letter"] = int(late[0]["late"]) if late else 0
             anomalies: dict[str, Any] = dict(found)
             anomalies["samples"] = {
-                "acked_more_than_once": self.sample(stored.where(F.col("acked_more_than_once")))
-                if found["acked_more_than_once"]
-                else [],
-                "pushed_after_ack": self.sample(stored.where(F.col("pushed_after_ack")))
-                if found["pushed_after_ack"]
-                else [],
-                "acked_after_dead_letter": self.sample(late)
-                if found["acked_after_dead_letter"]
-                else [],
+                **{flag: _ref_rows(self.lists[flag]) for flag in _COUNTED_FLAGS},
+                "acked_after_dead_letter": _ref_rows(
+                    sorted(late, key=lambda r: int(r["rank"]))[:size]
+                ),
             }
             anomalies["acked_before_stored"] = outcomes["negative"]
             anomalies["unstored_messages"] = outcomes["unstored"]
@@ -780,7 +807,7 @@ def compute_report(
         stats = job.read()
         job.group(stats["last_ts"])
         outcomes = job.outcomes(stats)
-        dead_letters = job.dead_letters()
+        dead_letters = job.dead_letters(outcomes)
         by_recipient, recipient_extra, throughput = job.event_counts(stats)
         anomalies = job.anomalies(outcomes)
     finally:

@@ -30,8 +30,10 @@ from pyspark.sql import SparkSession
 
 LOCAL_DRIVER_MEMORY = "2g"
 # The throughput collector: G1's concurrent threads take CPU from the tasks on a small
-# machine (1M events on 2 cores: 2.0 s of GC CPU with G1, 0.9 s with it).
-DRIVER_JAVA_OPTIONS = ("-XX:+UseParallelGC",)
+# machine (1M events on 2 cores: 2.0 s of GC CPU with G1, 0.9 s with it). Room for the
+# class metadata of a whole audit (Spark's classes, each query's generated ones) from the
+# start: the default first threshold (21 MB) stopped every audit for a full collection.
+DRIVER_JAVA_OPTIONS = ("-XX:+UseParallelGC", "-XX:MetaspaceSize=256m")
 
 # A local audit of less than this much log text runs on HotSpot's quick compiler (C1)
 # only: in a short job its optimising compiler (C2) costs more CPU than its faster code
