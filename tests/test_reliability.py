@@ -41,6 +41,7 @@ from skmq.queue.owner import AppOwner
 from skmq.store import Store
 from skmq.store.wire import Wire
 from tests.conftest import (
+    ENGINE,
     BrokerFactory,
     BrokerProcess,
     answers_ping,
@@ -52,7 +53,6 @@ from tests.peers import FakeRecipient, Policy, RawClient
 
 ACK_TIMEOUT = 1.5  # as in broker_env
 APP = "app"
-ENGINE = os.environ.get("SKMQ_ENGINE", "scripts")  # the suite runs on either engine
 # A test that reads a lease in the scripts engine's `inflight` set: ENGINE=owner keeps
 # leases in the owner's memory (its fencing: tests/test_fencing.py, test_owner_takeover.py).
 reads_script_leases = pytest.mark.skipif(
