@@ -31,6 +31,9 @@ from skmq.store.wire import Wire
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
+# The delivery engine the suite runs on (SKMQ_ENGINE; docs/OWNER-DESIGN.md).
+ENGINE = os.environ.get("SKMQ_ENGINE", "scripts")
+
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Every async test runs on uvloop, the loop the broker runs on."""

@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
 from skmq.broker import Broker
 from skmq.client import Producer
+from skmq.clock import now_ms
 from skmq.outbox import Outbox, OutboxError
-from skmq.store.msgids import pack, unpack
 from tests.conftest import BrokerFactory, eventually, free_port
-from tests.test_delivery import base
+from tests.peers import FakeRecipient
+from tests.test_delivery import logged, registered
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,13 +42,13 @@ async def producer(broker: Broker) -> AsyncIterator[Producer]:
     await p.close()
 
 
-async def stored(redis: aioredis.Redis, broker: Broker, app: str) -> list[str]:
-    """The msgids waiting in app's ready list (as text: skmq/store/msgids.py)."""
-    return [unpack(m) for m in await redis.lrange(base(broker, app) + "ready", 0, -1)]
+async def stored(broker: Broker, app: str, limit: int = 100) -> list[str]:
+    """The msgids waiting in app, oldest first (at most `limit`)."""
+    return [w.msgid for w in await broker.store.peek(app, limit, now_ms())]
 
 
 async def test_send_belongs_to_the_callers_transaction(
-    db: sqlite3.Connection, producer: Producer, broker: Broker, redis: aioredis.Redis
+    db: sqlite3.Connection, producer: Producer, broker: Broker
 ) -> None:
     outbox = Outbox(db, producer)
     db.execute("INSERT INTO orders (what) VALUES ('lost')")
@@ -61,33 +61,36 @@ async def test_send_belongs_to_the_callers_transaction(
         outbox.send("tx", b"committed again", msgid="c1")  # the same msgid: a no-op
     assert outbox.pending() == 1
     assert await outbox.send_pending() is False
-    assert await stored(redis, broker, "tx") == ["c1"]
+    assert await stored(broker, "tx") == ["c1"]
     assert outbox.pending() == 0 and outbox.sent == 1
     outbox.close()
 
 
 async def test_the_sender_delivers_after_the_commit(
-    db: sqlite3.Connection, producer: Producer, broker: Broker, redis: aioredis.Redis
+    db: sqlite3.Connection, producer: Producer, broker: Broker
 ) -> None:
     outbox = Outbox(db, producer, batch=7, poll=30.0)
     outbox.start()
     try:
         with db:
             ids = [outbox.send("bg", f"{i}", ttl_ms=60_000) for i in range(20)]
+            outbox.send("bg-ttl", b"short-lived", msgid="short", ttl_ms=1)
         outbox.wake()
         await eventually(lambda: _true(outbox.pending() == 0))  # deleted once acked
     finally:
         await outbox.stop()
-    assert await stored(redis, broker, "bg") == ids  # in order
-    assert await redis.hexists(base(broker, "bg") + "state", pack(ids[0]) + b"\x1fx")  # the TTL
+    assert await stored(broker, "bg") == ids  # in order
+    await registered(broker.server.port, await FakeRecipient("bg-ttl", "r").start())
+    (expired,) = await logged(broker, "expired", "short")  # its TTL came with it
+    assert expired["detail"] == "dead-lettered"
 
 
-async def _count(redis: aioredis.Redis, broker: Broker, app: str, n: int) -> bool:
-    return await redis.llen(base(broker, app) + "ready") >= n
+async def _count(broker: Broker, app: str, n: int) -> bool:
+    return (await broker.store.counts([app], now_ms()))[app].pending >= n
 
 
 async def test_rows_wait_while_the_broker_is_down(
-    db: sqlite3.Connection, make_broker: BrokerFactory, redis: aioredis.Redis
+    db: sqlite3.Connection, make_broker: BrokerFactory
 ) -> None:
     port = free_port()
     producer = Producer("127.0.0.1", port)
@@ -100,7 +103,7 @@ async def test_rows_wait_while_the_broker_is_down(
             await outbox.send_pending()  # nobody listens: the row stays
         assert outbox.pending() == 1
         broker = await make_broker(port=port)
-        await eventually(lambda: _count(redis, broker, "down", 1))
+        await eventually(lambda: _count(broker, "down", 1))
         await eventually(lambda: _true(outbox.pending() == 0))
     finally:
         await outbox.stop()
@@ -117,7 +120,7 @@ def test_an_in_memory_database_is_refused() -> None:
 
 
 async def test_a_producer_killed_mid_send_loses_and_duplicates_nothing(
-    tmp_path: Path, broker: Broker, redis: aioredis.Redis
+    tmp_path: Path, broker: Broker
 ) -> None:
     n = 20_000
     path = tmp_path / "crash.db"
@@ -125,7 +128,7 @@ async def test_a_producer_killed_mid_send_loses_and_duplicates_nothing(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
-        await eventually(lambda: _count(redis, broker, "crash", 2_000), timeout=60)
+        await eventually(lambda: _count(broker, "crash", 2_000), timeout=60)
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=10) == -signal.SIGKILL
     finally:
@@ -139,7 +142,7 @@ async def test_a_producer_killed_mid_send_loses_and_duplicates_nothing(
         subprocess.run, args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert again.returncode == 0, again.stderr
-    ids = await stored(redis, broker, "crash")
+    ids = await stored(broker, "crash", limit=n + 1)
     assert len(ids) == n  # nothing duplicated ...
     assert set(ids) == {f"m{i}" for i in range(n)}  # ... and nothing lost
-    assert await redis.hlen(base(broker, "crash") + "msgs") == n
+    assert (await broker.store.counts(["crash"], now_ms()))["crash"].pending == n

@@ -108,6 +108,22 @@ async def test_a_topic_message_waiting_for_a_first_recipient_survives_a_takeover
     assert [d.content for d in b.queue.take(10, T + 1, "r1")] == [b"body t1"]
 
 
+async def test_a_message_stored_through_another_broker_keeps_its_content_after_a_takeover(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """Its content is in the inbox, not the log: a checkpoint says so to the next owner."""
+    await append(wire, keys, T, DEDUPE, [Appended(b"m1", b"body m1")])
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.load(T)
+    await a.checkpoint(T)
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    await b.load(T)
+    taken = list(b.queue.take(10, T))
+    await b.contents(taken)
+    assert [(d.msgid, d.content) for d in taken] == [(b"m1", b"body m1")]
+
+
 def _never() -> Lease:
     raise AssertionError("the lease was taken")
 

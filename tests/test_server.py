@@ -10,22 +10,24 @@ import redis.asyncio as aioredis
 
 from skmq.broker import Broker
 from skmq.clock import now_ms
-from skmq.store.messages import read as read_message
+from skmq.store import Waiting
 from tests.conftest import BrokerFactory
 from tests.peers import RawClient
 
 
-async def test_queue_and_topic_are_stored_and_acked(broker: Broker, redis: aioredis.Redis) -> None:
+async def waiting(broker: Broker, app: str) -> dict[str, Waiting]:
+    """The app's messages waiting, by msgid, as an operator's peek shows them."""
+    return {w.msgid: w for w in await broker.store.peek(app, 100, now_ms())}
+
+
+async def test_queue_and_topic_are_stored_and_acked(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
     q = await client.request("queue", b"hello", appid="app1", msgid="m1")
     t = await client.request("topic", b"news", appid="app1", msgid="m2")
     assert (q["status"], q["content"], q["msgid"]) == ("ack", "stored", "m1")
     assert (t["status"], t["msgid"]) == ("ack", "m2")
-    base = broker.store.base("app1")
-    # msgs holds a header (kind, stored ms) and the content (skmq/store/messages.py)
-    for msgid, kind, content in (("m1", "queue", b"hello"), ("m2", "topic", b"news")):
-        value = await redis.hget(f"{base}msgs", msgid)
-        assert read_message(value, now_ms())[::2] == (kind, content)
+    stored = await waiting(broker, "app1")
+    assert {msgid: w.preview for msgid, w in stored.items()} == {"m1": b"hello", "m2": b"news"}
     await client.close()
 
 
@@ -47,14 +49,17 @@ async def test_broker_generates_a_msgid_when_none_is_given(broker: Broker) -> No
     await client.close()
 
 
-async def test_msgid_cannot_collide_with_broker_keys(broker: Broker, redis: aioredis.Redis) -> None:
+async def test_msgid_cannot_collide_with_broker_keys(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
-    for evil in ("ready", "inflight", "dead", "delayed", "recipients", "m:x", "{a}", "done:1"):
-        resp = await client.request("queue", b"x", appid="a", msgid=evil)
+    # the app's keys of either engine (ENGINE=scripts: ready ...; owner: log, inbox ...)
+    evils = ["ready", "inflight", "dead", "delayed", "recipients", "m:x", "{a}", "done:1"]
+    evils += ["log", "inbox", "jr", "ckpt", "dl", "epoch", "owner", "stats"]
+    for evil in evils:
+        resp = await client.request("queue", evil.encode(), appid="a", msgid=evil)
         assert resp["content"] == "stored", evil
-    base = broker.store.base("a")
-    assert await redis.type(f"{base}ready") == b"list"
-    assert await redis.llen(f"{base}ready") == 8
+    stored = await waiting(broker, "a")
+    assert {msgid: w.preview for msgid, w in stored.items()} == {e: e.encode() for e in evils}
+    assert (await broker.store.counts(["a"], now_ms()))["a"].pending == len(evils)
     await client.close()
 
 
@@ -146,13 +151,13 @@ async def test_unknown_keys_are_ignored(broker: Broker) -> None:
     await client.close()
 
 
-async def test_binary_content_with_length(broker: Broker, redis: aioredis.Redis) -> None:
+async def test_binary_content_with_length(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
     body = b"line1\r\n\r\nline2\nend\r"
     resp = await client.request("queue", body, appid="a", msgid="bin")
     assert resp["status"] == "ack"
-    value = await redis.hget(f"{broker.store.base('a')}msgs", "bin")
-    assert read_message(value, now_ms())[2] == body
+    (stored,) = (await waiting(broker, "a")).values()
+    assert (stored.msgid, stored.size, stored.preview) == ("bin", len(body), body)
     await client.close()
 
 
@@ -191,7 +196,7 @@ async def test_overlong_header_line_gets_error_then_close(make_broker: BrokerFac
 
 
 async def test_a_frame_with_bare_lf_line_endings_gets_an_error_naming_crlf_then_close(
-    make_broker: BrokerFactory, redis: aioredis.Redis
+    make_broker: BrokerFactory,
 ) -> None:
     """`queue\\nappid=...\\n\\n` never ends a frame: refused as soon as its first line
     ends (not at FRAME_TIMEOUT), after the frames before it, and the connection closed as
@@ -212,9 +217,7 @@ async def test_a_frame_with_bare_lf_line_endings_gets_an_error_naming_crlf_then_
     )
     assert await client.closed(timeout=10)
     await client.close()
-    base = broker.store.base("lf")
-    assert await redis.hexists(f"{base}msgs", "before")
-    assert not await redis.hexists(f"{base}msgs", "bare")
+    assert list(await waiting(broker, "lf")) == ["before"]
 
 
 async def test_frames_before_an_oversized_one_are_answered(broker: Broker) -> None:
@@ -238,13 +241,17 @@ async def test_half_closed_peer_still_gets_its_answers(broker: Broker) -> None:
     assert await client.closed()
 
 
-async def test_delayed_message_is_stored_delayed(broker: Broker, redis: aioredis.Redis) -> None:
+async def test_delayed_message_is_stored_delayed(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
+    sent = now_ms()
     assert (await client.request("queue", b"x", appid="a", msgid="d1", delay="60000"))[
         "status"
     ] == "ack"
-    score = await redis.zscore(f"{broker.store.base('a')}delayed", "d1")
-    assert score is not None and score > 0
+    (stored,) = (await waiting(broker, "a")).values()
+    assert stored.msgid == "d1"
+    assert sent + 60_000 <= stored.due_ms <= now_ms() + 60_000
+    c = (await broker.store.counts(["a"], now_ms()))["a"]
+    assert (c.pending, c.delayed) == (0, 1)
     await client.close()
 
 

@@ -376,6 +376,7 @@ class AppQueue:
                     d.expires,
                     int(d.topic),
                     d.error,
+                    int(d.inbox),
                 ]
                 for d in self.deliveries.values()
             ],
@@ -386,7 +387,8 @@ class AppQueue:
         """Hold the deliveries of a checkpoint, as they were (a fresh AppQueue)."""
         rows = json.loads(snapshot)
         rows.sort(key=lambda r: entry_order(r[0].encode()))  # keys and pending in stored order
-        for entry, msgid, copy, state, attempt, due, rid, key, at, expires, topic, error in rows:
+        for row in rows:
+            entry, msgid, copy, state, attempt, due, rid, key, at, expires, topic, error = row[:12]
             d = Delivery(
                 entry.encode(),
                 msgid.encode("latin-1"),
@@ -402,6 +404,7 @@ class AppQueue:
                 rid,
                 0,
                 error,
+                inbox=bool(row[12:13] == [1]),  # (a checkpoint made before the field: none)
             )
             self.deliveries[d.ident] = d
             if d.topic:

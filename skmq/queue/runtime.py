@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 import structlog
@@ -87,7 +88,7 @@ class OwnerRuntime:
         # answers through other brokers (skmq/queue/forward.py)
         self.forwarder = Forwarder(wire, settings.key_prefix, broker_id, settings.store_timeout)
         router = engine.router
-        router.forward = self.forwarder.ask
+        router.forward = self._forward
         router.owns = lambda app: app in self.owners.owned
         self.owners.questions = self._asked
         self.tasks: set[asyncio.Task[None]] = set()
@@ -143,6 +144,14 @@ class OwnerRuntime:
                 log.warning("a question went unanswered", app=app, error=repr(exc))
 
         spawn(answer(), self.tasks)
+
+    async def _forward(self, app: str, frame: Frame, vouched: Sequence[str] | None) -> Verdict:
+        """An answer for an app this broker does not own: if the app is unowned and ours,
+        taken now and answered here (as a store takes it: no wait for the next round, and
+        no asking an inbox no owner reads); else asked of its owner."""
+        if await self.ownership.take(app, now_ms()):
+            return await self._answer(frame, None if vouched is None else tuple(vouched))
+        return await self.forwarder.ask(app, frame, vouched)
 
     async def _gained(self, app: str, lease: Lease) -> None:
         await self.owners.gained(app, lease, now_ms())
