@@ -391,6 +391,27 @@ class Rig:
             await asyncio.sleep(POLL)
         return None
 
+    async def drained(self, timeout: float) -> float | None:
+        """Seconds until the owner's counts (the `stats` hash it writes every round) say
+        it holds nothing (pending, delayed, in flight); None: not within `timeout`."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            with contextlib.suppress(OSError, aioredis.RedisError):
+                stats = await self.client.hgetall(self.keys.stats)
+                held = [int(stats.get(k, b"1")) for k in (b"pending", b"delayed", b"in_flight")]
+                if not any(held):
+                    return time.monotonic() - started
+            await asyncio.sleep(0.1)
+        return None
+
+    async def stored(self, msgids: set[str]) -> int:
+        """How many of `msgids` the app's log and inbox hold (not yet trimmed)."""
+        found = 0
+        for stream in (self.keys.log, self.keys.inbox):
+            for _, fields in await self.client.xrange(stream, "-", "+"):
+                found += fields.get(b"m", b"").decode() in msgids
+        return found
+
     async def redis_ms(self) -> int:
         seconds, micros = await self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000
@@ -436,6 +457,10 @@ async def kill_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             max(0.0, killed_at + args.lease + args.wait - time.monotonic()),
         )
         again = rig.recipient.first_after(killed_at, msgids)
+        await asyncio.sleep(args.settle)  # (the new owner's workers run a few rounds)
+        pushes = rig.recipient.count
+        rig.recipient.ack_all()
+        drained = await rig.drained(args.wait)
         times = spread(list(again.values()))
         last = times["last"]
         met = last is not None and len(again) == len(msgids) and last <= args.lease + 1
@@ -451,6 +476,8 @@ async def kill_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             "lost": len(msgids) - len(again),
             "target_s": args.lease + 1,
             "target_met": met,
+            "pushes_before_ack": pushes,
+            "drained_after_ack_s": drained,
         }
 
 
@@ -524,7 +551,8 @@ async def stop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
         delivered = await rig.recipient.until(
             lambda: rig.recipient.received() >= set(produced), args.wait
         )
-        lost = len(set(produced) - rig.recipient.received())
+        undelivered = set(produced) - rig.recipient.received()
+        drained = await rig.drained(args.wait)
         final = await rig.holder()
         return {
             "scenario": "stop",
@@ -546,7 +574,9 @@ async def stop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             "landed_log": in_log,
             "journal_entries_seen": len(watch.entries),
             "delivered_all": delivered,
-            "lost": lost,
+            "lost": len(undelivered),
+            "lost_still_stored": await rig.stored(undelivered),
+            "drained_after_ack_s": drained,
         }
 
 
@@ -635,6 +665,9 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"{_s(r['repush_last_s'])}",
             f"  pushed again {r['repushed']:,}, lost {r['lost']:,}; target last <= lease + 1 s "
             f"= {r['target_s']} s: {verdict}",
+            f"  pushes received before the acks {r['pushes_before_ack']:,} (held: "
+            f"{r['in_flight']:,} + as many again); all acked, the queue empty after "
+            f"{_s(r['drained_after_ack_s'])} (-: not within --wait)",
         ]
     if r["scenario"] == "stop":
         return [
@@ -646,7 +679,9 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"journal {r['landed_journal']} (of {r['journal_entries_seen']} entries read), "
             f"log {r['landed_log']}",
             f"  produced meanwhile {r['produced_during']:,} ({r['producer_answers']}); "
-            f"owner at the end {r['final_owner']}; lost {r['lost']}",
+            f"owner at the end {r['final_owner']}",
+            f"  all acked: not delivered within --wait {r['lost']} (still in the log or inbox: "
+            f"{r['lost_still_stored']}); the queue empty after {_s(r['drained_after_ack_s'])}",
         ]
     rec = r["recovery_s"]
     return [
@@ -733,6 +768,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--after", type=float, default=5.0, help="stop: s the woken owner runs")
     p.add_argument("--faults", type=int, default=50, help="loop: faults in a row")
     p.add_argument("--between", type=float, default=1.0, help="loop: s between faults")
+    p.add_argument("--settle", type=float, default=3.0, help="kill: s before the acks")
     p.add_argument("--wait", type=float, default=30.0, help="bound of each wait, seconds")
     p.add_argument("--keep", action="store_true", help="copy each scenario's logs and data")
     p.add_argument(
