@@ -69,6 +69,7 @@ from bench.report import json_path
 from skmq.client import Producer
 from skmq.codec import PONG, CodecError, Frame, FrameProtocol, InvalidFrame, encode_frame
 from skmq.embedded import EmbeddedRedis
+from skmq.logarchive import log_files, read_lines
 from skmq.queue.journal import AppKeys
 
 APP = "takeover"
@@ -433,6 +434,16 @@ class Rig:
         return msgids
 
 
+def pushes_after(broker: Broker, wall_ms: int) -> int:
+    """Pushes `broker` logged (its delivery log: DATA_DIR/delivery-log) after `wall_ms`."""
+    count = 0
+    for path in log_files(Path(broker.env["SKMQ_DATA_DIR"]) / "delivery-log"):
+        for line in read_lines(path):
+            event = json.loads(line)
+            count += event["event"] == "pushed" and event["ts"] > wall_ms
+    return count
+
+
 def fenced_lines(broker: Broker) -> int:
     return broker.log_path.read_text(errors="replace").count(FENCED_LINE)
 
@@ -541,7 +552,7 @@ async def stop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             await asyncio.sleep(args.stall_extra)
         finally:
             victim.proc.send_signal(signal.SIGCONT)
-        woken_at = time.monotonic()
+        woken_at, woken_ms = time.monotonic(), int(time.time() * 1000)
         log(f"{victim.name} woken after {woken_at - stopped_at:.1f} s")
         await asyncio.sleep(args.after)
         all_acked = await feed.finish(args.wait)
@@ -574,6 +585,7 @@ async def stop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             "stale_epoch": stale,
             "final_owner": None if final is None else f"{final[0]}:{final[1]}",
             "fenced_writes": fenced_lines(victim),
+            "stale_pushes": pushes_after(victim, woken_ms),
             "landed_journal": watch.of_epoch_after(stale, takeover_ms),
             "landed_log": in_log,
             "journal_entries_seen": len(watch.entries),
@@ -703,7 +715,7 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"{_s(r['repush_first_s'])}, last {_s(r['repush_last_s'])} ({r['repushed']:,})",
             f"  stale owner's writes: fenced {r['fenced_writes']}, landed after the takeover: "
             f"journal {r['landed_journal']} (of {r['journal_entries_seen']} entries read), "
-            f"log {r['landed_log']}",
+            f"log {r['landed_log']}; its pushes once woken {r['stale_pushes']}",
             f"  produced meanwhile {r['produced_during']:,} ({r['producer_answers']}); "
             f"owner at the end {r['final_owner']}",
             f"  all acked: not delivered within --wait {r['lost']} (still in the log or inbox: "
