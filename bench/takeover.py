@@ -599,30 +599,36 @@ async def stop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
 # -- scenario 3: faults in a row -------------------------------------------------------------
 
 
-async def fault(rig: Rig, kind: str, args: argparse.Namespace) -> str:
-    """Inject one fault of `kind` and undo it (restart, SIGCONT); what was done."""
+FAULTS = ("kill", "stop", "redis")  # in turn
+
+
+async def fault(rig: Rig, kind: str, args: argparse.Namespace) -> tuple[str, float]:
+    """Inject one fault of `kind` and undo it (restart, SIGCONT): what was done, and when
+    (monotonic) the process got its signal."""
     if kind == "redis":
         assert rig.redis.proc is not None
+        at = time.monotonic()
         rig.redis.proc.kill()
         rig.redis.proc.wait(10)
         rig.redis.launch()
         await rig.redis.wait_ready()
-        return "redis kill -9 + restart"
+        return "redis kill -9 + restart", at
     victim, epoch = await rig.owner()
     assert victim.proc is not None
+    at = time.monotonic()
     if kind == "kill":
         # started again once the other took over: a broker started with the same
         # BROKER_ID takes back its own lease at once (lua/acquire.lua)
         await victim.kill()
         taken = await rig.taken_over(epoch, args.lease + args.wait)
         await victim.start()
-        return f"{victim.name} kill -9, {_taken(taken)}, restarted"
+        return f"{victim.name} kill -9, {_taken(taken)}, restarted", at
     victim.proc.send_signal(signal.SIGSTOP)
     try:
         taken = await rig.taken_over(epoch, args.lease + args.wait)
     finally:
         victim.proc.send_signal(signal.SIGCONT)
-    return f"{victim.name} SIGSTOP, {_taken(taken)}, SIGCONT"
+    return f"{victim.name} SIGSTOP, {_taken(taken)}, SIGCONT", at
 
 
 def _taken(at: float | None) -> str:
@@ -648,19 +654,16 @@ async def loop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
         rig.recipient.ack_all()
         feed = Feed(rig.brokers, args.rate / 2)
         feed.start()
-        recoveries: list[float] = []
+        recoveries: dict[str, list[float]] = {kind: [] for kind in FAULTS}
         stuck = 0
-        kinds = itertools.cycle(("kill", "stop", "redis"))
-        for i in range(args.faults):
+        for i, kind in zip(range(args.faults), itertools.cycle(FAULTS), strict=False):
             await asyncio.sleep(args.between)  # production goes on a while
-            kind = next(kinds)
-            at = time.monotonic()
-            what = await fault(rig, kind, args)
+            what, at = await fault(rig, kind, args)
             recovery = await delivered_since(rig.recipient, feed, at, args.wait)
             if recovery is None:
                 stuck += 1
             else:
-                recoveries.append(recovery)
+                recoveries[kind].append(recovery)
             log(f"fault {i + 1}/{args.faults}: {what}; a message produced since delivered "
                 f"after {'-' if recovery is None else f'{recovery:.2f}'} s")  # fmt: skip
         all_acked = await feed.finish(args.wait)
@@ -673,7 +676,7 @@ async def loop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             "produced": len(feed.acked),
             "all_produced_acked": all_acked,
             "producer_answers": dict(feed.answers),
-            "recovery_s": spread(recoveries),
+            "recovery_s": {kind: spread(times) for kind, times in recoveries.items()},
             "not_flowing_after": stuck,
             "received": len(wanted & rig.recipient.received()),
             "lost": len(lost),
@@ -721,14 +724,20 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"  all acked: not delivered within --wait {r['lost']} (still in the log or inbox: "
             f"{r['lost_still_stored']}); the queue empty after {_s(r['drained_after_ack_s'])}",
         ]
-    rec = r["recovery_s"]
-    return [
+    lines = [
         f"{r['faults']} faults in a row (kill -9 / SIGSTOP+SIGCONT of the owner, kill -9 of "
-        f"Redis), {r['produced']:,} messages produced:",
-        f"  a message produced after a fault delivered after: best {_s(rec['first'])}, median "
-        f"{_s(rec['median'])}, worst {_s(rec['last'])}; not flowing after "
-        f"{r['not_flowing_after']} (within --wait)",
-        f"  fenced writes {r['fenced_writes']}; received {r['received']:,}, lost {r['lost']} "
+        f"Redis, in turn), {r['produced']:,} messages produced; a message produced after a "
+        f"fault delivered after:"
+    ]
+    for kind, rec in r["recovery_s"].items():
+        lines.append(
+            f"  {kind:>5}: best {_s(rec['first'])}, median {_s(rec['median'])}, "
+            f"worst {_s(rec['last'])}"
+        )
+    return [
+        *lines,
+        f"  none delivered within --wait after {r['not_flowing_after']} faults; fenced "
+        f"writes {r['fenced_writes']}; received {r['received']:,}, lost {r['lost']} "
         f"{r['lost_examples'] or ''}",
     ]
 
