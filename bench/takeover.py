@@ -690,8 +690,8 @@ async def loop_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
 SCENARIOS = {"kill": kill_scenario, "stop": stop_scenario, "loop": loop_scenario}
 
 
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f} s"
+def _s(value: float | None, none: str = "-") -> str:
+    return none if value is None else f"{value:.3f} s"
 
 
 def summary(r: dict[str, Any]) -> list[str]:
@@ -708,7 +708,7 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"= {r['target_s']} s: {verdict}",
             f"  pushes received before the acks {r['pushes_before_ack']:,} (held: "
             f"{r['in_flight']:,} + as many again); all acked, the queue empty after "
-            f"{_s(r['drained_after_ack_s'])} (-: not within --wait)",
+            f"{_s(r['drained_after_ack_s'], 'NOT within --wait')}",
         ]
     if r["scenario"] == "stop":
         return [
@@ -722,7 +722,8 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"  produced meanwhile {r['produced_during']:,} ({r['producer_answers']}); "
             f"owner at the end {r['final_owner']}",
             f"  all acked: not delivered within --wait {r['lost']} (still in the log or inbox: "
-            f"{r['lost_still_stored']}); the queue empty after {_s(r['drained_after_ack_s'])}",
+            f"{r['lost_still_stored']}); the queue empty after "
+            f"{_s(r['drained_after_ack_s'], 'NOT within --wait')}",
         ]
     lines = [
         f"{r['faults']} faults in a row (kill -9 / SIGSTOP+SIGCONT of the owner, kill -9 of "
