@@ -472,6 +472,7 @@ async def kill_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             max(0.0, killed_at + args.lease + args.wait - time.monotonic()),
         )
         again = rig.recipient.first_after(killed_at, msgids)
+        still_stored = await rig.stored(set(msgids) - set(again))
         await asyncio.sleep(args.settle)  # (the new owner's workers run a few rounds)
         pushes = rig.recipient.count
         rig.recipient.ack_all()
@@ -489,6 +490,7 @@ async def kill_scenario(args: argparse.Namespace, workdir: Path) -> dict[str, An
             "repush_last_s": last,
             "repushed": len(again),
             "lost": len(msgids) - len(again),
+            "lost_still_stored": still_stored,
             "target_s": args.lease + 1,
             "target_met": met,
             "pushes_before_ack": pushes,
@@ -704,7 +706,8 @@ def summary(r: dict[str, Any]) -> list[str]:
             f"  acquired by the other after {_s(r['acquired_s'])}; pushed again: first "
             f"{_s(r['repush_first_s'])}, median {_s(r['repush_median_s'])}, last "
             f"{_s(r['repush_last_s'])}",
-            f"  pushed again {r['repushed']:,}, lost {r['lost']:,}; target last <= lease + 1 s "
+            f"  pushed again {r['repushed']:,}, not within lease + --wait {r['lost']:,} (still in "
+            f"the log or inbox: {r['lost_still_stored']:,}); target last <= lease + 1 s "
             f"= {r['target_s']} s: {verdict}",
             f"  pushes received before the acks {r['pushes_before_ack']:,} (held: "
             f"{r['in_flight']:,} + as many again); all acked, the queue empty after "
