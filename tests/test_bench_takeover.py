@@ -28,16 +28,12 @@ def test_the_other_broker_pushes_every_held_message_again(kill_run: dict[str, An
     r = kill_run
     assert "error" not in r, r
     assert (r["in_flight"], r["repushed"], r["lost"]) == (200, 200, 0), r
-    # the lease runs out before the other broker may take the app: never sooner
-    assert LEASE / 2 < r["acquired_s"] <= r["repush_first_s"] <= r["repush_last_s"], r
+    # the lease runs out before the other broker may take the app: never sooner (the
+    # bench polls for the owner key: it may see the first re-push before the key)
+    assert LEASE / 2 < r["acquired_s"], r
+    assert LEASE / 2 < r["repush_first_s"] <= r["repush_last_s"], r
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the new owner's reaper logs the adopted attempts as timeouts and times out its "
-    "own new pushes of them: their connection is aborted and the recipient benched for "
-    "ACK_TIMEOUT (skmq/queue/owners.py gained -> Reaper.step -> Pusher.timed_out)",
-)
 def test_every_message_pushed_again_is_acked_and_the_queue_empties(
     kill_run: dict[str, Any],
 ) -> None:
