@@ -14,14 +14,17 @@ import asyncio
 
 from skmq.clock import now_ms
 
-STALL = 0.05  # s: a timer this late means the loop stalled
+STALL = 0.05  # s: a timer this late may have ended a wait whose answer is unread
+# s: a pause of the loop this long is a stall the watch settles from (a busy loop lags
+# less: settling then would hold up long polls and reaping for nothing)
+PAUSE = 0.5
 SETTLE = 0.2  # s: after a stall, what waited in the sockets is read and applied by then
 TICK = 0.1  # s: how often the watch looks
 MAX_WAIT = 1.0  # s: a loop that stalls again and again still acts, this late at most
 
 
 class StallWatch:
-    """A timer every TICK that notes when it ran STALL or more late. `settling()` is true
+    """A timer every TICK that notes when it ran PAUSE or more late. `settling()` is true
     while the loop is in the turn that woke it from a stall (the watch's own timer not yet
     run) and for SETTLE after."""
 
@@ -47,7 +50,7 @@ class StallWatch:
     def _tick(self) -> None:
         assert self._loop is not None
         now = self._loop.time()
-        if now - self._due >= STALL:
+        if now - self._due >= PAUSE:
             self._woke, self._stalled_from = now, self._ticked
         self._ticked = now
         self._due = now + TICK
@@ -57,7 +60,7 @@ class StallWatch:
         if self._loop is None:
             return False
         now = self._loop.time()
-        return now - self._due >= STALL or now - self._woke < SETTLE
+        return now - self._due >= PAUSE or now - self._woke < SETTLE
 
     async def settled(self) -> None:
         """Until the loop is not settling from a stall (MAX_WAIT at most)."""
@@ -77,5 +80,5 @@ class StallWatch:
         now = now_ms()
         if self._loop is None or not self.settling():
             return now
-        began = self._ticked if self._loop.time() - self._due >= STALL else self._stalled_from
+        began = self._ticked if self._loop.time() - self._due >= PAUSE else self._stalled_from
         return now - int((self._loop.time() - began) * 1000)

@@ -65,6 +65,7 @@ async def test_a_recipient_that_never_answers_is_lost(
 
 
 async def test_the_stall_watch_tells_a_stall_and_when_it_began() -> None:
+    """A pause past PAUSE is a stall; a busy loop's shorter lag is not."""
     watch = StallWatch()
     watch.start()
     loop = asyncio.get_running_loop()
@@ -73,17 +74,25 @@ async def test_the_stall_watch_tells_a_stall_and_when_it_began() -> None:
         before = now_ms()
         stalled = loop.create_future()
 
-        def stall() -> None:  # the loop stopped 0.4 s
-            time.sleep(0.4)
+        def stall() -> None:  # the loop stopped 0.7 s (past PAUSE)
+            time.sleep(0.7)
             stalled.set_result(watch.settling())  # (woken, before the watch looks again)
 
         loop.call_later(0.01, stall)
         assert await stalled
         began = watch.answered_ms()
         assert abs(began - before) <= 150  # (when the stall began, not now)
-        assert now_ms() - began >= 350
+        assert now_ms() - began >= 650
         await watch.settled()
         assert not watch.settling()
         assert now_ms() - watch.answered_ms() <= 5
+        busy = loop.create_future()
+
+        def lag() -> None:  # a busy loop's lag, not a stall
+            time.sleep(0.2)
+            busy.set_result(watch.settling())
+
+        loop.call_later(0.01, lag)
+        assert not await busy
     finally:
         watch.stop()
