@@ -408,6 +408,12 @@ class Store:
         """Msgids or delivery ids as this store holds them."""
         return list(map(await self._holder(), delivery_ids))
 
+    async def _held_rows(self, rows: Iterable[Sequence[Any]]) -> list[Any]:
+        """Rows (a delivery id, then its arguments) as one flat list of a script's
+        arguments, each delivery id as this store holds it."""
+        hold = await self._holder()
+        return [x for delivery_id, *rest in rows for x in (hold(delivery_id), *rest)]
+
     # -- scripts ------------------------------------------------------------
     def _keys(self, name: str, app: str, *extra: str) -> list[str]:
         """The keys script `name` declares for `app` (then `extra` keys of the app)."""
@@ -771,10 +777,7 @@ class Store:
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         """acks: (delivery id, attempt or 0 for whichever is current). The call may wait
         up to ACK_LINGER to ride on another's write (skmq/store/multiplex.py)."""
-        args: list[Any] = [now, 2 * self.dedupe_ms]
-        hold = await self._holder()
-        for delivery_id, attempt in acks:
-            args += (hold(delivery_id), attempt)
+        args = [now, 2 * self.dedupe_ms, *await self._held_rows(acks)]
         res = await self._call(
             "finish", app, args, self._done(self._bucket(now)), linger=self.ack_linger
         )
@@ -788,10 +791,7 @@ class Store:
     async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
         """leases: (delivery id, attempt or 0 for the current); each in flight gets a lease
         of ACK_TIMEOUT from now, at most MAX_LEASE_EXTENSIONS times an attempt."""
-        args: list[Any] = [now, self.lease_ms, self.max_lease_extensions]
-        hold = await self._holder()
-        for delivery_id, attempt in leases:
-            args += (hold(delivery_id), attempt)
+        args = [now, self.lease_ms, self.max_lease_extensions, *await self._held_rows(leases)]
         res = await self._call("extend", app, args)
         return [
             Extended(int(res[i]), int(res[i + 1]), int(res[i + 2])) for i in range(0, len(res), 3)
@@ -806,10 +806,7 @@ class Store:
         self, app: str, failures: Sequence[tuple[str, str, str, str, int]], now: int
     ) -> list[Failed]:
         """failures: (delivery id, outcome, detail, recipient, attempt or 0 for the current)."""
-        args: list[Any] = [now, 0, *self._retry_args()]
-        hold = await self._holder()
-        for delivery_id, *rest in failures:
-            args += (hold(delivery_id), *rest)
+        args = [now, 0, *self._retry_args(), *await self._held_rows(failures)]
         res = await self._call("fail", app, args)
         return [
             Failed(int(res[i]), int(res[i + 1]), int(res[i + 2]), _s(res[i + 3]))
@@ -843,10 +840,7 @@ class Store:
         handed back in flight -> pending, no attempt spent."""
         if not deliveries:
             return []
-        args: list[Any] = []
-        hold = await self._holder()
-        for delivery_id, attempt in deliveries:
-            args += (hold(delivery_id), attempt)
+        args = await self._held_rows(deliveries)
         return [bool(x) for x in await self._call("release", app, args)]
 
     async def in_flight_of(self, app: str, msgid: str) -> list[tuple[str, str, int]]:
