@@ -50,17 +50,21 @@ class StallWatch:
     def _tick(self) -> None:
         assert self._loop is not None
         now = self._loop.time()
-        if now - self._due >= PAUSE:
+        if self._woken(now):
             self._woke, self._stalled_from = now, self._ticked
         self._ticked = now
         self._due = now + TICK
         self._timer = self._loop.call_at(self._due, self._tick)
 
+    def _woken(self, now: float) -> bool:
+        """In the turn that woke the loop from a stall: the watch's own look not yet run."""
+        return now - self._due >= PAUSE
+
     def settling(self) -> bool:
         if self._loop is None:
             return False
         now = self._loop.time()
-        return now - self._due >= PAUSE or now - self._woke < SETTLE
+        return self._woken(now) or now - self._woke < SETTLE
 
     async def settled(self) -> None:
         """Until the loop is not settling from a stall (MAX_WAIT at most)."""
@@ -80,5 +84,6 @@ class StallWatch:
         now = now_ms()
         if self._loop is None or not self.settling():
             return now
-        began = self._ticked if self._loop.time() - self._due >= PAUSE else self._stalled_from
-        return now - int((self._loop.time() - began) * 1000)
+        at = self._loop.time()
+        began = self._ticked if self._woken(at) else self._stalled_from
+        return now - int((at - began) * 1000)

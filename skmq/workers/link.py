@@ -462,12 +462,10 @@ class RecipientLink:
         unanswered pushes fail too. `attempt`: the one that timed out (0: whichever is
         pushed); a push of another attempt is not it (a new owner's push of a message
         whose earlier attempt, its old owner's, it reaps)."""
-        pushed = self.inflight.get(msgid)
-        if pushed is None or (attempt and pushed.attempt != attempt):
+        d = self.inflight.get(msgid)
+        if d is None or (attempt and d.attempt != attempt):
             return
-        d = self.take(msgid)
-        if d is None:
-            return
+        self.take(msgid)
         self.expired[msgid] = d
         if len(self.expired) > 4 * self.window:
             self.expired.popitem(last=False)
