@@ -54,6 +54,7 @@ import uvloop
 from bench.floor_bench import run_floor
 from bench.harness import BenchError, LoadPlan, LoadResult, run_load
 from bench.report import (
+    add_json_flag,
     as_json,
     backlog_table,
     json_path,
@@ -184,14 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120.0,
         help="cap on the backlog's drain by --recipients recipients, s (0: no drain)",
     )
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="PATH",
-        help="also write the results as JSON (default path: bench/results/bench-<time>.json)",
-    )
+    add_json_flag(p, "bench")
     p.add_argument(
         "--keep-logs",
         action="store_true",

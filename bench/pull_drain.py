@@ -44,7 +44,7 @@ from typing import Any
 import uvloop
 
 from bench.harness import BenchError, Child, LoadPlan, latency_summary, run_load
-from bench.report import json_path
+from bench.report import add_json_flag, json_path
 from bench.systems import NATS_URL, NatsSystem, SkmqBroker, free_port, port_open
 
 APP = "bench"
@@ -419,13 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=300.0,
         help="cap, seconds, on storing the backlog, on its drain, on e2e's sending",
     )
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const="",
-        default=None,
-        help="also write the results (default bench/results/pull-drain-<time>.json)",
-    )
+    add_json_flag(p, "pull-drain")
     args = p.parse_args(argv)
     for name in args.systems.split(","):
         if name not in ("skmq-tcp", "skmq-http", "nats"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import platform
@@ -41,6 +42,18 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
     }
+
+
+def add_json_flag(parser: argparse.ArgumentParser, stem: str) -> None:
+    """A bench's `--json [PATH]`: also write the results (json_path says where)."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help=f"also write the results as JSON (default path: bench/results/{stem}-<time>.json)",
+    )
 
 
 def json_path(given: str, stem: str, started: datetime) -> Path:

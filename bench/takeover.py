@@ -65,7 +65,7 @@ import redis.asyncio as aioredis
 
 from bench.chaos import Broker
 from bench.pull_drain import loadavg
-from bench.report import json_path
+from bench.report import add_json_flag, json_path
 from skmq.client import Producer
 from skmq.codec import PONG, CodecError, Frame, FrameProtocol, InvalidFrame, encode_frame
 from skmq.embedded import EmbeddedRedis
@@ -822,13 +822,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=3.0, help="kill: s before the acks")
     p.add_argument("--wait", type=float, default=30.0, help="bound of each wait, seconds")
     p.add_argument("--keep", action="store_true", help="copy each scenario's logs and data")
-    p.add_argument(
-        "--json",
-        nargs="?",
-        const="",
-        default=None,
-        help="also write the results (default bench/results/takeover-<time>.json)",
-    )
+    add_json_flag(p, "takeover")
     args = p.parse_args(argv)
     for name in args.scenarios.split(","):
         if name not in SCENARIOS:
