@@ -39,9 +39,10 @@ local function admitted(id, f)
   redis.call('HSET', gstate, ofield(id), member)
   return first
 end
-local function emit(id, f, kind, content, n)
+-- (attempt: since its last replay; read here unless the caller read it with others)
+local function emit(id, f, kind, content, n, attempt)
   out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
-  out[#out + 1] = n; out[#out + 1] = since_replay(id, n); out[#out + 1] = f.t or ''
+  out[#out + 1] = n; out[#out + 1] = attempt or since_replay(id, n); out[#out + 1] = f.t or ''
 end
 -- The group's leases that ran out: each a failed attempt (retried, or dead on its last).
 local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'WITHSCORES',
@@ -91,8 +92,7 @@ local function lease_all()
     counts[#counts + 1] = nf[j]; counts[#counts + 1] = n
     leases[#leases + 1] = now + vis; leases[#leases + 1] = id
     needed[#needed + 1] = ms(id); needed[#needed + 1] = id
-    out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = f.k; out[#out + 1] = f.c
-    out[#out + 1] = n; out[#out + 1] = n - tonumber(bs[j] or '0'); out[#out + 1] = f.t or ''
+    emit(id, f, f.k, f.c, n, n - tonumber(bs[j] or '0'))
   end
   call_all('HSET', gstate, counts)
   call_all('ZADD', inflight, leases)
