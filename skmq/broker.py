@@ -233,10 +233,10 @@ class Broker:
             throughput=Throughput(self.metrics.counts).last_minute,
         )
         if isinstance(self.store, OwnedStore):
-            if not isinstance(self.redis, aioredis.Redis) or isinstance(
+            if isinstance(self.redis, aioredis.Redis) and isinstance(
                 self.redis.connection_pool, SentinelConnectionPool
             ):
-                raise Misconfigured("ENGINE=owner runs on one Redis for now (no Cluster, Sentinel)")
+                raise Misconfigured("ENGINE=owner runs on one Redis or a Cluster (no Sentinel yet)")
             self.owned = await OwnerRuntime.start(
                 s,
                 url,

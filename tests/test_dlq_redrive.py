@@ -28,6 +28,7 @@ from skmq.queue.owners import Owners
 from skmq.store import AliveRecipient, NewMessage, Retries, Store
 from skmq.store.engine_mark import claim_engine
 from skmq.store.wire import Wire
+from skmq.store.wires import Wires
 from tests.conftest import ENGINE, BrokerFactory, eventually, free_port
 from tests.test_cli_ops import one_line, skmq
 from tests.test_delivery import log_events
@@ -48,7 +49,14 @@ async def store(redis: aioredis.Redis, prefix: str, wire: Wire) -> AsyncIterator
         return
     owned = OwnedStore(client, prefix, retries=retries)
     policy = Policy(retry_times=1, jitter=0.0)
-    owned.owners = Owners(wire, prefix, policy, owned.dedupe_ms, lambda app: ["r"])
+    owned.owners = Owners(
+        Wires.over(wire),
+        prefix,
+        policy,
+        owned.dedupe_ms,
+        lambda app: ["r"],
+        lister=lambda app: owned.directory.add([app]),
+    )
     yield owned
 
 
@@ -63,14 +71,15 @@ async def owning(store: Store, app: str, now: int) -> AsyncIterator[None]:
     owners = store.owners
     assert owners is not None
     keys = AppKeys.of(store.prefix, app)
-    lease = await acquire(owners.wire, keys, "test", 60_000)
+    wire = await owners.wires.of(keys.epoch)
+    lease = await acquire(wire, keys, "test", 60_000)
     assert lease is not None, f"{app} is owned by a broker"
     owner = await owners.gained(app, lease, now)
     try:
         yield
     finally:
         await owner.checkpoint(now)
-        await release(owners.wire, keys, lease)
+        await release(wire, keys, lease)
         owners.lost(app)
 
 

@@ -8,13 +8,14 @@ from skmq.queue.journal import AppKeys, acquire
 from skmq.queue.owners import UNDELIVERABLE, Owners
 from skmq.store import AliveRecipient, Failed, NewMessage
 from skmq.store.wire import Wire
+from skmq.store.wires import Wires
 
 T = 1_700_000_000_000
 POLICY = Policy(retry_times=2, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
 
 
 async def owners(wire: Wire, prefix: str, *apps: str, rids: tuple[str, ...] = ("r1",)) -> Owners:
-    o = Owners(wire, prefix, POLICY, 3_600_000, lambda app: list(rids))
+    o = Owners(Wires.over(wire), prefix, POLICY, 3_600_000, lambda app: list(rids))
     for app in apps:
         lease = await acquire(wire, AppKeys.of(prefix, app), "A", 60_000)
         assert lease is not None

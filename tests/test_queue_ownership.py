@@ -8,6 +8,7 @@ import asyncio
 from skmq.queue.journal import AppKeys, Lease
 from skmq.queue.ownership import Ownership, preferred
 from skmq.store.wire import Wire
+from skmq.store.wires import Wires
 
 T = 1_700_000_000_000
 LEASE = 3_000
@@ -21,7 +22,7 @@ def broker(name: str, wire: Wire, prefix: str, log: list[tuple[str, str, int]]) 
     async def lost(app: str) -> None:
         log.append((name, app, -1))
 
-    return Ownership(name, prefix, LEASE, lambda app: wire, wire, gained, lost)
+    return Ownership(name, prefix, LEASE, Wires.over(wire), gained, lost)
 
 
 async def run_out(wire: Wire, prefix: str, o: Ownership) -> None:

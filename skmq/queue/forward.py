@@ -17,7 +17,7 @@ from typing import Any
 
 from skmq.codec import Frame, Status
 from skmq.queue.journal import AppKeys, run_script
-from skmq.store.wire import Wire
+from skmq.store.wires import Wires
 from skmq.workers.link import Verdict
 
 
@@ -51,7 +51,7 @@ class Question:
 
 @dataclass
 class Forwarder:
-    wire: Wire
+    wires: Wires
     prefix: str
     broker_id: str
     timeout: float
@@ -70,7 +70,8 @@ class Forwarder:
         keys = AppKeys.of(self.prefix, app)
         try:
             async with asyncio.timeout(self.timeout):
-                await run_script(self.wire, "ask", (keys.inbox,), (keys.wakeup, question.encode()))
+                wire = await self.wires.of(keys.inbox)
+                await run_script(wire, "ask", (keys.inbox,), (keys.wakeup, question.encode()))
                 status, text = await verdict
                 return (status, text)
         except TimeoutError:
@@ -88,9 +89,9 @@ class Forwarder:
 Answer = Callable[[Frame, "tuple[str, ...] | None"], Awaitable[Verdict]]
 
 
-async def answer_question(wire: Wire, answer: Answer, raw: bytes) -> None:
+async def answer_question(wires: Wires, answer: Answer, raw: bytes) -> None:
     """At the owner: the question answered and the verdict published."""
     question = Question.decode(raw)
     status, text = await answer(question.frame, question.vouched)
     reply: list[Any] = [question.ident, str(status), text]
-    await wire.call("PUBLISH", question.reply, json.dumps(reply))
+    await (await wires.any()).call("PUBLISH", question.reply, json.dumps(reply))

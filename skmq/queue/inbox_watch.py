@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import listen_again
+from skmq.store.client import RedisClient
 
 log = structlog.get_logger("skmq.queue.inbox_watch")
 
@@ -30,7 +30,7 @@ def glob_escape(text: str) -> str:
 class InboxWatch:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         prefix: str,
         told: Callable[[str], None],
         missed: Callable[[], None],

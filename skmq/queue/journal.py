@@ -11,7 +11,7 @@ The scripts are in skmq/queue/lua/, one file each, their keys and arguments at t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -20,10 +20,12 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
-from skmq.store.directory import shard_key
 from skmq.store.scripts import lib_for
 from skmq.store.store import escape_tag
 from skmq.store.wire import ReplyError, Wire
+
+# Lists an app in the apps directory (skmq/store/directory.py), after a store set its mark
+Lister = Callable[[str], Awaitable[None]]
 
 log = structlog.get_logger("skmq.queue.journal")
 
@@ -64,11 +66,10 @@ class AppKeys:
 
     base: str
     app: str = ""
-    listing: str = ""  # the apps directory's shard set that lists the app
 
     @classmethod
     def of(cls, prefix: str, app: str) -> AppKeys:
-        return cls(f"{prefix}:{{{escape_tag(app)}}}:", app, shard_key(prefix, app))
+        return cls(f"{prefix}:{{{escape_tag(app)}}}:", app)
 
     @property
     def listed(self) -> str:
@@ -201,11 +202,19 @@ class Flushed:
 class Journal:
     """The fenced writes of one app's owner (a holder of `lease`)."""
 
-    def __init__(self, wire: Wire, keys: AppKeys, lease: Lease, dedupe_ms: int) -> None:
+    def __init__(
+        self,
+        wire: Wire,
+        keys: AppKeys,
+        lease: Lease,
+        dedupe_ms: int,
+        lister: Lister | None = None,
+    ) -> None:
         self.wire = wire
         self.keys = keys
         self.lease = lease
         self.dedupe_ms = dedupe_ms
+        self.lister = lister  # lists the app in the apps directory when its mark is new
 
     async def flush(
         self,
@@ -227,14 +236,15 @@ class Journal:
             args += (m.msgid, m.content, m.header)
         args.append(records)
         args.extend(dead)
-        args.append(self.keys.app)
         args.extend(settled)
         k = self.keys
         keys = [k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order, k.listed]
-        keys += (k.listing, *k.groups)
+        keys += k.groups
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease, self.keys)
-        return Flushed([entry or None for entry in reply[1:-1]], reply[0], reply[-1])
+        if reply[-1] and self.lister is not None:
+            await self.lister(self.keys.app)
+        return Flushed([entry or None for entry in reply[1:-2]], reply[0], reply[-2])
 
     async def checkpoint(
         self, state: bytes, journal_id: bytes, oldest_needed: bytes, oldest_inbox: bytes
@@ -248,13 +258,20 @@ class Journal:
 
 
 async def append(
-    wire: Wire, keys: AppKeys, now: int, dedupe_ms: int, messages: Sequence[Appended]
+    wire: Wire,
+    keys: AppKeys,
+    now: int,
+    dedupe_ms: int,
+    messages: Sequence[Appended],
+    lister: Lister | None = None,
 ) -> list[bytes | None]:
     """A store by a broker that does not own the queue: appended to the inbox, and the
-    owner told."""
-    args: list[Any] = [keys.wakeup, keys.app]
+    owner told; the app listed by `lister` when its mark is new."""
+    args: list[Any] = [keys.wakeup]
     for m in messages:
         args += (m.msgid, m.content, m.header)
-    listing = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, keys.listing, *keys.groups)
-    reply = await run_script(wire, "append", listing, args)
-    return [entry or None for entry in reply]
+    touched = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, *keys.groups)
+    reply = await run_script(wire, "append", touched, args)
+    if reply[-1] and lister is not None:
+        await lister(keys.app)
+    return [entry or None for entry in reply[:-1]]

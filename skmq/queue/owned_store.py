@@ -19,7 +19,7 @@ from skmq.queue.operator import Request, answer_request, ask_owner, oldest_pendi
 from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.store.client import ENC
-from skmq.store.shards import ReplicasMissing
+from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import (
     AliveRecipient,
     AppCounts,
@@ -36,6 +36,8 @@ from skmq.store.store import (
     Store,
     Waiting,
 )
+from skmq.store.wire import Wire
+from skmq.store.wires import TROUBLE
 
 STORED_LOOKBACK = 10_000
 
@@ -69,25 +71,46 @@ class OwnedStore(Store):
         claims: Sequence[ClaimArgs] = (),
         deadline: float | None = None,
     ) -> dict[str, AppStored]:
-        async with asyncio.timeout_at(deadline):
-            outcome = await self._owners.store(batches, now)
-            if stored is not None:
-                stored(outcome)
-            if self.replica_acks:
-                missing = await self._replicas_missing()
-                if missing is not None:
-                    return dict.fromkeys(outcome, missing)
-        return dict(outcome)
+        outcome = await self._owners.store(batches, now, deadline)
+        if stored is not None:
+            stored({app: r for app, r in outcome.items() if not isinstance(r, WriteFailed)})
+        if self.replica_acks:
+            outcome.update(await self._unconfirmed(outcome, deadline))
+        return outcome
 
-    async def _replicas_missing(self) -> ReplicasMissing | None:
-        """REPLICA_ACKS: WAIT on the owners' connection, after the writes it made (WAIT
-        counts the replicas that have every write of its connection so far); None when
-        enough replicas acknowledged them within REPLICA_ACK_TIMEOUT."""
-        wire = self._owners.wire
-        acked = int(await wire.call("WAIT", self.replica_acks, self.replica_ack_ms))
-        if acked >= self.replica_acks:
-            return None
-        return ReplicasMissing(f"{acked} of {self.replica_acks} replicas acknowledged")
+    async def _unconfirmed(
+        self, outcome: dict[str, AppStored], deadline: float | None
+    ) -> dict[str, WriteFailed]:
+        """REPLICA_ACKS: on each master's connection that stored, a write that changes
+        nothing (`SET listed 1 XX`) then WAIT. WAIT counts the replicas holding the
+        connection's last write, and so every write the master made before it (a
+        duplicate's first store through another connection included). The apps of a
+        master with fewer replicas acknowledging within REPLICA_ACK_TIMEOUT: stored on it,
+        not confirmed (ReplicasMissing)."""
+        wires = self._owners.wires
+        by_wire: dict[Wire, list[str]] = {}
+        for app, result in outcome.items():
+            if not isinstance(result, WriteFailed):
+                wire = await wires.of(AppKeys.of(self.prefix, app).epoch)
+                by_wire.setdefault(wire, []).append(app)
+        missing: dict[str, WriteFailed] = {}
+
+        async def confirm(wire: Wire, apps: list[str]) -> None:
+            touch = ("SET", AppKeys.of(self.prefix, apps[0]).listed, 1, "XX")
+            try:
+                async with asyncio.timeout_at(deadline):
+                    _, acked = await wire.call_many(
+                        [touch, ("WAIT", self.replica_acks, self.replica_ack_ms)]
+                    )
+                acked = 0 if isinstance(acked, Exception) else int(acked)
+            except TROUBLE:
+                acked = 0
+            if acked < self.replica_acks:
+                reason = f"{acked} of {self.replica_acks} replicas acknowledged"
+                missing.update((app, ReplicasMissing(reason)) for app in apps)
+
+        await asyncio.gather(*(confirm(wire, apps) for wire, apps in by_wire.items()))
+        return missing
 
     async def claim(
         self,

@@ -17,12 +17,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from skmq.queue.dead import delivery_id
 from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
-from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, append
+from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, Lister, append
 from skmq.queue.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import AppOwner, observed
 from skmq.queue.owner import NewMessage as Stored
 from skmq.stall import STALL
 from skmq.store.client import ENC, text
+from skmq.store.shards import WriteFailed
 from skmq.store.store import (
     AliveRecipient,
     Claimed,
@@ -34,7 +35,7 @@ from skmq.store.store import (
     Reaped,
     split_delivery,
 )
-from skmq.store.wire import Wire
+from skmq.store.wires import TROUBLE, Wires, refused_here
 
 UNDELIVERABLE = (
     "undeliverable: content holds CR or LF and no recipient declared the length capability"
@@ -85,7 +86,7 @@ class _Bucket:
 
 @dataclass
 class Owners:
-    wire: Wire
+    wires: Wires
     prefix: str
     policy: Policy
     dedupe_ms: int
@@ -101,6 +102,8 @@ class Owners:
     # the loop woke from a stall lately (skmq/stall.py): leases run out no sooner than
     # the answers that waited in the sockets meanwhile are read
     settling: Callable[[], bool] = lambda: False
+    # lists an app in the apps directory when a store set its mark anew
+    lister: Lister | None = None
     owned: dict[str, AppOwner] = field(default_factory=dict)
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
@@ -120,8 +123,9 @@ class Owners:
     # -- ownership -----------------------------------------------------------------
     async def gained(self, app: str, lease: Lease, now: int) -> AppOwner:
         keys = AppKeys.of(self.prefix, app)
+        wire = await self.wires.of(keys.epoch)  # (its master: the app's writes, its WAIT)
         owner = AppOwner(
-            Journal(self.wire, keys, lease, self.dedupe_ms),
+            Journal(wire, keys, lease, self.dedupe_ms, self.lister),
             self.policy,
             lambda: self.recipients_of(app),
         )
@@ -353,10 +357,16 @@ class Owners:
         }
 
     async def store(
-        self, batches: Mapping[str, Sequence[NewMessage]], now: int
-    ) -> dict[str, list[bool]]:
+        self,
+        batches: Mapping[str, Sequence[NewMessage]],
+        now: int,
+        deadline: float | None = None,
+    ) -> dict[str, list[bool] | WriteFailed]:
         """Each message stored (True) or a duplicate (False): through the owner where
-        this broker owns the app, else appended to the app's inbox."""
+        this broker owns the app, else appended to the app's inbox. Each app is answered
+        for itself: an app whose write failed, or had not returned by `deadline` (the
+        loop's time), gets a WriteFailed that says whether it may have landed (on a
+        cluster, one master's trouble is its apps' alone)."""
 
         async def one(app: str, messages: Sequence[NewMessage]) -> list[bool]:
             stored = [
@@ -377,14 +387,24 @@ class Owners:
                     self.lost(app)
             appended = [Appended(s.msgid, s.content, encode_header(s.meta)) for s in stored]
             keys = AppKeys.of(self.prefix, app)
-            ids = await append(self.wire, keys, now, self.dedupe_ms, appended)
+            wire = await self.wires.of(keys.inbox)
+            ids = await append(wire, keys, now, self.dedupe_ms, appended, self.lister)
             return [i is not None for i in ids]
 
+        async def answered(app: str) -> list[bool] | WriteFailed:
+            # Shielded: a caller that stops waiting leaves the write to end, and the owner
+            # materialises what its flush logged. (Cancelled, an owner would hold a message
+            # its log has, never push it, and its next checkpoint trim it.)
+            storing = asyncio.ensure_future(one(app, batches[app]))
+            storing.add_done_callback(observed)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await asyncio.shield(storing)
+            except TROUBLE as exc:
+                if isinstance(exc, WriteFailed):
+                    return exc
+                return WriteFailed(f"{app}: {exc!r}", maybe_ran=not refused_here(exc))
+
         apps = list(batches)
-        # Shielded: a caller that stops waiting (STORE_TIMEOUT) leaves the writes to end,
-        # and each owner materialises what its flush logged. (Cancelled, an owner would
-        # hold a message its log has, never push it, and its next checkpoint trim it.)
-        storing = asyncio.ensure_future(asyncio.gather(*(one(app, batches[app]) for app in apps)))
-        storing.add_done_callback(observed)
-        results = await asyncio.shield(storing)
+        results = await asyncio.gather(*(answered(app) for app in apps))
         return dict(zip(apps, results, strict=True))

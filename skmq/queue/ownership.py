@@ -20,6 +20,7 @@ import structlog
 
 from skmq.queue.journal import AppKeys, Lease, acquire, release, renew
 from skmq.store.wire import Wire
+from skmq.store.wires import TROUBLE, Wires
 
 log = structlog.get_logger("skmq.queue.ownership")
 
@@ -38,8 +39,7 @@ class Ownership:
     broker: str
     prefix: str
     lease_ms: int
-    wire_for: Callable[[str], Wire]  # the connection to the node holding an app's keys
-    members: Wire  # the node holding the live brokers' set
+    wires: Wires  # the connections to the nodes holding an app's keys, the brokers' set
     gained: Callable[[str, Lease], Awaitable[None]]
     lost: Callable[[str], Awaitable[None]]
     held: dict[str, Lease] = field(default_factory=dict)
@@ -56,25 +56,48 @@ class Ownership:
 
     async def live(self, now: int) -> list[str]:
         """The brokers alive now (this one said so in this round)."""
-        await self.members.call_many(
+        members = await self.wires.of(self.members_key)
+        await members.call_many(
             [
                 ("ZADD", self.members_key, now + self.lease_ms, self.broker),
                 ("ZREMRANGEBYSCORE", self.members_key, "-inf", now),
             ]
         )
-        return [b.decode() for b in await self.members.call("ZRANGE", self.members_key, 0, -1)]
+        return [b.decode() for b in await members.call("ZRANGE", self.members_key, 0, -1)]
 
     async def round(self, apps: Iterable[str], now: int) -> None:
-        """Renew what we hold (dropping what was taken over), then take what is ours."""
-        self.brokers = await self.live(now)
-        for app, lease in list(self.held.items()):
-            if not await renew(self.wire_for(app), self.keys(app), lease, self.lease_ms):
-                log.warning("app taken over by another broker: this one's lease ran out",
-                            app=app, epoch=lease.epoch)  # fmt: skip
-                del self.held[app]
-                await self.lost(app)
-        for app in apps:
-            await self.take(app, now)
+        """Renew what we hold (dropping what was taken over), then take what is ours,
+        every app at once, each call bounded by a third of the lease: an app whose node
+        is in trouble (down, stalled) is skipped, and holds up no other (its lease runs
+        out, or its owner is dropped when its connection closes: the runtime's round)."""
+        try:
+            async with asyncio.timeout(self.lease_ms / 3000):
+                self.brokers = await self.live(now)
+        except TROUBLE as exc:  # (its node in trouble: the brokers seen last)
+            log.warning("live brokers not read", error=repr(exc))
+        await asyncio.gather(*(self._renew(app, lease) for app, lease in list(self.held.items())))
+        await asyncio.gather(*(self._bounded(self.take(app, now), app) for app in apps))
+
+    async def _renew(self, app: str, lease: Lease) -> None:
+        async def renewed() -> bool:
+            return await renew(await self._wire(app), self.keys(app), lease, self.lease_ms)
+
+        kept = await self._bounded(renewed(), app)
+        if kept is False and self.held.get(app) == lease:
+            log.warning("app taken over by another broker: this one's lease ran out",
+                        app=app, epoch=lease.epoch)  # fmt: skip
+            del self.held[app]
+            await self.lost(app)
+
+    async def _bounded(self, call: Awaitable[bool], app: str) -> bool | None:
+        """`call`'s answer, or None (logged) when its node failed or took over a third
+        of the lease."""
+        try:
+            async with asyncio.timeout(self.lease_ms / 3000):
+                return await call
+        except TROUBLE as exc:
+            log.warning("ownership call failed", app=app, error=repr(exc))
+            return None
 
     async def take(self, app: str, now: int) -> bool:
         """Whether this broker holds the app now: taken if it is unowned and ours by
@@ -99,7 +122,7 @@ class Ownership:
         since = self.unowned_since.setdefault(app, now)
         if first != self.broker and now - since < self.lease_ms:
             return False
-        won = await acquire(self.wire_for(app), self.keys(app), self.broker, self.lease_ms)
+        won = await acquire(await self._wire(app), self.keys(app), self.broker, self.lease_ms)
         if won is None:
             self.unowned_since[app] = now  # owned by another: it is not unowned
             return False
@@ -111,7 +134,10 @@ class Ownership:
     async def release_all(self) -> None:
         """A broker stopping: its apps go to the others at once, not after the lease."""
         for app, lease in list(self.held.items()):
-            await release(self.wire_for(app), self.keys(app), lease)
+            await release(await self._wire(app), self.keys(app), lease)
             del self.held[app]
             await self.lost(app)
-        await self.members.call("ZREM", self.members_key, self.broker)
+        await (await self.wires.of(self.members_key)).call("ZREM", self.members_key, self.broker)
+
+    async def _wire(self, app: str) -> Wire:
+        return await self.wires.of(self.keys(app).epoch)

@@ -10,9 +10,8 @@ import contextlib
 import json
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
 
 from skmq.aio import cancel_and_wait, spawn
 from skmq.clock import now_ms
@@ -24,17 +23,17 @@ from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import AppKeys, Fenced, Lease
 from skmq.queue.operator import answer_request, oldest_pending, request_of
 from skmq.queue.owned_store import OwnedStore
+from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
-from skmq.store.wire import ReplyError, Wire, WireClosed
+from skmq.store.client import RedisClient
+from skmq.store.wires import TROUBLE, Wires
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import Vouched
 from skmq.workers.engine import Engine
 from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.queue.runtime")
-
-TROUBLE = (RedisError, OSError, ReplyError, WireClosed, TimeoutError)  # (Fenced: a RedisError)
 
 
 def policy_of(s: Settings) -> Policy:
@@ -52,46 +51,45 @@ class OwnerRuntime:
     def __init__(
         self,
         settings: Settings,
-        url: str,
-        wire: Wire,
+        wires: Wires,
         store: OwnedStore,
         broker_id: str,
         engine: Engine,
     ) -> None:
         self.settings = settings
-        self.url = url
-        self.wire = wire
+        self.wires = wires
         self.store = store
         self.notify = engine.notify
         registry = engine.registry
         self.owners = Owners(
-            wire,
+            wires,
             settings.key_prefix,
             policy_of(settings),
             store.dedupe_ms,
             lambda app: [r.id for r in registry.alive(app)],
             timeout=settings.store_timeout,
             settling=engine.stalls.settling,
+            lister=lambda app: store.directory.add([app]),
         )
         self.lease_ms = int(settings.owner_lease * 1000)
         self.ownership = Ownership(
             broker_id,
             settings.key_prefix,
             self.lease_ms,
-            lambda app: self.wire,
-            wire,
+            wires,
             self._gained,
             self._lost,
         )
         self.owners.take = self.ownership.take
         store.owners = self.owners
         # answers through other brokers (skmq/queue/forward.py)
-        self.forwarder = Forwarder(wire, settings.key_prefix, broker_id, settings.store_timeout)
+        self.forwarder = Forwarder(wires, settings.key_prefix, broker_id, settings.store_timeout)
         router = engine.router
         router.forward = self._forward
         router.owns = lambda app: app in self.owners.owned
         self.owners.questions = self._asked
         self.tasks: set[asyncio.Task[None]] = set()
+        self.apps: list[str] = []  # the apps directory as last read
         self.reader: asyncio.Task[None] | None = None
 
         async def answer(frame: Frame, vouched: tuple[str, ...] | None) -> Verdict:
@@ -104,18 +102,20 @@ class OwnerRuntime:
         cls,
         settings: Settings,
         url: str,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         store: OwnedStore,
         broker_id: str,
         engine: Engine,
         supervisor: Supervisor,
         orphans: bool = False,
     ) -> OwnerRuntime:
-        wire = await Wire.connect(url, settings.store_timeout)
-        runtime = cls(settings, url, wire, store, broker_id, engine)
+        cluster = redis if isinstance(redis, RedisCluster) else None
+        wires = Wires(url, settings.store_timeout, cluster)
+        runtime = cls(settings, wires, store, broker_id, engine)
         if orphans:  # this broker's Redis alone: every lease in it is a dead process's
             for app in await store.apps():
-                await wire.call("DEL", AppKeys.of(settings.key_prefix, app).owner)
+                owner = AppKeys.of(settings.key_prefix, app).owner
+                await (await wires.of(owner)).call("DEL", owner)
         await runtime.round()  # the apps that are ours, before the first push
         supervisor.start("owner-rounds", runtime.run)
         watch = InboxWatch(
@@ -136,10 +136,10 @@ class OwnerRuntime:
         async def answer() -> None:
             try:
                 if request is None:
-                    await answer_question(self.wire, self._answer, raw)
+                    await answer_question(self.wires, self._answer, raw)
                 elif (owner := self.owners.owned.get(app)) is not None:
                     reply = await answer_request(owner, request, now_ms())
-                    await self.wire.call("PUBLISH", request.reply, json.dumps(reply))
+                    await owner.wire.call("PUBLISH", request.reply, json.dumps(reply))
             except TROUBLE as exc:  # (its asker hears nothing and says `error`)
                 log.warning("a question went unanswered", app=app, error=repr(exc))
 
@@ -188,47 +188,64 @@ class OwnerRuntime:
 
     async def round(self) -> None:
         """Renew, take what is ours, and checkpoint what we own (a new owner then replays
-        only the journal since)."""
-        await self.ownership.round(await self.store.apps(), now_ms())
-        for app, owner in list(self.owners.owned.items()):
-            now = now_ms()
-            try:
+        only the journal since). An app whose node is in trouble does not hold up the
+        others."""
+        self._unbind()
+        try:
+            async with asyncio.timeout(self.lease_ms / 3000):
+                self.apps = await self.store.apps()
+        except TROUBLE as exc:  # (a node of the directory in trouble: the apps read last)
+            log.warning("apps directory not read", error=repr(exc))
+        await self.ownership.round(self.apps, now_ms())
+        owned = list(self.owners.owned.items())
+        await asyncio.gather(*(self._checkpoint(app, owner) for app, owner in owned))
+
+    async def _checkpoint(self, app: str, owner: AppOwner) -> None:
+        """The app's checkpoint and its counts for status, within a third of the lease
+        (its node in trouble holds up no other app)."""
+        now = now_ms()
+        try:
+            async with asyncio.timeout(self.lease_ms / 3000):
                 await owner.checkpoint(now)
-            except Fenced:
-                self.owners.lost(app)
-                continue
-            due, later, in_flight = owner.queue.counts(now)
-            oldest = oldest_pending(owner) or ""
-            counted = ("pending", due, "delayed", later, "in_flight", in_flight, "oldest", oldest)
-            stats = owner.journal.keys.stats
-            await self.wire.call_many(
-                [
-                    ("HSET", stats, *counted),
-                    ("PEXPIRE", stats, 3 * self.lease_ms),
-                ]
-            )
+                due, later, in_flight = owner.queue.counts(now)
+                oldest = oldest_pending(owner) or ""
+                counted = ("pending", due, "delayed", later, "in_flight", in_flight)
+                stats = owner.journal.keys.stats
+                await owner.wire.call_many(
+                    [
+                        ("HSET", stats, *counted, "oldest", oldest),
+                        ("PEXPIRE", stats, 3 * self.lease_ms),
+                    ]
+                )
+        except Fenced:
+            self.owners.lost(app)
+        except TROUBLE as exc:
+            log.warning("checkpoint failed", app=app, error=repr(exc))
+
+    def _unbind(self) -> None:
+        """Owned apps whose connection closed (Redis restarted, a master died) or whose
+        master is another now (a failover): dropped from memory, and taken again on the
+        connection to their master now, with a new epoch, their state rebuilt from what
+        it holds as a new owner's would be (what was in flight is pushed again)."""
+        unbound = [
+            app
+            for app, owner in self.owners.owned.items()
+            if not self.wires.serves(owner.wire, owner.journal.keys.epoch)
+        ]
+        for app in unbound:
+            self.owners.lost(app)
+            self.ownership.held.pop(app, None)
+        if unbound:
+            log.warning("owned apps' connection lost: taken again", apps=len(unbound))
+            self.wires.refresh()
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
             try:
-                if self.wire.closed:
-                    await self._reconnect()
                 await self.round()
             except TROUBLE as exc:
                 log.warning("ownership round failed", error=repr(exc))
-
-    async def _reconnect(self) -> None:
-        """The connection was lost (Redis restarted, the network): every owned app is
-        dropped from memory and taken again on the new connection, with a new epoch, its
-        state rebuilt from Redis as a new owner's would be (what was in flight is pushed
-        again)."""
-        wire = await Wire.connect(self.url, self.settings.store_timeout)
-        for app in list(self.owners.owned):
-            self.owners.lost(app)
-        self.ownership.held.clear()
-        self.wire = self.owners.wire = self.ownership.members = self.forwarder.wire = wire
-        log.warning("owners' Redis connection made again: owned apps taken again")
 
     async def stop(self) -> None:
         """Hand every owned app over at once (not after the lease), its state flushed."""
@@ -238,4 +255,4 @@ class OwnerRuntime:
                     await owner.checkpoint(now_ms())
                 await self.ownership.release_all()
         await cancel_and_wait(self.tasks)
-        self.wire.close()
+        self.wires.close()

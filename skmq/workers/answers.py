@@ -56,7 +56,9 @@ class AnswerBatcher:
         self.on_done = on_done
         self.on_acked = on_acked
         self._pending: dict[str, list[Answer]] = {}
-        self._task: asyncio.Task[None] | None = None
+        # app -> the task settling its answers: each app's alone, so that an app whose
+        # node is slow (a stalled master of a cluster) holds up no other app's answers
+        self._running: dict[str, asyncio.Task[None]] = {}
         # app -> delivery id -> the ack whose finish's answer was lost
         self._uncertain: dict[str, dict[str, Answer]] = {}
         self._reconciling: asyncio.Task[None] | None = None
@@ -74,24 +76,19 @@ class AnswerBatcher:
         self._pending.setdefault(app, []).append(
             Answer(delivery_id, outcome, detail, recipient, attempt, done)
         )
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if app not in self._running:
+            self._running[app] = asyncio.get_running_loop().create_task(self._run(app))
 
-    async def _run(self) -> None:
+    async def _run(self, app: str) -> None:
         try:
-            while self._pending:
-                batch, self._pending = self._pending, {}
-                flushes = [self._flush(app, answers) for app, answers in batch.items()]
-                if len(flushes) == 1:  # the common case: no task (and loop turn) of gather's
-                    await flushes[0]
-                else:
-                    await asyncio.gather(*flushes)
+            while answers := self._pending.pop(app, None):
+                await self._flush(app, answers)
         finally:
-            self._task = None
+            del self._running[app]
 
     async def drain(self) -> None:
-        while self._task is not None:
-            await asyncio.shield(self._task)
+        while self._running:
+            await asyncio.shield(next(iter(self._running.values())))
 
     async def _flush(self, app: str, answers: list[Answer]) -> None:
         acks = [a for a in answers if a.outcome == Event.ACKED]

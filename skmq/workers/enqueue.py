@@ -325,7 +325,7 @@ class Enqueuer:
         # have failed that append.
         batch.future.set_result(DISK_LOW if self._disk_is_low() else answers)
         self.on_stored({app for app, res in ran.items() if any(res)} - carried)
-        if self._uncertain and not self._reconciling:
+        if self._uncertain and not self._reconciling and ran:  # (Redis answers again)
             spawn(self._reconcile(), self._tasks)
 
     @staticmethod

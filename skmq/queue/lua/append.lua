@@ -3,23 +3,24 @@
 -- a duplicate of a message it holds when it reads the entry (a live msgid is known only
 -- to it). The inbox is apart from the owner's log so that the owner, the log's only
 -- writer, knows every entry of it without reading it back.
--- The app's `listed` mark is set, and the app listed in the apps directory when the mark
--- is new (skmq/store/directory.py).
+-- The app's `listed` mark is set; when it is new, the caller lists the app in the apps
+-- directory (skmq/store/directory.py) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
--- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed, the directory's set,
+-- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed,
 --       groups, recipients, glog, gseen, gadded
--- ARGV: channel, app id, (msgid, content, header ('': none))*
--- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*.
+-- ARGV: channel, (msgid, content, header ('': none))*
+-- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
+-- the `listed` mark is new else 0.
 local log, cur, prev = KEYS[1], KEYS[2], KEYS[3]
 local ids = {}
-for i = 3, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
+for i = 2, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
 local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
 local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
-local g = groups_of(KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], ids)
+local g = groups_of(KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ids)
 local out = {}
 local told = false
 for j = 1, #ids do
-  local i = 3 * j
+  local i = 3 * j - 1
   if in_cur[j] == 1 or in_prev[j] == 1 or (g and g.seen[j]) then
     out[j] = 0
   else
@@ -37,6 +38,6 @@ for j = 1, #ids do
   end
 end
 fed(g, '1')
-if redis.call('SET', KEYS[4], 1, 'NX') then redis.call('SADD', KEYS[5], ARGV[2]) end
 if told then redis.call('PUBLISH', ARGV[1], '1') end
+out[#out + 1] = redis.call('SET', KEYS[4], 1, 'NX') and 1 or 0
 return out

@@ -5,12 +5,13 @@
 -- (to the app's dead letters, their content copied from their log or inbox entry:
 -- skmq/queue/dead.py), and the msgids settled (to the dedupe window's bucket). An owner
 -- whose epoch is not the current one writes nothing: it was taken over.
--- A flush that logs messages sets the app's `listed` mark, and lists the app in the
--- apps directory when the mark is new (skmq/store/directory.py).
+-- A flush that logs messages sets the app's `listed` mark; when the mark is new, the
+-- caller lists the app in the apps directory (skmq/store/directory.py: its set is in
+-- another slot of a cluster) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says: a message for the
 -- groups alone is answered '-' (stored, with no log entry).
 -- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>, inbox,
---       dead letters (hash), dead letters by time (zset), listed, the directory's set,
+--       dead letters (hash), dead letters by time (zset), listed,
 --       groups, recipients, glog, gseen, gadded
 -- Entries appended to the inbox after the owner's inbox cursor are returned first, read
 -- before the messages are logged: a message acked through another broker before this
@@ -18,10 +19,10 @@
 -- ARGV: epoch, done ttl ms, inbox cursor ('': not read), message count m,
 --       (msgid, content, header ('': none))*m,
 --       records ('': none), dead count d, (delivery id, died ms, value head, entry,
---       in inbox '1'|'0')*d, app id, settled msgid*
+--       in inbox '1'|'0')*d, settled msgid*
 -- Returns {'fenced', current epoch} or {inbox entries (XRANGE's reply),
 -- (log entry id, '-' for the groups alone, or 0 for a duplicate)*m, the journal entry
--- written ('' : none)}.
+-- written ('' : none), 1 if the `listed` mark is new else 0}.
 local epoch = redis.call('GET', KEYS[1])
 if epoch ~= ARGV[1] then return {'fenced', epoch or '0'} end
 local log, journal, cur, prev = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -33,7 +34,7 @@ if m > 0 then
   for j = 1, m do ids[j] = ARGV[2 + 3 * j] end
   local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
   local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
-  local g = groups_of(KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], ids)
+  local g = groups_of(KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14], ids)
   for j = 1, m do
     local i = 2 + 3 * j
     if in_cur[j] == 1 or in_prev[j] == 1 or (g and g.seen[j]) then
@@ -69,11 +70,13 @@ for j = 0, d - 1 do
   redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 2] .. content)
   redis.call('ZADD', KEYS[8], ARGV[i + 1], ARGV[i])
 end
-local s = r + 3 + 5 * d
-if m > 0 and redis.call('SET', KEYS[9], 1, 'NX') then redis.call('SADD', KEYS[10], ARGV[s - 1]) end
+local s = r + 2 + 5 * d
+local new_mark = 0
+if m > 0 and redis.call('SET', KEYS[9], 1, 'NX') then new_mark = 1 end
 if #ARGV >= s then
   redis.call('SADD', cur, unpack(ARGV, s))
   redis.call('PEXPIRE', cur, ARGV[2])
 end
 out[#out + 1] = journaled
+out[#out + 1] = new_mark
 return out

@@ -1,0 +1,117 @@
+"""The owners' connections (ENGINE=owner): one Wire to a single Redis, or on a Redis
+Cluster one Wire to each master, chosen by the slot of a key (every key of an app's
+queue shares the app's hash tag, so an app's writes all go to its master).
+
+An owner binds its app to the Wire it was gained on (`of` at the acquire): its fenced
+flushes, and a `WAIT` after them, go on that one connection to the master that holds
+the app, never to another node. When that connection closes, or the slot map names
+another master (a failover), the Wire no longer `serves` the app: the ownership round
+drops it and takes it again through its master now, its state rebuilt from what that
+master holds (issue 42: one master's trouble is only its own apps').
+
+The slot map is the broker's redis-py cluster client's (its public `get_node_from_key`),
+refreshed in the background after trouble (skmq/store/shards.py's SlotMap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from skmq.store.shards import SlotMap, WriteFailed, master_of
+from skmq.store.wire import ReplyError, Wire, WireClosed
+
+# Error replies Redis gives before it runs a command: it did not run (a redirection, a
+# cluster or a node not able to take writes now...)
+REFUSALS = frozenset(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "NOSCRIPT",
+                      "READONLY", "OOM", "NOREPLICAS", "BUSY", "MISCONF", "LOADING"))  # fmt: skip
+SINGLE = ""  # the address a single Redis's Wire is kept under
+# What a call on a Wire may raise when its node is in trouble (Fenced is a RedisError)
+TROUBLE = (RedisError, OSError, ReplyError, WireClosed, TimeoutError)
+
+
+def refused_here(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a call on a Wire, says its command did not run."""
+    return isinstance(exc, ReplyError) and exc.code in REFUSALS
+
+
+class Wires:
+    def __init__(self, url: str, timeout: float, cluster: RedisCluster | None = None) -> None:
+        self.url = url
+        self.timeout = timeout
+        self.cluster = cluster
+        self.slots = SlotMap(cluster) if cluster is not None else None
+        self._open: dict[str, Wire] = {}
+        self._connecting: dict[str, asyncio.Future[Wire]] = {}
+
+    @classmethod
+    def over(cls, wire: Wire, url: str = "", timeout: float = 2.0) -> Wires:
+        """Wires over one Redis, its connection `wire` made (tools, tests)."""
+        wires = cls(url or f"redis://{wire.address}", timeout)
+        wires._open[SINGLE] = wire
+        return wires
+
+    def address_of(self, key: str) -> str:
+        """The master holding `key` (`host:port`; SINGLE on one Redis). Raises WriteFailed
+        (not run) when no master covers its slot."""
+        if self.cluster is None:
+            return SINGLE
+        return str(master_of(self.cluster, key).name)
+
+    def serves(self, wire: Wire, key: str) -> bool:
+        """Whether `wire` is open and still the connection to the master of `key`."""
+        if wire.closed:
+            return False
+        try:
+            return self._open.get(self.address_of(key)) is wire
+        except WriteFailed:  # (no master for the slot now)
+            return False
+
+    async def of(self, key: str) -> Wire:
+        """The open Wire to the master of `key`, connected (again) if needed: one
+        connection at a time to each address."""
+        address = self.address_of(key)
+        wire = self._open.get(address)
+        if wire is not None and not wire.closed:
+            return wire
+        pending = self._connecting.get(address)
+        if pending is None:
+            pending = asyncio.ensure_future(self._connect(address))
+            self._connecting[address] = pending
+            pending.add_done_callback(lambda _: self._connecting.pop(address, None))
+        return await asyncio.shield(pending)
+
+    async def any(self) -> Wire:
+        """An open Wire to some node (a PUBLISH reaches every node of a cluster)."""
+        for wire in self._open.values():
+            if not wire.closed:
+                return wire
+        return await self.of("")
+
+    async def _connect(self, address: str) -> Wire:
+        try:
+            wire = await Wire.connect(self._url_of(address), self.timeout)
+        except BaseException:
+            self.refresh()
+            raise
+        self._open[address] = wire
+        return wire
+
+    def _url_of(self, address: str) -> str:
+        if address == SINGLE:
+            return self.url
+        userinfo, at, _ = urlsplit(self.url).netloc.rpartition("@")
+        return f"redis://{userinfo}{at}{address}"
+
+    def refresh(self) -> None:
+        """Ask the cluster for its slot map again (in the background; none on one Redis)."""
+        if self.slots is not None:
+            self.slots.refresh()
+
+    def close(self) -> None:
+        for wire in self._open.values():
+            wire.close()
+        self._open.clear()
