@@ -139,11 +139,16 @@ async def test_owner_one_master_down_refuses_only_its_apps(
         )
         down = local.master_ports[1]
         local.kill(down)
-        for n in range(1, 4):
+        not_stored = []
+        for n in range(1, 6):
             answers = await send_each(client, list(apps.values()), f"m{n}")
             dead = answers.pop(apps[down])
             assert dead["status"] == "error", dead
+            assert str(dead["content"]).startswith(("not stored", "outcome unknown")), dead
+            if str(dead["content"]).startswith("not stored"):
+                not_stored.append(f"m{n}")
             assert all(r["status"] == "ack" for r in answers.values()), answers
+        assert "m5" in not_stored  # (once its node refuses connections: certainly not)
         for port, app in apps.items():
             if port != down:
                 await until(
@@ -160,6 +165,7 @@ async def test_owner_one_master_down_refuses_only_its_apps(
 
         await eventually(stored_again, timeout=30)
         await until(lambda: set(back) <= set(holders[apps[down]].msgids()), timeout=15)
+        assert not set(not_stored) & set(holders[apps[down]].msgids())  # the answer was true
         await client.close()
         for holder in holders.values():
             await holder.stop()

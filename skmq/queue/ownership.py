@@ -66,16 +66,25 @@ class Ownership:
         return [b.decode() for b in await members.call("ZRANGE", self.members_key, 0, -1)]
 
     async def round(self, apps: Iterable[str], now: int) -> None:
-        """Renew what we hold (dropping what was taken over), then take what is ours,
-        every app at once, each call bounded by a third of the lease: an app whose node
-        is in trouble (down, stalled) is skipped, and holds up no other (its lease runs
-        out, or its owner is dropped when its connection closes: the runtime's round)."""
+        """`renew_all`, then `take_all`."""
+        await self.renew_all()
+        await self.take_all(apps, now)
+
+    async def renew_all(self) -> None:
+        """Renew what we hold, dropping what was taken over: every app at once, each
+        call bounded by a third of the lease. An app whose node is in trouble (down,
+        stalled) is skipped and holds up no other (its lease runs out, or its owner is
+        dropped when its connection closes: the runtime's round)."""
+        await asyncio.gather(*(self._renew(app, lease) for app, lease in list(self.held.items())))
+
+    async def take_all(self, apps: Iterable[str], now: int) -> None:
+        """Say this broker is alive, then take what is ours of `apps`, as `renew_all`
+        does each call bounded."""
         try:
             async with asyncio.timeout(self.lease_ms / 3000):
                 self.brokers = await self.live(now)
         except TROUBLE as exc:  # (its node in trouble: the brokers seen last)
             log.warning("live brokers not read", error=repr(exc))
-        await asyncio.gather(*(self._renew(app, lease) for app, lease in list(self.held.items())))
         await asyncio.gather(*(self._bounded(self.take(app, now), app) for app in apps))
 
     async def _renew(self, app: str, lease: Lease) -> None:

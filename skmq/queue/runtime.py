@@ -187,16 +187,27 @@ class OwnerRuntime:
             self.told(app)
 
     async def round(self) -> None:
-        """Renew, take what is ours, and checkpoint what we own (a new owner then replays
-        only the journal since). An app whose node is in trouble does not hold up the
-        others."""
+        """Renew (`renew`), then the rest (`upkeep`)."""
+        await self.renew()
+        await self.upkeep()
+
+    async def renew(self) -> None:
+        """Renew the leases of what we own: not held up by the rest of a round, so that
+        a node in trouble (each of its calls bounded by a third of the lease) costs no
+        other app its lease."""
         self._unbind()
+        await self.ownership.renew_all()
+
+    async def upkeep(self) -> None:
+        """Take what is ours, and checkpoint what we own (a new owner then replays only
+        the journal since). An app whose node is in trouble does not hold up the
+        others."""
         try:
             async with asyncio.timeout(self.lease_ms / 3000):
                 self.apps = await self.store.apps()
         except TROUBLE as exc:  # (a node of the directory in trouble: the apps read last)
             log.warning("apps directory not read", error=repr(exc))
-        await self.ownership.round(self.apps, now_ms())
+        await self.ownership.take_all(self.apps, now_ms())
         owned = list(self.owners.owned.items())
         await asyncio.gather(*(self._checkpoint(app, owner) for app, owner in owned))
 
@@ -240,12 +251,25 @@ class OwnerRuntime:
             self.wires.refresh()
 
     async def run(self) -> None:
+        """Every third of the lease: renew, and the upkeep unless the last one still
+        runs (a node in trouble holds it up to a third of a lease a step)."""
+        upkeep: asyncio.Task[None] | None = None
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
             try:
-                await self.round()
+                await self.renew()
             except TROUBLE as exc:
-                log.warning("ownership round failed", error=repr(exc))
+                log.warning("leases not renewed", error=repr(exc))
+            if upkeep is None or upkeep.done():
+                if upkeep is not None:
+                    upkeep.result()  # (an error not a node's trouble: the supervisor's)
+                upkeep = spawn(self._upkeep_logged(), self.tasks)
+
+    async def _upkeep_logged(self) -> None:
+        try:
+            await self.upkeep()
+        except TROUBLE as exc:
+            log.warning("ownership upkeep failed", error=repr(exc))
 
     async def stop(self) -> None:
         """Hand every owned app over at once (not after the lease), its state flushed."""

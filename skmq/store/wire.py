@@ -37,6 +37,10 @@ class WireClosed(ConnectionError):
     """The connection was closed or lost before its reply came."""
 
 
+class WireNotSent(WireClosed):
+    """The connection was closed before the command was written: it did not run."""
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader(replyError=ReplyError)
@@ -115,7 +119,7 @@ class Wire:
     def _send(self, payload: bytes, n: int) -> list[asyncio.Future[Any]]:
         protocol = self._protocol
         if protocol.transport is None:
-            raise WireClosed(str(protocol.lost or "connection closed"))
+            raise WireNotSent(str(protocol.lost or "connection closed"))
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(n)]
         protocol.waiting.extend(futures)

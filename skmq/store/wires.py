@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from skmq.store.shards import SlotMap, WriteFailed, master_of
-from skmq.store.wire import ReplyError, Wire, WireClosed
+from skmq.store.wire import ReplyError, Wire, WireClosed, WireNotSent
 
 # Error replies Redis gives before it runs a command: it did not run (a redirection, a
 # cluster or a node not able to take writes now...)
@@ -35,6 +35,8 @@ TROUBLE = (RedisError, OSError, ReplyError, WireClosed, TimeoutError)
 
 def refused_here(exc: BaseException) -> bool:
     """Whether `exc`, raised by a call on a Wire, says its command did not run."""
+    if isinstance(exc, WireNotSent):
+        return True
     return isinstance(exc, ReplyError) and exc.code in REFUSALS
 
 
@@ -94,9 +96,9 @@ class Wires:
     async def _connect(self, address: str) -> Wire:
         try:
             wire = await Wire.connect(self._url_of(address), self.timeout)
-        except BaseException:
+        except (OSError, TimeoutError, RedisError, ReplyError) as exc:
             self.refresh()
-            raise
+            raise WriteFailed(f"could not reach {address or self.url}: {exc!r}", False) from exc
         self._open[address] = wire
         return wire
 
