@@ -2,6 +2,7 @@
 while a master is killed (kill -9), left down, and started again.
 
     python bench/failover_broker.py [--down 10] [--rate 400] [--full-coverage no]
+                                    [--engine scripts|owner]
 
 A local 3 masters + 3 replicas cluster (cluster-node-timeout 2 s,
 cluster-require-full-coverage as `--full-coverage`), one broker (REPLICA_ACKS=1), and
@@ -11,11 +12,15 @@ master of 2 apps (`dead`) is killed; `--down` s later it is started again (it co
 back as a replica of its replica, promoted meanwhile); the run ends 5 s after that.
 Run it with PYTHONPATH naming the tree to measure (the broker child inherits it).
 
+Each app has a recipient (skmq.client.Consumer, acking every push).
+
 Prints the answers by phase (`before` the kill, `down`, `back` after the restart), side
 (`dead`, `healthy`) and kind (`ack`, `unknown`: an `error` that says or, before issue 42,
 may mean the message may be stored, `not_stored`), then each `error` looked up in the
-store (stored or absent), and the broker's log lines from the restart on that name
-the error storm of issue 42.
+store (stored or absent); for each side the longest pause between two deliveries to an
+app's recipient while its master was down and after, and the messages acked but not
+delivered 5 s after the end (lost); and the broker's log lines from the restart on that
+name the error storm of issue 42.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import inspect
+import itertools
 import os
 import subprocess
 import sys
@@ -34,9 +40,10 @@ from pathlib import Path
 
 from redis.asyncio.cluster import RedisCluster
 
-from skmq.client import Producer
+from skmq.client import Consumer, Message, Producer
 from skmq.embedded import free_port
 from skmq.embedded_cluster import LocalCluster
+from skmq.queue.owned_store import OwnedStore
 from skmq.store import Store, connect_redis
 
 PREFIX = "fb"
@@ -63,6 +70,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
         env.update(SKMQ_HOST="127.0.0.1", SKMQ_PORT=str(port), SKMQ_HTTP_PORT="0",
                    SKMQ_REDIS_URL=cluster.url, SKMQ_KEY_PREFIX=PREFIX,
                    SKMQ_DATA_DIR=str(workdir / "data"), SKMQ_REPLICA_ACKS="1",
+                   SKMQ_ENGINE=args.engine,
                    SKMQ_LOG_LEVEL="info", SKMQ_LOG_FORMAT="json")  # fmt: skip
         with log_path.open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "skmq.cli", "serve"], env=env,
@@ -78,7 +86,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
 async def measure(args: argparse.Namespace, cluster: LocalCluster, port: int, log: Path) -> None:
     redis = connect_redis(cluster.url)
     assert isinstance(redis, RedisCluster)
-    store = Store(redis, PREFIX)
+    store = (OwnedStore if args.engine == "owner" else Store)(redis, PREFIX)
     await redis.initialize()
     dead_port = cluster.master_ports[0]
     side: dict[str, str] = {}
@@ -100,7 +108,19 @@ async def measure(args: argparse.Namespace, cluster: LocalCluster, port: int, lo
             except OSError:
                 await asyncio.sleep(0.05)
     phase = "before"
+    received: dict[str, list[tuple[float, str]]] = {app: [] for app in side}
+    consumers = []
+    for app in side:
+
+        async def handle(msg: Message, app: str = app) -> None:
+            received[app].append((time.monotonic(), msg.msgid))
+
+        consumer = Consumer(app, f"r-{app}", handle, broker_port=port)
+        await consumer.start()
+        consumers.append(consumer)
     counts: Counter[str] = Counter()
+    acked: dict[str, list[str]] = {app: [] for app in side}
+    marks: dict[str, float] = {}
     errors: dict[str, list[str]] = {app: [] for app in side}
     done = asyncio.Event()
     pause = len(side) / args.rate
@@ -124,19 +144,38 @@ async def measure(args: argparse.Namespace, cluster: LocalCluster, port: int, lo
                 counts[f"{at:6} {side[app]:7} {k}"] += 1
                 if k != "ack":
                     errors[app].append(msgid)
+                else:
+                    acked[app].append(msgid)
                 await asyncio.sleep(pause)
 
     tasks = [asyncio.create_task(produce(app)) for app in side]
     await asyncio.sleep(2)
+    marks["down"] = time.monotonic()
     cluster.kill(dead_port)
     phase = "down"
     await asyncio.sleep(args.down)
     await asyncio.to_thread(cluster.launch, dead_port)
     offset = log.stat().st_size
+    marks["back"] = time.monotonic()
     phase = "back"
     await asyncio.sleep(5)
     done.set()
     await asyncio.gather(*tasks)
+    marks["end"] = time.monotonic()
+    await asyncio.sleep(5)  # (the last pushes)
+    for consumer in consumers:
+        await consumer.stop()
+    for app, got in received.items():
+        times = [t for t, _ in got]
+        for name, start, end in (("down", marks["down"], marks["back"]),
+                                 ("back", marks["back"], marks["end"])):  # fmt: skip
+            inside = [start, *(t for t in times if start <= t <= end), end]
+            gap = max(b - a for a, b in itertools.pairwise(inside))
+            key = f"pause  {name:6} {side[app]:7} longest, ms"
+            counts[key] = max(counts[key], round(gap * 1000))
+        counts[f"lost   {side[app]:7} (acked, not delivered)"] += len(
+            set(acked[app]) - {m for _, m in got}
+        )
     for app, msgids in errors.items():
         for chunk in range(0, len(msgids), 500):
             part = msgids[chunk : chunk + 500]
@@ -164,6 +203,7 @@ def main() -> None:
     parser.add_argument("--down", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=400.0)
     parser.add_argument("--full-coverage", choices=("yes", "no"), default="no")
+    parser.add_argument("--engine", choices=("scripts", "owner"), default="scripts")
     parser.add_argument("--keep", type=Path, help="a directory to keep the logs in")
     args = parser.parse_args()
     if args.keep:

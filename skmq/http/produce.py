@@ -209,10 +209,9 @@ class Producer:
             self.enqueuer.submit(batch)
             # The enqueuer answers every batch within STORE_TIMEOUT; the bound is a guard.
             async with asyncio.timeout(self.settings.store_timeout + 1):
-                results = await batch.future
+                stored = (await batch.future)[app]
         except TimeoutError:
-            results = UNAVAILABLE
-        stored = results if isinstance(results, str) else results[app]
+            stored = UNAVAILABLE
         if isinstance(stored, str):
             raise ApiError(503, stored, {"Retry-After": "1"})
         return [

@@ -44,7 +44,14 @@ from skmq.store.messages import read as read_message
 from skmq.store.msgids import COMPACT, PACKED, pack_delivery, split_held, unpack
 from skmq.store.msgids import SEP as HELD_SEP
 from skmq.store.multiplex import multiplexed
-from skmq.store.shards import ReplicasMissing, SlotMap, WriteFailed, stale_map, write_by_node
+from skmq.store.shards import (
+    ReplicasMissing,
+    SlotMap,
+    WriteFailed,
+    master_of,
+    stale_map,
+    write_by_node,
+)
 
 log = structlog.get_logger("skmq.store")
 
@@ -357,6 +364,20 @@ class Store:
         if base is None:
             base = self._bases[app] = f"{self.prefix}:{{{escape_tag(app)}}}:"
         return base
+
+    def by_master(self, batches: dict[str, list[NewMessage]]) -> list[dict[str, list[NewMessage]]]:
+        """`batches` split by the master that holds each app's keys (one Redis: as they
+        are), to be stored and answered apart."""
+        if len(batches) == 1 or not isinstance(self.redis, RedisCluster):
+            return [batches]
+        parts: dict[str, dict[str, list[NewMessage]]] = {}
+        for app, messages in batches.items():
+            try:
+                name = str(master_of(self.redis, self.base(app)).name)
+            except WriteFailed:  # (no master for its slot now: its store says so)
+                name = ""
+            parts.setdefault(name, {})[app] = messages
+        return list(parts.values())
 
     def global_key(self, name: str) -> str:
         return f"{self.prefix}:{name}"

@@ -66,25 +66,23 @@ DISK_LOW = (
 
 
 class StoreReply:
-    """The resp for one message of a batch, ready once the batch is stored."""
+    """The resp for one message of a batch, ready once its app's store answered."""
 
-    __slots__ = ("app", "batch", "index", "msgid")
+    __slots__ = ("answer", "index", "msgid")
 
-    def __init__(self, batch: EnqueueBatch, app: str, index: int, msgid: str) -> None:
-        self.batch = batch
-        self.app = app
+    def __init__(self, answer: asyncio.Future[AppAnswer], index: int, msgid: str) -> None:
+        self.answer = answer
         self.index = index
         self.msgid = msgid
 
     def done(self) -> bool:
-        return self.batch.future.done()
+        return self.answer.done()
 
     def add_done_callback(self, callback: Callable[[Any], object]) -> None:
-        self.batch.future.add_done_callback(callback)
+        self.answer.add_done_callback(callback)
 
     def result(self) -> bytes:
-        batch = self.batch.future.result()
-        results = batch if isinstance(batch, str) else batch[self.app]
+        results = self.answer.result()
         if isinstance(results, str):
             return encode_resp("error", results, self.msgid)
         if results[self.index]:
@@ -94,23 +92,45 @@ class StoreReply:
         )
 
 
+# An app's answer: each message stored (or a duplicate), or why none is acknowledged
+AppAnswer = list[bool] | str
+
+
 class EnqueueBatch:
     def __init__(self) -> None:
         self.messages: dict[str, list[NewMessage]] = {}
         self.received: list[int] = []
         self.size = 0  # content bytes
-        # Each app's results (stored, or a duplicate) or why they are not acknowledged, or
-        # why none of the batch is.
-        self.future: asyncio.Future[dict[str, list[bool] | str] | str] = (
+        # Each app's answer, given as soon as the store of its master answered (on a
+        # cluster, a master in trouble holds up no other master's apps); `future`, once
+        # every app is answered, all of them.
+        self.answers: dict[str, asyncio.Future[AppAnswer]] = {}
+        self.future: asyncio.Future[dict[str, AppAnswer]] = (
             asyncio.get_running_loop().create_future()
         )
         self.spans: list[tuple[str, Span]] | None = None  # (app, its `skmq store` span)
 
     def add(self, app: str, message: NewMessage) -> StoreReply:
-        msgs = self.messages.setdefault(app, [])
+        msgs = self.messages.get(app)
+        if msgs is None:
+            msgs = self.messages[app] = []
+            self.answers[app] = asyncio.get_running_loop().create_future()
         msgs.append(message)
         self.size += len(message.content)
-        return StoreReply(self, app, len(msgs) - 1, message.msgid)
+        return StoreReply(self.answers[app], len(msgs) - 1, message.msgid)
+
+    def answer(self, answers: Mapping[str, AppAnswer]) -> None:
+        """Answer these apps (an app answered already keeps its answer)."""
+        for app, answer in answers.items():
+            future = self.answers[app]
+            if not future.done():
+                future.set_result(answer)
+        if not self.future.done() and all(f.done() for f in self.answers.values()):
+            self.future.set_result({app: f.result() for app, f in self.answers.items()})
+
+    def answer_rest(self, why: str) -> None:
+        """Every app not answered yet: `why`."""
+        self.answer({app: why for app, f in self.answers.items() if not f.done()})
 
     def add_traced(self, app: str, message: NewMessage) -> StoreReply:
         """Add a message within a `skmq store` span, a child of its traceparent: it is
@@ -126,7 +146,7 @@ class EnqueueBatch:
         """The store spans end with the batch's answer (failed: its error's text)."""
         results = self.future.result()
         for app, span in self.spans or ():
-            why = results if isinstance(results, str) else results.get(app)
+            why = results.get(app)
             tracing.end(span, why if isinstance(why, str) else None)
 
 
@@ -154,6 +174,8 @@ class Enqueuer:
         init=False, default_factory=dict
     )
     _reconciling: bool = field(init=False, default=False)
+    _noted: set[str] = field(init=False, default_factory=set)  # apps noted by this process
+    _noting: asyncio.Task[None] | None = field(init=False, default=None)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
@@ -179,7 +201,7 @@ class Enqueuer:
 
     def submit(self, batch: EnqueueBatch) -> None:
         if not batch.messages:
-            batch.future.set_result({})
+            batch.answer({})
             return
         self.pending_bytes += batch.size
         if self.pending_bytes >= self.max_pending_bytes:
@@ -197,8 +219,7 @@ class Enqueuer:
         except Exception:  # not a store error (those are answered): a fault, logged once
             log.exception("storing a batch failed")
         finally:
-            if not batch.future.done():
-                batch.future.set_result(UNAVAILABLE)
+            batch.answer_rest(UNAVAILABLE)
             if batch.spans is not None:
                 batch.end_spans()
             self.pending_bytes -= batch.size
@@ -277,42 +298,71 @@ class Enqueuer:
                 log.warning("store's disk has room again: storing messages")
         return low
 
+    def _note(self, apps: set[str]) -> None:
+        """Record new apps in Redis (note_apps), in the background: the store lists an app
+        itself when it must, and the node holding a directory shard (on a cluster,
+        perhaps down) must not hold up the store."""
+        new = apps - self._noted
+        if new and (self._noting is None or self._noting.done()):
+            self._noting = spawn(self._note_now(new), self._tasks)
+
+    async def _note_now(self, apps: set[str]) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.note_apps(apps)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("apps not noted", error=str(exc) or repr(exc))
+        else:
+            self._noted |= apps
+
     async def _store_and_log(self, batch: EnqueueBatch) -> None:
         refused = self.refusal()
         if refused is not None or self._disk_is_low():
-            batch.future.set_result(refused or DISK_LOW)
+            batch.answer_rest(refused or DISK_LOW)
             return
         received = now_ms()
         deadline = asyncio.get_running_loop().time() + self.timeout
-        carried: set[str] = set()
+        self._note(set(batch.messages))
+        # Stored a master at a time (one Redis: the batch at once), each answered as soon
+        # as it is: a master in trouble holds up only its own apps' producers.
+        parts = self.store.by_master(batch.messages)
+        if len(parts) == 1:
+            ran = await self._store_part(batch, parts[0], received, deadline)
+        else:
+            done = await asyncio.gather(
+                *(self._store_part(batch, part, received, deadline) for part in parts)
+            )
+            ran = {app: r for part in done for app, r in part.items()}
+        if self._uncertain and not self._reconciling and ran:  # (Redis answers again)
+            spawn(self._reconcile(), self._tasks)
+
+    async def _store_part(
+        self,
+        batch: EnqueueBatch,
+        messages: dict[str, list[NewMessage]],
+        received: int,
+        deadline: float,
+    ) -> dict[str, list[bool]]:
+        """Store, log and answer the apps of one master; the results of those whose
+        store ran."""
         ran: dict[str, list[bool]] = {}  # the results of the apps whose store ran
 
         def stored(results: dict[str, list[bool]]) -> None:
             ran.update(results)
             self._log(batch, received, results)
 
+        # (made right before the store: it hands each its end, whatever happens)
+        claims = self.carry_claims(messages, received) if self.carry_claims else []
         try:
-            async with asyncio.timeout_at(deadline):
-                try:
-                    await self.note_apps(set(batch.messages))
-                except (RedisError, OSError) as exc:
-                    # The store lists each app whose `listed` mark it makes: a Redis node
-                    # down (holding a directory shard) must not fail other nodes' apps.
-                    log.warning("apps not noted", error=str(exc) or repr(exc))
-                # (made right before the store: it hands each its end, whatever happens)
-                claims = self.carry_claims(batch.messages, received) if self.carry_claims else []
-                carried = {c.app for c in claims}
-            # (the store keeps the deadline itself: on a cluster, one master too slow
-            # fails only its apps)
-            results = await self.store.store(batch.messages, received, stored, claims, deadline)
-        except WriteFailed as exc:  # (one Redis: the batch as a whole)
-            results = dict.fromkeys(batch.messages, exc)
+            results = await self.store.store(messages, received, stored, claims, deadline)
+        except WriteFailed as exc:  # (one Redis: the part as a whole)
+            results = dict.fromkeys(messages, exc)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("store unavailable", error=str(exc) or repr(exc))
-            batch.future.set_result(UNAVAILABLE)
-            self._remember(batch, received, set(batch.messages) - set(ran))
-            return
-        answers = {app: self._answer(res) for app, res in results.items()}
+            self._remember(batch, received, set(messages) - set(ran))
+            batch.answer(dict.fromkeys(messages, UNAVAILABLE))
+            return ran
+        answers: dict[str, AppAnswer] = {app: self._answer(r) for app, r in results.items()}
         failed = {app: res for app, res in results.items() if isinstance(res, WriteFailed)}
         if failed:
             log.warning("store failed", apps=len(failed), of=len(results),
@@ -323,10 +373,9 @@ class Enqueuer:
         self.dlog.flush()
         # Redis appended the batch to its AOF before it answered: a disk low now may
         # have failed that append.
-        batch.future.set_result(DISK_LOW if self._disk_is_low() else answers)
-        self.on_stored({app for app, res in ran.items() if any(res)} - carried)
-        if self._uncertain and not self._reconciling and ran:  # (Redis answers again)
-            spawn(self._reconcile(), self._tasks)
+        batch.answer(dict.fromkeys(answers, DISK_LOW) if self._disk_is_low() else answers)
+        self.on_stored({app for app, res in ran.items() if any(res)} - {c.app for c in claims})
+        return ran
 
     @staticmethod
     def _answer(result: AppStored) -> list[bool] | str:
