@@ -23,10 +23,11 @@ from typing import Any
 import nats
 import uvloop
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from bench.childio import Control, emit, write_result
-from bench.confirmed import Body, Tally, add_load_flags, close_quietly, send_confirmed
+from bench.confirmed import Body, Start, Tally, add_load_flags, close_quietly, send_confirmed
 
 PUBACK_TIMEOUT = 30.0  # s: js.publish's request timeout in this benchmark before
 
@@ -58,6 +59,18 @@ class PubAckDeadlines:
             self.sweep()
 
 
+def publisher(js: JetStreamContext, subject: str, deadlines: PubAckDeadlines) -> Start:
+    """`js.publish_async` of one message (stamped now, `Nats-Msg-Id` its msgid): the
+    future of its PubAck, failed by `deadlines` if none comes."""
+
+    async def start(msgid: str, body: Body) -> asyncio.Future[Any]:
+        future = await js.publish_async(subject, body(), headers={"Nats-Msg-Id": msgid})
+        deadlines.add(future)
+        return future
+
+    return start
+
+
 async def producer_main(args: argparse.Namespace) -> None:
     control = Control(args.deadline)
     await control.start()
@@ -69,13 +82,8 @@ async def producer_main(args: argparse.Namespace) -> None:
     emit("ready")
     await control.wait_for("go")
 
-    async def start(msgid: str, body: Body) -> asyncio.Future[Any]:
-        future = await js.publish_async(args.subject, body(), headers={"Nats-Msg-Id": msgid})
-        deadlines.add(future)
-        return future
-
     sweeper = asyncio.create_task(deadlines.run())
-    result = await send_confirmed(args, start)
+    result = await send_confirmed(args, publisher(js, args.subject, deadlines))
     sweeper.cancel()
     result["connection_lost"] = nc.is_closed
     await close_quietly(nc.close)
