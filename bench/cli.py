@@ -26,10 +26,10 @@ DATA_DIR and embedded Redis persisting with AOF):
            broker's RSS peak meanwhile, lost and duplicated.
 
 The same ingest / e2e / paced scenarios run against NATS JetStream with nats-py
-(file-stored stream, PubAck awaited, explicit acks, max_ack_pending 100) when it
-listens on 127.0.0.1:4222, and against RabbitMQ with aio-pika (durable queue,
-persistent messages, publisher confirms, manual acks, prefetch 100) when it listens
-on 127.0.0.1:5672. Everything is bounded in
+(file-stored stream, js.publish_async with the window's PubAcks outstanding, explicit
+acks, max_ack_pending 100 a consumer process) when it listens on 127.0.0.1:4222, and
+against RabbitMQ with aio-pika (durable queue, persistent messages, publisher confirms,
+manual acks, prefetch 100) when it listens on 127.0.0.1:5672. Everything is bounded in
 time: the run stops by itself, kills what it started and removes its files.
 """
 
@@ -373,7 +373,8 @@ class Runner:
             res.scenario = plan.scenario
         elif system == "nats":
             stream = f"skmqbench{plan.scenario.replace('-', '')}{os.getpid()}"
-            res = await self.external(NatsSystem(self.args.nats_url, stream), plan)
+            nats = NatsSystem(self.args.nats_url, stream, consumers=plan.recipients)
+            res = await self.external(nats, plan)
         else:
             queue = f"skmq-bench-{plan.scenario}-{os.getpid()}"
             res = await self.external(RabbitSystem(self.args.rabbit_url, queue), plan)
@@ -552,9 +553,9 @@ class Runner:
             + (f", env {self.args.extra_env}" if self.args.extra_env else ""),
             f"- RabbitMQ: {self.versions['rabbitmq']} via aio-pika: durable queue, persistent "
             "messages, publisher confirms, manual acks, prefetch 100",
-            f"- NATS JetStream: {self.versions['nats']} via nats-py: file-stored stream, every "
-            "publish awaited for its PubAck, one durable consumer (queue group), explicit acks, "
-            "max_ack_pending 100",
+            f"- NATS JetStream: {self.versions['nats']} via nats-py: file-stored stream, "
+            "js.publish_async (a message acked on its PubAck), one durable consumer (queue "
+            "group), explicit acks, max_ack_pending 100 a consumer process",
             f"- load: {self.args.producers} producers ({self.args.window} unanswered each) and "
             f"{self.args.recipients} recipients, one process each; 100-byte bodies, "
             f"{self.args.msgid_length}-character msgids; paced runs "

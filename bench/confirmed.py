@@ -1,6 +1,10 @@
 """What the load processes of the other brokers share (bench.rabbit_load, bench.nats_load):
 a producer that keeps up to `--window` publishes awaiting their confirmation, paced or
-as fast as possible, and a consumer's tally of what it received."""
+as fast as possible, and a consumer's tally of what it received.
+
+The producer starts each publish and holds a future for its confirmation (a done
+callback, no task of its own): NATS's `publish_async` returns one; RabbitMQ's awaited
+publish runs in a task (`in_tasks`)."""
 
 from __future__ import annotations
 
@@ -8,14 +12,20 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 from bench.childio import Control, cpu_seconds, emit, write_result
 from bench.childio import msgid as make_msgid
 from bench.pacing import Pacer
 
-# Publish one message (msgid, body); returns once the broker confirmed it, raises if not.
+# Publish one message (msgid, content); returns once the broker confirmed it, raises if not.
 Publish = Callable[[str, bytes], Awaitable[None]]
+# A message's content, stamped with the time it is called (`time.time_ns()`).
+Body = Callable[[], bytes]
+# Start publishing one message (msgid, its content, to call when the publish starts): a
+# future done once the broker confirmed the message (any result), failed if it did not.
+Start = Callable[[str, Body], Awaitable[asyncio.Future[Any]]]
 
 
 def make_content(ts: int, size: int) -> bytes:
@@ -23,33 +33,54 @@ def make_content(ts: int, size: int) -> bytes:
     return head + b"." * max(size - len(head), 0)
 
 
-async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str, Any]:
+def in_tasks(publish: Publish) -> Start:
+    """A `Publish` awaited in a task of its own (aio-pika's way to keep many unconfirmed):
+    the future is the task, and the content is stamped when the task begins, that is when
+    its publish is written."""
+
+    async def run(msgid: str, body: Body) -> None:
+        await publish(msgid, body())
+
+    async def start(msgid: str, body: Body) -> asyncio.Future[Any]:
+        return asyncio.create_task(run(msgid, body))
+
+    return start
+
+
+async def send_confirmed(args: argparse.Namespace, start: Start) -> dict[str, Any]:
     """Send `--count` messages (`--rate` msg/s paced by `bench.pacing`, 0: at once) for at
     most `--send-time` seconds, `--window` unconfirmed at most; then wait `--ack-wait` for
-    the last confirmations. The producer's result, but `connection_lost`."""
+    the last confirmations. A message counts as acked when its future has a result, as
+    failed when it has an exception (or `start` raised); those still waiting at the end
+    are `unanswered`. The producer's result, but `connection_lost`."""
     cpu0 = cpu_seconds()
     window = asyncio.Semaphore(args.window)
     acked = 0
     failed: list[str] = []
     failed_samples: list[str] = []
     t_last_confirm = 0
-    pending: set[asyncio.Task[None]] = set()
+    pending: set[asyncio.Future[Any]] = set()
     outstanding: set[str] = set()
 
-    async def one(msgid: str) -> None:
+    def answered(msgid: str, exc: BaseException | None) -> None:
         nonlocal acked, t_last_confirm
-        try:
-            # stamped when the publish starts (not when the batch was scheduled)
-            await publish(msgid, make_content(time.time_ns(), args.size))
+        if exc is None:
             acked += 1
-        except Exception as exc:
+        else:
             failed.append(msgid)
             if len(failed_samples) < 5:
                 failed_samples.append(repr(exc)[:300])
-        finally:
-            outstanding.discard(msgid)
-            t_last_confirm = time.time_ns()
-            window.release()
+        outstanding.discard(msgid)
+        t_last_confirm = time.time_ns()
+        window.release()
+
+    def confirmed(msgid: str, future: asyncio.Future[Any]) -> None:
+        pending.discard(future)
+        if not future.cancelled():  # cancelled: given up at the end, unanswered
+            answered(msgid, future.exception())
+
+    def body() -> bytes:
+        return make_content(time.time_ns(), args.size)
 
     pacer = Pacer(args.rate, args.count)
     stop_at = time.monotonic() + args.send_time
@@ -58,7 +89,7 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
     pacer.start()
     while not stopped_early and (due := await pacer.next_batch(stop_at)):
         # Everything due (500 at most before looking at the clock again): one publish
-        # task each, `--window` unconfirmed at most.
+        # started each, `--window` unconfirmed at most.
         for _ in range(min(due, 500)):
             if window.locked():
                 try:
@@ -71,16 +102,21 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
                 await window.acquire()  # free: returns at once
             msgid = make_msgid(args.prefix, pacer.sent)
             outstanding.add(msgid)
-            task = asyncio.create_task(one(msgid))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
             pacer.record(1)
+            try:
+                future = await start(msgid, body)
+            except Exception as exc:
+                answered(msgid, exc)
+                continue
+            pending.add(future)
+            future.add_done_callback(partial(confirmed, msgid))
     seq = pacer.sent
     t_sent = time.time_ns()
     if pending:
         await asyncio.wait(set(pending), timeout=args.ack_wait)
-    for task in list(pending):
-        task.cancel()
+    unanswered = sorted(outstanding)
+    for future in list(pending):
+        future.cancel()
     return {
         "role": "producer",
         "prefix": args.prefix,
@@ -89,7 +125,7 @@ async def send_confirmed(args: argparse.Namespace, publish: Publish) -> dict[str
         "acked": acked,
         "failed": failed,
         "failed_samples": failed_samples,
-        "unanswered": sorted(outstanding),
+        "unanswered": unanswered,
         "t_start": t_start,
         "t_sent": t_sent,
         "t_end": t_last_confirm or t_sent,

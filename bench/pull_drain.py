@@ -18,8 +18,8 @@ Scenarios, each system in turn (a fresh `skmq serve`, or a fresh NATS stream, ea
   own that awaits its `msg.ack()` (`asyncio.gather`): the acks of the batch are made in
   one event-loop turn and go in one request.
 - e2e: the consumers first, then `--producers` producers at full speed (SKMQ: the
-  pipelined producer of `python -m bench`; NATS: js.publish awaited for its PubAck, up
-  to 1000 unconfirmed, bench.nats_load): msg/s from the first send to the last receipt,
+  pipelined producer of `python -m bench`; NATS: js.publish_async, up to 1000 PubAcks
+  outstanding, bench.nats_load): msg/s from the first send to the last receipt,
   send-to-receipt latency.
 
 Server CPU is user+system time over the scenario: SKMQ's broker process and its

@@ -17,7 +17,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pamqp.commands import Basic
 
 from bench.childio import Control, emit, write_result
-from bench.confirmed import Tally, add_load_flags, close_quietly, send_confirmed
+from bench.confirmed import Tally, add_load_flags, close_quietly, in_tasks, send_confirmed
 
 
 async def producer_main(args: argparse.Namespace) -> None:
@@ -37,7 +37,7 @@ async def producer_main(args: argparse.Namespace) -> None:
         if not isinstance(confirmation, Basic.Ack):
             raise RuntimeError(f"not confirmed: {confirmation!r}")
 
-    result = await send_confirmed(args, publish)
+    result = await send_confirmed(args, in_tasks(publish))
     result["connection_lost"] = connection.is_closed
     await close_quietly(connection.close)
     write_result(args.result, result)

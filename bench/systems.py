@@ -349,6 +349,9 @@ class ExternalSystem:
         raise NotImplementedError
 
 
+PREFETCH = 100  # unacknowledged messages a consumer process of RabbitMQ or NATS may hold
+
+
 class RabbitSystem(ExternalSystem):
     """A RabbitMQ already listening on 127.0.0.1:5672, driven with aio-pika."""
 
@@ -364,6 +367,9 @@ class RabbitSystem(ExternalSystem):
 
     def target(self) -> list[str]:
         return ["--url", self.url, "--queue", self.queue]
+
+    def consumer_flags(self) -> list[str]:
+        return ["--prefetch", str(PREFETCH)]
 
     async def reset(self, delete: bool = False) -> None:
         """Declare the durable queue and purge it (or delete it)."""
@@ -397,17 +403,21 @@ class NatsSystem(ExternalSystem):
     process_name = "nats-server"
     module = "bench.nats_load"
 
-    def __init__(self, url: str, stream: str) -> None:
+    def __init__(self, url: str, stream: str, consumers: int = 1) -> None:
         super().__init__()
         self.url = url
         self.stream = stream
         self.subject = f"{stream}.msgs"
+        self.consumers = consumers
 
     def target(self) -> list[str]:
         return ["--url", self.url, "--subject", self.subject]
 
     def consumer_flags(self) -> list[str]:
-        return ["--durable", self.stream]
+        # The consumer processes share one durable consumer, and its max_ack_pending bounds
+        # them all together: PREFETCH a process, as RabbitMQ's prefetch is a consumer's (100
+        # in all left the e2e's 4 consumers a quarter of what RabbitMQ's hold).
+        return ["--durable", self.stream, "--max-pending", str(PREFETCH * self.consumers)]
 
     async def reset(self, delete: bool = False) -> None:
         """Delete the scenario's stream if it is there; then (unless `delete`) create it."""
