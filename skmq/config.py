@@ -333,7 +333,7 @@ class Settings(BaseSettings):
         "scripts",
         description="The delivery engine: scripts (a Redis script a transition, any broker "
         "runs any) or owner (experimental: each app's queue held by one broker, its state "
-        "in memory, written in fenced batches; one Redis, no Cluster or Sentinel yet: "
+        "in memory, written in fenced batches; one Redis or a Cluster, no Sentinel yet: "
         "docs/OWNER-DESIGN.md). Every broker of a store runs the same",
     )
     owner_lease: Seconds = Field(
