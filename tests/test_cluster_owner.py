@@ -24,6 +24,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from skmq.embedded_cluster import LocalCluster
+from skmq.pull.consumer import PullConsumer
 from skmq.queue.journal import AppKeys
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import RawClient
@@ -265,4 +266,37 @@ async def test_owner_a_stalled_master_holds_up_only_its_apps(
             await holder.stop()
     finally:
         local.procs[frozen].send_signal(signal.SIGCONT)
+        local.stop()
+
+
+@pytest.mark.parametrize("engine", ["scripts", "owner"])
+async def test_pull_long_polls_are_woken_with_the_subscriptions_master_down(
+    make_broker: BrokerFactory, tmp_path: Path, prefix: str, engine: str
+) -> None:
+    """The master the pull wake-ups' subscription is on, killed and left down: the
+    broker subscribes again on another master (a PUBLISH reaches every node), so a long
+    poll of an app on a healthy master hears its message at once, not when its wait
+    ends."""
+    local = LocalCluster(tmp_path / "c", masters=3).start()
+    try:
+        broker = await make_broker(redis_url=local.url, engine=engine)
+        assert isinstance(broker.store.redis, RedisCluster)
+
+        async def subscribed() -> bool:
+            return bool(broker.wakeups.node)
+
+        await eventually(subscribed)
+        dead = broker.wakeups.node
+        apps = one_app_a_master(broker.store.redis, prefix, local.master_ports)
+        app = next(a for port, a in apps.items() if dead != f"127.0.0.1:{port}")
+        gateway = f"tcp://127.0.0.1:{broker.server.port}"
+        async with PullConsumer(gateway, app, "g", wait=15, batch=10) as consumer:
+            polling = asyncio.ensure_future(consumer.receive())
+            local.kill(int(dead.rpartition(":")[2]))
+            assert await produce(broker.server.port, ["p1"], app=app) == ["p1"]
+            got = await asyncio.wait_for(polling, 5)  # (its wait: 15 s)
+            assert [m.msgid for m in got] == ["p1"]
+            await consumer.ack_all(got)
+        assert broker.wakeups.node != dead
+    finally:
         local.stop()

@@ -18,11 +18,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import listen_again
+from skmq.store.client import RedisClient, subscriber
 
 log = structlog.get_logger("skmq.pull.wakeups")
 
@@ -43,8 +43,10 @@ def _first(polls: dict[asyncio.Event, None]) -> None:
 
 
 class Wakeups:
-    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, prefix: str) -> None:
         self.redis = redis
+        self.turns = 0  # subscriptions made (skmq/store/client.py: subscriber)
+        self.node = ""  # the node of the last one
         self.pattern = f"{prefix}:*:glog"
         # channel -> group -> its waiting polls' events, first come first (dicts: ordered)
         self._waiting: defaultdict[str, dict[str, dict[asyncio.Event, None]]] = defaultdict(dict)
@@ -89,7 +91,8 @@ class Wakeups:
         await listen_again(self._listen, (RedisError, OSError), "pull wake-ups", log)
 
     async def _listen(self) -> None:
-        pubsub = self.redis.pubsub()
+        pubsub, self.node = subscriber(self.redis, self.turns)
+        self.turns += 1
         try:
             await pubsub.psubscribe(self.pattern)
             self._wake(None)

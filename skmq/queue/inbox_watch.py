@@ -13,7 +13,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.aio import listen_again
-from skmq.store.client import RedisClient
+from skmq.store.client import RedisClient, subscriber
 
 log = structlog.get_logger("skmq.queue.inbox_watch")
 
@@ -37,6 +37,8 @@ class InboxWatch:
         replies: tuple[str, Callable[[bytes], None]],
     ) -> None:
         self.redis = redis
+        self.turns = 0  # subscriptions made (skmq/store/client.py: subscriber)
+        self.node = ""  # the node of the last one
         self.head = f"{prefix}:{{"
         self.pattern = f"{glob_escape(prefix)}:{{*}}:inbox"
         self.told = told  # an app's inbox has news
@@ -53,7 +55,8 @@ class InboxWatch:
         await listen_again(self._listen, (RedisError, OSError), "inbox wake-ups", log)
 
     async def _listen(self) -> None:
-        pubsub = self.redis.pubsub()
+        pubsub, self.node = subscriber(self.redis, self.turns)
+        self.turns += 1
         try:
             await pubsub.psubscribe(self.pattern)
             await pubsub.subscribe(self.replies[0])

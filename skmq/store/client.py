@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -22,7 +22,7 @@ from redis.exceptions import DataError, RedisClusterException, RedisError
 
 log = structlog.get_logger("skmq.store")
 
-RedisClient = aioredis.Redis | RedisCluster
+RedisClient: TypeAlias = aioredis.Redis | RedisCluster
 
 CLUSTER_SCHEME = "redis+cluster"
 ENC = "surrogateescape"  # keys and members are bytes; any byte an app id holds survives
@@ -148,6 +148,20 @@ class QuickPool(BlockingConnectionPool):  # type: ignore[misc]
 def hiredis_packing(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
     """`connection_class` (plain, TLS, unix socket, Sentinel-managed) packing with hiredis."""
     return type(connection_class.__name__, (_HiredisPacking, connection_class), {})
+
+
+def subscriber(redis: RedisClient, turn: int) -> tuple[Any, str]:
+    """A pub/sub connection, and the node it is on (`host:port`; "" for one Redis). On a
+    Cluster a PUBLISH reaches every node, so any master hears them all: the masters are
+    taken in turn, `turn` counting the subscriptions made, so that one down does not
+    silence every later subscription (redis-py would pick the node of the pattern's slot
+    each time, perhaps a master left down)."""
+    if isinstance(redis, RedisCluster):
+        masters = redis.get_primaries()
+        if masters:
+            node = masters[turn % len(masters)]
+            return redis.pubsub(node=node), str(node.name)
+    return redis.pubsub(), ""
 
 
 def url_hosts(url: str, default_port: int) -> list[tuple[str, int]]:
