@@ -39,10 +39,10 @@ def _read(name: str) -> str:
 
 @cache
 def script_source(name: str) -> bytes:
-    """Script `name`: its prelude (skmq/queue/lua/) and the store's lib.lua helpers it
-    uses (skmq/store/scripts.py), then its own file."""
+    """Script `name`: its prelude (skmq/queue/lua/), the store's lib.lua helpers it uses
+    (skmq/store/scripts.py) and those of skmq/queue/lua/lib.lua, then its own file."""
     own = "\n".join([*((_read(_PRELUDES[name]),) if name in _PRELUDES else ()), _read(name)])
-    return (lib_for(own) + "\n" + own).encode()
+    return (lib_for(own) + lib_for(own, _read("lib")) + "\n" + own).encode()
 
 
 @cache
@@ -120,6 +120,12 @@ class AppKeys:
     def dead_order(self) -> str:
         """The app's dead letters by the time they died (the key the DLQ always had)."""
         return self.base + "dead"
+
+    @property
+    def dead_copies(self) -> str:
+        """How many copies of each topic message its dead letters hold, by msgid: with
+        `dead`, what makes a msgid held as a dead letter a duplicate (lua/lib.lua)."""
+        return self.base + "dlt"
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -228,8 +234,8 @@ class Journal:
         """Append `messages` to the log, `records` to the journal, the dead letters
         (`dead`: dead.flush_args) to the app's, `settled` to the dedupe window, in one
         fenced script. Each message's log entry id, or None where its msgid was settled
-        within the dedupe window (a duplicate); with `inbox_after`, the inbox's entries
-        after it, read first. Raises Fenced."""
+        within the dedupe window or is held as a dead letter (a duplicate); with
+        `inbox_after`, the inbox's entries after it, read first. Raises Fenced."""
         cur, prev = self.keys.dedupe(now, self.dedupe_ms)
         args: list[Any] = [self.lease.epoch, 2 * self.dedupe_ms, inbox_after, len(messages)]
         for m in messages:
@@ -239,7 +245,7 @@ class Journal:
         args.extend(settled)
         k = self.keys
         keys = [k.epoch, k.log, k.journal, cur, prev, k.inbox, k.dead, k.dead_order, k.listed]
-        keys += k.groups
+        keys += (*k.groups, k.dead_copies)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease, self.keys)
         if reply[-1] and self.lister is not None:
@@ -266,12 +272,13 @@ async def append(
     lister: Lister | None = None,
 ) -> list[bytes | None]:
     """A store by a broker that does not own the queue: appended to the inbox, and the
-    owner told; the app listed by `lister` when its mark is new."""
+    owner told; the app listed by `lister` when its mark is new. None where a message is
+    a duplicate (settled within the dedupe window, held as a dead letter)."""
     args: list[Any] = [keys.wakeup]
     for m in messages:
         args += (m.msgid, m.content, m.header)
     touched = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, *keys.groups)
-    reply = await run_script(wire, "append", touched, args)
+    reply = await run_script(wire, "append", (*touched, keys.dead, keys.dead_copies), args)
     if reply[-1] and lister is not None:
         await lister(keys.app)
     return [entry or None for entry in reply[:-1]]

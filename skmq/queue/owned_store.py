@@ -164,6 +164,7 @@ class OwnedStore(Store):
             keys = [k.log, k.inbox, k.dead_order, k.base + "recipients", k.base + "groups"]
             keys += [k.checkpoint, k.journal, k.stats, k.owner]
             keys += [k.base + name for name in ("rstate", "rbeat", "rate", "listed", "tally")]
+            keys.append(k.dead_copies)
             if await self._forget(keys, []):
                 dropped.append(app)
         return dropped
@@ -263,8 +264,8 @@ class OwnedStore(Store):
         if not ids:
             return []
         source, target = AppKeys.of(self.prefix, app), AppKeys.of(self.prefix, to_app)
-        keys = [source.dead, source.dead_order, target.inbox]
-        keys += target.dedupe(now, self.dedupe_ms)
+        keys = [source.dead, source.dead_order, source.dead_copies, target.inbox]
+        keys += [*target.dedupe(now, self.dedupe_ms), target.dead, target.dead_copies]
         args = [target.wakeup, "1" if check else "0", *(i.encode("utf-8", ENC) for i in ids)]
         return [int(x) for x in await self._dead_out(keys, args)]
 
@@ -282,4 +283,5 @@ class OwnedStore(Store):
             return []
         keys = AppKeys.of(self.prefix, app)
         ids = [i.encode("utf-8", ENC) for i in delivery_ids]
-        return [bool(x) for x in await self._dead_purge([keys.dead, keys.dead_order], ids)]
+        dead = [keys.dead, keys.dead_order, keys.dead_copies]
+        return [bool(x) for x in await self._dead_purge(dead, ids)]

@@ -100,11 +100,12 @@ def _used(code: str, names: set[str]) -> set[str]:
     return names & words
 
 
-def lib_for(code: str) -> str:
-    """The paragraphs of lib.lua defining what `code` uses, directly or through another,
-    in file order: Redis runs a script's whole prelude on every call (each helper a new
-    closure, more for Lua's collector to sweep), so a script carries only what it calls."""
-    paragraphs = _paragraphs(_read("lib"))
+def lib_for(code: str, lib: str | None = None) -> str:
+    """The paragraphs of lib.lua (or of `lib`, another such file's text) defining what
+    `code` uses, directly or through another, in file order: Redis runs a script's whole
+    prelude on every call (each helper a new closure, more for Lua's collector to sweep),
+    so a script carries only what it calls."""
+    paragraphs = _paragraphs(_read("lib") if lib is None else lib)
     names = set().union(*(defined for defined, _ in paragraphs))
     needed = _used(code, names)
     for defined, text in reversed(paragraphs):  # a helper calls only those above it

@@ -1,5 +1,6 @@
 -- A store on a broker that does not own the app's queue: the messages appended to the
--- inbox (unless settled within the dedupe window), and the owner told. The owner drops
+-- inbox (unless settled within the dedupe window or held as a dead letter of the app:
+-- lib.lua), and the owner told. The owner drops
 -- a duplicate of a message it holds when it reads the entry (a live msgid is known only
 -- to it). The inbox is apart from the owner's log so that the owner, the log's only
 -- writer, knows every entry of it without reading it back.
@@ -7,7 +8,8 @@
 -- directory (skmq/store/directory.py) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
 -- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed,
---       groups, recipients, glog, gseen, gadded
+--       groups, recipients, glog, gseen, gadded, dead letters (hash), dead topic copies
+--       by msgid (hash)
 -- ARGV: channel, (msgid, content, header ('': none))*
 -- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
 -- the `listed` mark is new else 0.
@@ -16,12 +18,13 @@ local ids = {}
 for i = 2, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
 local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
 local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
+local in_dead = dead_held(KEYS[10], KEYS[11], ids)
 local g = groups_of(KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ids)
 local out = {}
 local told = false
 for j = 1, #ids do
   local i = 3 * j - 1
-  if in_cur[j] == 1 or in_prev[j] == 1 or (g and g.seen[j]) then
+  if in_cur[j] == 1 or in_prev[j] == 1 or in_dead[j] or (g and g.seen[j]) then
     out[j] = 0
   else
     if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end

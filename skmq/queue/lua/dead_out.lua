@@ -1,12 +1,14 @@
 -- Dead letters out of an app's dead letters, each a new entry of an app's inbox (the
 -- same app: a replay; another: a move), its owner told. The entry is what the letter's
 -- value begins with (skmq/queue/dead.py): a replay's attempts start again, its TTL lifted.
--- KEYS: dead letters (hash), by time (zset), the target's inbox, the target's
---       done:<current bucket>, done:<previous bucket>
--- ARGV: channel, check the target's dedupe window '1'|'0' (a move: a msgid settled there
---       is a duplicate), delivery ids...
+-- A move is refused where the target app settled the msgid within its dedupe window or
+-- holds it as a dead letter (lib.lua): a duplicate there.
+-- KEYS: the source's dead letters (hash), by time (zset), dead topic copies by msgid
+--       (hash); the target's inbox, done:<current bucket>, done:<previous bucket>, dead
+--       letters (hash), dead topic copies by msgid (hash)
+-- ARGV: channel, check the target for duplicates '1'|'0' (a move), delivery ids...
 -- Returns, each: 1 out, 0 not a dead letter, -1 a duplicate in the target.
-local dl, dz, inbox = KEYS[1], KEYS[2], KEYS[3]
+local dl, dz, dlt, inbox = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local out = {}
 local told = false
 for i = 3, #ARGV do
@@ -17,8 +19,9 @@ for i = 3, #ARGV do
   else
     local sep = string.find(id, '\31', 1, true)
     local msgid = sep and string.sub(id, 1, sep - 1) or id
-    if ARGV[2] == '1' and (redis.call('SISMEMBER', KEYS[4], msgid) == 1
-        or redis.call('SISMEMBER', KEYS[5], msgid) == 1) then
+    if ARGV[2] == '1' and (redis.call('SISMEMBER', KEYS[5], msgid) == 1
+        or redis.call('SISMEMBER', KEYS[6], msgid) == 1
+        or dead_held(KEYS[7], KEYS[8], {msgid})[1]) then
       out[#out + 1] = -1
     else
       local a = string.find(value, '\n', 1, true)
@@ -31,6 +34,7 @@ for i = 3, #ARGV do
       end
       redis.call('HDEL', dl, id)
       redis.call('ZREM', dz, id)
+      count_dead(dlt, id, -1)
       told = true
       out[#out + 1] = 1
     end

@@ -1,5 +1,6 @@
 -- The owner's write of one loop turn, fenced by its epoch: the messages it stored
--- (each appended to the log, unless its msgid was settled within the dedupe window),
+-- (each appended to the log, unless its msgid was settled within the dedupe window or is
+-- held as a dead letter of the app: lib.lua),
 -- the journal's records since the last flush (one entry, with the epoch that wrote it),
 -- the deliveries dead since
 -- (to the app's dead letters, their content copied from their log or inbox entry:
@@ -12,7 +13,7 @@
 -- groups alone is answered '-' (stored, with no log entry).
 -- KEYS: epoch, log, journal, done:<current bucket>, done:<previous bucket>, inbox,
 --       dead letters (hash), dead letters by time (zset), listed,
---       groups, recipients, glog, gseen, gadded
+--       groups, recipients, glog, gseen, gadded, dead topic copies by msgid (hash)
 -- Entries appended to the inbox after the owner's inbox cursor are returned first, read
 -- before the messages are logged: a message acked through another broker before this
 -- store came is materialised before it (per-key order over brokers).
@@ -34,10 +35,11 @@ if m > 0 then
   for j = 1, m do ids[j] = ARGV[2 + 3 * j] end
   local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
   local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
+  local in_dead = dead_held(KEYS[7], KEYS[15], ids)
   local g = groups_of(KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14], ids)
   for j = 1, m do
     local i = 2 + 3 * j
-    if in_cur[j] == 1 or in_prev[j] == 1 or (g and g.seen[j]) then
+    if in_cur[j] == 1 or in_prev[j] == 1 or in_dead[j] or (g and g.seen[j]) then
       out[j + 1] = 0
     else
       if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
@@ -67,7 +69,9 @@ for j = 0, d - 1 do
       if fields[k] == 'c' then content = fields[k + 1] end
     end
   end
-  redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 2] .. content)
+  if redis.call('HSET', KEYS[7], ARGV[i], ARGV[i + 2] .. content) == 1 then
+    count_dead(KEYS[15], ARGV[i], 1)
+  end
   redis.call('ZADD', KEYS[8], ARGV[i + 1], ARGV[i])
 end
 local s = r + 2 + 5 * d

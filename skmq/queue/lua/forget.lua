@@ -4,7 +4,8 @@
 -- it out of the apps directory and lists it again if a store or a registration set the
 -- mark meanwhile (skmq/store/directory.py). Its epoch stays: a stale owner stays fenced.
 -- KEYS: log, inbox, dead, recipients, groups, then the keys dropped: checkpoint, journal,
---       stats, owner, rstate, rbeat, rate, listed, tally
+--       stats, owner, rstate, rbeat, rate, listed, tally, dead topic copies by msgid (none
+--       is left with no dead letter: lib.lua; dropped all the same)
 -- Returns 1 if forgotten.
 if redis.call('XLEN', KEYS[1]) > 0 or redis.call('XLEN', KEYS[2]) > 0
     or redis.call('ZCARD', KEYS[3]) > 0 or redis.call('HLEN', KEYS[4]) > 0
