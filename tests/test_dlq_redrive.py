@@ -177,12 +177,6 @@ async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> 
     assert logged(tmp_path) == [("purged", "src", "a"), ("stored", "dst", "a")]
 
 
-@pytest.mark.xfail(
-    ENGINE == "owner",
-    strict=True,
-    reason="ENGINE=owner takes a msgid an app holds as a dead letter as new (a move into "
-    "it, or a producer's store): docs/OWNER-DESIGN.md",
-)
 async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cli: Cli) -> None:
     await bury(store, "src", "a", "boom", T0)
     await bury(store, "src", "b", "boom", T0)
@@ -192,6 +186,19 @@ async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cl
     assert await dead_ids(store, "src") == ["b"]  # a duplicate there: left dead here
     assert await dead_ids(store, "dst") == ["b"]
     assert await waiting(store, "dst") == ["a"]
+
+
+async def test_a_producers_store_of_a_dead_letters_msgid_is_a_duplicate_until_purged(
+    store: Store,
+) -> None:
+    await bury(store, "d", "b", "boom", T0)
+    again = {"d": [NewMessage("b", "queue", b"again")]}
+    now = now_ms()
+    async with owning(store, "d", now):
+        assert await store.store(again, now) == {"d": [False]}
+        assert await store.purge("d", ["b"]) == [True]
+        assert await store.store(again, now) == {"d": [True]}
+    assert await waiting(store, "d") == ["b"]
 
 
 async def _after(ms: int) -> bool:

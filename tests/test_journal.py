@@ -9,6 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.embedded import EmbeddedRedis
+from skmq.queue.dead import flush_args
+from skmq.queue.deliveries import QUEUE, Delivery
 from skmq.queue.journal import (
     Appended,
     AppKeys,
@@ -18,7 +20,9 @@ from skmq.queue.journal import (
     append,
     release,
     renew,
+    run_script,
 )
+from skmq.queue.lifecycle import State
 from skmq.store.wire import Wire
 
 NOW = 1_700_000_000_000
@@ -129,6 +133,60 @@ async def test_a_store_on_another_broker_appends_to_the_inbox_and_tells_the_owne
     finally:
         await pubsub.aclose()
         await client.aclose()
+
+
+async def bury(journal: Journal, msgid: bytes, *rids: str) -> None:
+    """`msgid` stored, then dead: a queue message, or a topic message's copies for `rids`."""
+    (entry,) = (await journal.flush(NOW, [Appended(msgid, b"x", b"t" if rids else b"")])).ids
+    assert entry is not None
+    dead = [Delivery(entry, msgid, rid, State.DEAD, topic=True) for rid in rids]
+    dead = dead or [Delivery(entry, msgid, QUEUE, State.DEAD)]
+    await journal.flush(NOW, dead=flush_args(dead, NOW))
+
+
+async def test_a_msgid_held_as_a_dead_letter_is_a_duplicate_until_its_letters_are_gone(
+    wire: Wire, keys: AppKeys, prefix: str
+) -> None:
+    """A queue message's letter, and a topic message's while any copy of it is one: the
+    owner's flush, another broker's append and a move into the app refuse the msgid; a
+    purge or a move out frees it."""
+    journals = []
+    for app in (keys, other := AppKeys.of(prefix, "other")):
+        lease = await acquire(wire, app, "A", LEASE)
+        assert lease is not None
+        journals.append(Journal(wire, app, lease, DEDUPE))
+    journal, elsewhere = journals
+    await bury(journal, b"q")
+    await bury(journal, b"t", "r1", "r2")
+    await bury(elsewhere, b"t", "r9")
+
+    async def refused(msgid: bytes) -> tuple[bool, bool]:
+        """Whether the owner's flush and another broker's append refuse it (else store it)."""
+        stored = await journal.flush(NOW, [Appended(msgid, b"again")])
+        appended = await append(wire, keys, NOW, DEDUPE, [Appended(msgid, b"again")])
+        return stored.ids[0] is None, appended[0] is None
+
+    async def move(source: AppKeys, target: AppKeys, *ids: bytes) -> list[int]:
+        keys = [source.dead, source.dead_order, source.dead_copies, target.inbox]
+        keys += [*target.dedupe(NOW, DEDUPE), target.dead, target.dead_copies]
+        return list(await run_script(wire, "dead_out", keys, [target.wakeup, "1", *ids]))
+
+    async def purge(app: AppKeys, *ids: bytes) -> list[int]:
+        dead = [app.dead, app.dead_order, app.dead_copies]
+        return list(await run_script(wire, "dead_purge", dead, ids))
+
+    assert await refused(b"q") == await refused(b"t") == (True, True)
+    assert await move(other, keys, b"t\x1fr9") == [-1]  # held here
+    assert await wire.call("XLEN", keys.inbox) == 0
+    assert await move(keys, other, b"t\x1fr2") == [-1]  # held there
+
+    assert await purge(keys, b"q", b"t\x1fr1") == [1, 1]
+    assert await refused(b"q") == (False, False)
+    assert await refused(b"t") == (True, True)  # its copy for r2 is still a dead letter
+    assert await purge(other, b"t\x1fr9") == [1]
+    assert await move(keys, other, b"t\x1fr2") == [1]
+    assert await refused(b"t") == (False, False)
+    assert await wire.call("EXISTS", keys.dead_copies, other.dead_copies) == 0
 
 
 async def test_a_checkpoint_trims_the_journal_and_the_log(wire: Wire, keys: AppKeys) -> None:

@@ -14,8 +14,10 @@ T = 1_700_000_000_000
 POLICY = Policy(retry_times=2, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
 
 
-async def owners(wire: Wire, prefix: str, *apps: str, rids: tuple[str, ...] = ("r1",)) -> Owners:
-    o = Owners(Wires.over(wire), prefix, POLICY, 3_600_000, lambda app: list(rids))
+async def owners(
+    wire: Wire, prefix: str, *apps: str, rids: tuple[str, ...] = ("r1",), policy: Policy = POLICY
+) -> Owners:
+    o = Owners(Wires.over(wire), prefix, policy, 3_600_000, lambda app: list(rids))
     for app in apps:
         lease = await acquire(wire, AppKeys.of(prefix, app), "A", 60_000)
         assert lease is not None
@@ -87,3 +89,26 @@ async def test_a_broker_that_does_not_own_the_app_stores_to_its_inbox(
     owner.told("orders")
     claimed, _, _ = await owner.claim("orders", T, 10, alive("r1"), ["r1"])
     assert [c.delivery_id for c in claimed] == ["m1"]
+
+
+async def test_a_msgid_held_as_a_dead_letter_is_a_duplicate_on_either_store_path(
+    wire: Wire, prefix: str
+) -> None:
+    """A producer's store of a msgid the app holds as a dead letter (a queue message's, a
+    topic message's copy) is refused, through the owner and through another broker."""
+    last_try = Policy(retry_times=1, jitter=0.0, lease_ms=1_000)
+    owner = await owners(wire, prefix, "orders", rids=("r1",), policy=last_try)
+    other = await owners(wire, prefix, policy=last_try)
+    first = [NewMessage("m1", "queue", b"x"), NewMessage("t1", "topic", b"y")]
+    assert await owner.store({"orders": first}, T) == {"orders": [True, True]}
+    claimed, _, _ = await owner.claim("orders", T, 10, alive("r1"), ["r1"])
+    assert sorted(c.delivery_id for c in claimed) == ["m1", "t1\x1fr1"]
+    failures = [(c.delivery_id, "errored", "boom", "r1", 1) for c in claimed]
+    assert {f.code for f in await owner.fail("orders", failures, T)} == {Failed.DEAD}
+    assert owner.holding(["m1", "t1"]) == {"m1": [], "t1": []}  # (out of its memory)
+
+    again = [NewMessage("m1", "queue", b"x2"), NewMessage("t1", "topic", b"y2")]
+    fresh = [*again, NewMessage("m2", "queue", b"z")]
+    assert await owner.store({"orders": fresh}, T) == {"orders": [False, False, True]}
+    assert await other.store({"orders": again}, T) == {"orders": [False, False]}
+    assert await wire.call("XLEN", AppKeys.of(prefix, "orders").inbox) == 0

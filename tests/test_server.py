@@ -53,7 +53,7 @@ async def test_msgid_cannot_collide_with_broker_keys(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
     # the app's keys of either engine (ENGINE=scripts: ready ...; owner: log, inbox ...)
     evils = ["ready", "inflight", "dead", "delayed", "recipients", "m:x", "{a}", "done:1"]
-    evils += ["log", "inbox", "jr", "ckpt", "dl", "epoch", "owner", "stats"]
+    evils += ["log", "inbox", "jr", "ckpt", "dl", "dlt", "epoch", "owner", "stats"]
     for evil in evils:
         resp = await client.request("queue", evil.encode(), appid="a", msgid=evil)
         assert resp["content"] == "stored", evil
