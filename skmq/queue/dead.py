@@ -5,10 +5,12 @@ a replay or a move is a new entry of an app's inbox (its owner reads it as a sto
 the owner's state machine never sees a dead letter again.
 
 Keys (under the app's hash tag): `dl` HASH delivery id -> value, `dead` ZSET delivery id
--> the ms it died. A value is `<inbox header>\\n<json>\\n<content>`: the header its replay
-stores it with (skmq/queue/entries.py: its key and traceparent, a topic copy for its
-recipient alone, no TTL), the json its history, the content last (the script copies it
-from the delivery's log entry).
+-> the ms it died, `dlt` HASH msgid -> how many copies of that topic message `dl` holds
+(a msgid held as a dead letter is a duplicate of a store or a move: lua/lib.lua). A
+value is `<inbox header>\\n<json>\\n<content>`: the header its replay stores it with
+(skmq/queue/entries.py: its key and traceparent, a topic copy for its recipient alone,
+no TTL), the json its history, the content last (the script copies it from the
+delivery's log entry).
 """
 
 from __future__ import annotations
