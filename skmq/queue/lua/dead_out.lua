@@ -21,7 +21,8 @@ for i = 3, #ARGV do
     local msgid = sep and string.sub(id, 1, sep - 1) or id
     if ARGV[2] == '1' and (redis.call('SISMEMBER', KEYS[5], msgid) == 1
         or redis.call('SISMEMBER', KEYS[6], msgid) == 1
-        or dead_held(KEYS[7], KEYS[8], {msgid})[1]) then
+        or redis.call('HEXISTS', KEYS[7], msgid) == 1
+        or redis.call('HEXISTS', KEYS[8], msgid) == 1) then
       out[#out + 1] = -1
     else
       local a = string.find(value, '\n', 1, true)
