@@ -1,9 +1,9 @@
 -- A store on a broker that does not own the app's queue: the messages appended to the
 -- inbox (unless settled within the dedupe window or held as a dead letter of the app:
--- lib.lua), and the owner told. The owner drops
--- a duplicate of a message it holds when it reads the entry (a live msgid is known only
--- to it). The inbox is apart from the owner's log so that the owner, the log's only
--- writer, knows every entry of it without reading it back.
+-- lib.lua), and the owner told. The owner drops a duplicate of a message it holds when
+-- it reads the entry (a live msgid is known only to it). The inbox is apart from the
+-- owner's log so that the owner, the log's only writer, knows every entry of it without
+-- reading it back.
 -- The app's `listed` mark is set; when it is new, the caller lists the app in the apps
 -- directory (skmq/store/directory.py) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
