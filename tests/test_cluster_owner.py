@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,32 +27,16 @@ from skmq.pull.consumer import PullConsumer
 from skmq.queue.journal import AppKeys
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import RawClient
+from tests.test_cluster import cluster, one_app_a_master
 from tests.test_reliability import Holder, produce, until
+
+__all__ = ["cluster"]  # the fixture, shared with tests/test_cluster.py
 
 OWNER = {"engine": "owner"}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3)
-    try:
-        yield local.start()
-    finally:
-        local.stop()
-
-
 def master_port(client: RedisCluster, prefix: str, app: str) -> int:
     return int(client.get_node_from_key(AppKeys.of(prefix, app).log).port)
-
-
-def one_app_a_master(client: RedisCluster, prefix: str, ports: list[int]) -> dict[int, str]:
-    """An app whose keys each master holds, by master port."""
-    found: dict[int, str] = {}
-    for i in range(1000):
-        found.setdefault(master_port(client, prefix, f"app{i}"), f"app{i}")
-        if len(found) == len(ports):
-            return found
-    raise AssertionError(found)
 
 
 async def recipients_for(port: int, apps: list[str]) -> dict[str, Holder]:
@@ -104,7 +87,7 @@ async def test_owner_replica_acks_wait_on_the_apps_own_master(
     try:
         broker = await make_broker(redis_url=local.url, replica_acks=1, **OWNER)
         assert isinstance(broker.store.redis, RedisCluster)
-        apps = one_app_a_master(broker.store.redis, prefix, local.master_ports)
+        apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         client = await RawClient.connect(broker.server.port)
         answers = await send_each(client, list(apps.values()), "m0")
         assert all(r["status"] == "ack" for r in answers.values()), answers
@@ -131,7 +114,7 @@ async def test_owner_one_master_down_refuses_only_its_apps(
     try:
         broker = await make_broker(redis_url=local.url, **OWNER)
         assert isinstance(broker.store.redis, RedisCluster)
-        apps = one_app_a_master(broker.store.redis, prefix, local.master_ports)
+        apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         holders = await recipients_for(broker.server.port, list(apps.values()))
         client = await RawClient.connect(broker.server.port)
         assert all(
@@ -225,7 +208,7 @@ async def test_owner_a_stalled_master_holds_up_only_its_apps(
     try:
         broker = await make_broker(redis_url=local.url, store_timeout=1.0, **OWNER)
         assert isinstance(broker.store.redis, RedisCluster) and broker.owned is not None
-        apps = one_app_a_master(broker.store.redis, prefix, local.master_ports)
+        apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         holders = await recipients_for(broker.server.port, list(apps.values()))
         clients = {app: await RawClient.connect(broker.server.port) for app in apps.values()}
         for app, client in clients.items():
@@ -287,7 +270,7 @@ async def test_pull_long_polls_are_woken_with_the_subscriptions_master_down(
 
         await eventually(subscribed)
         dead = broker.wakeups.node
-        apps = one_app_a_master(broker.store.redis, prefix, local.master_ports)
+        apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         app = next(a for port, a in apps.items() if dead != f"127.0.0.1:{port}")
         gateway = f"tcp://127.0.0.1:{broker.server.port}"
         async with PullConsumer(gateway, app, "g", wait=15, batch=10) as consumer:

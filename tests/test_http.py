@@ -18,7 +18,7 @@ from skmq.config import Settings
 from skmq.embedded import EmbeddedRedis
 from skmq.errors import Misconfigured
 from skmq.store.store import PREVIEW_BYTES
-from skmq.workers.enqueue import UNAVAILABLE
+from skmq.workers.enqueue import NOT_STORED, UNAVAILABLE
 from tests.conftest import FAST, BrokerFactory, eventually, free_port
 from tests.openapi_check import check_response
 from tests.peers import FakeRecipient
@@ -290,7 +290,8 @@ async def test_store_unavailable_is_503_and_the_gateway_keeps_serving(
     redis.stop()
     async with http.post(f"{base}/v1/apps/x/messages", json={"content": "x"}) as r:
         assert r.status == 503 and r.headers["Retry-After"] == "1"
-        assert (await r.json())["error"] == UNAVAILABLE
+        # (the owner engine's connection is closed before the write: certainly not stored)
+        assert (await r.json())["error"] in (UNAVAILABLE, NOT_STORED)
     async with http.get(f"{base}/healthz") as r:
         assert r.status == 503
 
