@@ -76,6 +76,31 @@ async def test_a_store_on_another_broker_reaches_the_owner_through_the_inbox(
     assert await a.read_inbox(T) == 0
 
 
+@pytest.mark.parametrize("read", ["read_inbox", "store"])
+async def test_an_inbox_copy_of_a_message_acked_since_is_dropped(
+    wire: Wire, keys: AppKeys, read: str
+) -> None:
+    """Stored again through another broker while live here (only the owner knows its live
+    msgids, so the inbox takes it), then acked before the owner reads its inbox (alone,
+    or first in a store's flush): the copy is a duplicate, not a message to deliver
+    again."""
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("m1"), T)
+    await append(wire, keys, T, DEDUPE, [Appended(b"m1", b"again"), Appended(b"m2", b"x")])
+    for d in list(a.queue.take(10, T)):
+        a.queue.push(d, "r1", T)
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    await a.flush(T)
+    assert b"m1" not in a.live
+    if read == "read_inbox":
+        assert await a.read_inbox(T) == 2
+    else:
+        assert await a.store(msgs("m3"), T) == [True]
+    assert sorted(m for m, _ in a.queue.deliveries) == sorted(
+        [b"m2", *([b"m3"] * (read == "store"))]
+    )
+
+
 async def test_a_topic_message_is_copied_to_each_recipient(wire: Wire, keys: AppKeys) -> None:
     a = await owner(wire, keys, "A", ["r1", "r2"])
     await a.store(msgs("t1", topic=True), T)

@@ -252,6 +252,18 @@ class Journal:
             await self.lister(self.keys.app)
         return Flushed([entry or None for entry in reply[1:-2]], reply[0], reply[-2])
 
+    async def read_inbox(
+        self, now: int, start: bytes, count: int
+    ) -> list[tuple[bytes, list[bytes]]]:
+        """Up to `count` inbox entries from `start` (XRANGE's), those of a msgid that has
+        ended marked (lua/lib.lua: mark_seen)."""
+        k = self.keys
+        keys = (k.inbox, *k.dedupe(now, self.dedupe_ms), k.dead, k.dead_copies)
+        reply: list[tuple[bytes, list[bytes]]] = await run_script(
+            self.wire, "inbox", keys, (start, count)
+        )
+        return reply
+
     async def checkpoint(
         self, state: bytes, journal_id: bytes, oldest_needed: bytes, oldest_inbox: bytes
     ) -> None:

@@ -45,6 +45,7 @@ from skmq.store.wire import Wire
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
 CHECKPOINTED = b"k"  # a journal record outside the table: the flush a checkpoint names
 READ_BATCH = 512
+SEEN = [b"seen", b"1"]  # the fields lib.lua's mark_seen adds to an inbox entry read
 ADOPTED = (Trigger.RETRY, Trigger.GIVE_UP)  # an attempt the old owner had in flight, failed
 
 
@@ -181,10 +182,7 @@ class AppOwner:
     async def read_inbox(self, now: int) -> int:
         """Materialise what other brokers stored since the last read (a duplicate of a
         live message dropped); how many entries were read."""
-        keys = self.journal.keys
-        reply = await self.wire.call(
-            "XRANGE", keys.inbox, b"(" + self.inbox_cursor, "+", "COUNT", READ_BATCH
-        )
+        reply = await self.journal.read_inbox(now, b"(" + self.inbox_cursor, READ_BATCH)
         self._inbox_entries(reply, now)
         return len(reply)
 
@@ -197,9 +195,11 @@ class AppOwner:
                 self.questions.append(fields[1])
                 continue
             e = parse_entry(entry, fields)
-            if e.msgid not in self.live or (
-                e.meta.only and (e.msgid, e.meta.only) not in self.queue.deliveries
-            ):
+            if e.meta.only:  # (a dead copy replayed: new unless that copy is held)
+                new = (e.msgid, e.meta.only) not in self.queue.deliveries
+            else:  # (not live, nor ended since it was appended: lib.lua's mark_seen)
+                new = e.msgid not in self.live and fields[-2:] != SEEN
+            if new:
                 self.live.add(e.msgid)
                 self._materialise(e, now, inbox=True)
 

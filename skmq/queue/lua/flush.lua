@@ -16,7 +16,8 @@
 --       groups, recipients, glog, gseen, gadded, dead topic copies by msgid (hash)
 -- Entries appended to the inbox after the owner's inbox cursor are returned first, read
 -- before the messages are logged: a message acked through another broker before this
--- store came is materialised before it (per-key order over brokers).
+-- store came is materialised before it (per-key order over brokers). Those of a msgid
+-- that has ended are marked (lib.lua: mark_seen).
 -- ARGV: epoch, done ttl ms, inbox cursor ('': not read), message count m,
 --       (msgid, content, header ('': none))*m,
 --       records ('': none), dead count d, (delivery id, died ms, value head, entry,
@@ -29,7 +30,10 @@ if epoch ~= ARGV[1] then return {'fenced', epoch or '0'} end
 local log, journal, cur, prev = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local m = tonumber(ARGV[4])
 local out = {{}}
-if ARGV[3] ~= '' then out[1] = redis.call('XRANGE', KEYS[6], '(' .. ARGV[3], '+', 'COUNT', 512) end
+if ARGV[3] ~= '' then
+  out[1] = redis.call('XRANGE', KEYS[6], '(' .. ARGV[3], '+', 'COUNT', 512)
+  mark_seen(out[1], cur, prev, KEYS[7], KEYS[15])
+end
 if m > 0 then
   local ids = {}
   for j = 1, m do ids[j] = ARGV[2 + 3 * j] end

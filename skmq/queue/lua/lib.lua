@@ -24,3 +24,30 @@ local function count_dead(dlt, id, by)
   local msgid = string.sub(id, 1, sep - 1)
   if redis.call('HINCRBY', dlt, msgid, by) <= 0 then redis.call('HDEL', dlt, msgid) end
 end
+
+-- Marks (a field `seen` added to the reply, not to the stream) each entry of `entries`
+-- (an inbox's XRANGE reply) whose msgid is settled within the dedupe window (`cur`,
+-- `prev`) or held as a dead letter (`dl`, `dlt`). A store through another broker of a
+-- msgid live at the owner is appended to the inbox (only the owner knows its live
+-- msgids): read after that message ended, the entry is its duplicate, which the owner
+-- drops (ENGINE=scripts answers it so). Forwarded answers (no msgid) are left alone.
+local function mark_seen(entries, cur, prev, dl, dlt)
+  local ids, at = {}, {}
+  for k, e in ipairs(entries) do
+    if e[2][1] == 'm' then
+      ids[#ids + 1] = e[2][2]
+      at[#ids] = k
+    end
+  end
+  if #ids == 0 then return end
+  local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
+  local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
+  local dead_q, dead_t = dead_of(dl, dlt, ids)
+  for j = 1, #ids do
+    if in_cur[j] == 1 or in_prev[j] == 1 or dead_q[j] or dead_t[j] then
+      local fields = entries[at[j]][2]
+      fields[#fields + 1] = 'seen'
+      fields[#fields + 1] = '1'
+    end
+  end
+end
