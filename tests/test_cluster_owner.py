@@ -283,3 +283,50 @@ async def test_pull_long_polls_are_woken_with_the_subscriptions_master_down(
         assert broker.wakeups.node != dead
     finally:
         local.stop()
+
+
+async def test_owner_replica_acks_after_a_failover_with_the_master_left_down(
+    make_broker: BrokerFactory, tmp_path: Path, prefix: str
+) -> None:
+    """REPLICA_ACKS=1 on 3+3, a master killed and left down: its replica, promoted, has
+    no replica of its own. Its app's stores are never answered `ack` (before the
+    promotion, during it, after it: `error`), while the other masters' apps are acked
+    all along; no message answered `ack` is lost."""
+    local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
+    try:
+        broker = await make_broker(redis_url=local.url, replica_acks=1, **OWNER)
+        assert isinstance(broker.store.redis, RedisCluster)
+        apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
+        holders = await recipients_for(broker.server.port, list(apps.values()))
+        client = await RawClient.connect(broker.server.port)
+        down = local.master_ports[1]
+        lonely = apps[down]
+        replica = local.client(local.ports[local.masters + 1])
+        local.kill(down)
+        acked: list[tuple[str, str]] = []
+
+        async def promoted() -> bool:
+            role = await asyncio.to_thread(replica.execute_command, "ROLE")
+            return bool(role[0] in (b"master", "master"))
+
+        n = 0
+        give_up = asyncio.get_running_loop().time() + 30
+        while n < 20 or not await promoted():  # (stores all the while: none acked)
+            n += 1
+            answers = await send_each(client, list(apps.values()), f"m{n}")
+            assert answers[lonely]["status"] == "error", answers[lonely]
+            acked += [(app, f"m{n}") for app, r in answers.items() if r["status"] == "ack"]
+            assert asyncio.get_running_loop().time() < give_up, "no promotion"
+        replica.close()
+        for k in range(n + 1, n + 6):  # promoted, with no replica: still never `ack`
+            answers = await send_each(client, list(apps.values()), f"m{k}")
+            assert answers.pop(lonely)["status"] == "error"
+            assert all(r["status"] == "ack" for r in answers.values()), answers
+            acked += [(app, f"m{k}") for app in answers]
+        await client.close()
+        for app, msgid in acked:
+            await until(lambda a=app, m=msgid: m in holders[a].msgids(), timeout=10)  # type: ignore[misc]
+        for holder in holders.values():
+            await holder.stop()
+    finally:
+        local.stop()
