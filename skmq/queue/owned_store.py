@@ -89,11 +89,15 @@ class OwnedStore(Store):
         not confirmed (ReplicasMissing)."""
         wires = self._owners.wires
         by_wire: dict[Wire, list[str]] = {}
+        missing: dict[str, WriteFailed] = {}
         for app, result in outcome.items():
             if not isinstance(result, WriteFailed):
-                wire = await wires.of(AppKeys.of(self.prefix, app).epoch)
+                try:
+                    wire = await wires.of(AppKeys.of(self.prefix, app).epoch)
+                except TROUBLE as exc:  # (its master gone since it stored)
+                    missing[app] = ReplicasMissing(f"not confirmed: {exc}")
+                    continue
                 by_wire.setdefault(wire, []).append(app)
-        missing: dict[str, WriteFailed] = {}
 
         async def confirm(wire: Wire, apps: list[str]) -> None:
             touch = ("SET", AppKeys.of(self.prefix, apps[0]).listed, 1, "XX")

@@ -52,7 +52,8 @@ class Wires:
     @classmethod
     def over(cls, wire: Wire, url: str = "", timeout: float = 2.0) -> Wires:
         """Wires over one Redis, its connection `wire` made (tools, tests)."""
-        wires = cls(url or f"redis://{wire.address}", timeout)
+        scheme = "unix" if wire.address.startswith("/") else "redis"
+        wires = cls(url or f"{scheme}://{wire.address}", timeout)
         wires._open[SINGLE] = wire
         return wires
 
