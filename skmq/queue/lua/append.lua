@@ -16,16 +16,13 @@
 local log, cur, prev = KEYS[1], KEYS[2], KEYS[3]
 local ids = {}
 for i = 2, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
-local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
-local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
-local dead_q, dead_t = dead_of(KEYS[10], KEYS[11], ids)
+local e = ended_of(cur, prev, KEYS[10], KEYS[11], ids)
 local g = groups_of(KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ids)
 local out = {}
 local told = false
 for j = 1, #ids do
   local i = 3 * j - 1
-  if in_cur[j] == 1 or in_prev[j] == 1 or dead_q[j] or dead_t[j]
-      or (g and g.seen[j]) then
+  if ended(e, j) or (g and g.seen[j]) then
     out[j] = 0
   else
     if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end

@@ -19,10 +19,8 @@ for i = 3, #ARGV do
   else
     local sep = string.find(id, '\31', 1, true)
     local msgid = sep and string.sub(id, 1, sep - 1) or id
-    if ARGV[2] == '1' and (redis.call('SISMEMBER', KEYS[5], msgid) == 1
-        or redis.call('SISMEMBER', KEYS[6], msgid) == 1
-        or redis.call('HEXISTS', KEYS[7], msgid) == 1
-        or redis.call('HEXISTS', KEYS[8], msgid) == 1) then
+    if ARGV[2] == '1'
+        and ended(ended_of(KEYS[5], KEYS[6], KEYS[7], KEYS[8], {msgid}), 1) then
       out[#out + 1] = -1
     else
       local a = string.find(value, '\n', 1, true)

@@ -37,14 +37,11 @@ end
 if m > 0 then
   local ids = {}
   for j = 1, m do ids[j] = ARGV[2 + 3 * j] end
-  local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
-  local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
-  local dead_q, dead_t = dead_of(KEYS[7], KEYS[15], ids)
+  local e = ended_of(cur, prev, KEYS[7], KEYS[15], ids)
   local g = groups_of(KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14], ids)
   for j = 1, m do
     local i = 2 + 3 * j
-    if in_cur[j] == 1 or in_prev[j] == 1 or dead_q[j] or dead_t[j]
-        or (g and g.seen[j]) then
+    if ended(e, j) or (g and g.seen[j]) then
       out[j + 1] = 0
     else
       if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end

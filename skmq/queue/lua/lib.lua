@@ -9,12 +9,19 @@
 -- stored message is (ENGINE=scripts keeps a dead one in `msgs`): one HMGET a batch of
 -- `dl` finds a queue message's letter, one of `dlt` a topic message's copies.
 
--- The app's dead letters of each msgid of `ids`, as two HMGET replies: `dl`'s (a queue
--- message's letter) and `dlt`'s (a topic message's copies). A msgid is held as a dead
--- letter where either is not false. (The replies as they are: a table of booleans
--- built from them costs a batch of 64 as much again as one HMGET.)
-local function dead_of(dl, dlt, ids)
-  return redis.call('HMGET', dl, unpack(ids)), redis.call('HMGET', dlt, unpack(ids))
+-- Which msgids of `ids` a store, a move or an inbox entry must not bring back: those
+-- settled within the dedupe window (`cur`, `prev`: SMISMEMBER) or held as a dead letter
+-- (`dl`: a queue message's letter, `dlt`: a topic message's copies; HMGET). The four
+-- replies as they are, `ended(e, j)` reading the j-th msgid's (a table of booleans built
+-- from them costs a batch of 64 as much again as one HMGET).
+local function ended_of(cur, prev, dl, dlt, ids)
+  return {redis.call('SMISMEMBER', cur, unpack(ids)),
+          redis.call('SMISMEMBER', prev, unpack(ids)),
+          redis.call('HMGET', dl, unpack(ids)),
+          redis.call('HMGET', dlt, unpack(ids))}
+end
+local function ended(e, j)
+  return e[1][j] == 1 or e[2][j] == 1 or e[3][j] or e[4][j]
 end
 
 -- A dead letter `id` added (by 1) or gone (by -1): a topic copy's msgid counted in `dlt`.
@@ -40,11 +47,9 @@ local function mark_seen(entries, cur, prev, dl, dlt)
     end
   end
   if #ids == 0 then return end
-  local in_cur = redis.call('SMISMEMBER', cur, unpack(ids))
-  local in_prev = redis.call('SMISMEMBER', prev, unpack(ids))
-  local dead_q, dead_t = dead_of(dl, dlt, ids)
+  local e = ended_of(cur, prev, dl, dlt, ids)
   for j = 1, #ids do
-    if in_cur[j] == 1 or in_prev[j] == 1 or dead_q[j] or dead_t[j] then
+    if ended(e, j) then
       local fields = entries[at[j]][2]
       fields[#fields + 1] = 'seen'
       fields[#fields + 1] = '1'
