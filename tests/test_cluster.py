@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
@@ -358,11 +359,7 @@ async def test_a_master_killed_fails_over_and_loses_no_acked_message(
         replica = local.client(local.ports[local.masters + local.master_ports.index(master.port)])
         local.kill(master.port)
 
-        async def promoted() -> bool:
-            role = await asyncio.to_thread(replica.execute_command, "ROLE")
-            return bool(role[0] in (b"master", "master"))
-
-        await eventually(promoted, timeout=20)
+        await eventually(lambda: promoted(replica), timeout=20)
         replica.close()
         # The old master comes back as a replica of the new one: REPLICA_ACKS=1 can hold.
         local.launch(master.port)
@@ -378,6 +375,12 @@ async def test_a_master_killed_fails_over_and_loses_no_acked_message(
         await recipient.stop()
     finally:
         local.stop()
+
+
+async def promoted(replica: redis.Redis) -> bool:
+    """Whether a replica (the sync client LocalCluster.client gives) is a master now."""
+    role = await asyncio.to_thread(replica.execute_command, "ROLE")
+    return bool(role[0] in (b"master", "master"))
 
 
 def one_app_a_master(client: RedisCluster, store: Store, ports: list[int]) -> dict[int, str]:
@@ -445,14 +448,9 @@ async def test_replica_acks_never_ack_a_master_without_replica(tmp_path: Path, p
         assert None not in await store.stored_of(apps[a], unconfirmed[a], NOW)
 
         local.kill(b)
-        promoted = local.client(local.ports[local.masters + 1])
-
-        async def b_replaced() -> bool:
-            role = await asyncio.to_thread(promoted.execute_command, "ROLE")
-            return bool(role[0] in (b"master", "master"))
-
-        await eventually(b_replaced, timeout=20)
-        promoted.close()
+        b_replica = local.client(local.ports[local.masters + 1])
+        await eventually(lambda: promoted(b_replica), timeout=20)
+        b_replica.close()
 
         async def stored_on_the_new_master() -> bool:
             res = await store_all({a, b})

@@ -27,7 +27,7 @@ from skmq.pull.consumer import PullConsumer
 from skmq.queue.journal import AppKeys
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import RawClient
-from tests.test_cluster import cluster, one_app_a_master
+from tests.test_cluster import cluster, one_app_a_master, promoted
 from tests.test_reliability import Holder, produce, until
 
 __all__ = ["cluster"]  # the fixture, shared with tests/test_cluster.py
@@ -175,11 +175,7 @@ async def test_owner_follows_a_failover_and_loses_no_acked_message(
         replica = local.client(local.ports[local.masters + local.master_ports.index(old)])
         local.kill(old)
 
-        async def promoted() -> bool:
-            role = await asyncio.to_thread(replica.execute_command, "ROLE")
-            return bool(role[0] in (b"master", "master"))
-
-        await eventually(promoted, timeout=20)
+        await eventually(lambda: promoted(replica), timeout=20)
         replica.close()
         local.launch(old)  # back as a replica of the new master: REPLICA_ACKS=1 can hold
         after: list[str] = []
@@ -305,13 +301,9 @@ async def test_owner_replica_acks_after_a_failover_with_the_master_left_down(
         local.kill(down)
         acked: list[tuple[str, str]] = []
 
-        async def promoted() -> bool:
-            role = await asyncio.to_thread(replica.execute_command, "ROLE")
-            return bool(role[0] in (b"master", "master"))
-
         n = 0
         give_up = asyncio.get_running_loop().time() + 30
-        while n < 20 or not await promoted():  # (stores all the while: none acked)
+        while n < 20 or not await promoted(replica):  # (stores all the while: none acked)
             n += 1
             answers = await send_each(client, list(apps.values()), f"m{n}")
             assert answers[lonely]["status"] == "error", answers[lonely]
