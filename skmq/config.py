@@ -167,7 +167,8 @@ class Settings(BaseSettings):
     ack_linger: Wait = Field(
         0.002,
         description="Longest wait (seconds) of an ack's Redis write for the next store or claim "
-        "to share its round trip; 0: write at once",
+        "to share its round trip (ENGINE=owner: of the journal records of answers and pushes, "
+        "for the next store's flush); 0: write at once",
     )
     max_lease_extensions: NonNegativeInt = Field(
         10,

@@ -262,3 +262,102 @@ async def test_a_fenced_write_fails_every_caller_waiting_for_it(wire: Wire, keys
         a.queue.push(d, "r1", T)
     with pytest.raises(Fenced):
         await a.durable()
+
+
+async def test_new_messages_are_stored_and_pushed_in_one_write(wire: Wire, keys: AppKeys) -> None:
+    """A store that carries its dispatcher's free slots pushes the new messages in the
+    same flush (their push records beside them): in flight at once, one journal entry;
+    a new owner rebuilds exactly that (pushed again, the attempt counted)."""
+    a = await owner(wire, keys, "A", ["r1", "r2"])
+    stored, pushed = await a.store_and_push(msgs("m1", "m2", "m3"), T, ["r1", "r2"])
+    assert stored == [True, True, True]
+    assert [(d.msgid, d.recipient, d.attempt) for d in pushed] == [
+        (b"m1", "r1", 1),
+        (b"m2", "r2", 1),
+    ]
+    assert states(a) == {
+        (b"m1", QUEUE): (State.IN_FLIGHT, 1),
+        (b"m2", QUEUE): (State.IN_FLIGHT, 1),
+        (b"m3", QUEUE): (State.PENDING, 0),  # (no slot left: the dispatcher's)
+    }
+    assert await wire.call("XLEN", keys.journal) == 1
+    assert pushed[0].due == T + POLICY.lease_ms
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    await a.flush(T)
+    before = states(a)
+
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1", "r2"])
+    await b.load(T + 1)
+    assert set(states(b)) == set(before) == {(b"m2", QUEUE), (b"m3", QUEUE)}
+    assert states(b)[(b"m2", QUEUE)] == (State.PENDING, 1)  # its attempt counted
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [({"key": "k"}, "a key"), ({"topic": True}, "a topic"), ({"deliver_at": T + 1}, "a delay")],
+)
+async def test_a_store_pushes_nothing_past_a_message_the_dispatcher_must_take(
+    wire: Wire, keys: AppKeys, meta: dict[str, object], why: str
+) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    first = msgs("odd", **meta)
+    _, pushed = await a.store_and_push([*first, *msgs("plain")], T, ["r1", "r1"])
+    assert pushed == [], why  # (in order: nothing jumps the odd one)
+
+
+async def test_a_store_pushes_nothing_while_older_messages_wait(wire: Wire, keys: AppKeys) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("old"), T)
+    _, pushed = await a.store_and_push(msgs("new"), T, ["r1", "r1"])
+    assert pushed == []
+    assert [d.msgid for d in a.queue.take(10, T)] == [b"old", b"new"]
+
+
+async def test_a_duplicate_is_not_pushed_and_its_record_is_harmless(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A msgid settled within the dedupe window is refused by the flush's script: not
+    pushed; the push record written beside it names no delivery, and a new owner
+    ignores it."""
+    a = await owner(wire, keys, "A", ["r1"])
+    _, pushed = await a.store_and_push(msgs("m1"), T, ["r1"])
+    a.queue.ack(b"m1", QUEUE, pushed[0].attempt, T)
+    await a.flush(T)
+    stored, again = await a.store_and_push(msgs("m1"), T, ["r1"])
+    assert (stored, again, states(a)) == ([False], [], {})
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    await b.load(T + 1)
+    assert states(b) == {}
+
+
+async def test_answers_wait_for_the_next_stores_write_within_the_linger(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """ACK_LINGER: an answer's record waits for a flush to carry it; a store's that
+    starts meanwhile does, and its waiters are done when that write is."""
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store_and_push(msgs("m1"), T, ["r1"])
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    waiting = a.durable(linger=60.0)  # (far longer than the test: only a store ends it)
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await a.store(msgs("m2"), T)
+    assert waiting.done() and waiting.exception() is None
+    assert await wire.call("XLEN", keys.journal) == 2  # the first store's, the second's
+    assert await wire.call("SMEMBERS", keys.done(T // DEDUPE)) == [b"m1"]
+
+
+async def test_a_checkpoint_is_due_once_the_tail_is_as_long_as_the_state(
+    wire: Wire, keys: AppKeys
+) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    assert not a.checkpoint_due(T)  # nothing written
+    await a.store(msgs(*(f"m{n}" for n in range(10))), T)
+    assert a.checkpoint_due(T)  # (10 entries for 10 deliveries)
+    await a.checkpoint(T)
+    assert not a.checkpoint_due(T)
+    await a.store(msgs("m10"), T)
+    assert not a.checkpoint_due(T)  # (1 entry, 11 deliveries held)
+    assert a.checkpoint_due(T + 60_000)  # (a minute since the last)

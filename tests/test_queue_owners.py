@@ -3,12 +3,17 @@ real Redis: the replies the delivery workers take, from the owners' memory."""
 
 from __future__ import annotations
 
+import asyncio
+
 from skmq.queue.deliveries import Policy
 from skmq.queue.journal import AppKeys, acquire
+from skmq.queue.lifecycle import State
 from skmq.queue.owners import UNDELIVERABLE, Owners
-from skmq.store import AliveRecipient, Failed, NewMessage
+from skmq.store import AliveRecipient, ClaimResult, Failed, NewMessage
+from skmq.store.shards import WriteFailed
 from skmq.store.wire import Wire
 from skmq.store.wires import Wires
+from tests.conftest import eventually
 
 T = 1_700_000_000_000
 POLICY = Policy(retry_times=2, backoff_ms=(100,), jitter=0.0, lease_ms=1_000)
@@ -112,3 +117,43 @@ async def test_a_msgid_held_as_a_dead_letter_is_a_duplicate_on_either_store_path
     assert await owner.store({"orders": fresh}, T) == {"orders": [False, False, True]}
     assert await other.store({"orders": again}, T) == {"orders": [False, False]}
     assert await wire.call("XLEN", AppKeys.of(prefix, "orders").inbox) == 0
+
+
+async def test_a_store_carries_its_claim_and_pushes_in_its_write(wire: Wire, prefix: str) -> None:
+    """Owners.store with a plan (a dispatcher's carried claim): the new messages come
+    back claimed, as `claim` gives them, with nothing left for the dispatcher to wait
+    for but their leases."""
+    o = await owners(wire, prefix, "orders")
+    pushed: dict[str, ClaimResult] = {}
+    msgs = [NewMessage("m1", "queue", b"one"), NewMessage("m2", "queue", b"two")]
+    stored = await o.store({"orders": msgs}, T, None, {"orders": ["r1"]}, pushed)
+    assert stored == {"orders": [True, True]}
+    claimed, due, _ = pushed["orders"]
+    assert [(c.delivery_id, c.content, c.attempt, c.recipient) for c in claimed] == [
+        ("m1", b"one", 1, "r1")
+    ]
+    assert due == T  # (m2 waits: the dispatcher claims it at once)
+    (done,) = await o.finish("orders", [("m1", 1)], T)
+    assert done.ok
+
+
+async def test_pushes_of_a_store_whose_caller_gave_up_are_handed_back(
+    wire: Wire, prefix: str
+) -> None:
+    """A store past its deadline is answered as failed while its write goes on: what it
+    would have pushed is handed back (no attempt spent) for the dispatcher, not left in
+    flight with nobody pushing it until its lease runs out."""
+    o = await owners(wire, prefix, "orders")
+    pushed: dict[str, ClaimResult] = {}
+    past = asyncio.get_running_loop().time() - 1
+    msgs = {"orders": [NewMessage("m1", "queue", b"one")]}
+    stored = await o.store(msgs, T, past, {"orders": ["r1"]}, pushed)
+    assert isinstance(stored["orders"], WriteFailed)
+    owner = o.owned["orders"]
+
+    async def materialised() -> bool:
+        return bool(owner.queue.deliveries)
+
+    await eventually(materialised)
+    d = owner.queue.deliveries[(b"m1", "")]
+    assert (d.state, d.attempt, pushed) == (State.PENDING, 0, {})

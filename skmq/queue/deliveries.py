@@ -243,6 +243,27 @@ class AppQueue:
         d.due = now + self.policy.lease_ms
         return self._move(d, Trigger.PUSH, now, f"{d.due} {recipient}")
 
+    def push_record(self, msgid: bytes, recipient: str, now: int) -> bytes:
+        """The record `push` makes of a queue message's first attempt, made before the
+        message is held: its store and its push go in one flush (`add_pushed`)."""
+        d = Delivery(b"", msgid, QUEUE, State.PENDING, attempt=1)
+        return _record(Record.PUSHED, d, f"{now + self.policy.lease_ms} {recipient}")
+
+    def add_pushed(self, d: Delivery, recipient: str, now: int) -> Change:
+        """A queue message due now, stored with its first push (`push_record`, written
+        by the same flush): materialised as `add` does, and pushed at once, through the
+        table, without recording the push again."""
+        self.add(d, now)
+        if d.state is not State.PENDING:  # (held already, or not due: not for this)
+            raise Refused(d.state, Trigger.PUSH)
+        self.pending[d.copy].pop()  # (`add` put it last in its line)
+        d.in_line = False
+        recording, self.recording = self.recording, False
+        try:
+            return self.push(d, recipient, now)
+        finally:
+            self.recording = recording
+
     def put_back(self, d: Delivery) -> None:
         """A delivery `take` gave that the caller could not push now: first again."""
         self._line(d.copy).appendleft(d)

@@ -35,6 +35,7 @@ from skmq.store.store import (
     Reaped,
     Store,
     Waiting,
+    hand_over,
 )
 from skmq.store.wire import Wire
 from skmq.store.wires import TROUBLE
@@ -61,7 +62,23 @@ class OwnedStore(Store):
 
     @property
     def carries_claims(self) -> bool:
-        return False
+        """A store pushes what it can of its new messages in its own flush (the push
+        records with the messages): not under REPLICA_ACKS, whose pushes wait for the
+        replicas' acknowledgement as on ENGINE=scripts."""
+        return not self.replica_acks
+
+    def claim_args(
+        self,
+        now: int,
+        n: int,
+        alive: Sequence[AliveRecipient],
+        assignment: Sequence[str],
+        rate: float = 0.0,
+        lost: Sequence[str] = (),
+    ) -> list[Any]:
+        """A carried claim, for `store`: the recipients of its queue messages in order
+        (none under DELIVERY_RATE: the dispatcher claims those itself)."""
+        return [] if rate > 0 else list(assignment)
 
     async def store(
         self,
@@ -71,9 +88,17 @@ class OwnedStore(Store):
         claims: Sequence[ClaimArgs] = (),
         deadline: float | None = None,
     ) -> dict[str, AppStored]:
-        outcome = await self._owners.store(batches, now, deadline)
-        if stored is not None:
-            stored({app: r for app, r in outcome.items() if not isinstance(r, WriteFailed)})
+        """As Store.store. The carried `claims` are pushes made with the store
+        (Owners.store's `plans`); each hears its result, after `stored`."""
+        plans = {c.app: c.args for c in claims}
+        pushed: dict[str, ClaimResult] = {}
+        try:
+            outcome = await self._owners.store(batches, now, deadline, plans, pushed)
+            if stored is not None:
+                stored({app: r for app, r in outcome.items() if not isinstance(r, WriteFailed)})
+        finally:  # every claim hears its end, whatever happens (none pushed: claim again)
+            for c in claims:
+                hand_over(c, pushed.get(c.app) or ([], now, 0.0))
         if self.replica_acks:
             outcome.update(await self._unconfirmed(outcome, deadline))
         return outcome

@@ -45,6 +45,12 @@ from skmq.store.wire import Wire
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
 CHECKPOINTED = b"k"  # a journal record outside the table: the flush a checkpoint names
 READ_BATCH = 512
+# A checkpoint writes the whole state: it is written once the journal and log since the
+# last one hold as many entries as the state has deliveries, or CHECKPOINT_AGE_MS has
+# passed, so that a new owner replays a tail no longer than the state, and a round does
+# not cost a large, quiet backlog's snapshot each time. (A small state is checkpointed
+# every round that wrote anything: its log trimmed, an app that holds nothing forgotten.)
+CHECKPOINT_AGE_MS = 60_000
 SEEN = [b"seen", b"1"]  # the fields lib.lua's mark_seen adds to an inbox entry read
 ADOPTED = (Trigger.RETRY, Trigger.GIVE_UP)  # an attempt the old owner had in flight, failed
 
@@ -74,9 +80,15 @@ class AppOwner:
         self.fanned: list[bytes] = []  # FANNED records for the next flush
         # topic messages stored while the app had no recipient: fanned out to the first
         self.unfanned: collections.deque[tuple[Entry, bool]] = collections.deque()
-        self._next: asyncio.Future[None] | None = None  # the flush callers wait for
+        # what callers of `durable` wait for: the next flush to start settles it when done
+        self._next: asyncio.Future[None] | None = None
+        self._due: asyncio.Handle | None = None  # the flush `durable` asked for, and when
+        self._due_at = 0.0
+        self._last: asyncio.Future[None] | None = None  # done when the latest flush is
         self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
         self.adopted: list[Change] = []  # the old owner's in flight, failed by `load`
+        self.unchecked = 0  # log entries and records written since the last checkpoint
+        self.checked_at = clock()  # when the last checkpoint was written (or the start)
 
     @property
     def wire(self) -> Wire:
@@ -100,10 +112,7 @@ class AppOwner:
         else:
             names = (QUEUE,)
         for copy in names:
-            d = Delivery(e.entry, e.msgid, copy, State.DELAYED, e.content, meta.topic)
-            d.key, d.deliver_at, d.expires = meta.key, meta.deliver_at, meta.expires
-            d.inbox, d.trace = inbox, meta.trace
-            self.queue.add(d, now)
+            self.queue.add(_delivery(e, copy, inbox), now)
 
     def fan_out(self, now: int) -> None:
         """The topic messages that waited for a recipient, copied to those there now."""
@@ -115,22 +124,62 @@ class AppOwner:
     async def store(self, messages: Sequence[NewMessage], now: int) -> list[bool]:
         """Store and flush (durable when this returns); False: a duplicate, not stored.
         Raises Fenced when the queue was taken over."""
+        return (await self.store_and_push(messages, now))[0]
+
+    async def store_and_push(
+        self, messages: Sequence[NewMessage], now: int, recipients: Sequence[str] = ()
+    ) -> tuple[list[bool], list[Delivery]]:
+        """As `store`; and the first new messages, when nothing waits before them, pushed
+        to `recipients` in order (a dispatcher's free window slots), their push records
+        in the same flush: the deliveries to hand to the pusher, in flight."""
         fresh: list[NewMessage] = []
         seen: set[bytes] = set()
         for m in messages:
             if m.msgid not in self.live and m.msgid not in seen:
                 fresh.append(m)
                 seen.add(m.msgid)
+        plan = self._push_plan(fresh, now, recipients)
+        pushes = [self.queue.push_record(msgid, rid, now) for msgid, rid in plan.items()]
         appended = [Appended(m.msgid, m.content, encode_header(m.meta)) for m in fresh]
-        ids = await self.flush(now, appended, read_inbox=True)
+        ids = (await self._flush(now, appended, read_inbox=True, pushes=pushes)).ids
         stored: dict[bytes, bool] = {}
+        pushed: list[Delivery] = []
         for m, entry in zip(fresh, ids, strict=True):
             stored[m.msgid] = entry is not None
             if entry is not None and entry != GROUPS_ONLY:
                 self.live.add(m.msgid)
-                self._materialise(Entry(entry, m.msgid, m.content, m.meta), now)
+                e = Entry(entry, m.msgid, m.content, m.meta)
+                rid = plan.get(m.msgid)
+                if rid is None:
+                    self._materialise(e, now)
+                else:
+                    pushed.append(self._materialise_pushed(e, rid, now))
                 self.log_cursor = entry
-        return [stored.pop(m.msgid, False) for m in messages]
+        return [stored.pop(m.msgid, False) for m in messages], pushed
+
+    def _push_plan(
+        self, fresh: Sequence[NewMessage], now: int, recipients: Sequence[str]
+    ) -> dict[bytes, str]:
+        """The new messages to push as they are stored: plain queue messages due now, in
+        order, while nothing of the app's queue waits before them (its line empty), up
+        to one a recipient slot. One that is not (a topic, a key, a delay, a line break
+        its recipient may not read) ends the plan: the dispatcher takes the rest."""
+        plan: dict[bytes, str] = {}
+        if not recipients or self.queue.pending.get(QUEUE) or self.unfanned:
+            return plan
+        for m, rid in zip(fresh, recipients, strict=False):
+            meta = m.meta
+            if meta.topic or meta.key or meta.deliver_at > now or meta.only:
+                break
+            if (meta.expires and meta.expires <= now) or b"\r" in m.content or b"\n" in m.content:
+                break
+            plan[m.msgid] = rid
+        return plan
+
+    def _materialise_pushed(self, e: Entry, recipient: str, now: int) -> Delivery:
+        d = _delivery(e, QUEUE)
+        self.queue.add_pushed(d, recipient, now)
+        return d
 
     async def flush(
         self, now: int, appended: Sequence[Appended] = (), read_inbox: bool = False
@@ -145,39 +194,68 @@ class AppOwner:
         appended: Sequence[Appended] = (),
         read_inbox: bool = False,
         mark: bool = False,
+        pushes: Sequence[bytes] = (),
     ) -> Flushed:
         # (Up to the script's send, nothing here waits: the records drained are sent before
         # any other coroutine makes more, so the journal keeps them in the order made.)
+        loop = asyncio.get_running_loop()
+        waiting, self._next = self._next, None
+        if self._due is not None:
+            self._due.cancel()
+            self._due = None
         records, settled, forgotten, dead = self.queue.drain()
         if self.fanned:
             records = END.join([*self.fanned, records] if records else self.fanned)
             self.fanned = []
+        if pushes:  # (the first pushes of the messages this flush stores)
+            records = END.join([records, *pushes] if records else pushes)
         if mark:
             records = END.join([records, CHECKPOINTED]) if records else CHECKPOINTED
         self.live.difference_update(forgotten)
         if not appended and not records and not settled and not dead:
+            if waiting is not None:  # (what it waits for went with a flush still going)
+                _chain(self._last, waiting)
             return Flushed([], [])
+        done = loop.create_future() if waiting is None else waiting
+        done.add_done_callback(observed)  # (its failure is the caller's to raise, once)
+        self._last = done
+        if not mark:  # (the records a checkpoint's flush carries, it covers)
+            self.unchecked += len(appended) + (records.count(END) + 1 if records else 0)
         after = self.inbox_cursor if read_inbox else b""
-        flushed = await self.journal.flush(
-            now, appended, records, settled, flush_args(dead, now), after
-        )
+        try:
+            flushed = await self.journal.flush(
+                now, appended, records, settled, flush_args(dead, now), after
+            )
+        except BaseException as exc:
+            _fail(done, exc)
+            raise
+        if not done.done():
+            done.set_result(None)
         self._inbox_entries(flushed.inbox, now)
         return flushed
 
-    def durable(self) -> asyncio.Future[None]:
-        """A future done when what was recorded so far is in the journal: one flush a
-        loop turn serves every caller of that turn. (Flushes may overlap: each takes its
-        records when it starts, and the one connection keeps their order.)"""
+    def durable(self, linger: float = 0.0) -> asyncio.Future[None]:
+        """A future done when what was recorded so far is in the journal. The next flush
+        to start carries it, whichever that is: a store's, or the one asked for here,
+        `linger` seconds from now (ACK_LINGER) unless one starts first; so at a steady
+        rate the records of pushes and answers ride with the next store's round trip.
+        (Flushes may overlap: each takes its records when it starts, and the one
+        connection keeps their order.)"""
+        loop = asyncio.get_running_loop()
         if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
-            asyncio.get_running_loop().call_soon(self._start_flush)
+            self._next = loop.create_future()
+        at = loop.time() + linger
+        if self._due is None or self._due_at > at:
+            if self._due is not None:
+                self._due.cancel()
+            self._due_at = at
+            self._due = loop.call_at(at, self._start_flush)
         return self._next
 
     def _start_flush(self) -> None:
-        done, self._next = self._next, None
-        assert done is not None
+        self._due = None
         task = asyncio.get_running_loop().create_task(self.flush(self.clock()))
-        task.add_done_callback(lambda t: _settle(done, t))
+        task.add_done_callback(observed)
 
     async def read_inbox(self, now: int) -> int:
         """Materialise what other brokers stored since the last read (a duplicate of a
@@ -217,6 +295,13 @@ class AppOwner:
             d.content = parse_entry(*reply[0]).content if reply else b""
 
     # -- checkpoints and a new owner ---------------------------------------------
+    def checkpoint_due(self, now: int) -> bool:
+        """Whether a checkpoint is worth its write now (CHECKPOINT_AGE_MS)."""
+        if self.unchecked <= 0:
+            return False
+        held = len(self.queue.deliveries) + len(self.unfanned)
+        return self.unchecked >= held or now - self.checked_at >= CHECKPOINT_AGE_MS
+
     async def checkpoint(self, now: int) -> None:
         """Keep the state as of the journal's last entry, and drop what no delivery needs
         any more. The state is taken, and every record made up to it drained into one
@@ -233,6 +318,7 @@ class AppOwner:
         state = SEP.join(
             (self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting.encode())
         )
+        self.unchecked, self.checked_at = 0, now
         flushed = await self._flush(now, mark=True)
         await self.journal.checkpoint(state, flushed.journaled, *oldest)
 
@@ -288,6 +374,7 @@ class AppOwner:
                 self._materialise(e, now, inbox, copies)
         for record in parse_records(END.join(records)) if records else ():
             self.queue.apply(*record, now)
+        self.unchecked = len(records) + len(entries)  # (a long tail: checkpoint it soon)
         if adopt:
             self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
             self.queue.tick(now)
@@ -316,15 +403,41 @@ class AppOwner:
             start = b"(" + page[-1][0]
 
 
-def _settle(done: asyncio.Future[None], task: asyncio.Task[list[bytes | None]]) -> None:
+def _delivery(e: Entry, copy: str, inbox: bool = False) -> Delivery:
+    """A delivery of a log or inbox entry to `copy`, as stored (DELAYED: `add` moves it)."""
+    meta = e.meta
+    d = Delivery(e.entry, e.msgid, copy, State.DELAYED, e.content, meta.topic)
+    d.key, d.deliver_at, d.expires = meta.key, meta.deliver_at, meta.expires
+    d.inbox, d.trace = inbox, meta.trace
+    return d
+
+
+def _chain(last: asyncio.Future[None] | None, waiting: asyncio.Future[None]) -> None:
+    """`waiting` done when `last` is (at once if there is none, or it is done)."""
+    if last is None or last.done():
+        _copy(last, waiting)
+    else:
+        last.add_done_callback(lambda f: _copy(f, waiting))
+
+
+def _copy(source: asyncio.Future[None] | None, target: asyncio.Future[None]) -> None:
+    if target.done():
+        return
+    if source is not None and source.cancelled():
+        target.cancel()
+    elif source is not None and (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(None)
+
+
+def _fail(done: asyncio.Future[None], exc: BaseException) -> None:
     if done.done():
         return
-    if task.cancelled():
+    if isinstance(exc, asyncio.CancelledError):
         done.cancel()
-    elif (exc := task.exception()) is not None:
-        done.set_exception(exc)
     else:
-        done.set_result(None)
+        done.set_exception(exc)
 
 
 def observed(done: asyncio.Future[Any]) -> None:

@@ -9,6 +9,7 @@ inbox, which its owner reads; an answer for it is stale here (its owner holds it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -99,6 +100,9 @@ class Owners:
     # how long an answer waits for its write (STORE_TIMEOUT): a stalled Redis must not
     # hold a recipient's answer for ever
     timeout: float = 10.0
+    # how long the records of answers and pushes wait for a store's flush to carry them
+    # (ACK_LINGER) before a flush of their own
+    linger: float = 0.0
     # the loop woke from a stall lately (skmq/stall.py): leases run out no sooner than
     # the answers that waited in the sockets meanwhile are read
     settling: Callable[[], bool] = lambda: False
@@ -109,10 +113,11 @@ class Owners:
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
     buckets: dict[str, _Bucket] = field(default_factory=dict)
 
-    async def _durable(self, owner: AppOwner) -> None:
+    async def _durable(self, owner: AppOwner, linger: float = 0.0) -> None:
         """Until what the owner recorded is in the journal, TIMEOUT at most (then a
-        store error; the write goes on, for the callers after)."""
-        done = owner.durable()
+        store error; the write goes on, for the callers after); the flush waits up to
+        `linger` for another to carry it."""
+        done = owner.durable(linger)
         try:
             async with asyncio.timeout(self.timeout):
                 await asyncio.shield(done)
@@ -230,12 +235,25 @@ class Owners:
         if q.expired:  # (dead letters: there when the caller logs them)
             q.expired.clear()
             await self._durable(owner)
-        else:  # (the pushes' records: with the next flush; its failure, the round's too)
+        else:  # (the pushes' records: with the next flush, on the next loop turn, so that
+            # a new owner after a kill -9 counts the attempt; its failure, the round's too)
             owner.durable().add_done_callback(observed)
-        due = q.next_due()
+        return out, self._due(owner, now), rate_wait
+
+    def _unpush(self, owner: AppOwner, went: Sequence[Delivery], now: int) -> None:
+        """Pushes a store made that will not leave (its caller gave up waiting): handed
+        back, no attempt spent, for the dispatcher to claim again."""
+        for d in went:
+            with contextlib.suppress(Refused):
+                owner.queue.release(d.msgid, d.copy, d.attempt, now)
+        owner.durable().add_done_callback(observed)
+
+    def _due(self, owner: AppOwner, now: int) -> int | None:
+        """When the app's next delay or lease runs out (not before the loop settled)."""
+        due = owner.queue.next_due()
         if due is not None and self.settling():  # (leases run out once it has settled)
             due = max(due, now + int(STALL * 1000))
-        return out, due, rate_wait
+        return due
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
         owner = self.owned.get(app)
@@ -251,7 +269,7 @@ class Owners:
                 continue
             out.append(Finished(True, d.attempt, d.stored_at, d.recipient, bool(d.key)))
         if owner is not None and any(f.ok for f in out):
-            await self._durable(owner)
+            await self._durable(owner, self.linger)
         return out
 
     async def fail(
@@ -273,7 +291,7 @@ class Owners:
                 continue
             out.append(Failed(FAILED_CODES[change.trigger], d.attempt, d.due or now, d.recipient))
         if owner is not None and any(f.code != Failed.STALE for f in out):
-            await self._durable(owner)
+            await self._durable(owner, self.linger)
         return out
 
     async def extend(self, app: str, leases: Sequence[tuple[str, int]], now: int) -> list[Extended]:
@@ -361,12 +379,19 @@ class Owners:
         batches: Mapping[str, Sequence[NewMessage]],
         now: int,
         deadline: float | None = None,
+        plans: Mapping[str, Sequence[str]] | None = None,
+        pushed: dict[str, ClaimResult] | None = None,
     ) -> dict[str, list[bool] | WriteFailed]:
         """Each message stored (True) or a duplicate (False): through the owner where
         this broker owns the app, else appended to the app's inbox. Each app is answered
         for itself: an app whose write failed, or had not returned by `deadline` (the
         loop's time), gets a WriteFailed that says whether it may have landed (on a
-        cluster, one master's trouble is its apps' alone)."""
+        cluster, one master's trouble is its apps' alone). An app of `plans` (its
+        dispatcher's free slots, by recipient: a claim the store carries) has its new
+        messages pushed with their store where they can be (AppOwner.store_and_push):
+        in `pushed`, as a claim of its own would give them (the rest wait for one)."""
+
+        waited: set[str] = set()  # the apps whose caller still waits for their store
 
         async def one(app: str, messages: Sequence[NewMessage]) -> list[bool]:
             stored = [
@@ -382,7 +407,16 @@ class Owners:
                 owner = self.owned.get(app)
             if owner is not None:
                 try:
-                    return await owner.store(stored, now)
+                    if plans is None or pushed is None or app not in plans:
+                        return await owner.store(stored, now)
+                    flags, went = await owner.store_and_push(stored, now, plans[app])
+                    if app not in waited:  # (its caller gave up: nobody pushes them now)
+                        self._unpush(owner, went, now)
+                        return flags
+                    waiting = owner.queue.lines() or owner.unfanned or app in self.unread
+                    pushed[app] = ([_claimed(d) for d in went],
+                                   now if waiting else self._due(owner, now), 0.0)  # fmt: skip
+                    return flags
                 except Fenced:  # taken over meanwhile: nothing of this flush landed
                     self.lost(app)
             appended = [Appended(s.msgid, s.content, encode_header(s.meta)) for s in stored]
@@ -397,6 +431,7 @@ class Owners:
             # its log has, never push it, and its next checkpoint trim it.)
             storing = asyncio.ensure_future(one(app, batches[app]))
             storing.add_done_callback(observed)
+            waited.add(app)
             try:
                 async with asyncio.timeout_at(deadline):
                     return await asyncio.shield(storing)
@@ -404,7 +439,11 @@ class Owners:
                 if isinstance(exc, WriteFailed):
                     return exc
                 return WriteFailed(f"{app}: {exc!r}", maybe_ran=not refused_here(exc))
+            finally:
+                waited.discard(app)
 
         apps = list(batches)
+        if len(apps) == 1:  # (the common case: no task to gather it)
+            return {apps[0]: await answered(apps[0])}
         results = await asyncio.gather(*(answered(app) for app in apps))
         return dict(zip(apps, results, strict=True))

@@ -68,6 +68,7 @@ class OwnerRuntime:
             store.dedupe_ms,
             lambda app: [r.id for r in registry.alive(app)],
             timeout=settings.store_timeout,
+            linger=settings.ack_linger,
             settling=engine.stalls.settling,
             lister=lambda app: store.directory.add([app]),
         )
@@ -212,12 +213,14 @@ class OwnerRuntime:
         await asyncio.gather(*(self._checkpoint(app, owner) for app, owner in owned))
 
     async def _checkpoint(self, app: str, owner: AppOwner) -> None:
-        """The app's checkpoint and its counts for status, within a third of the lease
-        (its node in trouble holds up no other app)."""
+        """The app's checkpoint when one is due (AppOwner.checkpoint_due) and its counts
+        for status, within a third of the lease (its node in trouble holds up no other
+        app)."""
         now = now_ms()
         try:
             async with asyncio.timeout(self.lease_ms / 3000):
-                await owner.checkpoint(now)
+                if owner.checkpoint_due(now):
+                    await owner.checkpoint(now)
                 due, later, in_flight = owner.queue.counts(now)
                 oldest = oldest_pending(owner) or ""
                 counted = ("pending", due, "delayed", later, "in_flight", in_flight)

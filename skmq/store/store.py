@@ -180,13 +180,18 @@ class ClaimArgs:
 
 
 def _hand_over(claim: ClaimArgs, reply: Any) -> None:
-    """A carried claim's reply to its dispatcher. Its trouble (a reply that does not
-    parse, a push that raises) is its own: logged, never the store's, which succeeded."""
+    """A carried claim's reply to its dispatcher (`hand_over`)."""
     result: ClaimResult | BaseException
     try:
         result = reply if isinstance(reply, Exception) else Store.parse_claim(reply)
     except Exception as exc:  # the dispatcher claims again itself
         result = exc
+    hand_over(claim, result)
+
+
+def hand_over(claim: ClaimArgs, result: ClaimResult | BaseException) -> None:
+    """A carried claim's result to its dispatcher. Its trouble (a reply that does not
+    parse, a push that raises) is its own: logged, never the store's, which succeeded."""
     try:
         claim.done(result)
     except Exception:
