@@ -357,7 +357,7 @@ class AppOwner:
                 (True, keys.inbox, self.inbox_cursor),
                 (False, keys.log, self.log_cursor),
             )
-            for entry, fields in await self._read_all(stream, b"(" + cursor)
+            for entry, fields in await self._read_all(stream, b"(" + cursor, now if inbox else None)
         ]
         entries.sort(key=lambda e: (e[0], not e[1]))
         for _, inbox, entry, fields in entries:
@@ -367,6 +367,8 @@ class AppOwner:
                 self.log_cursor = entry
             if is_question(fields):
                 continue  # (its asker heard no verdict and sends it again)
+            if inbox and fields[-2:] == SEEN:
+                continue  # (a copy of a msgid that ended: lib.lua's mark_seen)
             e = parse_entry(entry, fields)
             if e.msgid not in self.live:
                 self.live.add(e.msgid)
@@ -393,10 +395,17 @@ class AppOwner:
                 self.unfanned.append((e, inbox))
                 self.live.add(e.msgid)
 
-    async def _read_all(self, stream: str, start: bytes) -> list[tuple[bytes, list[bytes]]]:
+    async def _read_all(
+        self, stream: str, start: bytes, inbox_at: int | None = None
+    ) -> list[tuple[bytes, list[bytes]]]:
+        """A stream from `start`; the inbox (`inbox_at`: now) as its owner reads it, the
+        entries of a msgid that has ended marked (Journal.read_inbox)."""
         out: list[tuple[bytes, list[bytes]]] = []
         while True:
-            page = await self.wire.call("XRANGE", stream, start, "+", "COUNT", READ_BATCH)
+            if inbox_at is not None:
+                page = await self.journal.read_inbox(inbox_at, start, READ_BATCH)
+            else:
+                page = await self.wire.call("XRANGE", stream, start, "+", "COUNT", READ_BATCH)
             out.extend(page)
             if len(page) < READ_BATCH:
                 return out
