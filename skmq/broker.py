@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import RedisError
 
 from skmq.admission import Admission
@@ -233,10 +232,6 @@ class Broker:
             throughput=Throughput(self.metrics.counts).last_minute,
         )
         if isinstance(self.store, OwnedStore):
-            if isinstance(self.redis, aioredis.Redis) and isinstance(
-                self.redis.connection_pool, SentinelConnectionPool
-            ):
-                raise Misconfigured("ENGINE=owner runs on one Redis or a Cluster (no Sentinel yet)")
             self.owned = await OwnerRuntime.start(
                 s,
                 url,

@@ -334,8 +334,8 @@ class Settings(BaseSettings):
         "scripts",
         description="The delivery engine: scripts (a Redis script a transition, any broker "
         "runs any) or owner (experimental: each app's queue held by one broker, its state "
-        "in memory, written in fenced batches; one Redis or a Cluster, no Sentinel yet: "
-        "docs/OWNER-DESIGN.md). Every broker of a store runs the same",
+        "in memory, written in fenced batches: docs/OWNER-DESIGN.md). Every broker of a "
+        "store runs the same",
     )
     owner_lease: Seconds = Field(
         5.0,

@@ -4,17 +4,20 @@ sentinel mode) for the master and stores there."""
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from skmq.clock import now_ms
 from skmq.embedded import EmbeddedRedis, _wait_port, server_binary
+from skmq.queue.journal import AppKeys
 from skmq.store.messages import read as read_message
-from tests.conftest import BrokerFactory, free_port
-from tests.peers import RawClient
+from tests.conftest import BrokerFactory, eventually, free_port
+from tests.peers import FakeRecipient, RawClient
 
 
 @pytest.fixture
@@ -56,3 +59,102 @@ async def test_broker_stores_through_sentinel(
     finally:
         await direct.aclose()
     await client.close()
+
+
+@pytest.fixture
+def sentinel_pair(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis, int]]:
+    """A master, its replica and a Sentinel watching them (quorum 1)."""
+    master = EmbeddedRedis(tmp_path / "master", auth=False)
+    replica = EmbeddedRedis(tmp_path / "replica", auth=False)
+    master.start()
+    replica.start()
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor skmq 127.0.0.1 {master.port} 1\n"
+        "sentinel down-after-milliseconds skmq 1000\n"
+        "sentinel failover-timeout skmq 5000\n"
+    )
+    cli = ["redis-cli", "-p", str(replica.port)]
+    subprocess.run([*cli, "REPLICAOF", "127.0.0.1", str(master.port)], check=True, timeout=10)
+    for _ in range(200):  # (until its first sync: a failover before it would lose all)
+        info = subprocess.run([*cli, "INFO", "replication"], capture_output=True, timeout=10)
+        if b"master_link_status:up" in info.stdout:
+            break
+        time.sleep(0.05)
+    else:
+        raise RuntimeError("the replica did not sync")
+    proc = subprocess.Popen(
+        [str(server_binary()), str(conf), "--sentinel"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_port("127.0.0.1", port, proc, 10.0)
+        yield master, replica, port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        replica.stop()
+        master.stop()
+
+
+async def _acked(port: int, app: str, msgid: str) -> bool:
+    """Whether a store of `msgid` is answered `ack` now (a producer's retry)."""
+    client = await RawClient.connect(port)
+    try:
+        return (await client.request("queue", b"x", appid=app, msgid=msgid))["status"] == "ack"
+    finally:
+        await client.close()
+
+
+async def test_owner_engine_runs_through_sentinel_and_follows_a_failover(
+    sentinel_pair: tuple[EmbeddedRedis, EmbeddedRedis, int], make_broker: BrokerFactory
+) -> None:
+    """ENGINE=owner through Sentinel: stored, pushed and acked on the master; after a
+    failover (SENTINEL FAILOVER: the old master goes on running, a replica now, so the
+    owner's connection to it reads READONLY), the owner lets the app go, takes it again
+    on the new master, and stores and pushes there."""
+    master, replica, port = sentinel_pair
+    url = f"redis+sentinel://127.0.0.1:{port}/skmq/0"
+    broker = await make_broker(redis_url=url, engine="owner")
+    rec = await FakeRecipient("s", "r").start()
+    try:
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+        assert await _acked(broker.server.port, "s", "before")
+        assert (await rec.next_push()).fields["msgid"] == "before"
+        sentinel = aioredis.Redis(port=port)
+        try:
+            await sentinel.execute_command("SENTINEL", "FAILOVER", "skmq")
+
+            async def promoted() -> bool:
+                addr = await sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "skmq")
+                return int(addr[1]) == replica.port
+
+            await eventually(promoted, timeout=30)
+        finally:
+            await sentinel.aclose()
+
+        async def demoted() -> bool:  # (until then it takes writes, lost with the switch)
+            old = aioredis.Redis.from_url(master.url)
+            try:
+                return (await old.info("replication"))["role"] == "slave"
+            except RedisConnectionError:  # (its clients are dropped as its role changes)
+                return False
+            finally:
+                await old.aclose()
+
+        await eventually(demoted, timeout=30)
+
+        async def stored_after() -> bool:
+            return await _acked(broker.server.port, "s", "after")
+
+        await eventually(stored_after, timeout=30)
+        assert (await rec.next_push()).fields["msgid"] == "after"
+        new_master = aioredis.Redis.from_url(replica.url)
+        try:  # taken again there, with a new epoch
+            assert int(await new_master.get(AppKeys.of(broker.settings.key_prefix, "s").epoch)) == 2
+        finally:
+            await new_master.aclose()
+    finally:
+        await rec.stop()

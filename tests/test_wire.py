@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,22 @@ async def test_a_server_that_breaks_the_protocol_closes_the_connection() -> None
         await asyncio.wait_for(pending, 5)
     conn.close()
     server.close()
+
+
+async def test_a_read_only_reply_closes_the_wire(tmp_path: Path) -> None:
+    """A server that became a replica (a Sentinel failover demotes the old master and
+    leaves its clients connected) answers writes READONLY: the Wire closes, so that its
+    owners let their apps go and the next connection asks the Sentinels for the master."""
+    server = EmbeddedRedis(tmp_path / "r", auth=False)
+    server.start()
+    try:
+        admin = await Wire.connect(server.url)
+        wire = await Wire.connect(server.url)
+        await admin.call("REPLICAOF", "127.0.0.1", 1)  # (a replica of nobody: read-only)
+        with pytest.raises(ReplyError) as refused:
+            await wire.call("SET", "k", "v")
+        assert refused.value.code == "READONLY"
+        assert wire.closed
+        admin.close()
+    finally:
+        server.stop()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from skmq.aio import cancel_and_wait, spawn
 from skmq.clock import now_ms
@@ -27,7 +28,7 @@ from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
 from skmq.store.client import RedisClient
-from skmq.store.wires import TROUBLE, Wires
+from skmq.store.wires import TROUBLE, Wires, sentinel_master
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import Vouched
 from skmq.workers.engine import Engine
@@ -111,7 +112,9 @@ class OwnerRuntime:
         orphans: bool = False,
     ) -> OwnerRuntime:
         cluster = redis if isinstance(redis, RedisCluster) else None
-        wires = Wires(url, settings.store_timeout, cluster)
+        pool = None if cluster is not None else redis.connection_pool
+        master = sentinel_master(pool) if isinstance(pool, SentinelConnectionPool) else None
+        wires = Wires(url, settings.store_timeout, cluster, master)
         runtime = cls(settings, wires, store, broker_id, engine)
         if orphans:  # this broker's Redis alone: every lease in it is a dead process's
             for app in await store.apps():

@@ -59,10 +59,20 @@ class _Protocol(asyncio.Protocol):
                 future = waiting.popleft()
                 if not future.done():  # (a caller that stopped waiting: dropped)
                     future.set_result(reply)
+                if isinstance(reply, ReplyError) and reply.code == "READONLY":
+                    self._demoted()
         except (hiredis.ProtocolError, IndexError) as exc:  # not RESP, or unasked for
             self.lost = WireClosed(f"the server broke the protocol: {exc!r}")
             if self.transport is not None:
                 self.transport.abort()
+
+    def _demoted(self) -> None:
+        """The server is a replica now (a Sentinel failover demoted it): the connection
+        is closed, so that its owners let their apps go and the next connection asks
+        for the master again (skmq/store/wires.py)."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.lost = WireClosed("the server is a read-only replica now")
+            self.transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = exc or self.lost or WireClosed("connection closed by the server")
@@ -114,11 +124,12 @@ class Wire:
 
     @property
     def closed(self) -> bool:
-        return self._protocol.transport is None
+        transport = self._protocol.transport
+        return transport is None or transport.is_closing()
 
     def _send(self, payload: bytes, n: int) -> list[asyncio.Future[Any]]:
         protocol = self._protocol
-        if protocol.transport is None:
+        if protocol.transport is None or protocol.transport.is_closing():
             raise WireNotSent(str(protocol.lost or "connection closed"))
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(n)]

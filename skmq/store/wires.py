@@ -16,9 +16,11 @@ refreshed in the background after trouble (skmq/store/shards.py's SlotMap).
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
+from collections.abc import Awaitable, Callable
+from urllib.parse import quote, urlsplit
 
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import RedisError
 
 from skmq.store.shards import SlotMap, WriteFailed, master_of
@@ -41,10 +43,19 @@ def refused_here(exc: BaseException) -> bool:
 
 
 class Wires:
-    def __init__(self, url: str, timeout: float, cluster: RedisCluster | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        cluster: RedisCluster | None = None,
+        master: Callable[[], Awaitable[str]] | None = None,
+    ) -> None:
         self.url = url
         self.timeout = timeout
         self.cluster = cluster
+        # Through Sentinel: the URL of the master now, asked at each connection (the
+        # one Redis's address changes with a failover; a demoted one's Wire closes).
+        self.master = master
         self.slots = SlotMap(cluster) if cluster is not None else None
         self._open: dict[str, Wire] = {}
         self._connecting: dict[str, asyncio.Future[Wire]] = {}
@@ -96,7 +107,12 @@ class Wires:
 
     async def _connect(self, address: str) -> Wire:
         try:
-            wire = await Wire.connect(self._url_of(address), self.timeout)
+            if address == SINGLE and self.master is not None:
+                async with asyncio.timeout(self.timeout):
+                    url = await self.master()
+            else:
+                url = self._url_of(address)
+            wire = await Wire.connect(url, self.timeout)
         except (OSError, TimeoutError, RedisError, ReplyError) as exc:
             self.refresh()
             raise WriteFailed(f"could not reach {address or self.url}: {exc!r}", False) from exc
@@ -118,3 +134,17 @@ class Wires:
         for wire in self._open.values():
             wire.close()
         self._open.clear()
+
+
+def sentinel_master(pool: SentinelConnectionPool) -> Callable[[], Awaitable[str]]:
+    """The URL of the master the Sentinels name now, for a client of a
+    `redis+sentinel://` REDIS_URL (its pool's credentials and db)."""
+
+    async def url() -> str:
+        host, port = await pool.get_master_address()
+        options = pool.connection_kwargs
+        user, password = options.get("username"), options.get("password")
+        auth = f"{quote(str(user or ''), safe='')}:{quote(str(password), safe='')}@"
+        return f"redis://{auth if password else ''}{host}:{port}/{int(options.get('db') or 0)}"
+
+    return url
