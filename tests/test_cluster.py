@@ -23,7 +23,7 @@ from skmq.embedded_cluster import LocalCluster
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
 from skmq.store.shards import ReplicasMissing, WriteFailed, node_round_trip
-from tests.conftest import BrokerFactory, eventually
+from tests.conftest import ENGINE, BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_reliability import (
     ACK_TIMEOUT,
@@ -92,6 +92,7 @@ async def test_a_duplicate_store_lists_an_unlisted_app_again(
     assert await store.apps() == ["a"]
 
 
+@pytest.mark.skipif(ENGINE == "owner", reason="a store of the scripts engine's, from before")
 async def test_apps_of_the_unsharded_apps_set_are_adopted(
     make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
 ) -> None:
@@ -220,9 +221,9 @@ async def test_two_brokers_on_a_cluster_deliver_each_message_once(
     assert {m: c for m, c in received.items() if c != 1} == {}
     assert set(received) == set(msgids)
     events = log_events(a.log_dir(), b.log_dir())
-    assert {e["broker"] for e in events if e["event"] == "pushed"} == {
-        e["broker"] for e in events
-    } and len({e["broker"] for e in events if e["event"] == "pushed"}) == 2
+    pushers = {e["broker"] for e in events if e["event"] == "pushed"}
+    assert pushers <= {e["broker"] for e in events}
+    assert len(pushers) == (1 if ENGINE == "owner" else 2)  # (the app's owner pushes)
     await r1.stop()
     await r2.stop()
 

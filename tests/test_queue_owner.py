@@ -366,3 +366,12 @@ async def test_a_checkpoint_is_due_once_the_tail_is_as_long_as_the_state(
     await a.store(msgs("m10"), T)
     assert not a.checkpoint_due(T)  # (1 entry, 11 deliveries held)
     assert a.checkpoint_due(T + 60_000)  # (a minute since the last)
+
+
+async def test_two_stores_of_one_msgid_at_once_store_it_once(wire: Wire, keys: AppKeys) -> None:
+    """The second store of a msgid made while the first's write is on its way (two
+    batches of one producer, or two producers) waits for it, and is a duplicate."""
+    a = await owner(wire, keys, "A", ["r1"])
+    first, second = await asyncio.gather(a.store(msgs("m1"), T), a.store(msgs("m1", "m2"), T))
+    assert (first, second) == ([True], [False, True])
+    assert await wire.call("XLEN", keys.log) == 2

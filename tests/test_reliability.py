@@ -28,6 +28,7 @@ from urllib.parse import quote
 import psutil
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from skmq.clock import now_ms
 from skmq.codec import Frame, encode_frame
@@ -40,6 +41,7 @@ from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
 from skmq.store import Store
 from skmq.store.wire import Wire
+from skmq.store.wires import Wires
 from tests.conftest import (
     ENGINE,
     BrokerFactory,
@@ -339,15 +341,20 @@ async def where_owned(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> 
     rebuild: a message that left the owner's state meanwhile is found there (they only
     grow), so an owner's writes between the reads never make a message look lost; one
     found there is over, whatever the rebuild said."""
-    kw = redis.connection_pool.connection_kwargs
-    auth = f":{quote(kw['password'], safe='')}@" if kw.get("password") else ""
-    url = (
-        f"unix://{auth}{kw['path']}"
-        if kw.get("path")
-        else f"redis://{auth}{kw['host']}:{kw['port']}"
-    )
     keys = AppKeys.of(prefix, APP)
-    wire = await Wire.connect(url)
+    if isinstance(redis, RedisCluster):  # (the app's master)
+        await redis.initialize()  # (its slot map: a no-op once known)
+        wires = Wires("redis://", 2.0, redis)
+        wire = await wires.of(keys.epoch)
+    else:
+        kw = redis.connection_pool.connection_kwargs
+        auth = f":{quote(kw['password'], safe='')}@" if kw.get("password") else ""
+        url = (
+            f"unix://{auth}{kw['path']}"
+            if kw.get("path")
+            else f"redis://{auth}{kw['host']}:{kw['port']}"
+        )
+        wire = await Wire.connect(url)
     try:
         now = now_ms()
         rebuilt = await rebuild(wire, keys, now)

@@ -75,6 +75,9 @@ class AppOwner:
         self.queue = AppQueue(policy)
         self.recipients = recipients
         self.live: set[bytes] = set()  # msgids stored and not over (dedupe)
+        # msgids whose store's flush is on its way, and its end: a second store of one
+        # waits for it (live, or not, once it is done), as one script a msgid would
+        self._storing: dict[bytes, asyncio.Future[None]] = {}
         self.log_cursor = b"0-0"  # the last log entry materialised
         self.inbox_cursor = b"0-0"  # the last inbox entry read
         self.fanned: list[bytes] = []  # FANNED records for the next flush
@@ -132,6 +135,9 @@ class AppOwner:
         """As `store`; and the first new messages, when nothing waits before them, pushed
         to `recipients` in order (a dispatcher's free window slots), their push records
         in the same flush: the deliveries to hand to the pusher, in flight."""
+        # (a store of the same msgid on its way: its outcome first, then live says)
+        while waits := {self._storing[m.msgid] for m in messages if m.msgid in self._storing}:
+            await asyncio.wait(waits)
         fresh: list[NewMessage] = []
         seen: set[bytes] = set()
         for m in messages:
@@ -141,7 +147,15 @@ class AppOwner:
         plan = self._push_plan(fresh, now, recipients)
         pushes = [self.queue.push_record(msgid, rid, now) for msgid, rid in plan.items()]
         appended = [Appended(m.msgid, m.content, encode_header(m.meta)) for m in fresh]
-        ids = (await self._flush(now, appended, read_inbox=True, pushes=pushes)).ids
+        storing = asyncio.get_running_loop().create_future()
+        for msgid in seen:
+            self._storing[msgid] = storing
+        try:
+            ids = (await self._flush(now, appended, read_inbox=True, pushes=pushes)).ids
+        finally:
+            for msgid in seen:
+                del self._storing[msgid]
+            storing.set_result(None)
         stored: dict[bytes, bool] = {}
         pushed: list[Delivery] = []
         for m, entry in zip(fresh, ids, strict=True):
