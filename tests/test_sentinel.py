@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from skmq.clock import now_ms
 from skmq.embedded import EmbeddedRedis, _wait_port, server_binary
@@ -129,7 +130,17 @@ async def test_owner_engine_runs_through_sentinel_and_follows_a_failover(
         assert (await rec.next_push()).fields["msgid"] == "before"
         sentinel = aioredis.Redis(port=port)
         try:
-            await sentinel.execute_command("SENTINEL", "FAILOVER", "skmq")
+
+            async def failing_over() -> bool:  # (once the Sentinel has found the replica)
+                try:
+                    await sentinel.execute_command("SENTINEL", "FAILOVER", "skmq")
+                except ResponseError as exc:
+                    if "NOGOODSLAVE" not in str(exc):
+                        raise
+                    return False
+                return True
+
+            await eventually(failing_over, timeout=30)
 
             async def promoted() -> bool:
                 addr = await sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "skmq")
