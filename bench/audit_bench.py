@@ -1,6 +1,6 @@
 """Benchmark of the Spark delivery-log audit on generated logs of 1M, 5M and 10M events.
 
-    python bench/audit_bench.py [--events 1000000,5000000,10000000] [--master 'local[2]']
+    python bench/audit_bench.py [--events 1M,5M,10M] [--master 'local[2]']
                                 [--keep DIR] [--cold [--runs N] [--conf KEY=VALUE ...]]
 
 Generates a realistic log into a temporary directory: about 190k messages over four
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -317,12 +318,31 @@ def _run_size(spark: SparkSession, events: int, seed: int, keep: str | None) -> 
             shutil.rmtree(base, ignore_errors=True)
 
 
+_SIZE = re.compile(r"([0-9]+)([kKmM]?)")
+_UNITS = {"": 1, "k": 1_000, "m": 1_000_000}
+
+
+def event_counts(text: str) -> list[int]:
+    """``--events``: comma-separated sizes, each a whole number, or one with ``k`` or
+    ``M`` after it (``1M``, ``10M``, ``500k``, ``1000000``)."""
+    sizes: list[int] = []
+    for item in text.split(","):
+        found = _SIZE.fullmatch(item.strip())
+        if found is None or int(found.group(1)) == 0:
+            raise ValueError(
+                f"{item.strip()!r} is not a number of events (e.g. 1M, 10M, 500k, 1000000)"
+            )
+        sizes.append(int(found.group(1)) * _UNITS[found.group(2).lower()])
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--events",
-        default="1000000,5000000,10000000",
-        help="comma-separated log sizes, each audited in turn (default 1M, 5M, 10M)",
+        default="1M,5M,10M",
+        help="comma-separated log sizes, each audited in turn: 1M, 10M, 500k or 1000000 "
+        "(default 1M,5M,10M)",
     )
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--seed", type=int, default=1734)
@@ -335,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         "--conf", action="append", default=[], metavar="KEY=VALUE", help="with --cold: a setting"
     )
     args = parser.parse_args(argv)
-    sizes = [int(n) for n in args.events.split(",")]
+    try:
+        sizes = event_counts(args.events)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: --events: {exc}\n")
     if args.cold:
         print(
             f"method: a fresh `skmq audit --master {args.master}` process per run, its wall "

@@ -2,7 +2,9 @@
 
 ``delivery_table`` folds the events of each delivery into one row (a queue message is
 one delivery, a topic message one per recipient) with fixed-width aggregates only, so
-Spark hash-aggregates with map-side partial aggregation and never sorts the events.
+Spark hash-aggregates and never sorts the events.  The message events are shuffled
+once, by message: the aggregation, the window over a message's deliveries and the
+per-message table need no other shuffle.
 ``message_table`` folds deliveries into messages. Each row has its ``outcome``, one of
 ``OUTCOMES``: how it ended, or how it waits.
 """
@@ -203,10 +205,18 @@ def copy_key() -> Column:
 
 
 def _units(events: DataFrame) -> DataFrame:
-    """One row per (appid, msgid, rkey): rkey is a copy's key (copy_key), else null."""
+    """One row per (appid, msgid, rkey): rkey is a copy's key (copy_key), else null.
+
+    The events are partitioned by message first: a message's events come from several
+    files (and brokers), so a map-side partial aggregation would merge few of them and
+    shuffle its wide buffers instead of the events; and what follows (the window over
+    the message, :func:`message_table`) finds them partitioned so.
+    """
     ts = F.col("ts")
     rkey = copy_key()
-    messages = events.where(~F.col("event").isin(*[e.value for e in RECIPIENT_EVENTS]))
+    messages = events.where(~F.col("event").isin(*[e.value for e in RECIPIENT_EVENTS])).repartition(
+        "appid", "msgid"
+    )
     return messages.groupBy("appid", "msgid", rkey.alias("rkey")).agg(
         count_if(is_event(Event.STORED)).alias("n_stored"),
         F.min(_when(Event.STORED, ts)).alias("stored_ts"),

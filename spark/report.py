@@ -12,10 +12,11 @@ import math
 import operator
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
@@ -87,6 +88,21 @@ LATENCY_EDGES: tuple[int, ...] = (
 _PRIO_ACKED, _PRIO_DEAD, _PRIO_REPLAYED = 0, 1, 2
 _COUNTED_FLAGS = ("acked_more_than_once", "pushed_after_ack")
 _CHART_EVENTS = (Event.STORED, Event.PUSHED, Event.ACKED, Event.DEAD_LETTERED)
+_CHART_COLUMNS = {"c_" + e.value: e for e in _CHART_EVENTS}
+_RECIPIENT_COLUMNS = {
+    "pushes": Event.PUSHED,
+    "acked": Event.ACKED,
+    "rejected": Event.REJECTED,
+    "errored": Event.ERRORED,
+    "timeouts": Event.TIMEOUT,
+    "unreachable": Event.UNREACHABLE,
+    "lost": Event.RECIPIENT_LOST,
+    "dead_lettered": Event.DEAD_LETTERED,
+}
+# Queries the driver runs at once (threads of this process): planning a query, a job's
+# start and its last tasks leave a core idle that another query's tasks can use.
+CONCURRENT_QUERIES = 3
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -315,9 +331,11 @@ def _line_stats() -> list[Column]:
 
 def _has_repeats(events: DataFrame) -> bool:
     """Some valid events have every field equal (a hash of the fields seen twice: one
-    shuffle of longs, not of the events)."""
+    shuffle of longs, not of the events).  The hashes are partitioned by their value
+    and counted there: a map-side partial count would find almost every hash once."""
     digest = F.xxhash64(*LOG_FIELDS).alias("digest")
-    return bool(events.groupBy(digest).count().where(F.col("count") > 1).limit(1).count())
+    by_digest = events.select(digest).repartition("digest")
+    return bool(by_digest.groupBy("digest").count().where(F.col("count") > 1).limit(1).count())
 
 
 def _distinct(events: DataFrame) -> DataFrame:
@@ -334,6 +352,7 @@ class _Job:
         paths: Sequence[str],
         options: Options,
         prog: Progress,
+        pool: ThreadPoolExecutor,
         lines: DataFrame | None = None,
     ) -> None:
         self.spark = spark
@@ -341,8 +360,13 @@ class _Job:
         self.lines = lines
         self.options = options
         self.prog = prog
+        self.pool = pool
         self.cached: list[DataFrame] = []
         self.level = StorageLevel.MEMORY_AND_DISK
+
+    def start(self, work: Callable[[], _T]) -> Future[_T]:
+        """Run ``work`` (Spark queries) beside the caller's: its result when asked for."""
+        return self.pool.submit(work)
 
     def keep(self, frame: DataFrame) -> DataFrame:
         frame = frame.persist(self.level)
@@ -439,38 +463,38 @@ class _Job:
         status, outcome = F.col("status"), F.col("outcome")
         acked, dead = status == "acked", status == "dead"
         with self.prog.stage("totals, outcomes, latencies and attempts") as notes:
-            # per app and (the rollup's total row) for all apps, in one job
+            # The bounded lists (then the dead-letter queue's histories and the late acks),
+            # the messages per app and the deliveries per app (a rollup: its total row is
+            # all apps') run beside the attempts' query.
+            lists = self.start(self.listed)
+            self.after_lists = self.start(lambda: self._histories_and_late(lists.result()))
             latency = F.when(acked, F.col("latency"))
-            rolled = (
-                stored.rollup("appid")
-                .agg(
-                    F.grouping("appid").alias("all"),
-                    F.count(F.lit(1)).alias("deliveries"),
-                    count_if(dead).alias("dead_letter_entries"),
-                    count_if(status == "purged").alias("purged_dead_letters"),
-                    F.percentile(latency, list(PERCENTILES)).alias("p"),
-                    F.max(latency).alias("max"),
-                    count_if(latency < 0).alias("negative"),
-                    F.percentile("push_latency", list(PERCENTILES)).alias("push_p"),
-                    F.max("push_latency").alias("push_max"),
-                    *(count_if(outcome == o).alias(o) for o in OUTCOMES),
-                    count_if(F.col("topic")).alias("topic_deliveries"),
-                    *(count_if(F.col(f)).alias(f) for f in _COUNTED_FLAGS),
-                    *(
-                        count_if(dead & (F.col("failure") == code)).alias(f"dead_{code}")
-                        for code in range(len(FAILURES) + 1)
-                    ),
+            rolled_rows = self.start(
+                lambda: (
+                    stored.rollup("appid")
+                    .agg(
+                        F.grouping("appid").alias("all"),
+                        F.count(F.lit(1)).alias("deliveries"),
+                        count_if(dead).alias("dead_letter_entries"),
+                        count_if(status == "purged").alias("purged_dead_letters"),
+                        F.percentile(latency, list(PERCENTILES)).alias("p"),
+                        F.max(latency).alias("max"),
+                        count_if(latency < 0).alias("negative"),
+                        F.percentile("push_latency", list(PERCENTILES)).alias("push_p"),
+                        F.max("push_latency").alias("push_max"),
+                        *(count_if(outcome == o).alias(o) for o in OUTCOMES),
+                        count_if(F.col("topic")).alias("topic_deliveries"),
+                        *(count_if(F.col(f)).alias(f) for f in _COUNTED_FLAGS),
+                        *(
+                            count_if(dead & (F.col("failure") == code)).alias(f"dead_{code}")
+                            for code in range(len(FAILURES) + 1)
+                        ),
+                    )
+                    .collect()
                 )
-                .collect()
             )
-            app_rows = [r for r in rolled if not r["all"]]
-            empty: dict[str, Any] = dict.fromkeys(("p", "max", "push_p", "push_max"))
-            empty |= dict.fromkeys(("negative", "deliveries", *OUTCOMES), 0)
-            empty |= dict.fromkeys(("dead_letter_entries", "purged_dead_letters"), 0)
-            everything = next((r.asDict() for r in rolled if r["all"]), empty)
-            per_app = {r["appid"]: r for r in app_rows}
-            message_rows = (
-                self.messages.groupBy("appid")
+            message_rows_of = self.start(
+                lambda: self.messages.groupBy("appid")
                 .agg(
                     count_if(F.col("stored")).alias("messages"),
                     *(count_if(F.col("stored") & (F.col("status") == g)).alias(g)
@@ -483,6 +507,20 @@ class _Job:
                 .orderBy("appid")
                 .collect()
             )  # fmt: skip
+            attempt_rows = (
+                stored.where(acked)
+                .groupBy("attempt", _latency_bucket(F.col("latency")).alias("bucket"))
+                .count()
+                .collect()
+            )
+            rolled = rolled_rows.result()
+            app_rows = [r for r in rolled if not r["all"]]
+            empty: dict[str, Any] = dict.fromkeys(("p", "max", "push_p", "push_max"))
+            empty |= dict.fromkeys(("negative", "deliveries", *OUTCOMES), 0)
+            empty |= dict.fromkeys(("dead_letter_entries", "purged_dead_letters"), 0)
+            everything = next((r.asDict() for r in rolled if r["all"]), empty)
+            per_app = {r["appid"]: r for r in app_rows}
+            message_rows = message_rows_of.result()
             by_app = [
                 {
                     "appid": r["appid"],
@@ -494,12 +532,6 @@ class _Job:
                 for r in message_rows
                 if r["messages"]
             ]
-            attempt_rows = (
-                stored.where(acked)
-                .groupBy("attempt", _latency_bucket(F.col("latency")).alias("bucket"))
-                .count()
-                .collect()
-            )
             attempts: dict[Any, int] = {}
             hist: dict[int, int] = {}
             for r in attempt_rows:
@@ -529,7 +561,7 @@ class _Job:
             unresolved: dict[str, Any] = {s: int(everything[s]) for s in UNRESOLVED_STATES}
             unresolved["as_of"] = stats["last_ts"]
             unresolved["stuck_after_ms"] = self.options.stuck_after_ms
-            self.lists = self.listed()
+            self.lists = lists.result()
             unresolved["stuck_sample"] = _ref_rows(self.lists["stuck"])
             lat = everything
             notes.append(
@@ -607,7 +639,7 @@ class _Job:
         with self.prog.stage("dead-letter queue") as notes:
             by_reason = outcomes["dead_reasons"]
             oldest_rows, most_rows = self.lists["oldest"], self.lists["most_tried"]
-            histories, last_to = self._histories([*oldest_rows, *most_rows])
+            histories, last_to, _ = self.after_lists.result()
             entries = sum(r["entries"] for r in by_reason)
             messages = outcomes["dead_messages"]
             notes.append(f"{entries:,} entries of {messages:,} messages")
@@ -689,35 +721,36 @@ class _Job:
         return found, last_to
 
     # ---- 5. per recipient and over time
-    def event_counts(self, stats: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-        """Per recipient and per time bucket, in one pass over the events."""
-        recipient_columns = {
-            "pushes": Event.PUSHED,
-            "acked": Event.ACKED,
-            "rejected": Event.REJECTED,
-            "errored": Event.ERRORED,
-            "timeouts": Event.TIMEOUT,
-            "unreachable": Event.UNREACHABLE,
-            "lost": Event.RECIPIENT_LOST,
-            "dead_lettered": Event.DEAD_LETTERED,
-        }
-        chart = {"c_" + e.value: e for e in _CHART_EVENTS}
+    def count_events(self, stats: dict[str, Any]) -> None:
+        """Start the count of events per recipient and per time bucket (one pass over
+        the events), for :meth:`event_counts`."""
         width = time_width(stats["first_ts"], stats["last_ts"])
-        with self.prog.stage("counts per recipient and over time") as notes:
-            rows = (
-                self.events.groupBy(
-                    "appid",
-                    "recipient",
-                    (F.floor(F.col("ts") / F.lit(width)) * F.lit(width)).alias("t"),
-                )
-                .agg(
-                    *(
-                        count_if(is_event(e)).alias(name)
-                        for name, e in (recipient_columns | chart).items()
+        self.counted = (
+            width,
+            self.start(
+                lambda: (
+                    self.events.groupBy(
+                        "appid",
+                        "recipient",
+                        (F.floor(F.col("ts") / F.lit(width)) * F.lit(width)).alias("t"),
                     )
+                    .agg(
+                        *(
+                            count_if(is_event(e)).alias(name)
+                            for name, e in (_RECIPIENT_COLUMNS | _CHART_COLUMNS).items()
+                        )
+                    )
+                    .collect()
                 )
-                .collect()
-            )
+            ),
+        )
+
+    def event_counts(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Per recipient and per time bucket (counted by :meth:`count_events`)."""
+        recipient_columns, chart = _RECIPIENT_COLUMNS, _CHART_COLUMNS
+        width, counted = self.counted
+        with self.prog.stage("counts per recipient and over time") as notes:
+            rows = counted.result()
             per_recipient: dict[tuple[str, str], dict[str, int]] = {}
             per_time: dict[int, dict[str, int]] = {}
             for r in rows:
@@ -755,24 +788,31 @@ class _Job:
         return by_recipient, extra, {"bucket_ms": width, "rows": series}
 
     # ---- 6. anomalies
+    def _histories_and_late(self, lists: dict[str, list[Any]]) -> tuple[Any, Any, list[Any]]:
+        """The dead-letter queue's histories (:meth:`_histories`), then the deliveries
+        acked after a dead letter: how many, and the first ``sample_size`` of them, in
+        one query."""
+        histories, last_to = self._histories([*lists["oldest"], *lists["most_tried"]])
+        by_ref = Window.orderBy(*_ref_order())
+        everyone = by_ref.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        late = (
+            _acked_after_dead_letter(self.picked)
+            .select(
+                "appid",
+                "msgid",
+                "recipient",
+                F.row_number().over(by_ref).alias("rank"),
+                F.count(F.lit(1)).over(everyone).alias("late"),
+            )
+            .where(F.col("rank") <= max(self.options.sample_size, 1))
+            .collect()
+        )
+        return histories, last_to, late
+
     def anomalies(self, outcomes: dict[str, Any]) -> dict[str, Any]:
         with self.prog.stage("anomalies") as notes:
-            # how many, and the first ``sample_size`` of them, in one query
-            by_ref = Window.orderBy(*_ref_order())
-            everyone = by_ref.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
             size = max(self.options.sample_size, 0)
-            late = (
-                _acked_after_dead_letter(self.picked)
-                .select(
-                    "appid",
-                    "msgid",
-                    "recipient",
-                    F.row_number().over(by_ref).alias("rank"),
-                    F.count(F.lit(1)).over(everyone).alias("late"),
-                )
-                .where(F.col("rank") <= max(size, 1))
-                .collect()
-            )
+            late = self.after_lists.result()[2]
             found = dict(outcomes["flags"])
             found["acked_after_dead_letter"] = int(late[0]["late"]) if late else 0
             anomalies: dict[str, Any] = dict(found)
@@ -802,15 +842,18 @@ def compute_report(
     as ``skmq audit --follow`` keeps them), instead of reading the files."""
     opts = options or Options()
     prog = progress if progress is not None else Progress(STAGES, None)
-    job = _Job(spark, paths, opts, prog, lines)
+    pool = ThreadPoolExecutor(CONCURRENT_QUERIES, thread_name_prefix="audit-query")
+    job = _Job(spark, paths, opts, prog, pool, lines)
     try:
         stats = job.read()
+        job.count_events(stats)
         job.group(stats["last_ts"])
         outcomes = job.outcomes(stats)
         dead_letters = job.dead_letters(outcomes)
-        by_recipient, recipient_extra, throughput = job.event_counts(stats)
+        by_recipient, recipient_extra, throughput = job.event_counts()
         anomalies = job.anomalies(outcomes)
     finally:
+        pool.shutdown(cancel_futures=True)
         job.release()
     report: dict[str, Any] = {
         "input": {
