@@ -87,6 +87,7 @@ class AppOwner:
         self._next: asyncio.Future[None] | None = None
         self._due: asyncio.Handle | None = None  # the flush `durable` asked for, and when
         self._due_at = 0.0
+        self._stored_at = float("-inf")  # (the loop's time) when a flush last stored some
         self._last: asyncio.Future[None] | None = None  # done when the latest flush is
         self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
         self.adopted: list[Change] = []  # the old owner's in flight, failed by `load`
@@ -245,6 +246,8 @@ class AppOwner:
             raise
         if not done.done():
             done.set_result(None)
+        if appended:
+            self._stored_at = loop.time()
         self._inbox_entries(flushed.inbox, now)
         return flushed
 
@@ -252,12 +255,15 @@ class AppOwner:
         """A future done when what was recorded so far is in the journal. The next flush
         to start carries it, whichever that is: a store's, or the one asked for here,
         `linger` seconds from now (ACK_LINGER) unless one starts first; so at a steady
-        rate the records of pushes and answers ride with the next store's round trip.
+        rate the records of answers ride with the next store's round trip. (No store in
+        the last `linger`: at once; a drain with no producer does not wait each time.)
         (Flushes may overlap: each takes its records when it starts, and the one
         connection keeps their order.)"""
         loop = asyncio.get_running_loop()
         if self._next is None:
             self._next = loop.create_future()
+        if loop.time() - self._stored_at > linger:  # (no store lately: none to wait for)
+            linger = 0.0
         at = loop.time() + linger
         if self._due is None or self._due_at > at:
             if self._due is not None:
