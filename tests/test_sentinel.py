@@ -3,12 +3,14 @@ sentinel mode) for the master and stores there."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -21,16 +23,16 @@ from tests.conftest import BrokerFactory, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 
 
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
-    master = EmbeddedRedis(tmp_path / "master", auth=False)  # Sentinel would need its password
-    master.start()
+@contextlib.contextmanager
+def _sentinel_of(tmp_path: Path, master: EmbeddedRedis) -> Iterator[int]:
+    """A Sentinel (quorum 1) watching `master` (service `skmq`): its port."""
     port = free_port()
     conf = tmp_path / "sentinel.conf"
     conf.write_text(
         f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
         f"sentinel monitor skmq 127.0.0.1 {master.port} 1\n"
         "sentinel down-after-milliseconds skmq 1000\n"
+        "sentinel failover-timeout skmq 5000\n"
     )
     proc = subprocess.Popen(
         [str(server_binary()), str(conf), "--sentinel"],
@@ -38,10 +40,20 @@ def sentinel(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
     )  # fmt: skip
     try:
         _wait_port("127.0.0.1", port, proc, 10.0)  # a Sentinel, not a broker: no pong
-        yield master, port
+        yield port
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, int]]:
+    master = EmbeddedRedis(tmp_path / "master", auth=False)  # Sentinel would need its password
+    master.start()
+    try:
+        with _sentinel_of(tmp_path, master) as port:
+            yield master, port
+    finally:
         master.stop()
 
 
@@ -68,38 +80,23 @@ async def test_broker_stores_through_sentinel(
 
 @pytest.fixture
 def sentinel_pair(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis, int]]:
-    """A master, its replica and a Sentinel watching them (quorum 1)."""
+    """A master, its replica (synced) and a Sentinel watching them."""
     master = EmbeddedRedis(tmp_path / "master", auth=False)
     replica = EmbeddedRedis(tmp_path / "replica", auth=False)
     master.start()
     replica.start()
-    port = free_port()
-    conf = tmp_path / "sentinel.conf"
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
-        f"sentinel monitor skmq 127.0.0.1 {master.port} 1\n"
-        "sentinel down-after-milliseconds skmq 1000\n"
-        "sentinel failover-timeout skmq 5000\n"
-    )
-    cli = ["redis-cli", "-p", str(replica.port)]
-    subprocess.run([*cli, "REPLICAOF", "127.0.0.1", str(master.port)], check=True, timeout=10)
-    for _ in range(200):  # (until its first sync: a failover before it would lose all)
-        info = subprocess.run([*cli, "INFO", "replication"], capture_output=True, timeout=10)
-        if b"master_link_status:up" in info.stdout:
-            break
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("the replica did not sync")
-    proc = subprocess.Popen(
-        [str(server_binary()), str(conf), "--sentinel"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     try:
-        _wait_port("127.0.0.1", port, proc, 10.0)
-        yield master, replica, port
+        with redis.Redis(port=replica.port) as client:
+            client.replicaof("127.0.0.1", master.port)
+            for _ in range(200):  # (its first sync: a failover before it would lose all)
+                if client.info("replication").get("master_link_status") == "up":
+                    break
+                time.sleep(0.05)
+            else:
+                raise RuntimeError("the replica did not sync")
+        with _sentinel_of(tmp_path, master) as port:
+            yield master, replica, port
     finally:
-        proc.terminate()
-        proc.wait(10)
         replica.stop()
         master.stop()
 
