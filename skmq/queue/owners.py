@@ -9,7 +9,6 @@ inbox, which its owner reads; an answer for it is stale here (its owner holds it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -240,14 +239,6 @@ class Owners:
             owner.durable().add_done_callback(observed)
         return out, self._due(owner, now), rate_wait
 
-    def _unpush(self, owner: AppOwner, went: Sequence[Delivery], now: int) -> None:
-        """Pushes a store made that will not leave (its caller gave up waiting): handed
-        back, no attempt spent, for the dispatcher to claim again."""
-        for d in went:
-            with contextlib.suppress(Refused):
-                owner.queue.release(d.msgid, d.copy, d.attempt, now)
-        owner.durable().add_done_callback(observed)
-
     def _due(self, owner: AppOwner, now: int) -> int | None:
         """When the app's next delay or lease runs out (not before the loop settled)."""
         due = owner.queue.next_due()
@@ -410,8 +401,9 @@ class Owners:
                     if plans is None or pushed is None or app not in plans:
                         return await owner.store(stored, now)
                     flags, went = await owner.store_and_push(stored, now, plans[app])
-                    if app not in waited:  # (its caller gave up: nobody pushes them now)
-                        self._unpush(owner, went, now)
+                    if app not in waited:  # (its caller gave up: handed back, for the
+                        # dispatcher to claim again, no attempt spent)
+                        await self.release(app, [(delivery_id(d), d.attempt) for d in went], now)
                         return flags
                     waiting = owner.queue.lines() or owner.unfanned or app in self.unread
                     pushed[app] = ([_claimed(d) for d in went],
