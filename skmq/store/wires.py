@@ -107,19 +107,17 @@ class Wires:
 
     async def _connect(self, address: str) -> Wire:
         try:
-            if address == SINGLE and self.master is not None:
-                async with asyncio.timeout(self.timeout):
-                    url = await self.master()
-            else:
-                url = self._url_of(address)
-            wire = await Wire.connect(url, self.timeout)
+            wire = await Wire.connect(await self._url_of(address), self.timeout)
         except (OSError, TimeoutError, RedisError, ReplyError) as exc:
             self.refresh()
             raise WriteFailed(f"could not reach {address or self.url}: {exc!r}", False) from exc
         self._open[address] = wire
         return wire
 
-    def _url_of(self, address: str) -> str:
+    async def _url_of(self, address: str) -> str:
+        if address == SINGLE and self.master is not None:  # (asked again each time)
+            async with asyncio.timeout(self.timeout):
+                return await self.master()
         if address == SINGLE:
             return self.url
         userinfo, at, _ = urlsplit(self.url).netloc.rpartition("@")
