@@ -85,8 +85,8 @@ class AppOwner:
         self.unfanned: collections.deque[tuple[Entry, bool]] = collections.deque()
         # what callers of `durable` wait for: the next flush to start settles it when done
         self._next: asyncio.Future[None] | None = None
-        self._due: asyncio.Handle | None = None  # the flush `durable` asked for, and when
-        self._due_at = 0.0
+        self._flush_timer: asyncio.Handle | None = None  # the flush `durable` asked for, and when
+        self._flush_at = 0.0
         self._stored_at = float("-inf")  # (the loop's time) when a flush last stored some
         self._last: asyncio.Future[None] | None = None  # done when the latest flush is
         self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
@@ -215,9 +215,9 @@ class AppOwner:
         # any other coroutine makes more, so the journal keeps them in the order made.)
         loop = asyncio.get_running_loop()
         waiting, self._next = self._next, None
-        if self._due is not None:
-            self._due.cancel()
-            self._due = None
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         records, settled, forgotten, dead = self.queue.drain()
         if self.fanned:
             records = END.join([*self.fanned, records] if records else self.fanned)
@@ -265,15 +265,15 @@ class AppOwner:
         if loop.time() - self._stored_at > linger:  # (no store lately: none to wait for)
             linger = 0.0
         at = loop.time() + linger
-        if self._due is None or self._due_at > at:
-            if self._due is not None:
-                self._due.cancel()
-            self._due_at = at
-            self._due = loop.call_at(at, self._start_flush)
+        if self._flush_timer is None or self._flush_at > at:
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
+            self._flush_at = at
+            self._flush_timer = loop.call_at(at, self._start_flush)
         return self._next
 
     def _start_flush(self) -> None:
-        self._due = None
+        self._flush_timer = None
         task = asyncio.get_running_loop().create_task(self.flush(self.clock()))
         task.add_done_callback(observed)
 
