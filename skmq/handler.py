@@ -38,7 +38,7 @@ from skmq.codec import (
 )
 from skmq.config import Settings
 from skmq.errors import ApiError
-from skmq.jsonbody import parse_json
+from skmq.jsonbody import dump_json, parse_json
 from skmq.peer import Peer
 from skmq.registry.registration import (
     CONTROL,
@@ -399,7 +399,7 @@ class FrameHandler:
             return self._resp(f"{exc.status} {exc.message}", msgid, status)
         except (RedisError, OSError):
             return self._resp("503 store unavailable, try again", msgid)
-        return self._resp(json.dumps(answer, separators=(",", ":")), msgid, Status.ACK)
+        return self._resp(dump_json(answer).decode("utf-8"), msgid, Status.ACK)
 
     async def _unregister(self, frame: Frame, peer: Peer) -> bytes:
         msgid = frame.fields.get("msgid")

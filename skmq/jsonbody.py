@@ -1,9 +1,38 @@
-"""JSON from a peer (an HTTP body, a `pull` frame's content), its faults told apart."""
+"""JSON from a peer (an HTTP body, a `pull` frame's content), its faults told apart; JSON
+to a peer, compact."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+try:  # a pulled batch's answer in a tenth of json's time; CPython only (the server extra)
+    import orjson
+except ImportError:  # pragma: no cover (elsewhere: json)
+    orjson = None  # type: ignore[assignment]
+
+_json_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_json_ascii = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def dump_json(value: Any) -> bytes:
+    """`value` as compact UTF-8 JSON, non-ASCII text kept as is. A string that UTF-8
+    cannot carry (a lone surrogate, from an undecodable field echoed back) makes it fall
+    back to `\\uXXXX` escapes, so the answer is always valid JSON."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(value)
+        except TypeError:  # (orjson.JSONEncodeError: a surrogate, an int past 64 bits)
+            return _json_ascii(value).encode("ascii")
+    try:
+        return _json_compact(value).encode("utf-8")
+    except UnicodeEncodeError:
+        return _json_ascii(value).encode("ascii")
+
+
+def dump_json_text(value: Any) -> str:
+    """dump_json as text (aiohttp's json_response takes a `dumps` giving str)."""
+    return dump_json(value).decode("utf-8")
 
 
 def parse_json(data: bytes | str) -> Any:

@@ -132,6 +132,30 @@ async def test_one_batch_acks_each_receipt_once_and_names_its_entries(groups: Gr
     assert [m for m, _ in near] == ["m1", "m2", "m3", "m4"]
 
 
+async def test_a_settle_names_what_this_broker_handed_out_from_memory_and_the_rest_from_the_log(
+    groups: Groups,
+) -> None:
+    """settled_entries: the entries a receive of this Groups handed out are named from
+    its memory (their log entries deleted meanwhile, they are still named), once; those
+    it forgot (past handed_max, or asked already) and another broker's are read from the
+    log."""
+    groups.handed_max = 3
+    await groups.create(APP, "g")
+    await stored(groups, "a", "b", "c", "d")
+    got = await received(groups, "g")
+    entries = [receipt(p)[0] for p in got]
+    await groups.store.redis.xdel(groups.log_key(APP), *entries)
+    # "a" was forgotten (the bound): read from the log, which no longer has it
+    named = await groups.settled_entries(APP, "g", entries)
+    assert named == [("", "queue"), ("b", "queue"), ("c", "queue"), ("d", "queue")]
+    assert await groups.settled_entries(APP, "g", entries[1:2]) == [("", "queue")]  # asked
+    other = Groups(groups.store)
+    await stored(groups, "e")
+    (e,) = await received(groups, "g")
+    assert await other.settled_entries(APP, "g", [receipt(e)[0]]) == [("e", "queue")]
+    assert await groups.settled_entries(APP, "other", [receipt(e)[0]]) == [("e", "queue")]
+
+
 async def test_a_lease_that_ran_out_waits_its_backoff_from_its_end_not_from_when_noticed(
     groups: Groups,
 ) -> None:

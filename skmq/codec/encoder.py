@@ -7,8 +7,9 @@ decoder does, so a field decoded from the wire is written back byte for byte.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterable, Mapping
+
+from skmq.jsonbody import dump_json
 
 __all__ = ["PING", "PONG", "encode_frame", "encode_resp"]
 
@@ -17,11 +18,6 @@ PONG: bytes = b"pong\r\n\r\n"
 
 # Written by encode_frame itself: a caller's field of that name would corrupt the frame.
 _RESERVED = frozenset(("type", "length", "content"))
-
-# Same output as json.dumps(..., ensure_ascii=False, separators=(",", ":")), without
-# building a new encoder on every call.
-_json_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_json_ascii = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def encode_frame(
@@ -75,12 +71,7 @@ def encode_resp(status: str, content: str, msgid: str | None = None) -> bytes:
 
 def _tail(status: str, content: str) -> bytes:
     """`\r\ncontent={json}\r\n\r\n`."""
-    obj = {"status": status, "content": content}
-    try:
-        body = _json_compact(obj).encode("utf-8")
-    except UnicodeEncodeError:
-        body = _json_ascii(obj).encode("ascii")
-    return b"\r\ncontent=" + body + b"\r\n\r\n"
+    return b"\r\ncontent=" + dump_json({"status": status, "content": content}) + b"\r\n\r\n"
 
 
 _resp_tail = functools.lru_cache(maxsize=1024)(_tail)

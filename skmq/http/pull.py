@@ -25,6 +25,7 @@ from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import field_errors, path_app, read_json
+from skmq.jsonbody import dump_json_text
 from skmq.pull.groups import (
     Groups,
     NoSuchGroup,
@@ -290,7 +291,7 @@ class PullApi:
         for receipt i (none: refused) of attempts[i]. The msgids come from the group log."""
         if not any(outcomes):
             return
-        entries = await self.groups.entries(app, [e for e, _, _ in parsed])
+        entries = await self.groups.settled_entries(app, group, [e for e, _, _ in parsed])
         who = GROUP_PREFIX + group
         for receipt, attempt, (msgid, kind), lines in zip(
             receipts, attempts, entries, outcomes, strict=True
@@ -470,6 +471,8 @@ class PullRoutes:
         verb = request.path.rsplit("/", 1)[1]
         raw = await read_json(request)
         if verb != "receive":
-            return web.json_response(await self.api.call(verb, app, group, raw, who))
-        with self.connections.polling(peer_address(request.transport), app):
-            return web.json_response(await self.api.call(verb, app, group, raw, who))
+            answer = await self.api.call(verb, app, group, raw, who)
+        else:
+            with self.connections.polling(peer_address(request.transport), app):
+                answer = await self.api.call(verb, app, group, raw, who)
+        return web.json_response(answer, dumps=dump_json_text)

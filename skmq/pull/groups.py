@@ -10,6 +10,7 @@ no third part."""
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,9 @@ _KINDS = {b"q": "queue", b"t": "topic"}
 # A settled batch's msgids are read in one XRANGE over its span, of this many entries a
 # receipt at most (its consumers' receives interleave: the span holds their entries too).
 SPAN_READ = 8
+# Entries whose msgid and kind a Groups remembers from its receives (Groups.handed):
+# about 10 MB at most; a settle of one it forgot reads the log, as another broker's does.
+HANDED_MAX = 65_536
 
 
 class NoSuchGroup(LookupError):
@@ -102,8 +106,15 @@ class GroupInfo:
 
 
 class Groups:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, handed_max: int = HANDED_MAX) -> None:
         self.store = store
+        # (app, group, entry) -> (msgid, kind) of what this broker's receives handed out
+        # and no settle has asked for yet, oldest first: a settled batch's delivery-log
+        # lines need its msgids, which would otherwise be read back from the log (an
+        # XRANGE of the entries, contents and all). An entry's msgid and kind never
+        # change: a remembered one is never stale.
+        self.handed: OrderedDict[tuple[str, str, str], tuple[str, str]] = OrderedDict()
+        self.handed_max = handed_max
 
     @staticmethod
     def _group_keys(group: str) -> tuple[str, ...]:
@@ -258,13 +269,35 @@ class Groups:
                 trace.decode(),
             )  # fmt: skip
             lists.get(kind[:1], got.messages).append(pulled)
+            if receipt:
+                self._hand((app, group, entry.decode()), pulled)
         return got
 
+    def _hand(self, key: tuple[str, str, str], pulled: Pulled) -> None:
+        handed = self.handed
+        handed[key] = (pulled.msgid, pulled.kind)
+        handed.move_to_end(key)
+        if len(handed) > self.handed_max:
+            handed.popitem(last=False)
+
+    async def settled_entries(
+        self, app: str, group: str, ids: Sequence[str]
+    ) -> list[tuple[str, str]]:
+        """(msgid, kind) of group-log entries of `group` a settle names (for the delivery
+        log); ("", "queue") for one the log no longer holds. Those this broker handed out
+        are remembered (`handed`, forgotten now: a redelivery is handed out again); the
+        others are read from the log (`entries`)."""
+        handed = self.handed
+        known = [handed.pop((app, group, entry), None) for entry in ids]
+        missing = [entry for entry, got in zip(ids, known, strict=True) if got is None]
+        read = iter(await self.entries(app, missing))
+        return [got if got is not None else next(read) for got in known]
+
     async def entries(self, app: str, ids: Sequence[str]) -> list[tuple[str, str]]:
-        """(msgid, kind) of group-log entries (for the delivery log); ("", "queue") for
-        one the log no longer holds. A batch's entries are mostly neighbours in the log
-        (one receive took them in order): one XRANGE over their span (SPAN_READ times
-        their number at most), then one a round trip for those it did not reach."""
+        """(msgid, kind) of group-log entries, read from the log; ("", "queue") for one
+        it no longer holds. A batch's entries are mostly neighbours in the log (one
+        receive took them in order): one XRANGE over their span (SPAN_READ times their
+        number at most), then one a round trip for those it did not reach."""
         if not ids:
             return []
         key = self.log_key(app)
