@@ -1,12 +1,12 @@
 """JSON from a peer (an HTTP body, a `pull` frame's content), its faults told apart; JSON
-to a peer, compact."""
+out, compact (to a peer, or an owner's checkpoint), and read back."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-try:  # a pulled batch's answer in a tenth of json's time; CPython only (the server extra)
+try:  # a pulled batch's answer, a checkpoint, in a tenth of json's time; CPython only
     import orjson
 except ImportError:  # pragma: no cover (elsewhere: json)
     orjson = None  # type: ignore[assignment]
@@ -45,3 +45,14 @@ def parse_json(data: bytes | str) -> Any:
         if "integer string conversion" in str(exc):  # Python's bound on digits
             raise ValueError("holds a number of more than 4300 digits") from None
         raise ValueError("is not valid JSON") from None
+
+
+def load_json(data: bytes) -> Any:
+    """JSON this broker wrote (dump_json: a checkpoint), not a peer's: orjson where it
+    is, json for what orjson refuses (a lone surrogate's escape, dump_json's fallback)."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except ValueError:  # (orjson.JSONDecodeError)
+            pass
+    return json.loads(data)

@@ -287,3 +287,15 @@ def test_a_checkpoint_restores_every_delivery_held() -> None:
     }
     assert [d.msgid for d in new.take(10, T)] == [b"m3"]  # 4 waits for its key
     assert new.next_due() == T + 100  # m1's retry before m2's lease and m5's delay
+
+
+@pytest.mark.parametrize("key", ["k", "k\udcff"])  # (a key of bytes that are not UTF-8)
+def test_a_checkpoint_keeps_text_as_it_was(key: str) -> None:
+    """A snapshot is orjson's where it can be, json's (\\u escapes) for a string UTF-8
+    cannot carry: either restores the same text."""
+    q = queue()
+    q.add(message(1, key=key), T)
+    q.add(message(2, key="\u00e9t\u00e9"), T)
+    new = queue()
+    new.restore(q.snapshot(), T)
+    assert sorted(d.key for d in new.deliveries.values()) == sorted([key, "\u00e9t\u00e9"])

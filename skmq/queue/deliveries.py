@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import collections
 import heapq
-import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from skmq.jsonbody import dump_json, load_json
 from skmq.queue.entries import entry_order
 from skmq.queue.lifecycle import OVER, TRIGGER_OF, Record, Refused, State, Trigger, detour, step
 
@@ -382,7 +382,7 @@ class AppQueue:
 
     def snapshot(self) -> bytes:
         """Every delivery held, for a checkpoint (content stays in the log)."""
-        return json.dumps(
+        return dump_json(
             [
                 [
                     d.entry.decode(),
@@ -400,13 +400,12 @@ class AppQueue:
                     int(d.inbox),
                 ]
                 for d in self.deliveries.values()
-            ],
-            separators=(",", ":"),
-        ).encode()
+            ]
+        )
 
     def restore(self, snapshot: bytes, now: int) -> None:
         """Hold the deliveries of a checkpoint, as they were (a fresh AppQueue)."""
-        rows = json.loads(snapshot)
+        rows = load_json(snapshot)
         rows.sort(key=lambda r: entry_order(r[0].encode()))  # keys and pending in stored order
         for row in rows:
             entry, msgid, copy, state, attempt, due, rid, key, at, expires, topic, error = row[:12]

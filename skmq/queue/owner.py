@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from skmq.clock import now_ms
+from skmq.jsonbody import dump_json, load_json
 from skmq.queue.dead import flush_args
 from skmq.queue.deliveries import (
     END,
@@ -334,10 +334,8 @@ class AppOwner:
             min((e for e, i in held if i is inbox), key=entry_order, default=_after(cursor))
             for inbox, cursor in ((False, self.log_cursor), (True, self.inbox_cursor))
         ]
-        waiting = json.dumps([[e.entry.decode(), inbox] for e, inbox in self.unfanned])
-        state = SEP.join(
-            (self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting.encode())
-        )
+        waiting = dump_json([[e.entry.decode(), inbox] for e, inbox in self.unfanned])
+        state = SEP.join((self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting))
         self.unchecked, self.checked_at = 0, now
         flushed = await self._flush(now, mark=True)
         await self.journal.checkpoint(state, flushed.journaled, *oldest)
@@ -355,7 +353,7 @@ class AppOwner:
             self.queue.restore(snapshot, now)
             for d in self.queue.deliveries.values():
                 self.live.add(d.msgid)
-            await self._restore_unfanned(json.loads(waiting))
+            await self._restore_unfanned(load_json(waiting))
         journal = await self._read_all(keys.journal, b"-")
         fanned: dict[bytes, list[str]] = {}
         records = []
