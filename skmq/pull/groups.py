@@ -29,8 +29,8 @@ _KINDS = {b"q": "queue", b"t": "topic"}
 # receipt at most (its consumers' receives interleave: the span holds their entries too).
 SPAN_READ = 8
 # Entries whose msgid and kind a Groups remembers from its receives (Groups.handed):
-# about 10 MB at most; a settle of one it forgot reads the log, as another broker's does.
-HANDED_MAX = 65_536
+# some 11 MiB at most; a settle of one it forgot reads the log, as another broker's does.
+HANDED_MAX = 32_768
 
 
 class NoSuchGroup(LookupError):
