@@ -262,6 +262,23 @@ def test_a_takeover_pushes_again_what_the_old_owner_had_in_flight() -> None:
     assert adopted and set(adopted) == {(1, "r1")}
 
 
+def test_an_adopt_leaves_only_the_timers_of_deliveries_still_timed() -> None:
+    """After a takeover, what was in flight is pending again: the timers of its leases,
+    and of the retries it went through to pending, are dropped at once (next_due dropped
+    them one by one: 0.75 s of a takeover at 100,000 in flight)."""
+    q = queue()
+    for n in range(1, 6):
+        q.add(message(n), T)
+    q.add(message(6, deliver_at=T + 5000), T)
+    pushed(q, n=5)
+    new = queue()
+    new.restore(q.snapshot(), T)
+    assert len(new.timers) == 6
+    new.adopt(T + 1)
+    assert [(when, d.msgid) for when, _, d in new.timers] == [(T + 5000, b"m6")]
+    assert [d.msgid for d in pushed(new, T + 1)] == [b"m1", b"m2", b"m3", b"m4", b"m5"]
+
+
 def test_a_delivery_back_to_pending_before_its_turn_is_taken_once() -> None:
     # a new owner: pending from the log, its push replayed, then adopted (pending again)
     q = queue()
