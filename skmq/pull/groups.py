@@ -270,10 +270,10 @@ class Groups:
             )  # fmt: skip
             lists.get(kind[:1], got.messages).append(pulled)
             if receipt:
-                self._hand((app, group, entry.decode()), pulled)
+                self._remember((app, group, entry.decode()), pulled)
         return got
 
-    def _hand(self, key: tuple[str, str, str], pulled: Pulled) -> None:
+    def _remember(self, key: tuple[str, str, str], pulled: Pulled) -> None:
         handed = self.handed
         handed[key] = (pulled.msgid, pulled.kind)
         handed.move_to_end(key)
