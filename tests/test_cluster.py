@@ -513,6 +513,14 @@ async def test_a_master_down_fails_only_its_apps_and_says_so(
             return {port: await client.resp() for port in apps}
 
         assert all(r["status"] == "ack" for r in (await send_all("m0")).values())
+        # m0 in the node's AOF before the kill: appendfsync everysec lets Redis hold its
+        # AOF buffer up to 2 s while an fsync is slow (a loaded disk; once seen in CI),
+        # replies sent. A write of ours after m0's, fsynced (WAITAOF), covers it: the AOF
+        # is written in order.
+        node = local.client(down)
+        node.set(store.base(apps[down]) + "aof-probe", 1)  # (a key of that node's slots)
+        assert node.execute_command("WAITAOF", 1, 0, 5000)[0] == 1
+        node.close()
         local.kill(down)
         for n in range(1, 4):
             resps = await send_all(f"m{n}")
