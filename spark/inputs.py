@@ -80,6 +80,7 @@ MAX_TS = 1 << 42
 FUTURE_MS = 24 * 3600 * 1000
 SAMPLE_CHARS = 300
 _CHUNK = 1 << 20
+_SCAN_BYTES = 16 << 20
 
 
 class AuditInputError(Exception):
@@ -495,13 +496,24 @@ def all_simple(paths: Sequence[str]) -> bool:
         if is_remote(path) or not path.endswith(".jsonl"):
             return False
         try:
-            with open(path.removeprefix("file://"), "rb") as handle:
-                data = handle.read()
+            if not _simple_file(path.removeprefix("file://")):
+                return False
         except OSError:
             return False
-        if not _simple(data):
-            return False
     return True
+
+
+def _simple_file(path: str) -> bool:
+    """:func:`_simple` of the file's text, read a block of whole lines at a time."""
+    with open(path, "rb") as handle:
+        rest = b""
+        while block := handle.read(_SCAN_BYTES):
+            data = rest + block
+            cut = data.rfind(b"\n") + 1
+            if cut and not _simple(data[:cut]):
+                return False
+            rest = data[cut:]
+        return _simple(rest)
 
 
 def read_events(spark: SparkSession, paths: Sequence[str], simple: bool = False) -> DataFrame:

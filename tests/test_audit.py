@@ -51,6 +51,7 @@ def _have_java() -> bool:
 
 needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or 21")
 
+import skmq.audit_job.inputs as inputs_module  # noqa: E402
 from py4j.protocol import Py4JError, Py4JNetworkError  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
@@ -909,7 +910,9 @@ def test_lines_that_are_not_one_json_object_are_bad(spark: SparkSession, tmp_pat
     assert report["unresolved"]["as_of"] == t
 
 
-def test_simple_files_are_one_object_a_line() -> None:
+def test_simple_files_are_one_object_a_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Only files whose every line is one object without a nested value go to Spark's
     JSON reader: anything it would read otherwise than ``from_json`` is not simple."""
     one, two = _line(BASE_TS, "stored", "m", "a"), _line(BASE_TS + 1, "acked", "m", "a")
@@ -933,6 +936,14 @@ def test_simple_files_are_one_object_a_line() -> None:
     assert not any(_simple(text.encode()) for text in not_simple)
     assert not _simple(b'{"detail": "\xff"}\n')  # not UTF-8
     assert not _simple(b'{"ts": 1, "x": "\x00"}\n')
+    # Files are read a block of whole lines at a time: a blank line or a nested value
+    # across two blocks is seen.
+    monkeypatch.setattr(inputs_module, "_SCAN_BYTES", 7)
+    for i, text in enumerate([*simple, *not_simple]):
+        (tmp_path / f"delivery-a-{i}.jsonl").write_text(text, encoding="utf-8")
+        assert all_simple([str(tmp_path / f"delivery-a-{i}.jsonl")]) == (i < len(simple))
+    (tmp_path / "delivery-b.jsonl.gz").write_bytes(gzip.compress(one.encode()))
+    assert not all_simple([str(tmp_path / "delivery-b.jsonl.gz")])
 
 
 @needs_java
