@@ -68,6 +68,9 @@ _PARSE_OPTIONS = {
     "allowNonNumericNumbers": "false",
     "columnNameOfCorruptRecord": _CORRUPT,
 }
+# Spark's JSON file reader takes a string field given as another JSON value as the
+# line's bytes there; from_json (and the reader with this off) as the value written again.
+_EXACT_STRINGS = "spark.sql.json.enableExactStringParsing"
 _BOM = "\ufeff"
 _JSON_BLANKS = " \t\r\n"
 LOG_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.bz2")
@@ -532,6 +535,9 @@ def read_events(spark: SparkSession, paths: Sequence[str], simple: bool = False)
     """
     try:
         if simple:
+            # A number or a boolean given for a string field is read as from_json reads
+            # it (12.50 as "12.5"), not as the line's own text: a session setting.
+            spark.conf.set(_EXACT_STRINGS, "false")
             reader = spark.read.schema(_PARSE_SCHEMA).options(**_PARSE_OPTIONS)
             return parse_simple(reader.json(list(paths)))
         return parse_lines(spark.read.text(list(paths)))

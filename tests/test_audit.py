@@ -81,6 +81,7 @@ from skmq.audit_job.inputs import (  # noqa: E402
     _simple,
     all_simple,
     check_files,
+    read_events,
 )
 from skmq.audit_job.report import fill_buckets  # noqa: E402
 from skmq.audit_job.report_html import COLORS  # noqa: E402
@@ -982,6 +983,45 @@ def test_the_json_reader_reads_as_the_text_path(spark: SparkSession, tmp_path: P
     assert fast.report["input"]["events"] == len(builder.events)
     (logs / "delivery-b1-9.jsonl").write_text("[]\n", encoding="utf-8")
     assert not all_simple(resolve_log_paths(str(logs)))
+
+
+@needs_java
+def test_the_json_reader_reads_each_simple_line_as_from_json(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Line by line, the JSON reader's rows are the text path's (a bad line's text
+    aside, which the JSON reader keeps only for a line it could not read)."""
+    event = '"event": "acked", "msgid": "m", "appid": "a", "kind": "queue", "attempt": 1'
+    lines = [
+        '{"ts": 1760000000000, ' + event + "}",
+        '{"TS": 1760000000000, ' + event + "}",
+        '{"ts": true, ' + event + "}",
+        '{"ts": 1e12, ' + event + "}",
+        '{"ts": 1760000000000.0, ' + event + "}",
+        '{"ts": 01760000000000, ' + event + "}",
+        '{"ts": 9999999999999999999999, ' + event + "}",
+        '{"ts": NaN, ' + event + "}",
+        "{'ts': 1760000000000}",
+        '{"ts": 1760000000000, ' + event + ', "ts": 1760000000001}',
+        '{"ts": 1760000000000, ' + event + ",}",
+        '{"ts": 1760000000000, ' + event + ', "attempt": 2.0}',
+        '{"ts": 1760000000000, ' + event + ', "attempt": 99999999999999999999}',
+        *(
+            '{"ts": 1760000000000, ' + event + f', "msgid": {value}, "detail": {value}}}'
+            for value in ("12.50", "1E2", "-0", "1.0e+3", "false", "null", '"\\u00e9\\"x"')
+        ),
+        '{"ts": 1760000000000, ' + event + ', "detail": "é 漢字 😀\\ud800"}',
+        "{}",
+    ]
+    path = tmp_path / "delivery-a-0.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert all_simple([str(path)])
+    fast = read_events(spark, [str(path)], simple=True).collect()
+    text = read_events(spark, [str(path)], simple=False).collect()
+    assert len(fast) == len(text) == len(lines)
+    for a, b in zip(fast, text, strict=True):
+        untold = a["bad_text"] is None and a["reason"] is not None and a["reason"] != "not_json"
+        assert a.asDict() == b.asDict() | ({"bad_text": None} if untold else {})
 
 
 @needs_java
