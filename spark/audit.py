@@ -17,9 +17,9 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, TextIO
-from urllib.parse import unquote
 
 if __name__ == "__main__" and not __package__:
     # spark-submit spark/audit.py: run the installed package (relative imports below).
@@ -35,9 +35,11 @@ from .inputs import (
     BadFile,
     BadLinesError,
     VanishedFile,
+    all_simple,
     check_files,
     is_remote,
     resolve_log_paths,
+    same_file,
 )
 from .outputs import check_out, render_files, write_files
 from .report import (
@@ -105,23 +107,13 @@ def _usable(paths: list[str], skip_bad_files: bool) -> tuple[list[str], list[Bad
     return usable, bad
 
 
-def _same_file(named: str, path: str) -> bool:
-    """Spark's name of a file (a URI, %-quoted) is ``path`` (as resolve_log_paths gave it)."""
-    if named == path:
-        return True
-    if is_remote(path) or is_remote(named):
-        return named.rstrip("/") == path.rstrip("/")
-    local = unquote(re.sub(r"^file:(?://)?", "", named))
-    return os.path.realpath(local) == os.path.realpath(path.removeprefix("file://"))
-
-
 def _failed_file(exc: BaseException, paths: Sequence[str]) -> BadFile | None:
     """The input file a Spark failure names as the one it could not read, and why."""
     text = "\n".join([str(exc), *(str(getattr(exc, a, "")) for a in ("java_exception",))])
     found = _FAILED_READ.search(text)
     if found is None:
         return None
-    path = next((p for p in paths if _same_file(found.group(1), p)), None)
+    path = next((p for p in paths if same_file(found.group(1), p)), None)
     if path is None:
         return None
     causes = _CAUSE.findall(text)
@@ -138,22 +130,24 @@ def _compute(
     skip_bad_files: bool,
     options: Options | None,
     prog: Progress,
+    simple: bool | None = None,
 ) -> AuditResult:
     """The report; a file Spark fails on (that the checks let pass: a cut .zst, a remote
     file, one gone since it was listed) stops the audit, or with ``skip_bad_files`` is
     skipped and the audit run again. A log file its broker compressed meanwhile is read
-    compressed."""
+    compressed. ``simple``: ``inputs.all_simple(paths)``, None to ask it."""
     while True:
         cause: Exception
         try:
-            return compute_report(session, paths, options=options, progress=prog)
+            return compute_report(session, paths, options=options, progress=prog, simple=simple)
         except VanishedFile as exc:
-            path = next((p for p in paths if _same_file(exc.named, p)), None)
+            path = next((p for p in paths if same_file(exc.named, p)), None)
             if path is None:
                 raise
             if path.endswith(".jsonl") and os.path.exists(path + ".gz"):
                 # Its broker compressed it meanwhile (skmq/logarchive.py): the same lines.
                 paths[paths.index(path)] = path + ".gz"
+                simple = False  # a compressed file: read as text
                 prog.note(f"{path} was compressed meanwhile: reading {path}.gz")
                 prog.index = 0
                 continue
@@ -214,6 +208,11 @@ def run_audit(
         raise AuditInputError(unusable)
     for bad in skipped:
         prog.note(f"skipping {bad.line()}")
+    # Whether Spark's JSON reader can read the files (every line simple): found while
+    # the JVM starts.
+    checker = ThreadPoolExecutor(1, thread_name_prefix="audit-check")
+    simple = checker.submit(all_simple, list(paths))
+    checker.shutdown(wait=False)
     session = spark
     if session is None:
         prog.note(f"starting Spark ({'as submitted' if submitted else master or 'local[*]'}) ...")
@@ -236,7 +235,7 @@ def run_audit(
     for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
         session.conf.set(f"spark.sql.files.{key}", "false")
     try:
-        result = _compute(session, paths, skipped, skip_bad_files, options, prog)
+        result = _compute(session, paths, skipped, skip_bad_files, options, prog, simple.result())
         result.report["input"]["skipped_files"] = [
             {"path": b.path, "problem": b.problem} for b in skipped
         ]

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import BinaryIO
+from urllib.parse import unquote
 
 from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -41,11 +42,13 @@ __all__ = [
     "BadLine",
     "BadLinesError",
     "VanishedFile",
+    "all_simple",
     "check_files",
     "is_remote",
     "parse_lines",
     "read_events",
     "resolve_log_paths",
+    "same_file",
 ]
 
 _LONG_FIELDS = frozenset({"ts", "attempt"})
@@ -65,6 +68,9 @@ _PARSE_OPTIONS = {
     "allowNonNumericNumbers": "false",
     "columnNameOfCorruptRecord": _CORRUPT,
 }
+# Spark's JSON file reader takes a string field given as another JSON value as the
+# line's bytes there; from_json (and the reader with this off) as the value written again.
+_EXACT_STRINGS = "spark.sql.json.enableExactStringParsing"
 _BOM = "\ufeff"
 _JSON_BLANKS = " \t\r\n"
 LOG_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.bz2")
@@ -77,6 +83,7 @@ MAX_TS = 1 << 42
 FUTURE_MS = 24 * 3600 * 1000
 SAMPLE_CHARS = 300
 _CHUNK = 1 << 20
+_SCAN_BYTES = 16 << 20
 
 
 class AuditInputError(Exception):
@@ -131,6 +138,16 @@ class BadFile:
 
 def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
+
+
+def same_file(named: str, path: str) -> bool:
+    """Spark's name of a file (a URI, %-quoted) is ``path`` (as resolve_log_paths gave it)."""
+    if named == path:
+        return True
+    if is_remote(path) or is_remote(named):
+        return named.rstrip("/") == path.rstrip("/")
+    local = unquote(re.sub(r"^file:(?://)?", "", named))
+    return os.path.realpath(local) == os.path.realpath(path.removeprefix("file://"))
 
 
 def _log_files_under(directory: str) -> list[str]:
@@ -449,7 +466,60 @@ def _reason(columns: dict[str, Column], now_ms: int) -> Column:
 _PATH_NOT_FOUND = re.compile(r"\[PATH_NOT_FOUND\] Path does not exist: (\S+?)\.?(?: SQLSTATE|$)")
 
 
-def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
+def _simple(data: bytes) -> bool:
+    """Every line of ``data`` is one JSON-like object without a nested value: it starts
+    with ``{`` and ends with its only ``}``, and nothing else is there (no ``[``, no blank
+    line, no carriage return, no NUL byte, no byte order mark, valid UTF-8)."""
+    if not data:
+        return True
+    if b"[" in data or b"\r" in data or b"\x00" in data:
+        return False
+    ends = data.count(b"\n")
+    lines = ends + (not data.endswith(b"\n"))
+    between = ends - data.endswith(b"\n")  # line ends followed by another line
+    if not (data.startswith(b"{") and data.rstrip(b"\n").endswith(b"}")) or b"\n\n" in data:
+        return False
+    if data.count(b"}") != lines or data.count(b"}\n{") != between:
+        return False
+    if not data.isascii():
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def all_simple(paths: Sequence[str]) -> bool:
+    """Every file of ``paths`` is local, uncompressed, and every line of it simple (one
+    JSON-like object with no nested value, :func:`_simple`), as a broker writes them:
+    Spark's JSON file reader reads such lines as ``from_json`` would (one row a line,
+    in the same order, the same fields, the same corrupt-record text), and faster (it
+    parses a line's bytes where ``from_json`` decodes them to characters first)."""
+    for path in paths:
+        if is_remote(path) or not path.endswith(".jsonl"):
+            return False
+        try:
+            if not _simple_file(path.removeprefix("file://")):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _simple_file(path: str) -> bool:
+    """:func:`_simple` of the file's text, read a block of whole lines at a time."""
+    with open(path, "rb") as handle:
+        rest = b""
+        while block := handle.read(_SCAN_BYTES):
+            data = rest + block
+            cut = data.rfind(b"\n") + 1
+            if cut and not _simple(data[:cut]):
+                return False
+            rest = data[cut:]
+        return _simple(rest)
+
+
+def read_events(spark: SparkSession, paths: Sequence[str], simple: bool = False) -> DataFrame:
     """Every non-blank line of ``paths``: the fields of ``LOG_FIELDS``, ``reason`` (a
     :class:`BadLine` value, null for a valid event) and, for bad lines only,
     ``bad_file`` and ``bad_text`` (the line cut to 300 characters).
@@ -457,16 +527,58 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
     The files are read as lines of text (split as Spark's JSON reader splits them) and
     each line parsed with ``from_json`` (:func:`parse_lines`): Spark's JSON reader would
     take a line ``[{...}, {...}]`` for two events and ``[]`` for none, and neither sees
-    what follows a line's first value (``{...}{...}``, ``{...} xyz``).
+    what follows a line's first value (``{...}{...}``, ``{...} xyz``).  ``simple``: the
+    files have no such line (:func:`all_simple`) and are read by Spark's JSON reader
+    (:func:`parse_simple`): the same rows in the same order (one scan of the same files,
+    split alike), but a bad line that is valid JSON (a missing field, an unknown event)
+    has no ``bad_text`` there: its file must be read again as text for the sample.
     """
     try:
-        raw = spark.read.text(list(paths))
+        if simple:
+            # A number or a boolean given for a string field is read as from_json reads
+            # it (12.50 as "12.5"), not as the line's own text: a session setting.
+            spark.conf.set(_EXACT_STRINGS, "false")
+            reader = spark.read.schema(_PARSE_SCHEMA).options(**_PARSE_OPTIONS)
+            return parse_simple(reader.json(list(paths)))
+        return parse_lines(spark.read.text(list(paths)))
     except AnalysisException as exc:  # e.g. a path that Spark cannot find
         first = str(exc).splitlines()[0]
         if gone := _PATH_NOT_FOUND.search(first):
             raise VanishedFile(first, gone.group(1)) from exc
         raise AuditInputError(first) from exc
-    return parse_lines(raw)
+
+
+def parse_simple(parsed: DataFrame) -> DataFrame:
+    """:func:`parse_lines` of simple lines already read by Spark's JSON reader (the
+    fields of ``_PARSE_SCHEMA``): a line is one object (``one_object``), suspect when
+    Spark could not read it with the schema, and its text is known then only (the
+    corrupt record)."""
+    line = F.col(_CORRUPT)
+    fields = [F.col(f.name) for f in _PARSE_SCHEMA.fields]
+    names = ("line", "parsed", "suspect", "one_object", "recheck", "types")
+    reason = F.col("reason")
+    return (
+        parsed.select(
+            *LOG_FIELDS,
+            line.alias("line"),
+            F.struct(*fields).alias("parsed"),
+            F.lit(True).alias("one_object"),
+            line.isNotNull().alias("suspect"),
+            F.when(line.isNotNull(), F.try_parse_json(line)).alias("recheck"),
+        )
+        .select("*", _field_types(F.col("recheck")).alias("types"))
+        .select(
+            *LOG_FIELDS,
+            "line",
+            _reason({name: F.col(name) for name in names}, int(time.time() * 1000)).alias("reason"),
+        )
+        .select(
+            *LOG_FIELDS,
+            reason,
+            F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
+            F.when(reason.isNotNull(), F.substring("line", 1, SAMPLE_CHARS)).alias("bad_text"),
+        )
+    )
 
 
 def parse_lines(raw: DataFrame, *keep: str) -> DataFrame:

@@ -35,7 +35,14 @@ from .deliveries import (
     is_event,
     message_table,
 )
-from .inputs import KEPT_FIELDS, AuditInputError, BadLinesError, read_events
+from .inputs import (
+    KEPT_FIELDS,
+    AuditInputError,
+    BadLinesError,
+    all_simple,
+    read_events,
+    same_file,
+)
 
 __all__ = [
     "DEFAULT_SAMPLE",
@@ -354,10 +361,12 @@ class _Job:
         prog: Progress,
         pool: ThreadPoolExecutor,
         lines: DataFrame | None = None,
+        simple: bool | None = None,
     ) -> None:
         self.spark = spark
         self.paths = paths
         self.lines = lines
+        self.simple = simple
         self.options = options
         self.prog = prog
         self.pool = pool
@@ -381,20 +390,35 @@ class _Job:
     def read(self) -> dict[str, Any]:
         paths = self.paths
         with self.prog.stage(f"reading logs ({len(paths)} path{'s' * (len(paths) != 1)})") as notes:
-            lines = self.keep(read_events(self.spark, paths) if self.lines is None else self.lines)
-            rows = lines.groupBy("reason").agg(*_line_stats()).collect()
+            if self.lines is None:
+                simple = all_simple(paths) if self.simple is None else self.simple
+                lines = self.keep(read_events(self.spark, paths, simple))
+            else:
+                lines = self.keep(self.lines)
+            untold = F.col("reason").isNotNull() & F.col("bad_text").isNull()
+            stats = [*_line_stats(), count_if(untold).alias("untold")]
+            rows = lines.groupBy("reason").agg(*stats).collect()
             good = next((r for r in rows if r["reason"] is None), None)
             by_reason = {r["reason"]: int(r["lines"]) for r in rows if r["reason"] is not None}
             bad_total = sum(by_reason.values())
             samples: list[dict[str, Any]] = []
             if bad_total:
+                bad = lines.where(F.col("reason").isNotNull())
+                if any(r["untold"] for r in rows):
+                    # Bad lines of files read by Spark's JSON reader, which keeps no text
+                    # of a line it could read: those files' bad lines read again as text.
+                    files = bad.where(untold).select("bad_file").distinct()
+                    named = [r[0] for r in files.collect()]
+                    again = [p for p in paths if any(same_file(n, p) for n in named)]
+                    bad = bad.where(~F.col("bad_file").isin(named)).unionByName(
+                        read_events(self.spark, again).where(F.col("reason").isNotNull())
+                    )
                 rank = F.row_number().over(
                     Window.partitionBy("reason").orderBy("bad_file", "bad_text")
                 )
                 samples = [
                     {"reason": r["reason"], "file": r["bad_file"], "line": r["bad_text"]}
-                    for r in lines.where(F.col("reason").isNotNull())
-                    .select("reason", "bad_file", "bad_text", rank.alias("rank"))
+                    for r in bad.select("reason", "bad_file", "bad_text", rank.alias("rank"))
                     .where(F.col("rank") <= BAD_LINE_SAMPLES)
                     .orderBy("reason", "rank")
                     .collect()
@@ -835,15 +859,17 @@ def compute_report(
     options: Options | None = None,
     progress: Progress | None = None,
     lines: DataFrame | None = None,
+    simple: bool | None = None,
 ) -> AuditResult:
     """Run the Spark job over ``paths`` (already resolved) and collect the report.
 
     ``lines``: the lines of ``paths`` already parsed (``inputs.read_events``'s columns,
-    as ``skmq audit --follow`` keeps them), instead of reading the files."""
+    as ``skmq audit --follow`` keeps them), instead of reading the files.  ``simple``:
+    whether ``inputs.all_simple(paths)`` holds (None: it is asked here)."""
     opts = options or Options()
     prog = progress if progress is not None else Progress(STAGES, None)
     pool = ThreadPoolExecutor(CONCURRENT_QUERIES, thread_name_prefix="audit-query")
-    job = _Job(spark, paths, opts, prog, pool, lines)
+    job = _Job(spark, paths, opts, prog, pool, lines, simple)
     try:
         stats = job.read()
         job.count_events(stats)

@@ -27,6 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from audit_truth import (
+    BAD_LINES,
     BASE_TS,
     OUTCOME_GROUPS,
     STUCK_AFTER_MS,
@@ -50,6 +51,7 @@ def _have_java() -> bool:
 
 needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or 21")
 
+import skmq.audit_job.inputs as inputs_module  # noqa: E402
 from py4j.protocol import Py4JError, Py4JNetworkError  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
@@ -61,6 +63,7 @@ from skmq.audit_job.audit import (  # noqa: E402
     Options,
     Progress,
     _compute,
+    compute_report,
     error_line,
     resolve_log_paths,
     run_audit,
@@ -71,7 +74,15 @@ from skmq.audit_job.deliveries import (  # noqa: E402
     delivery_table,
     message_table,
 )
-from skmq.audit_job.inputs import LOG_SCHEMA, BadFile, BadLinesError, check_files  # noqa: E402
+from skmq.audit_job.inputs import (  # noqa: E402
+    LOG_SCHEMA,
+    BadFile,
+    BadLinesError,
+    _simple,
+    all_simple,
+    check_files,
+    read_events,
+)
 from skmq.audit_job.report import fill_buckets  # noqa: E402
 from skmq.audit_job.report_html import COLORS  # noqa: E402
 from skmq.audit_job.session import (  # noqa: E402
@@ -898,6 +909,119 @@ def test_lines_that_are_not_one_json_object_are_bad(spark: SparkSession, tmp_pat
     assert report["input"]["events"] == len(valid)
     assert report["totals"]["messages"] == len(valid)
     assert report["unresolved"]["as_of"] == t
+
+
+def test_simple_files_are_one_object_a_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only files whose every line is one object without a nested value go to Spark's
+    JSON reader: anything it would read otherwise than ``from_json`` is not simple."""
+    one, two = _line(BASE_TS, "stored", "m", "a"), _line(BASE_TS + 1, "acked", "m", "a")
+    simple = [f"{one}\n{two}\n", f"{one}\n{two}", "", "{}", '{"ts": 1, "detail": "é"}\n']
+    assert all(_simple(text.encode()) for text in simple)
+    not_simple = [
+        f"{one}\n\n{two}\n",  # a blank line
+        f"\n{one}\n",
+        f"{one}\r\n{two}\r\n",
+        f"\ufeff{one}\n",  # a byte order mark
+        f" {one}\n",
+        f"{one} \n",
+        f"{one}{two}\n",  # two objects on a line
+        f"[{one}, {two}]\n",
+        one[:-1] + ', "x": {"y": 1}}\n',  # a nested object
+        '{"detail": "a}b"}\n',
+        '{"detail": "[x"}\n',
+        f"{one}\n" + one[:-1],  # a torn last line
+        "not json\n",
+    ]
+    assert not any(_simple(text.encode()) for text in not_simple)
+    assert not _simple(b'{"detail": "\xff"}\n')  # not UTF-8
+    assert not _simple(b'{"ts": 1, "x": "\x00"}\n')
+    # Files are read a block of whole lines at a time: a blank line or a nested value
+    # across two blocks is seen.
+    monkeypatch.setattr(inputs_module, "_SCAN_BYTES", 7)
+    for i, text in enumerate([*simple, *not_simple]):
+        (tmp_path / f"delivery-a-{i}.jsonl").write_text(text, encoding="utf-8")
+        assert all_simple([str(tmp_path / f"delivery-a-{i}.jsonl")]) == (i < len(simple))
+    (tmp_path / "delivery-b.jsonl.gz").write_bytes(gzip.compress(one.encode()))
+    assert not all_simple([str(tmp_path / "delivery-b.jsonl.gz")])
+
+
+@needs_java
+def test_the_json_reader_reads_as_the_text_path(spark: SparkSession, tmp_path: Path) -> None:
+    """Files whose lines are all simple are read by Spark's JSON reader, others as text
+    with from_json: the same report either way, the bad lines' samples included (a
+    valid JSON line that is bad has no text in the JSON reader's rows: its file is read
+    again as text for them). One file that is not simple: all read as text."""
+    builder = LogBuilder(SEED)
+    builder.generate(300)
+    flat = {
+        reason: [line for line in lines if _simple(line.encode())]
+        for reason, lines in BAD_LINES.items()
+    }
+    assert sum(map(len, flat.values())) > 20
+    buckets: list[list[str]] = [[] for _ in range(5)]
+    for i, event in enumerate(builder.events):
+        buckets[i % 5].append(json.dumps(event))
+    for i, line in enumerate(line for lines in flat.values() for line in lines):
+        buckets[i % 3].append(line)  # files 0-2; files 3 and 4 have no bad line
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for i, lines in enumerate(buckets):
+        (logs / f"delivery-b1-{i}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    paths = resolve_log_paths(str(logs))
+    assert all_simple(paths)
+    options = Options(stuck_after_ms=STUCK_AFTER_MS)
+    fast = compute_report(spark, paths, options=options, simple=True)
+    text = compute_report(spark, paths, options=options, simple=False)
+    assert fast.report == text.report
+    assert fast.extras == text.extras
+    bad_lines = fast.report["input"]["bad_lines"]
+    assert bad_lines["by_reason"] == {k: len(v) for k, v in sorted(flat.items()) if v}
+    assert len({s["file"] for s in bad_lines["samples"]}) == 3
+    assert all(s["line"] for s in bad_lines["samples"])
+    assert fast.report["input"]["events"] == len(builder.events)
+    (logs / "delivery-b1-9.jsonl").write_text("[]\n", encoding="utf-8")
+    assert not all_simple(resolve_log_paths(str(logs)))
+
+
+@needs_java
+def test_the_json_reader_reads_each_simple_line_as_from_json(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Line by line, the JSON reader's rows are the text path's (a bad line's text
+    aside, which the JSON reader keeps only for a line it could not read)."""
+    event = '"event": "acked", "msgid": "m", "appid": "a", "kind": "queue", "attempt": 1'
+    lines = [
+        '{"ts": 1760000000000, ' + event + "}",
+        '{"TS": 1760000000000, ' + event + "}",
+        '{"ts": true, ' + event + "}",
+        '{"ts": 1e12, ' + event + "}",
+        '{"ts": 1760000000000.0, ' + event + "}",
+        '{"ts": 01760000000000, ' + event + "}",
+        '{"ts": 9999999999999999999999, ' + event + "}",
+        '{"ts": NaN, ' + event + "}",
+        "{'ts': 1760000000000}",
+        '{"ts": 1760000000000, ' + event + ', "ts": 1760000000001}',
+        '{"ts": 1760000000000, ' + event + ",}",
+        '{"ts": 1760000000000, ' + event + ', "attempt": 2.0}',
+        '{"ts": 1760000000000, ' + event + ', "attempt": 99999999999999999999}',
+        *(
+            '{"ts": 1760000000000, ' + event + f', "msgid": {value}, "detail": {value}}}'
+            for value in ("12.50", "1E2", "-0", "1.0e+3", "false", "null", '"\\u00e9\\"x"')
+        ),
+        '{"ts": 1760000000000, ' + event + ', "detail": "é 漢字 😀\\ud800"}',
+        "{}",
+    ]
+    path = tmp_path / "delivery-a-0.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert all_simple([str(path)])
+    fast = read_events(spark, [str(path)], simple=True).collect()
+    text = read_events(spark, [str(path)], simple=False).collect()
+    assert len(fast) == len(text) == len(lines)
+    for a, b in zip(fast, text, strict=True):
+        untold = a["bad_text"] is None and a["reason"] is not None and a["reason"] != "not_json"
+        assert a.asDict() == b.asDict() | ({"bad_text": None} if untold else {})
 
 
 @needs_java
