@@ -555,21 +555,29 @@ def parse_simple(parsed: DataFrame) -> DataFrame:
     corrupt record)."""
     line = F.col(_CORRUPT)
     fields = [F.col(f.name) for f in _PARSE_SCHEMA.fields]
+    checked = parsed.select(
+        *LOG_FIELDS,
+        line.alias("line"),
+        F.struct(*fields).alias("parsed"),
+        F.lit(True).alias("one_object"),
+        line.isNotNull().alias("suspect"),
+        F.when(line.isNotNull(), F.try_parse_json(line)).alias("recheck"),
+    )
+    return _judged(checked, [F.col(name) for name in LOG_FIELDS])
+
+
+def _judged(checked: DataFrame, fields: Sequence[Column], *keep: str) -> DataFrame:
+    """The lines of ``checked`` (``line``, ``parsed``, ``one_object``, ``suspect``,
+    ``recheck`` and ``keep``) with their event's ``fields``, their ``reason`` and, for
+    bad lines, ``bad_file`` and ``bad_text``: the last steps of both read paths."""
     names = ("line", "parsed", "suspect", "one_object", "recheck", "types")
     reason = F.col("reason")
     return (
-        parsed.select(
-            *LOG_FIELDS,
-            line.alias("line"),
-            F.struct(*fields).alias("parsed"),
-            F.lit(True).alias("one_object"),
-            line.isNotNull().alias("suspect"),
-            F.when(line.isNotNull(), F.try_parse_json(line)).alias("recheck"),
-        )
-        .select("*", _field_types(F.col("recheck")).alias("types"))
+        checked.select("*", _field_types(F.col("recheck")).alias("types"))
         .select(
-            *LOG_FIELDS,
             "line",
+            *keep,
+            *fields,
             _reason({name: F.col(name) for name in names}, int(time.time() * 1000)).alias("reason"),
         )
         .select(
@@ -577,6 +585,7 @@ def parse_simple(parsed: DataFrame) -> DataFrame:
             reason,
             F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
             F.when(reason.isNotNull(), F.substring("line", 1, SAMPLE_CHARS)).alias("bad_text"),
+            *keep,
         )
     )
 
@@ -621,30 +630,12 @@ def parse_lines(raw: DataFrame, *keep: str) -> DataFrame:
         one_object.alias("one_object"),
     )
     suspect = F.col("parsed")[_CORRUPT].isNotNull() | F.col("bracket") | (closes > 1)
-    recheck = F.col("recheck")
-    names = ("line", "parsed", "suspect", "one_object", "recheck", "types")
-    reason = F.col("reason")
-    return (
-        parsed.select(
-            "line",
-            *keep,
-            "parsed",
-            "one_object",
-            suspect.alias("suspect"),
-            F.when(suspect, F.try_parse_json(line)).alias("recheck"),
-        )
-        .select("*", _field_types(recheck).alias("types"))
-        .select(
-            "line",
-            *keep,
-            *(F.col("parsed")[name].alias(name) for name in LOG_FIELDS),
-            _reason({name: F.col(name) for name in names}, int(time.time() * 1000)).alias("reason"),
-        )
-        .select(
-            *LOG_FIELDS,
-            reason,
-            F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
-            F.when(reason.isNotNull(), F.substring("line", 1, SAMPLE_CHARS)).alias("bad_text"),
-            *keep,
-        )
+    checked = parsed.select(
+        "line",
+        *keep,
+        "parsed",
+        "one_object",
+        suspect.alias("suspect"),
+        F.when(suspect, F.try_parse_json(line)).alias("recheck"),
     )
+    return _judged(checked, [F.col("parsed")[name].alias(name) for name in LOG_FIELDS], *keep)
