@@ -375,3 +375,89 @@ async def test_two_stores_of_one_msgid_at_once_store_it_once(wire: Wire, keys: A
     first, second = await asyncio.gather(a.store(msgs("m1"), T), a.store(msgs("m1", "m2"), T))
     assert (first, second) == ([True], [False, True])
     assert await wire.call("XLEN", keys.log) == 2
+
+
+async def drain(o: AppOwner, now: int, batch: int = 2) -> list[bytes]:
+    """Every queue message the owner has, pushed and acked `batch` at a time, as a
+    dispatcher takes them (a refill first); the msgids in the order pushed."""
+    pushed: list[bytes] = []
+    while True:
+        o.queue.tick(now)
+        await o.refill(now, batch)
+        taken = list(o.queue.take(batch, now))
+        if not taken:
+            return pushed
+        for d in taken:
+            o.queue.push(d, "r1", now)
+            o.queue.ack(d.msgid, QUEUE, d.attempt, now)
+            pushed.append(d.msgid)
+        assert len(o.queue.deliveries) <= o.held + batch
+        await o.flush(now)
+
+
+async def test_a_backlog_past_what_is_held_stays_in_the_log_until_its_turn(
+    wire: Wire, keys: AppKeys
+) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    a.held = 4
+    names = [f"m{i}" for i in range(10)]
+    assert await a.store(msgs(*names), T) == [True] * 10
+    assert len(a.queue.deliveries) == 4 and a.backlog == 6
+    assert a.counts(T) == (10, 0, 0)
+    # a msgid the log holds is a duplicate; a keyed or delayed one is held at once
+    assert await a.store(msgs("m7", "m4"), T) == [False, False]
+    await a.store(msgs("k1", key="k"), T)
+    await a.store(msgs("later", deliver_at=T + 1), T)
+    assert len(a.queue.deliveries) == 6 and a.backlog == 6
+    pushed = await drain(a, T + 1)
+    assert [m for m in pushed if m.startswith(b"m")] == [n.encode() for n in names]
+    assert sorted(pushed) == sorted([*[n.encode() for n in names], b"k1", b"later"])
+    assert a.backlog == 0 and not a.live and a.counts(T + 1) == (0, 0, 0)
+    # the backlog over, a store is held at once again
+    await a.store(msgs("m10"), T + 1)
+    assert a.backlog == 0 and list(a.queue.deliveries) == [(b"m10", QUEUE)]
+
+
+async def test_a_new_owner_leaves_the_backlog_in_the_log_and_delivers_each_message_once(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A takeover with a backlog in the log: what the old owner held and settled (a
+    keyed message read as it was stored, behind the backlog, acked before the
+    checkpoint; backlog messages read back and acked after it) is not delivered again;
+    what it had in flight is pushed again; the rest waits in the log, each once."""
+    a = await owner(wire, keys, "A", ["r1"])
+    a.held = 4
+    await a.store(msgs(*[f"m{i}" for i in range(10)]), T)
+    await a.store(msgs("k1", key="k"), T)
+    for d in list(a.queue.take(5, T)):  # m0..m3, k1
+        a.queue.push(d, "r1", T)
+        if d.msgid != b"m3":
+            a.queue.ack(d.msgid, QUEUE, 1, T)
+    await a.flush(T)
+    await a.checkpoint(T)
+    await a.refill(T, 2)  # m4..m9: read back after the checkpoint
+    for d in list(a.queue.take(2, T)):  # m4, m5
+        a.queue.push(d, "r1", T)
+    a.queue.ack(b"m4", QUEUE, 1, T)
+    await a.store(msgs("m10"), T)
+    await a.flush(T)
+    assert a.backlog == 1  # (m10)
+
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    b.held = 4
+    await b.load(T + 1)
+    assert states(b)[(b"m3", QUEUE)] == (State.PENDING, 1)  # pushed again
+    assert states(b)[(b"m5", QUEUE)] == (State.PENDING, 1)
+    assert len(b.queue.deliveries) <= 4 + 2  # (the rest in the log)
+    assert b.counts(T + 1)[0] == 7  # m3, m5..m10
+    assert sorted(await drain(b, T + 1)) == sorted(
+        [b"m3", b"m5", b"m6", b"m7", b"m8", b"m9", b"m10"]
+    )
+    await b.store(msgs("m11"), T + 1)
+    await b.checkpoint(T + 1)
+    # and a third owner, from B's checkpoint: only m11
+    await wire.call("DEL", keys.owner)
+    c = await owner(wire, keys, "C", ["r1"])
+    await c.load(T + 2)
+    assert await drain(c, T + 2) == [b"m11"]

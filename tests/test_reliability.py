@@ -327,6 +327,7 @@ async def rebuild(wire: Wire, keys: AppKeys, now: int) -> AppOwner:
         rebuilt = AppOwner(Journal(wire, keys, Lease("test", 0), DEDUPE_MS), QueuePolicy(), list)
         try:
             await rebuilt.load(now, adopt=False)
+            await rebuilt.refill(now, None)  # (the backlog the log holds, read back)
         except Refused:  # (records after a newer checkpoint, on the older one's state)
             continue
         if await wire.call("GET", keys.checkpoint) == before:

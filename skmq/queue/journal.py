@@ -203,6 +203,7 @@ class Flushed:
     ids: list[bytes | None]  # each message's log entry (GROUPS_ONLY: none), None: a duplicate
     inbox: list[tuple[bytes, list[bytes]]]  # the inbox entries read first (XRANGE's)
     journaled: bytes = b""  # the journal entry written (b"": no records)
+    listed: bool = False  # it set the app's `listed` mark anew: `Journal.list_app` it
 
 
 class Journal:
@@ -248,9 +249,15 @@ class Journal:
         keys += (*k.groups, k.dead_copies)
         reply = await run_script(self.wire, "flush", keys, args)
         _fenced(reply, self.lease, self.keys)
-        if reply[-1] and self.lister is not None:
+        ids = [entry or None for entry in reply[1:-2]]
+        return Flushed(ids, reply[0], reply[-2], bool(reply[-1]))
+
+    async def list_app(self, flushed: Flushed) -> None:
+        """The app in the apps directory, where `flushed` set its mark anew. (Apart from
+        `flush`, so that its caller takes the reply in before it waits again: the log's
+        entries are taken in the order written.)"""
+        if flushed.listed and self.lister is not None:
             await self.lister(self.keys.app)
-        return Flushed([entry or None for entry in reply[1:-2]], reply[0], reply[-2])
 
     async def read_inbox(
         self, now: int, start: bytes, count: int

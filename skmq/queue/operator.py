@@ -61,11 +61,12 @@ def request_of(raw: bytes) -> Request | None:
 
 def oldest_pending(owner: AppOwner) -> int | None:
     """When the oldest message pending (due, waiting for a recipient) was stored (unix
-    ms), or None."""
+    ms), or None. (The backlog the log holds is younger than what is held, but for
+    a message stored before a takeover and held again by a record: by its cursor.)"""
     for d in _waiting(owner):
         if d.state is State.PENDING:
             return d.stored_at
-    return None
+    return int(owner.log_cursor.split(b"-", 1)[0]) or None if owner.backlog else None
 
 
 def _waiting(owner: AppOwner) -> Iterator[Delivery]:
@@ -78,13 +79,14 @@ def _waiting(owner: AppOwner) -> Iterator[Delivery]:
 async def answer_request(owner: AppOwner, request: Request, now: int) -> list[Any]:
     """At the owner: the request done; its reply."""
     if request.op == "peek":
-        return await _peek(owner, request.limit)
+        return await _peek(owner, request.limit, now)
     return await _purge(owner, request, now)
 
 
-async def _peek(owner: AppOwner, limit: int | None) -> list[Any]:
+async def _peek(owner: AppOwner, limit: int | None, now: int) -> list[Any]:
     """[msgid, stored ms, attempts, key, size, preview, due ms (0: now, -1: its key's
     turn)] a waiting message, oldest first."""
+    await owner.refill(now, limit)  # (what the log holds is read back to be shown)
     shown = list(itertools.islice(_waiting(owner), limit))
     await owner.contents(shown)
     seen = [
@@ -114,13 +116,21 @@ def _seen(
 async def _purge(owner: AppOwner, request: Request, now: int) -> list[Any]:
     """[msgid, kind, recipient ('': a queue message)] a delivery purged (on a dry run:
     that would be); flushed before the reply."""
-    before = request.before_ms
-    old_enough = (d for d in _waiting(owner) if before is None or d.stored_at <= before)
-    chosen = list(itertools.islice(old_enough, request.limit))
-    if not request.dry_run and chosen:
-        for d in chosen:
+    before, limit = request.before_ms, request.limit
+    chosen: list[Delivery] = []
+    while True:  # (a purge goes through the log's backlog a read at a time)
+        room = None if limit is None else limit - len(chosen)
+        await owner.refill(now, room if request.dry_run else 0)
+        old_enough = (d for d in _waiting(owner) if before is None or d.stored_at <= before)
+        more = list(itertools.islice(old_enough, room))
+        chosen += more
+        if request.dry_run or not more:
+            break
+        for d in more:
             owner.queue.purge(d.msgid, d.copy, now)
         await owner.flush(now)
+        if not owner.backlog or len(chosen) == limit:
+            break
     return [[d.msgid.decode("latin-1"), "topic" if d.topic else "queue", d.copy] for d in chosen]
 
 

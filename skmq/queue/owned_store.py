@@ -230,8 +230,7 @@ class OwnedStore(Store):
         for i, app in enumerate(apps):
             owner = self._owned(app)
             if owner is not None:  # (this broker's own: as they are now)
-                pending, delayed, in_flight = owner.queue.counts(now)
-                pending += len(owner.unfanned)
+                pending, delayed, in_flight = owner.counts(now)
             else:
                 pending, delayed, in_flight = (int(x or 0) for x in res[2 * i])
             out[app] = AppCounts(pending, delayed, in_flight, int(res[2 * i + 1]))

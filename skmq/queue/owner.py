@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,11 @@ from skmq.store.wire import Wire
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
 CHECKPOINTED = b"k"  # a journal record outside the table: the flush a checkpoint names
 READ_BATCH = 512
+# Queue messages held in memory, waiting, before more stay in the log: past it a plain
+# queue message (no topic, key or delay) costs the owner its msgid alone (`live`, for
+# dedupe) until `refill` reads it back as the line runs short, so that a backlog of a
+# million is a range of the log, not a million deliveries in memory.
+BACKLOG_HELD = 2_048
 # A checkpoint writes the whole state: it is written once the journal and log since the
 # last one hold as many entries as the state has deliveries, or CHECKPOINT_AGE_MS has
 # passed, so that a new owner replays a tail no longer than the state, and a round does
@@ -69,8 +74,10 @@ class AppOwner:
         policy: Policy,
         recipients: Callable[[], Sequence[str]],
         clock: Callable[[], int] = now_ms,
+        held: int = BACKLOG_HELD,
     ) -> None:
         self.journal = journal
+        self.held = held
         self.clock = clock
         self.queue = AppQueue(policy)
         self.recipients = recipients
@@ -78,7 +85,13 @@ class AppOwner:
         # msgids whose store's flush is on its way, and its end: a second store of one
         # waits for it (live, or not, once it is done), as one script a msgid would
         self._storing: dict[bytes, asyncio.Future[None]] = {}
-        self.log_cursor = b"0-0"  # the last log entry materialised
+        # the log: every entry up to `log_cursor` read; after it, `backlog` plain queue
+        # messages not read yet (in `live`, not held), and entries that were read as
+        # they were stored (the rest); `log_last`, the last entry stored
+        self.log_cursor = b"0-0"
+        self.log_last = b"0-0"
+        self.backlog = 0
+        self._refilling = asyncio.Lock()
         self.inbox_cursor = b"0-0"  # the last inbox entry read
         self.fanned: list[bytes] = []  # FANNED records for the next flush
         # topic messages stored while the app had no recipient: fanned out to the first
@@ -152,25 +165,75 @@ class AppOwner:
         for msgid in seen:
             self._storing[msgid] = storing
         try:
-            ids = (await self._flush(now, appended, read_inbox=True, pushes=pushes)).ids
+            flushed = await self._flush(now, appended, read_inbox=True, pushes=pushes)
         finally:
             for msgid in seen:
                 del self._storing[msgid]
             storing.set_result(None)
         stored: dict[bytes, bool] = {}
         pushed: list[Delivery] = []
-        for m, entry in zip(fresh, ids, strict=True):
+        # (No wait from the flush's reply to here: the stores' entries are taken in the
+        # order written, which `backlog` and the log's cursor need.)
+        for m, entry in zip(fresh, flushed.ids, strict=True):
             stored[m.msgid] = entry is not None
             if entry is not None and entry != GROUPS_ONLY:
                 self.live.add(m.msgid)
+                self.log_last = entry
                 e = Entry(entry, m.msgid, m.content, m.meta)
                 rid = plan.get(m.msgid)
-                if rid is None:
-                    self._materialise(e, now)
-                else:
+                if rid is not None:  # (its push record is in the flush)
                     pushed.append(self._materialise_pushed(e, rid, now))
-                self.log_cursor = entry
+                elif in_log(m.meta) and (self.backlog or self._waiting() >= self.held):
+                    self.backlog += 1  # (stays in the log: `refill` reads it)
+                else:
+                    self._materialise(e, now)
+                if not self.backlog:
+                    self.log_cursor = entry
+        await self.journal.list_app(flushed)
         return [stored.pop(m.msgid, False) for m in messages], pushed
+
+    def _waiting(self) -> int:
+        """How long the queue's pending line is (an upper bound: it may hold deliveries
+        that moved on since they joined it)."""
+        line = self.queue.pending.get(QUEUE)
+        return len(line) if line else 0
+
+    async def refill(self, now: int, want: int | None = 0) -> None:
+        """Read back the backlog the log holds (`backlog`), in stored order, until the
+        pending line is `held` + `want` long (None: all of it); nothing while it is at
+        least half that."""
+        if not self.backlog or (want is not None and self._waiting() >= self.held // 2 + want):
+            return
+        async with self._refilling:
+            while self.backlog:
+                short = READ_BATCH if want is None else self.held + want - self._waiting()
+                if short <= 0:
+                    return
+                page = await self.wire.call(
+                    "XRANGE", self.journal.keys.log, b"(" + self.log_cursor, "+",
+                    "COUNT", min(short, READ_BATCH),
+                )  # fmt: skip
+                if not page:  # (none: the log says otherwise while the owner holds it)
+                    self.backlog, self.log_cursor = 0, self.log_last
+                for entry, fields in page:
+                    self._read_back(entry, fields, now)
+
+    def _read_back(self, entry: bytes, fields: list[bytes], now: int) -> None:
+        """One log entry after the cursor: held now if it is the backlog's."""
+        if not self.backlog:
+            return  # (the cursor is past it: read when it was stored)
+        self.log_cursor = entry
+        e = parse_entry(entry, fields)
+        # (not live: over since; held: read when it was stored)
+        if (
+            in_log(e.meta)
+            and e.msgid in self.live
+            and (e.msgid, QUEUE) not in self.queue.deliveries
+        ):
+            self._materialise(e, now)
+            self.backlog -= 1
+            if not self.backlog:  # (what follows it was read when it was stored)
+                self.log_cursor = self.log_last
 
     def _push_plan(
         self, fresh: Sequence[NewMessage], now: int, recipients: Sequence[str]
@@ -180,7 +243,7 @@ class AppOwner:
         to one a recipient slot. One that is not (a topic, a key, a delay, a line break
         its recipient may not read) ends the plan: the dispatcher takes the rest."""
         plan: dict[bytes, str] = {}
-        if not recipients or self.queue.pending.get(QUEUE) or self.unfanned:
+        if not recipients or self.queue.pending.get(QUEUE) or self.unfanned or self.backlog:
             return plan
         for m, rid in zip(fresh, recipients, strict=False):
             meta = m.meta
@@ -196,12 +259,9 @@ class AppOwner:
         self.queue.add_pushed(d, recipient, now)
         return d
 
-    async def flush(
-        self, now: int, appended: Sequence[Appended] = (), read_inbox: bool = False
-    ) -> list[bytes | None]:
-        """One fenced write: `appended` and every record made since the last flush. With
-        `read_inbox`, what other brokers stored before it is materialised first."""
-        return (await self._flush(now, appended, read_inbox)).ids
+    async def flush(self, now: int) -> None:
+        """One fenced write of every record made since the last flush."""
+        await self._flush(now)
 
     async def _flush(
         self,
@@ -314,6 +374,13 @@ class AppOwner:
         for d, reply in zip(missing, replies, strict=True):
             d.content = parse_entry(*reply[0]).content if reply else b""
 
+    def counts(self, now: int) -> tuple[int, int, int]:
+        """(due, not yet due or waiting for their key, in flight), as AppQueue.counts
+        has them, with the backlog the log holds and the topic messages that wait for
+        a first recipient."""
+        due, later, in_flight = self.queue.counts(now)
+        return due + self.backlog + len(self.unfanned), later, in_flight
+
     # -- checkpoints and a new owner ---------------------------------------------
     def checkpoint_due(self, now: int) -> bool:
         """Whether a checkpoint is worth its write now (CHECKPOINT_AGE_MS)."""
@@ -330,12 +397,15 @@ class AppOwner:
         records made after it."""
         held = [(d.entry, d.inbox) for d in self.queue.deliveries.values()]
         held += [(e.entry, inbox) for e, inbox in self.unfanned]
+        # (what follows a cursor is needed still: a backlog unread, a tail to replay)
         oldest = [
-            min((e for e, i in held if i is inbox), key=entry_order, default=_after(cursor))
+            min([e for e, i in held if i is inbox] + [_after(cursor)], key=entry_order)
             for inbox, cursor in ((False, self.log_cursor), (True, self.inbox_cursor))
         ]
         waiting = dump_json([[e.entry.decode(), inbox] for e, inbox in self.unfanned])
-        state = SEP.join((self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting))
+        state = SEP.join(
+            (self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting, self.log_last)
+        )
         self.unchecked, self.checked_at = 0, now
         flushed = await self._flush(now, mark=True)
         await self.journal.checkpoint(state, flushed.journaled, *oldest)
@@ -345,11 +415,13 @@ class AppOwner:
         materialised entries), the journal's records replayed through the table; then
         what was in flight is pushed again (unless not `adopt`: a look at what Redis
         holds, as tests take it, leaves every delivery as recorded, in flight or due).
-        Nothing is written."""
+        A plain queue message of the log's tail that no record names is left there, in
+        the backlog, as its pending delivery would be. Nothing is written."""
         keys = self.journal.keys
         saved = await self.wire.call("GET", keys.checkpoint)
         if saved:
-            self.log_cursor, self.inbox_cursor, snapshot, waiting = saved.split(SEP, 3)
+            self.log_cursor, self.inbox_cursor, snapshot, waiting, *last = saved.split(SEP, 4)
+            self.log_last = last[0] if last else self.log_cursor  # (a checkpoint before it)
             self.queue.restore(snapshot, now)
             for d in self.queue.deliveries.values():
                 self.live.add(d.msgid)
@@ -367,22 +439,31 @@ class AppOwner:
                     fanned[msgid] = names.decode().split(",") if names else []
                 else:
                     records.append(raw)
+        named = {raw.split(SEP, 3)[1] for raw in records}
         # both streams after the checkpoint, in the order they were written (an inbox
         # entry first in a tie: the old owner read it before it wrote its next log entry)
         entries = [
-            (entry_order(entry), inbox, entry, fields)
-            for inbox, stream, cursor in (
-                (True, keys.inbox, self.inbox_cursor),
-                (False, keys.log, self.log_cursor),
-            )
-            for entry, fields in await self._read_all(stream, b"(" + cursor, now if inbox else None)
+            (entry_order(entry), True, entry, fields)
+            for entry, fields in await self._read_all(keys.inbox, b"(" + self.inbox_cursor, now)
         ]
+        tail, parked = 0, set()
+        read_before = entry_order(self.log_last)  # (the checkpoint's last store)
+        async for entry, fields in self._log_after(self.log_cursor):
+            tail += 1
+            self.log_last = entry
+            e = parse_entry(entry, fields)
+            if e.msgid in self.live or e.msgid in parked:
+                continue
+            if in_log(e.meta) and e.msgid not in named:
+                parked.add(e.msgid)  # (the backlog's: `refill` reads it back)
+            elif in_log(e.meta) or entry_order(entry) > read_before:
+                entries.append((entry_order(entry), False, entry, fields))
+            # (else read as it was stored, before the checkpoint, and over since)
+        self.backlog = len(parked)
         entries.sort(key=lambda e: (e[0], not e[1]))
         for _, inbox, entry, fields in entries:
             if inbox:
                 self.inbox_cursor = entry
-            else:
-                self.log_cursor = entry
             if is_question(fields):
                 continue  # (its asker heard no verdict and sends it again)
             if inbox and fields[-2:] == SEEN:
@@ -392,14 +473,18 @@ class AppOwner:
                 self.live.add(e.msgid)
                 copies = fanned.get(e.msgid) if e.meta.topic else None
                 self._materialise(e, now, inbox, copies)
+        if not self.backlog:
+            self.log_cursor = self.log_last
         for record in parse_records(END.join(records)) if records else ():
             self.queue.apply(*record, now)
-        self.unchecked = len(records) + len(entries)  # (a long tail: checkpoint it soon)
+        self.unchecked = len(records) + len(entries) + tail  # (a long tail: checkpoint it soon)
         if adopt:
             self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
             self.queue.tick(now)
         self.live = {d.msgid for d in self.queue.deliveries.values()}
         self.live.update(e.msgid for e, _ in self.unfanned)
+        self.live.update(parked)
+        await self.refill(now)
 
     async def _restore_unfanned(self, waiting: list[tuple[str, bool]]) -> None:
         """The topic messages a checkpoint says wait for a first recipient."""
@@ -412,6 +497,16 @@ class AppOwner:
                 e = parse_entry(*reply[0])
                 self.unfanned.append((e, inbox))
                 self.live.add(e.msgid)
+
+    async def _log_after(self, cursor: bytes) -> AsyncIterator[tuple[bytes, list[bytes]]]:
+        """The log's entries after `cursor`, a page at a time (a backlog of a million is
+        read, not held)."""
+        while page := await self.wire.call(
+            "XRANGE", self.journal.keys.log, b"(" + cursor, "+", "COUNT", READ_BATCH
+        ):
+            for item in page:
+                yield item
+            cursor = page[-1][0]
 
     async def _read_all(
         self, stream: str, start: bytes, inbox_at: int | None = None
@@ -428,6 +523,12 @@ class AppOwner:
             if len(page) < READ_BATCH:
                 return out
             start = b"(" + page[-1][0]
+
+
+def in_log(meta: Meta) -> bool:
+    """Whether a message may wait in the log, unread, behind a backlog: a queue message
+    with no key (its turn is its key's) and no delay (its time is its own)."""
+    return not (meta.topic or meta.key or meta.only or meta.deliver_at)
 
 
 def _delivery(e: Entry, copy: str, inbox: bool = False) -> Delivery:

@@ -188,6 +188,7 @@ class Owners:
         q = owner.queue
         if app in self.unread:
             await self.read_inbox(app, now)
+        await owner.refill(now, len(assignment))
         self._tick(app, owner, now)
         owner.fan_out(now)
         rate_wait = 0.0

@@ -224,7 +224,7 @@ class OwnerRuntime:
             async with asyncio.timeout(self.lease_ms / 3000):
                 if owner.checkpoint_due(now):
                     await owner.checkpoint(now)
-                due, later, in_flight = owner.queue.counts(now)
+                due, later, in_flight = owner.counts(now)
                 oldest = oldest_pending(owner) or ""
                 counted = ("pending", due, "delayed", later, "in_flight", in_flight)
                 stats = owner.journal.keys.stats
