@@ -461,3 +461,26 @@ async def test_a_new_owner_leaves_the_backlog_in_the_log_and_delivers_each_messa
     c = await owner(wire, keys, "C", ["r1"])
     await c.load(T + 2)
     assert await drain(c, T + 2) == [b"m11"]
+
+
+async def test_stores_are_taken_in_in_the_order_written_while_a_new_app_is_listed(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """The first store of an app lists it in the apps directory, a wait after its write:
+    a second store written meanwhile is taken in after it all the same, so that what
+    each leaves in the log is behind the cursor's next read, none passed over."""
+    second_done = asyncio.Event()
+
+    async def lister(app: str) -> None:
+        await second_done.wait()
+
+    lease = await acquire(wire, keys, "A", LEASE)
+    assert lease is not None
+    a = AppOwner(Journal(wire, keys, lease, DEDUPE, lister), POLICY, lambda: ["r1"], lambda: T)
+    a.held = 4
+    first = asyncio.create_task(a.store(msgs(*[f"m{i}" for i in range(6)]), T))
+    second = asyncio.create_task(a.store(msgs(*[f"n{i}" for i in range(6)]), T))
+    assert await second == [True] * 6
+    second_done.set()
+    assert await first == [True] * 6
+    assert await drain(a, T) == [f"{p}{i}".encode() for p in "mn" for i in range(6)]
