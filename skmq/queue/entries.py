@@ -70,6 +70,8 @@ class Entry:
 
 def parse_entry(entry: bytes, fields: list[bytes]) -> Entry:
     """An entry of XRANGE's reply: its id and [b"m", msgid, b"c", content(, b"h", h)]."""
+    if len(fields) == 4 and fields[0] == b"m" and fields[2] == b"c":  # (most: a plain one)
+        return Entry(entry, fields[1], fields[3], PLAIN)
     values = dict(zip(fields[::2], fields[1::2], strict=True))
     return Entry(entry, values[b"m"], values[b"c"], decode_header(values.get(b"h", b"")))
 
