@@ -60,7 +60,7 @@ from skmq.store import (
 from skmq.store.checks import check_persistence
 from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
-from skmq.store.engine_mark import claim_engine
+from skmq.store.engine_mark import claim_engine, engine_of
 from skmq.supervisor import Supervisor
 from skmq.throughput import Throughput
 from skmq.workers.engine import Engine
@@ -199,6 +199,9 @@ class Broker:
         self.supervisor.start("store-clock", clock.run)
         self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
         self.supervisor.start("eviction-watch", self.eviction.run)
+        if "engine" not in s.model_fields_set:  # (unset: the store's, else the default)
+            engine = await engine_of(self.redis, s.key_prefix, s.engine)
+            s = self.settings = s.model_copy(update={"engine": engine})
         self.store = make_store(s, self.redis)
         await self.store.adopt_legacy_apps()
         await claim_engine(self.redis, s.key_prefix, s.engine)

@@ -331,11 +331,12 @@ class Settings(BaseSettings):
         description="Seconds to wait for REPLICA_ACKS replicas; fewer: the producer gets error",
     )
     engine: Literal["scripts", "owner"] = Field(
-        "scripts",
-        description="The delivery engine: scripts (a Redis script a transition, any broker "
-        "runs any) or owner (experimental: each app's queue held by one broker, its state "
-        "in memory, written in fenced batches: docs/OWNER-DESIGN.md). Every broker of a "
-        "store runs the same",
+        "owner",
+        description="The delivery engine: owner (each app's queue held by one broker, its "
+        "state in memory, written in fenced batches: docs/OWNER-DESIGN.md) or scripts (a "
+        "Redis script a transition, any broker runs any: a store written before owner was "
+        "the default). Every broker of a store runs the same; unset, a broker runs the "
+        "one its store's data is written by",
     )
     owner_lease: Seconds = Field(
         5.0,

@@ -32,7 +32,7 @@ from skmq.store.wire import Wire
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 # The delivery engine the suite runs on (SKMQ_ENGINE; docs/OWNER-DESIGN.md).
-ENGINE = os.environ.get("SKMQ_ENGINE", "scripts")
+ENGINE = os.environ.get("SKMQ_ENGINE", Settings.model_fields["engine"].default)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:

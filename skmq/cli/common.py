@@ -45,7 +45,7 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
         redis = connect_redis(url)
         try:
             await wait_loaded(redis, settings.redis_wait)
-            engine = await engine_of(redis, settings.key_prefix)  # (as its brokers run)
+            engine = await engine_of(redis, settings.key_prefix, settings.engine)
             yield make_store(settings.model_copy(update={"engine": engine}), redis)
         finally:
             await redis.aclose()

@@ -9,28 +9,33 @@ from skmq.errors import Misconfigured
 from skmq.store.client import RedisClient, text
 from skmq.store.directory import AppDirectory
 
-DEFAULT = "scripts"
+LEGACY = "scripts"  # the engine of a store written before the mark (every version before)
 
 
 def mark_key(prefix: str) -> str:
     return f"{prefix}:engine"
 
 
-async def engine_of(redis: RedisClient, prefix: str) -> str:
-    """The engine the store's data is written by."""
+async def written_by(redis: RedisClient, prefix: str) -> str | None:
+    """The engine the store's data is written by; None: a new store (no mark, no app)."""
     mark = await redis.get(mark_key(prefix))
-    return text(mark) if mark else DEFAULT
+    if mark:
+        return text(mark)
+    return LEGACY if await AppDirectory(redis, prefix).members() else None
+
+
+async def engine_of(redis: RedisClient, prefix: str, new: str) -> str:
+    """The engine to run on the store: the one its data is written by, or `new`."""
+    return await written_by(redis, prefix) or new
 
 
 async def claim_engine(redis: RedisClient, prefix: str, engine: str) -> None:
     """Mark a new store with `engine`; refuse one whose data another engine wrote."""
-    mark = await redis.get(mark_key(prefix))
-    if mark is None:
-        held = bool(await AppDirectory(redis, prefix).members())
-        await redis.set(mark_key(prefix), DEFAULT if held else engine, nx=True)
-        mark = await redis.get(mark_key(prefix))
-    if text(mark) != engine:
+    # (a store of an earlier version marked as what it is; two new brokers: the first)
+    await redis.set(mark_key(prefix), await written_by(redis, prefix) or engine, nx=True)
+    written = text(await redis.get(mark_key(prefix)))
+    if written != engine:
         raise Misconfigured(
-            f"the store (KEY_PREFIX {prefix!r}) holds data of ENGINE={text(mark)}; this "
+            f"the store (KEY_PREFIX {prefix!r}) holds data of ENGINE={written}; this "
             f"broker runs ENGINE={engine}: run every broker of a store with one engine"
         )
