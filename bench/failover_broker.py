@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--down", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=400.0)
     parser.add_argument("--full-coverage", choices=("yes", "no"), default="no")
-    parser.add_argument("--engine", choices=("scripts", "owner"), default="scripts")
+    parser.add_argument("--engine", choices=("scripts", "owner"), default="owner")
     parser.add_argument("--keep", type=Path, help="a directory to keep the logs in")
     args = parser.parse_args()
     if args.keep:

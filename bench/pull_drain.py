@@ -406,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engine",
         choices=["scripts", "owner"],
-        default="scripts",
+        default="owner",
         help="SKMQ_ENGINE of the broker",
     )
     p.add_argument("--systems", default="skmq-tcp,skmq-http,nats")
