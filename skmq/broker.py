@@ -309,6 +309,7 @@ class Broker:
         log.info(
             "broker listening",
             **self.listening_addresses(),
+            engine=s.engine,
             auth="on" if self.tokens is not None else "off",
             signed_pushes=self.signer is not None,
             broker=self.broker_id,
