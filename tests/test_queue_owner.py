@@ -12,6 +12,7 @@ from skmq.queue.deliveries import QUEUE, Policy
 from skmq.queue.entries import Meta
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, acquire, append
 from skmq.queue.lifecycle import State
+from skmq.queue.operator import Request, answer_request
 from skmq.queue.owner import AppOwner, NewMessage
 from skmq.store.wire import Wire
 
@@ -484,3 +485,26 @@ async def test_stores_are_taken_in_in_the_order_written_while_a_new_app_is_liste
     second_done.set()
     assert await first == [True] * 6
     assert await drain(a, T) == [f"{p}{i}".encode() for p in "mn" for i in range(6)]
+
+
+async def test_peek_and_purge_reach_the_backlog_the_log_holds(wire: Wire, keys: AppKeys) -> None:
+    a = await owner(wire, keys, "A", ["r1"])
+    a.held = 4
+    names = [f"m{i}".encode() for i in range(10)]
+    await a.store(msgs(*(n.decode() for n in names)), T)
+    peeked = await answer_request(a, Request("peek", 2), T)
+    assert [row[0].encode() for row in peeked] == names[:2]
+    assert a.backlog == 6  # (what is held shows them: nothing read back)
+    purged = await answer_request(a, Request("purge", None), T)  # (a read at a time)
+    assert [row[0].encode() for row in purged] == names
+    assert a.backlog == 0 and not a.live and a.counts(T) == (0, 0, 0)
+    more = [f"n{i}".encode() for i in range(10)]
+    await a.store(msgs(*(n.decode() for n in more)), T)
+    dry = await answer_request(a, Request("purge", None, dry_run=True), T)
+    assert [row[0].encode() for row in dry] == more
+    assert a.counts(T) == (10, 0, 0)  # (a dry run purges nothing)
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    await b.load(T)
+    assert b.counts(T) == (10, 0, 0)  # (the purge is journaled: only the n's come back)
+    assert sorted(await drain(b, T)) == more

@@ -267,6 +267,19 @@ class AppQueue:
         finally:
             self.recording = recording
 
+    def drop_moved(self) -> None:
+        """The pending lines without the deliveries that moved on since they joined
+        (`take` skips them as it meets them; after a purge, at once: the line's length
+        is what `AppOwner.refill` goes by)."""
+        for copy, line in self.pending.items():
+            kept: collections.deque[Delivery] = collections.deque()
+            for d in line:
+                if d.state is State.PENDING:
+                    kept.append(d)
+                else:
+                    d.in_line = False
+            self.pending[copy] = kept
+
     def put_back(self, d: Delivery) -> None:
         """A delivery `take` gave that the caller could not push now: first again."""
         self._line(d.copy).appendleft(d)

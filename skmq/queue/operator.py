@@ -128,6 +128,7 @@ async def _purge(owner: AppOwner, request: Request, now: int) -> list[Any]:
             break
         for d in more:
             owner.queue.purge(d.msgid, d.copy, now)
+        owner.queue.drop_moved()
         await owner.flush(now)
         if not owner.backlog or len(chosen) == limit:
             break
