@@ -61,8 +61,8 @@ def request_of(raw: bytes) -> Request | None:
 
 def oldest_pending(owner: AppOwner) -> int | None:
     """When the oldest message pending (due, waiting for a recipient) was stored (unix
-    ms), or None. (The backlog the log holds is younger than what is held, but for
-    a message stored before a takeover and held again by a record: by its cursor.)"""
+    ms), or None. (Nothing pending held but a backlog in the log: the time of the log's
+    cursor, no later than the backlog's first message.)"""
     for d in _waiting(owner):
         if d.state is State.PENDING:
             return d.stored_at
