@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from skmq.console import PEEK_MAX, preview
 from skmq.events import PENDING_PURGED
 from skmq.store import AliveRecipient, NewMessage, Purged, Retries, Store
 from skmq.throughput import Throughput
-from tests.conftest import BrokerFactory, eventually, free_port
+from tests.conftest import ENGINE, BrokerFactory, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 from tests.test_cli_ops import one_line, skmq
 from tests.test_delivery import log_events
@@ -33,9 +32,7 @@ Cli = Callable[..., Awaitable[tuple[int, str, str]]]
 
 # A test that stores at a time of its own (`stored`, backdated) reads ages and picks by
 # them: ENGINE=owner stamps a message with the time its log entry was written.
-backdated = pytest.mark.skipif(
-    os.environ.get("SKMQ_ENGINE") == "owner", reason="stores at a time of its own"
-)
+backdated = pytest.mark.skipif(ENGINE == "owner", reason="stores at a time of its own")
 
 
 @pytest.fixture

@@ -30,13 +30,11 @@ from skmq.embedded import EmbeddedRedis, _write_private
 from skmq.events import Event
 from skmq.store.engine_mark import mark_key
 from skmq.supervisor import Supervisor
-from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
+from tests.conftest import ENGINE, BrokerFactory, BrokerProcess, eventually, free_port
 from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import log_events
 from tests.test_metrics import http_get
-
-ENGINE = os.environ.get("SKMQ_ENGINE", "scripts")  # the suite runs on either engine
 
 
 def metric(text: str, line_start: str) -> float | None:
