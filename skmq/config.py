@@ -343,6 +343,14 @@ class Settings(BaseSettings):
         description="ENGINE=owner: seconds an app's owner holds it without renewing; a "
         "broker that dies loses its apps to the others within this",
     )
+    backlog_held: int = Field(
+        2048,
+        ge=1,
+        le=1_000_000,
+        description="ENGINE=owner: queue messages an app's owner holds in memory, waiting; "
+        "past it a plain queue message waits in Redis's log, its owner keeping its msgid "
+        "alone, and is read back in order as those held go (memory against a read back)",
+    )
     # The broker's own health: shutdown, supervision, its log, /metrics.
     shutdown_timeout: Wait = Field(
         5.0,

@@ -23,7 +23,10 @@ import redis.asyncio as aioredis
 from skmq.broker import Broker
 from skmq.clock import now_ms
 from skmq.codec import PONG, Decoder, Frame, InvalidFrame, encode_frame
+from skmq.config import Settings
 from skmq.logarchive import log_files, read_lines
+from skmq.queue.owned_store import OwnedStore
+from skmq.queue.owner import BACKLOG_HELD
 from skmq.store import AppCounts
 from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.peers import WAIT, FakeRecipient, RawClient
@@ -453,6 +456,28 @@ async def test_messages_produced_before_any_recipient_wait_for_one(
     await registered(broker.server.port, rec)
     frames = [await rec.next_push() for _ in ids]
     assert sorted(f.fields["msgid"] for f in frames) == ids
+    await settle(redis, broker, app)
+
+
+async def test_an_owner_holds_backlog_held_messages_and_leaves_the_rest_in_the_log(
+    make_broker: BrokerFactory, redis: aioredis.Redis
+) -> None:
+    """BACKLOG_HELD (ENGINE=owner): past it, a message waits in Redis's log and its owner
+    keeps its msgid alone; every one is counted, and pushed in order as those held go."""
+    assert Settings().backlog_held == BACKLOG_HELD
+    broker = await make_broker(engine="owner", backlog_held=8)
+    app = "deep"
+    ids = [f"d{i:02}" for i in range(50)]
+    await produce(broker.server.port, app, ids)
+    assert isinstance(broker.store, OwnedStore) and broker.store.owners is not None
+    owner = broker.store.owners.owned[app]
+    assert (len(owner.queue.deliveries), owner.backlog) == (8, 42)
+    assert (await counts(broker, app)).pending == 50
+    rec = FakeRecipient(app, "r")
+    await rec.start()
+    await registered(broker.server.port, rec)
+    frames = [await rec.next_push() for _ in ids]
+    assert [f.fields["msgid"] for f in frames] == ids
     await settle(redis, broker, app)
 
 

@@ -19,7 +19,7 @@ from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, Lister, append
 from skmq.queue.lifecycle import Refused, State, Trigger
-from skmq.queue.owner import AppOwner, observed
+from skmq.queue.owner import BACKLOG_HELD, AppOwner, observed
 from skmq.queue.owner import NewMessage as Stored
 from skmq.stall import STALL
 from skmq.store.client import ENC, text
@@ -107,6 +107,7 @@ class Owners:
     settling: Callable[[], bool] = lambda: False
     # lists an app in the apps directory when a store set its mark anew
     lister: Lister | None = None
+    backlog_held: int = BACKLOG_HELD  # (BACKLOG_HELD: an owner's queue messages in memory)
     owned: dict[str, AppOwner] = field(default_factory=dict)
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
@@ -132,6 +133,7 @@ class Owners:
             Journal(wire, keys, lease, self.dedupe_ms, self.lister),
             self.policy,
             lambda: self.recipients_of(app),
+            held=self.backlog_held,
         )
         await owner.load(now)
         self.owned[app] = owner

@@ -72,6 +72,7 @@ class OwnerRuntime:
             linger=settings.ack_linger,
             settling=engine.stalls.settling,
             lister=lambda app: store.directory.add([app]),
+            backlog_held=settings.backlog_held,
         )
         self.lease_ms = int(settings.owner_lease * 1000)
         self.ownership = Ownership(
