@@ -448,7 +448,7 @@ class AppOwner:
         ]
         tail, parked = 0, set()
         read_before = entry_order(self.log_last)  # (the checkpoint's last store)
-        async for entry, fields in self._log_after(self.log_cursor):
+        async for entry, fields in self._read(keys.log, b"(" + self.log_cursor):
             tail += 1
             self.log_last = entry
             e = parse_entry(entry, fields)
@@ -498,31 +498,28 @@ class AppOwner:
                 self.unfanned.append((e, inbox))
                 self.live.add(e.msgid)
 
-    async def _log_after(self, cursor: bytes) -> AsyncIterator[tuple[bytes, list[bytes]]]:
-        """The log's entries after `cursor`, a page at a time (a backlog of a million is
-        read, not held)."""
-        while page := await self.wire.call(
-            "XRANGE", self.journal.keys.log, b"(" + cursor, "+", "COUNT", READ_BATCH
-        ):
-            for item in page:
-                yield item
-            cursor = page[-1][0]
-
-    async def _read_all(
+    async def _read(
         self, stream: str, start: bytes, inbox_at: int | None = None
-    ) -> list[tuple[bytes, list[bytes]]]:
-        """A stream from `start`; the inbox (`inbox_at`: now) as its owner reads it, the
-        entries of a msgid that has ended marked (Journal.read_inbox)."""
-        out: list[tuple[bytes, list[bytes]]] = []
+    ) -> AsyncIterator[tuple[bytes, list[bytes]]]:
+        """A stream from `start`, a page at a time (a backlog of a million is read, not
+        held); the inbox (`inbox_at`: now) as its owner reads it, the entries of a msgid
+        that has ended marked (Journal.read_inbox)."""
         while True:
             if inbox_at is not None:
                 page = await self.journal.read_inbox(inbox_at, start, READ_BATCH)
             else:
                 page = await self.wire.call("XRANGE", stream, start, "+", "COUNT", READ_BATCH)
-            out.extend(page)
+            for item in page:
+                yield item
             if len(page) < READ_BATCH:
-                return out
+                return
             start = b"(" + page[-1][0]
+
+    async def _read_all(
+        self, stream: str, start: bytes, inbox_at: int | None = None
+    ) -> list[tuple[bytes, list[bytes]]]:
+        """`_read`'s entries, held."""
+        return [item async for item in self._read(stream, start, inbox_at)]
 
 
 def in_log(meta: Meta) -> bool:
