@@ -412,8 +412,12 @@ async def test_a_broker_killed_on_a_full_data_disk_starts_again_with_its_message
             await asyncio.to_thread(broker_process.start)
             log = broker_process.log_path.read_text()
             assert "its info file is not written" in log and "Traceback" not in log, log
-            _, text = await http_get(mport, "/metrics")
-            assert metric(text, 'skmq_pending_messages{app="full"}') == 1.0
+
+            async def counted() -> bool:  # (ENGINE=owner: once the new start owns the app)
+                _, text = await http_get(mport, "/metrics")
+                return metric(text, 'skmq_pending_messages{app="full"}') == 1.0
+
+            await eventually(counted, 10)
         finally:
             if broker_process.proc is not None and broker_process.proc.poll() is None:
                 broker_process.proc.kill()
