@@ -262,6 +262,10 @@ class BrokerProcess:
             log.close()
             try:
                 wait_listening(self.port, self.proc, ready=answers_ping)
+                # The protocol port answers first; the HTTP gateway and /metrics follow.
+                for other in ("SKMQ_HTTP_PORT", "SKMQ_METRICS_PORT"):
+                    if int(self.env.get(other) or 0):
+                        wait_listening(int(self.env[other]), self.proc)
                 return self
             except RuntimeError:
                 if not port_was_taken(self.log_path):
