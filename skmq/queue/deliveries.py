@@ -112,7 +112,11 @@ class AppQueue:
     _seq: int = 0
 
     # -- the table ---------------------------------------------------------
-    def _move(self, d: Delivery, trigger: Trigger, now: int, extra: str = "") -> Change:
+    def _move(
+        self, d: Delivery, trigger: Trigger, now: int, extra: str = "", timed: bool = True
+    ) -> Change:
+        """One transition by the table (`timed` False: a timed state left again at once,
+        as an adopted retry due now, gets no timer entry)."""
         source = d.state
         rule = step(source, trigger)
         d.state = rule.target
@@ -122,7 +126,7 @@ class AppQueue:
         if target is State.PENDING and not d.in_line:
             self._line(d.copy).append(d)
             d.in_line = True
-        elif target in TIMED:
+        elif target in TIMED and timed:
             self._timer(d)
         if target in OVER:
             self._over(d, now)
@@ -384,16 +388,18 @@ class AppQueue:
     def adopt(self, now: int) -> list[Change]:
         """After a takeover: what the old owner had in flight is pushed again now (its
         push connections are gone with it), the attempt counted, or dead when that was
-        the last one."""
+        the last one: the failed attempts (retry or give_up), for the delivery log."""
         changes = []
+        error = "timeout: its owner stopped"
+        retried = f"{now} {error}"
         for d in [d for d in self.deliveries.values() if d.state is State.IN_FLIGHT]:
-            d.error = "timeout: its owner stopped"
+            d.error = error
             if d.attempt >= self.policy.retry_times:
-                changes.append(self._move(d, Trigger.GIVE_UP, now, d.error))
+                changes.append(self._move(d, Trigger.GIVE_UP, now, error))
             else:
                 d.due = now
-                changes.append(self._move(d, Trigger.RETRY, now, f"{now} {d.error}"))
-                changes.append(self._move(d, Trigger.DUE, now))
+                changes.append(self._move(d, Trigger.RETRY, now, retried, timed=False))
+                self._move(d, Trigger.DUE, now)
         self._compact_timers()
         return changes
 

@@ -39,7 +39,7 @@ from skmq.queue.entries import (
     parse_entry,
 )
 from skmq.queue.journal import GROUPS_ONLY, Appended, Flushed, Journal
-from skmq.queue.lifecycle import State, Trigger
+from skmq.queue.lifecycle import State
 from skmq.store.wire import Wire
 
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
@@ -57,7 +57,6 @@ BACKLOG_HELD = 2_048
 # every round that wrote anything: its log trimmed, an app that holds nothing forgotten.)
 CHECKPOINT_AGE_MS = 60_000
 SEEN = [b"seen", b"1"]  # the fields lib.lua's mark_seen adds to an inbox entry read
-ADOPTED = (Trigger.RETRY, Trigger.GIVE_UP)  # an attempt the old owner had in flight, failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,7 +478,7 @@ class AppOwner:
             self.queue.apply(*record, now)
         self.unchecked = len(records) + len(entries) + tail  # (a long tail: checkpoint it soon)
         if adopt:
-            self.adopted = [c for c in self.queue.adopt(now) if c.trigger in ADOPTED]
+            self.adopted = self.queue.adopt(now)
             self.queue.tick(now)
         self.live = {d.msgid for d in self.queue.deliveries.values()}
         self.live.update(e.msgid for e, _ in self.unfanned)

@@ -212,18 +212,23 @@ class OwnerRuntime:
                 self.apps = await self.store.apps()
         except TROUBLE as exc:  # (a node of the directory in trouble: the apps read last)
             log.warning("apps directory not read", error=repr(exc))
+        before = set(self.owners.owned)
         await self.ownership.take_all(self.apps, now_ms())
         owned = list(self.owners.owned.items())
-        await asyncio.gather(*(self._checkpoint(app, owner) for app, owner in owned))
+        await asyncio.gather(
+            *(self._checkpoint(app, owner, app not in before) for app, owner in owned)
+        )
 
-    async def _checkpoint(self, app: str, owner: AppOwner) -> None:
+    async def _checkpoint(self, app: str, owner: AppOwner, just_taken: bool) -> None:
         """The app's checkpoint when one is due (AppOwner.checkpoint_due) and its counts
         for status, within a third of the lease (its node in trouble holds up no other
-        app)."""
+        app). An app `just_taken` in this round is checkpointed in the next: its
+        dispatcher pushes again what the old owner had in flight first (a checkpoint of
+        100,000 deliveries is some 0.1 s of CPU and a 10 MB write)."""
         now = now_ms()
         try:
             async with asyncio.timeout(self.lease_ms / 3000):
-                if owner.checkpoint_due(now):
+                if not just_taken and owner.checkpoint_due(now):
                     await owner.checkpoint(now)
                 due, later, in_flight = owner.counts(now)
                 oldest = oldest_pending(owner) or ""
