@@ -25,6 +25,12 @@ Scenarios, each system in turn (a fresh `skmq serve`, or a fresh NATS stream, ea
 Server CPU is user+system time over the scenario: SKMQ's broker process and its
 embedded redis-server; NATS's nats-server process (shared with whatever else uses
 it: its delta over the run counts their work too).
+
+Where a drain's time went (Linux), as shares of its wall time: the machine's idle CPU
+(of all its CPUs), and for SKMQ the broker's event-loop thread and Redis's main thread,
+each the time it ran on a CPU and the time it waited, runnable, for one
+(/proc/PID/schedstat). A single-threaded server that waits for a CPU while the machine
+has idle CPU is held back by where the scheduler put it, not by the broker's code.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import uvloop
 
 from bench.harness import BenchError, Child, LoadPlan, latency_summary, run_load
@@ -141,6 +148,10 @@ class Row:
     lost: int | None = None
     duplicates: int = 0
     error: str | None = None
+    # drain: shares (%) of its wall time: the machine's idle CPU; SKMQ's broker loop and
+    # Redis main thread, time run and time waited runnable for a CPU (None: not measured)
+    idle_pct: float | None = None
+    sched_pct: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def server_cpu_us(self) -> float | None:
@@ -155,6 +166,28 @@ def per_message(
     """CPU µs a message of one server process (None: not measured)."""
     x, y = before.get(key), after.get(key)
     return None if x is None or y is None else (y - x) * 1e6 / max(basis, 1)
+
+
+Window = tuple[float, float, dict[str, tuple[float, float] | None]]
+
+
+def _window(system: System) -> Window:
+    """Now (monotonic), the machine's idle CPU seconds (all CPUs), and the SKMQ
+    servers' schedstat."""
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    return time.monotonic(), idle, system.sched() if isinstance(system, SkmqPull) else {}
+
+
+def _time_went(row: Row, before: Window, after: Window) -> None:
+    """Row's idle_pct and sched_pct over the window between `before` and `after`."""
+    wall = max(after[0] - before[0], 1e-9)
+    row.idle_pct = 100 * (after[1] - before[1]) / (wall * (os.cpu_count() or 1))
+    for key, start in before[2].items():
+        end = after[2].get(key)
+        if start is not None and end is not None:
+            ran, waited = (100 * (e - s) / wall for s, e in zip(start, end, strict=True))
+            row.sched_pct[key] = (ran, waited)
 
 
 async def store_backlog(system: System, args: argparse.Namespace, workdir: Path) -> int:
@@ -197,6 +230,7 @@ async def drain(system: System, args: argparse.Namespace, scenario: str, workdir
         for child in consumers:
             await child.wait_event("ready", 30)
         cpu0 = system.cpu()
+        window0 = _window(system)
         for child in consumers:
             child.send("go")
         deadline = time.monotonic() + args.drain_time
@@ -207,6 +241,7 @@ async def drain(system: System, args: argparse.Namespace, scenario: str, workdir
                 break
             await asyncio.sleep(0.05)
         cpu1 = system.cpu()
+        _time_went(row, window0, _window(system))
         for child in consumers:
             child.send("stop")
         results = [await c.result(30) for c in consumers]
@@ -319,6 +354,20 @@ def table(rows: list[Row]) -> list[str]:
     return lines
 
 
+def time_went(rows: list[Row]) -> list[str]:
+    """The drains' shares of wall time: idle CPU, and SKMQ's servers ran / waited."""
+    lines = []
+    for r in rows:
+        if r.error or r.idle_pct is None:
+            continue
+        servers = "".join(
+            f"; {key} ran {ran:.0f}%, waited for a CPU {waited:.0f}%"
+            for key, (ran, waited) in r.sched_pct.items()
+        )
+        lines.append(f"{r.scenario:<12} {r.system:<10} machine idle {r.idle_pct:.0f}%{servers}")
+    return lines
+
+
 def ratios(rows: list[Row]) -> list[str]:
     """SKMQ's rows against NATS's of the same scenario (drain-gather, drain-each: NATS's drain)."""
     nats = {r.scenario: r for r in rows if r.system == "nats" and not r.error}
@@ -373,6 +422,10 @@ async def amain(args: argparse.Namespace) -> int:
         f"({os.cpu_count()} CPUs)",
         "",
         *table(rows),
+        "",
+        "Over each drain, shares of its wall time (idle: of all CPUs; the broker's event-loop "
+        "and Redis's main thread):",
+        *time_went(rows),
         "",
         "SKMQ / NATS (msg/s: above 1 is faster; server CPU a message: below 1 is cheaper)",
         *ratios(rows),

@@ -45,6 +45,17 @@ async def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
 RSS_TREE_REFRESH = 5.0
 
 
+def schedstat(pid: int) -> tuple[float, float] | None:
+    """Seconds the process's main thread (an event loop, Redis's) has run on a CPU, and
+    waited runnable for one (Linux's /proc/PID/schedstat); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            ran, waited, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(ran) / 1e9, int(waited) / 1e9
+
+
 def _cpu_of(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return float(t.user + t.system)
@@ -130,6 +141,14 @@ class SkmqBroker:
                     with contextlib.suppress(psutil.Error):
                         total += _cpu_of(p)
                 out["redis"] = total
+        return out
+
+    def sched(self) -> dict[str, tuple[float, float] | None]:
+        """schedstat() of the broker's and its embedded Redis's main threads."""
+        out: dict[str, tuple[float, float] | None] = {"broker": None, "redis": None}
+        for key, proc in (("broker", self.ps), ("redis", self.redis_ps)):
+            if proc is not None:
+                out[key] = schedstat(proc.pid)
         return out
 
     # -- lifecycle ---------------------------------------------------------------

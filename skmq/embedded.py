@@ -302,6 +302,15 @@ class EmbeddedRedis:
             stderr=subprocess.DEVNULL,
             env=server_env(self.allocator),
             preexec_fn=_die_with_parent,
+            # A session of its own: where Linux groups the tasks of a session for fair
+            # sharing of the CPU (autogroup, the default outside CPU cgroups), the
+            # broker's loop and its Redis, the two threads every message goes through,
+            # had one share between them. Under load (consumers on the same machine)
+            # they spent most of a pull drain waiting for a CPU (bench.pull_drain:
+            # broker ran 26%, waited 52%). Terminal signals (Ctrl-C) now reach the broker
+            # alone, which stops its server after its own last writes; it still dies
+            # with the broker (PR_SET_PDEATHSIG).
+            start_new_session=True,
         )
 
     def _log_tail(self) -> str:
