@@ -124,6 +124,8 @@ def test_serve_with_zero_configuration_delivers_a_message(
     assert stat.S_IMODE((data_dir / "redis.secret").stat().st_mode) == 0o600
     info = read_info(data_dir)
     assert info is not None
+    # its server in a session of its own (a CPU share of its own under autogroup)
+    assert os.getsid(int(info["pid"])) != os.getsid(broker.pid)
 
     client_env = {**env, "SKMQ_PORT": str(port)}  # the broker's port, for both commands
     consumer = subprocess.Popen(
