@@ -381,7 +381,6 @@ class _Job:
         self.pool = pool
         self.cached: list[DataFrame] = []
         self.level = StorageLevel.MEMORY_AND_DISK
-        self.stored_rows: list[Any] = []  # the JVM's RDDs that keep_rows stored
 
     def start(self, work: Callable[[], _T]) -> Future[_T]:
         """Run ``work`` (Spark queries) beside the caller's: its result when asked for."""
@@ -398,19 +397,17 @@ class _Job:
         the columnar cache costs more than it saves on the reads after it (1M lines:
         read, parse and keep about 8 task CPU s against 10 with the columnar cache,
         half its heap).  A local checkpoint is not computed again if an executor is
-        lost: local mode only.
+        lost: local mode only.  (Its blocks go with it: Spark's context cleaner drops
+        them once the frame is unreachable; PySpark has no public call to drop them
+        sooner, and the audit's session ends with the audit.)
         """
         if not _rows_fit(self.spark, self.paths):
             return self.keep(frame)
-        frame = frame.localCheckpoint(eager=False, storageLevel=self.level)
-        self.stored_rows.append(frame._jdf.queryExecution().logical().rdd())
-        return frame
+        return frame.localCheckpoint(eager=False, storageLevel=self.level)
 
     def release(self) -> None:
         for frame in self.cached:
             frame.unpersist()
-        for rdd in self.stored_rows:
-            rdd.unpersist(False)
 
     # ---- 1. lines: good events, bad lines per reason
     def read(self) -> dict[str, Any]:
