@@ -388,7 +388,8 @@ class AppQueue:
     def adopt(self, now: int) -> list[Change]:
         """After a takeover: what the old owner had in flight is pushed again now (its
         push connections are gone with it), the attempt counted, or dead when that was
-        the last one: the failed attempts (retry or give_up), for the delivery log."""
+        the last one. Returns the failed attempts (a retry or a give_up each), which the
+        reaper logs as timeouts."""
         changes = []
         error = "timeout: its owner stopped"
         retried = f"{now} {error}"
