@@ -43,7 +43,7 @@ from .inputs import (
     read_events,
     same_file,
 )
-from .session import SMALL_INPUT_BYTES, input_bytes, local_cores
+from .session import input_bytes, is_small, local_cores
 
 __all__ = [
     "DEFAULT_SAMPLE",
@@ -354,9 +354,7 @@ def _distinct(events: DataFrame) -> DataFrame:
 def _rows_fit(spark: SparkSession, paths: Sequence[str]) -> bool:
     """The lines of ``paths`` are few enough to keep as rows (uncompressed, about 200
     bytes a line): a local session, less than SMALL_INPUT_BYTES of local text."""
-    size = input_bytes(paths)
-    master = str(spark.sparkContext.master)
-    return size is not None and size < SMALL_INPUT_BYTES and local_cores(master) is not None
+    return is_small(input_bytes(paths)) and local_cores(str(spark.sparkContext.master)) is not None
 
 
 class _Job:

@@ -65,6 +65,7 @@ __all__ = [
     "cds_archive",
     "driver_address",
     "input_bytes",
+    "is_small",
     "local_cores",
     "parse_conf",
 ]
@@ -206,6 +207,13 @@ def input_bytes(paths: Sequence[str]) -> int | None:
     return total
 
 
+def is_small(input_size: int | None) -> bool:
+    """Less than SMALL_INPUT_BYTES of local log text (:func:`input_bytes`): a local
+    audit of it runs on the quick compiler, caches uncompressed and keeps its parsed
+    lines as rows."""
+    return input_size is not None and input_size < SMALL_INPUT_BYTES
+
+
 def local_cores(master: str | None) -> int | None:
     """Cores of a local master (``None`` means the default ``local[*]``); None if not local."""
     cpus = os.cpu_count() or 2
@@ -282,7 +290,7 @@ def build_spark(
     """
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM already runs
     cores = local_cores(master) if (master is not None or not under_submit) else None
-    small = input_size is not None and input_size < SMALL_INPUT_BYTES
+    small = is_small(input_size)
     settings: dict[str, str] = {
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",

@@ -264,8 +264,8 @@ class BrokerProcess:
                 wait_listening(self.port, self.proc, ready=answers_ping)
                 # The protocol port answers first; the HTTP gateway and /metrics follow.
                 for other in ("SKMQ_HTTP_PORT", "SKMQ_METRICS_PORT"):
-                    if int(self.env.get(other) or 0):
-                        wait_listening(int(self.env[other]), self.proc)
+                    if port := int(self.env.get(other) or 0):
+                        wait_listening(port, self.proc)
                 return self
             except RuntimeError:
                 if not port_was_taken(self.log_path):
