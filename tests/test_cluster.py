@@ -16,15 +16,18 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from skmq.broker import Misconfigured
+from skmq.broker import Broker, Misconfigured
 from skmq.client import Producer as ClientProducer
+from skmq.clock import now_ms
 from skmq.embedded import free_port
 from skmq.embedded_cluster import LocalCluster
+from skmq.queue.journal import AppKeys
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
 from skmq.store.shards import ReplicasMissing, WriteFailed, node_round_trip
 from tests.conftest import ENGINE, BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
+from tests.test_cli_ops import skmq
 from tests.test_reliability import (
     ACK_TIMEOUT,
     APP,
@@ -131,21 +134,62 @@ async def test_core_delivery_path_on_a_cluster(
     def policy(frame: object) -> str:
         msgid = frame.fields["msgid"]  # type: ignore[attr-defined]
         tries[msgid] += 1
-        if msgid == "dead" or (msgid == "retry" and tries[msgid] == 1):
+        if msgid.startswith("dead") or (msgid == "retry" and tries[msgid] == 1):
             return "error"
         return "ack"
 
     recipient = await FakeRecipient(APP, "r1", policy).start()
     assert (await recipient.register(broker.server.port))["status"] == "ack"
-    assert await produce(broker.server.port, ["ok", "retry", "dead"]) == ["ok", "retry", "dead"]
+    sent = ["ok", "retry", "dead", "dead2", "dead3"]
+    assert await produce(broker.server.port, sent) == sent
     prefix = broker.settings.key_prefix
     await all_in(cluster_redis, prefix, ["ok", "retry"], ("done",), 10)
-    await all_in(cluster_redis, prefix, ["dead"], ("dead",), 10)
+    await all_in(cluster_redis, prefix, sent[2:], ("dead",), 10)
     assert tries["retry"] == 2 and tries["dead"] == broker.settings.retry_times
     dead = await broker.store.dead_letters(APP)
-    assert [(d.msgid, d.attempts) for d in dead] == [("dead", broker.settings.retry_times)]
+    assert sorted((d.msgid, d.attempts) for d in dead) == [
+        (m, broker.settings.retry_times) for m in sent[2:]
+    ]
     assert await broker.store.apps() == [APP]
     await recipient.stop()
+    if ENGINE == "owner":  # dead letters moved to apps on other masters
+        await _moved_across_masters(broker, cluster, cluster_redis)
+
+
+async def _moved_across_masters(
+    broker: Broker, cluster: LocalCluster, cluster_redis: RedisCluster
+) -> None:
+    """By the broker (the target's owner), by the CLI into an app the broker owns (asked
+    of it) and into one no broker owns (appended to its inbox): each step one node's."""
+    prefix = broker.settings.key_prefix
+    home = cluster_redis.get_node_from_key(AppKeys.of(prefix, APP).dead)
+    elsewhere = (
+        name
+        for name in (f"archive-{i}" for i in range(1000))
+        if cluster_redis.get_node_from_key(AppKeys.of(prefix, name).dead) != home
+    )
+    owned, unowned = next(elsewhere), next(elsewhere)
+    assert await broker.store.move(APP, owned, ["dead"], now_ms()) == [1]
+    env = {"SKMQ_REDIS_URL": cluster.url, "SKMQ_KEY_PREFIX": prefix}
+    for target, msgid in ((owned, "dead2"), (unowned, "dead3")):
+        code, out, err = await asyncio.to_thread(
+            skmq, "dlq", "replay", "--app", APP, "--to-app", target, msgid, env=env
+        )
+        assert (code, out.strip()) == (0, f"replay into {target}: 1 of 1 dead letter(s)"), err
+    assert await broker.store.dead_letters(APP) == []
+    assert sorted(w.msgid for w in await broker.store.peek(owned, 10, now_ms())) == [
+        "dead",
+        "dead2",
+    ]
+    await eventually(lambda: _waiting(broker, unowned, ["dead3"]))
+
+
+async def _waiting(broker: Broker, app: str, msgids: list[str]) -> bool:
+    """The broker owns `app` (it takes what the apps directory lists) and holds `msgids`."""
+    try:
+        return [w.msgid for w in await broker.store.peek(app, 10, now_ms())] == msgids
+    except redis.RedisError:  # (not owned yet)
+        return False
 
 
 async def test_a_cluster_node_that_may_evict_is_refused(

@@ -31,7 +31,7 @@ from skmq.store.wire import Wire
 from skmq.store.wires import Wires
 from tests.conftest import ENGINE, BrokerFactory, eventually, free_port
 from tests.test_cli_ops import one_line, skmq
-from tests.test_delivery import log_events
+from tests.test_delivery import log_events, produce
 
 T0 = 1_700_000_000_000
 MIN = 60_000
@@ -186,6 +186,25 @@ async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cl
     assert await dead_ids(store, "src") == ["b"]  # a duplicate there: left dead here
     assert await dead_ids(store, "dst") == ["b"]
     assert await waiting(store, "dst") == ["a"]
+
+
+async def test_a_move_keeps_a_letter_whose_msgid_is_live_in_the_target(
+    store: Store, cli: Cli, make_broker: BrokerFactory
+) -> None:
+    """Another message "a" waits in the target app (no recipient yet): the letter "a" is
+    a duplicate there and stays dead in its own app, whether the CLI asks the target's
+    owner (a broker) or the owner moves it itself (its HTTP gateway's path); "b" moves."""
+    await bury(store, "src", "a", "boom", T0)
+    await bury(store, "src", "b", "boom", T0)
+    broker = await make_broker()
+    await produce(broker.server.port, "dst", ["a"], content=b"dst's own a")
+    code, out, err = await cli("replay", "--app", "src", "--to-app", "dst")
+    assert (code, out.strip()) == (1, "replay into dst: 1 of 2 dead letter(s)"), err
+    assert await dead_ids(store, "src") == ["a"]
+    assert await broker.store.move("src", "dst", ["a"], now_ms()) == [-1]
+    assert await dead_ids(store, "src") == ["a"]
+    held = await broker.store.peek("dst", 10, now_ms())
+    assert sorted((w.msgid, w.preview) for w in held) == [("a", b"dst's own a"), ("b", b"b")]
 
 
 async def test_a_producers_store_of_a_dead_letters_msgid_is_a_duplicate_until_purged(

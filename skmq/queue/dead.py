@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from skmq.queue.deliveries import QUEUE, Delivery
-from skmq.queue.entries import Meta, encode_header
+from skmq.queue.entries import Meta, decode_header, encode_header
 from skmq.store.client import ENC, text
 from skmq.store.store import SEP, DeadLetter
 
@@ -70,3 +70,10 @@ def letter(app: str, did: bytes, value: bytes, died: float) -> DeadLetter:
         died_at=int(died),
         stored_at=about["s"],
     )
+
+
+def moved(did: str, value: bytes) -> tuple[bytes, bytes, Meta]:
+    """The msgid, content and header a letter is stored with again (a move)."""
+    header, _, rest = value.partition(b"\n")
+    msgid = did.partition(SEP)[0].encode("utf-8", ENC)
+    return msgid, rest.partition(b"\n")[2], decode_header(header)

@@ -41,11 +41,13 @@ class NoOwner(RedisError):  # type: ignore[misc]
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    op: Literal["peek", "purge"]
+    op: Literal["peek", "purge", "move"]
     limit: int | None
     before_ms: int | None = None  # purge: only what was stored at or before (unix ms)
     dry_run: bool = False
     reply: str = ""  # the asker's channel
+    source: str = ""  # move: the app whose dead letters `ids` move into the owner's
+    ids: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -56,7 +58,7 @@ def request_of(raw: bytes) -> Request | None:
     body = json.loads(raw)
     if not isinstance(body, dict) or OP not in body:
         return None
-    return Request(**body)
+    return Request(**{**body, "ids": tuple(body.get("ids", ()))})
 
 
 def oldest_pending(owner: AppOwner) -> int | None:
@@ -77,7 +79,8 @@ def _waiting(owner: AppOwner) -> Iterator[Delivery]:
 
 
 async def answer_request(owner: AppOwner, request: Request, now: int) -> list[Any]:
-    """At the owner: the request done; its reply."""
+    """At the owner: a peek or a purge done; its reply. (A move reads and takes another
+    app's dead letters: the store's, OwnedStore.move_into.)"""
     if request.op == "peek":
         return await _peek(owner, request.limit, now)
     return await _purge(owner, request, now)

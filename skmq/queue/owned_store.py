@@ -13,10 +13,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from skmq.clock import now_ms
-from skmq.queue.dead import letter
+from skmq.queue.dead import letter, moved
+from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import AppKeys, script_source
 from skmq.queue.operator import Request, answer_request, ask_owner, oldest_pending
 from skmq.queue.owner import AppOwner
+from skmq.queue.owner import NewMessage as NewLetter
 from skmq.queue.owners import Owners
 from skmq.store.client import ENC
 from skmq.store.shards import ReplicasMissing, WriteFailed
@@ -47,7 +49,10 @@ class OwnedStore(Store):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.owners: Owners | None = None  # set by the broker once its wire is up
+        # an app's dispatcher told of new messages not stored through the enqueuer (a move)
+        self.notify: Callable[[str], None] = lambda app: None
         self._dead_out = self.redis.register_script(script_source("dead_out"))
+        self._append = self.redis.register_script(script_source("append"))
         self._dead_purge = self.redis.register_script(script_source("dead_purge"))
         self._forget = self.redis.register_script(script_source("forget"))
 
@@ -286,25 +291,86 @@ class OwnedStore(Store):
             if value is not None
         ]
 
-    async def _out(
-        self, app: str, to_app: str, ids: Sequence[str], check: bool, now: int
-    ) -> list[int]:
-        if not ids:
-            return []
-        source, target = AppKeys.of(self.prefix, app), AppKeys.of(self.prefix, to_app)
-        keys = [source.dead, source.dead_order, source.dead_copies, target.inbox]
-        keys += [*target.dedupe(now, self.dedupe_ms), target.dead, target.dead_copies]
-        args = [target.wakeup, "1" if check else "0", *(i.encode("utf-8", ENC) for i in ids)]
-        return [int(x) for x in await self._dead_out(keys, args)]
-
     async def replay(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
-        return [x == 1 for x in await self._out(app, app, delivery_ids, False, now)]
+        if not delivery_ids:
+            return []
+        keys = AppKeys.of(self.prefix, app)
+        dead = [keys.dead, keys.dead_order, keys.dead_copies, keys.inbox]
+        args = [keys.wakeup, *(i.encode("utf-8", ENC) for i in delivery_ids)]
+        return [x == 1 for x in await self._dead_out(dead, args)]
 
     async def move(self, app: str, to_app: str, delivery_ids: Sequence[str], now: int) -> list[int]:
-        moved = await self._out(app, to_app, delivery_ids, True, now)
-        if 1 in moved:
-            await self.directory.add([to_app])
-        return moved
+        """Each dead letter stored as a new message of `to_app`, then taken out of `app`'s
+        dead letters (a crash between leaves it in both, never in neither): 1 moved, 0 not
+        a dead letter, -1 a duplicate there (live, settled within the dedupe window or held
+        as a dead letter: the letter stays). Into an app a broker owns, its owner stores
+        them (only it knows the msgids live in its memory: an inbox entry of one would be
+        dropped as its duplicate), here or asked through its inbox; into one none owns,
+        appended to its inbox unless it is owned by then. Each step is one app's keys: a
+        Cluster may put the two apps on two nodes."""
+        if not delivery_ids:
+            return []
+        owner = self._owned(to_app)
+        if owner is None and self.owners is not None and self.owners.take is not None:
+            if await self.owners.take(to_app, now):  # (a broker: unowned and ours)
+                owner = self._owned(to_app)
+        if owner is not None:
+            return await self.move_into(owner, to_app, app, delivery_ids, now)
+        letters = await self._letters(app, delivery_ids)
+        stored = await self._append_unowned(to_app, list(letters.values()), now)
+        if stored is None:
+            request = Request("move", None, source=app, ids=tuple(delivery_ids))
+            return [int(x) for x in await ask_owner(self.redis, self.prefix, to_app, request)]
+        return await self._taken(app, delivery_ids, letters, stored)
+
+    async def move_into(
+        self, owner: AppOwner, app: str, source: str, ids: Sequence[str], now: int
+    ) -> list[int]:
+        """At the owner of `app`: `move` of `source`'s dead letters `ids` into it."""
+        letters = await self._letters(source, ids)
+        messages = [NewLetter(*m) for m in letters.values()]
+        result = await self._taken(source, ids, letters, await owner.store(messages, now))
+        if 1 in result:
+            self.notify(app)
+        return result
+
+    async def _letters(self, app: str, ids: Sequence[str]) -> dict[str, tuple[bytes, bytes, Meta]]:
+        """What each dead letter of `ids` that `app` holds is stored with elsewhere."""
+        dead = AppKeys.of(self.prefix, app).dead
+        values = await self.redis.hmget(dead, [i.encode("utf-8", ENC) for i in ids])
+        return {i: moved(i, v) for i, v in zip(ids, values, strict=True) if v is not None}
+
+    async def _append_unowned(
+        self, app: str, letters: Sequence[tuple[bytes, bytes, Meta]], now: int
+    ) -> list[bool] | None:
+        """lua/append.lua: each stored (False: a duplicate); None: the app is owned."""
+        if not letters:
+            return []
+        keys = AppKeys.of(self.prefix, app)
+        args: list[Any] = [keys.wakeup]
+        for msgid, content, meta in letters:
+            args += (msgid, content, encode_header(meta))
+        touched = [keys.inbox, *keys.dedupe(now, self.dedupe_ms), keys.listed, *keys.groups]
+        reply = await self._append([*touched, keys.dead, keys.dead_copies, keys.owner], args)
+        if reply == [b"owned"]:
+            return None
+        if reply[-1]:
+            await self.directory.add([app])
+        return [bool(x) for x in reply[:-1]]
+
+    async def _taken(
+        self,
+        app: str,
+        ids: Sequence[str],
+        letters: dict[str, tuple[bytes, bytes, Meta]],
+        stored: Sequence[bool],
+    ) -> list[int]:
+        """The letters stored elsewhere taken out of `app`'s dead letters; each id's end."""
+        result = dict(zip(letters, stored, strict=True))
+        if taken := [i.encode("utf-8", ENC) for i, ok in result.items() if ok]:
+            keys = AppKeys.of(self.prefix, app)
+            await self._dead_purge([keys.dead, keys.dead_order, keys.dead_copies], taken)
+        return [0 if i not in result else 1 if result[i] else -1 for i in ids]
 
     async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:

@@ -85,6 +85,7 @@ class OwnerRuntime:
         )
         self.owners.take = self.ownership.take
         store.owners = self.owners
+        store.notify = self.notify
         # answers through other brokers (skmq/queue/forward.py)
         self.forwarder = Forwarder(wires, settings.key_prefix, broker_id, settings.store_timeout)
         router = engine.router
@@ -143,7 +144,11 @@ class OwnerRuntime:
                 if request is None:
                     await answer_question(self.wires, self._answer, raw)
                 elif (owner := self.owners.owned.get(app)) is not None:
-                    reply = await answer_request(owner, request, now_ms())
+                    if request.op == "move":
+                        source, ids = request.source, request.ids
+                        reply = await self.store.move_into(owner, app, source, ids, now_ms())
+                    else:
+                        reply = await answer_request(owner, request, now_ms())
                     await owner.wire.call("PUBLISH", request.reply, json.dumps(reply))
             except TROUBLE as exc:  # (its asker hears nothing and says `error`)
                 log.warning("a question went unanswered", app=app, error=repr(exc))

@@ -7,12 +7,17 @@
 -- The app's `listed` mark is set; when it is new, the caller lists the app in the apps
 -- directory (skmq/store/directory.py) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
+-- A dead letter moved into an app no broker owns is appended so too (OwnedStore.move),
+-- unless the app is owned by then (its owner's to store: only it knows the msgids live
+-- in its memory): the app's owner key, given last, makes the script answer {'owned'}
+-- and do nothing where it is set.
 -- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed,
 --       groups, recipients, glog, gseen, gadded, dead letters (hash), dead topic copies
---       by msgid (hash)
+--       by msgid (hash)(, owner)
 -- ARGV: channel, (msgid, content, header ('': none))*
 -- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
 -- the `listed` mark is new else 0.
+if KEYS[12] and redis.call('EXISTS', KEYS[12]) == 1 then return {'owned'} end
 local log, cur, prev = KEYS[1], KEYS[2], KEYS[3]
 local ids = {}
 for i = 2, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
