@@ -177,15 +177,37 @@ async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> 
     assert logged(tmp_path) == [("purged", "src", "a"), ("stored", "dst", "a")]
 
 
-async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cli: Cli) -> None:
+async def test_replay_to_another_app_refuses_a_msgid_held_there(
+    store: Store, cli: Cli, make_broker: BrokerFactory
+) -> None:
     await bury(store, "src", "a", "boom", T0)
     await bury(store, "src", "b", "boom", T0)
     await bury(store, "dst", "b", "elsewhere", T0)  # b is already held by the target app
+    if ENGINE == "owner":  # (what dst holds, only an owner knows: none runs yet)
+        code, _, err = await cli("replay", "--app", "src", "--to-app", "dst")
+        assert code == 1 and "start a broker" in one_line(err), err
+        assert await dead_ids(store, "src") == ["a", "b"]
+    broker = await make_broker()
     code, out, err = await cli("replay", "--app", "src", "--to-app", "dst")
     assert (code, out.strip()) == (1, "replay into dst: 1 of 2 dead letter(s)"), err
     assert await dead_ids(store, "src") == ["b"]  # a duplicate there: left dead here
     assert await dead_ids(store, "dst") == ["b"]
-    assert await waiting(store, "dst") == ["a"]
+    assert [w.msgid for w in await broker.store.peek("dst", 10, now_ms())] == ["a"]
+
+
+async def test_two_moves_of_one_msgid_into_a_new_app_keep_the_second_letter(
+    store: Store, cli: Cli
+) -> None:
+    """No broker runs: the first move into a new app waits in its inbox, the second
+    letter of the same msgid (from another app) is a duplicate of it and stays dead."""
+    await bury(store, "s1", "m", "boom", T0)
+    await bury(store, "s2", "m", "boom", T0)
+    code, out, err = await cli("replay", "--app", "s1", "--to-app", "new")
+    assert (code, out.strip()) == (0, "replay into new: 1 of 1 dead letter(s)"), err
+    code, out, err = await cli("replay", "--app", "s2", "--to-app", "new")
+    assert (code, out.strip()) == (1, "replay into new: 0 of 1 dead letter(s)"), err
+    assert (await dead_ids(store, "s1"), await dead_ids(store, "s2")) == ([], ["m"])
+    assert await waiting(store, "new") == ["m"]
 
 
 async def test_a_move_keeps_a_letter_whose_msgid_is_live_in_the_target(

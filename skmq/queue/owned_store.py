@@ -16,7 +16,7 @@ from skmq.clock import now_ms
 from skmq.queue.dead import letter, moved
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import AppKeys, script_source
-from skmq.queue.operator import Request, answer_request, ask_owner, oldest_pending
+from skmq.queue.operator import NoOwner, Request, answer_request, ask_owner, oldest_pending
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as NewLetter
 from skmq.queue.owners import Owners
@@ -306,8 +306,9 @@ class OwnedStore(Store):
         as a dead letter: the letter stays). Into an app a broker owns, its owner stores
         them (only it knows the msgids live in its memory: an inbox entry of one would be
         dropped as its duplicate), here or asked through its inbox; into one none owns,
-        appended to its inbox unless it is owned by then. Each step is one app's keys: a
-        Cluster may put the two apps on two nodes."""
+        appended to its inbox (lua/append.lua) where it holds no stored state (else
+        NoOwner: start a broker). Each step is one app's keys: a Cluster may put the two
+        apps on two nodes."""
         if not delivery_ids:
             return []
         owner = self._owned(to_app)
@@ -351,9 +352,15 @@ class OwnedStore(Store):
         for msgid, content, meta in letters:
             args += (msgid, content, encode_header(meta))
         touched = [keys.inbox, *keys.dedupe(now, self.dedupe_ms), keys.listed, *keys.groups]
-        reply = await self._append([*touched, keys.dead, keys.dead_copies, keys.owner], args)
+        state = (keys.owner, keys.checkpoint, keys.journal, keys.log)
+        reply = await self._append([*touched, keys.dead, keys.dead_copies, *state], args)
         if reply == [b"owned"]:
             return None
+        if reply == [b"held"]:
+            raise NoOwner(
+                f"no broker owns app {app!r} now, and only its owner knows what it holds: "
+                "start a broker, then move the dead letters again"
+            )
         if reply[-1]:
             await self.directory.add([app])
         return [bool(x) for x in reply[:-1]]

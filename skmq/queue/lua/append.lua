@@ -8,16 +8,31 @@
 -- directory (skmq/store/directory.py) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
 -- A dead letter moved into an app no broker owns is appended so too (OwnedStore.move),
--- unless the app is owned by then (its owner's to store: only it knows the msgids live
--- in its memory): the app's owner key, given last, makes the script answer {'owned'}
--- and do nothing where it is set.
+-- with the app's owner, checkpoint, journal and log keys after the rest. Only an owner
+-- knows the msgids live in an app (a live one's entry is dropped as its duplicate when
+-- read), so the script answers {'owned'} where the app is owned (its owner's to store)
+-- and {'held'} where it holds a stored state (a checkpoint, a journal, a log) or an inbox
+-- of over INBOX_SCAN entries; else nothing is live but what the inbox holds: a msgid
+-- there is a duplicate.
 -- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed,
 --       groups, recipients, glog, gseen, gadded, dead letters (hash), dead topic copies
---       by msgid (hash)(, owner)
+--       by msgid (hash)(, owner, checkpoint, journal, log: a move)
 -- ARGV: channel, (msgid, content, header ('': none))*
 -- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
 -- the `listed` mark is new else 0.
-if KEYS[12] and redis.call('EXISTS', KEYS[12]) == 1 then return {'owned'} end
+local INBOX_SCAN = 10000
+local present = nil
+if KEYS[12] then
+  if redis.call('EXISTS', KEYS[12]) == 1 then return {'owned'} end
+  if redis.call('EXISTS', KEYS[13], KEYS[14]) > 0 or redis.call('XLEN', KEYS[15]) > 0
+      or redis.call('XLEN', KEYS[1]) > INBOX_SCAN then
+    return {'held'}
+  end
+  present = {}
+  for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+    if e[2][1] == 'm' then present[e[2][2]] = true end
+  end
+end
 local log, cur, prev = KEYS[1], KEYS[2], KEYS[3]
 local ids = {}
 for i = 2, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
@@ -27,9 +42,10 @@ local out = {}
 local told = false
 for j = 1, #ids do
   local i = 3 * j - 1
-  if ended(e, j) or (g and g.seen[j]) then
+  if ended(e, j) or (g and g.seen[j]) or (present and present[ARGV[i]]) then
     out[j] = 0
   else
+    if present then present[ARGV[i]] = true end
     if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
     if g and g.pull_only then
       out[j] = '-'
