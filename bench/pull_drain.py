@@ -11,9 +11,11 @@ Scenarios, each system in turn (a fresh `skmq serve`, or a fresh NATS stream, ea
   receive: SKMQ with `consumer.receive()` then `consumer.ack_all(msgs)` (one ack
   request a batch), NATS with one durable pull consumer shared by the processes,
   `fetch(batch)` then `msg.ack()` each. msg/s from the first receive to the last ack.
-- drain-each (SKMQ only): the same, each message acked with `await msg.ack()` in
-  `async for msg in consumer` before the next is taken: the client gathers only the
-  acks of one event-loop turn, so this is one ack request a message.
+- drain-each (SKMQ only): the same through the README's loop: `async for msg in
+  consumer`, each handled in `async with msg.leased()`, then `msg.ack()` (sent without
+  waiting, with the other acks of the event-loop turn: one ack request a batch).
+- drain-each-wait (SKMQ only): each `await msg.ack()` before the next message is taken:
+  one ack request a message.
 - drain-gather (SKMQ only): each message of a received batch handled in a task of its
   own that awaits its `msg.ack()` (`asyncio.gather`): the acks of the batch are made in
   one event-loop turn and go in one request.
@@ -57,7 +59,7 @@ from bench.systems import NATS_URL, NatsSystem, SkmqBroker, free_port, port_open
 APP = "bench"
 GROUP = "drain"
 BACKLOG_PRODUCERS = 4
-SCENARIOS = ("drain", "drain-gather", "drain-each", "e2e")
+SCENARIOS = ("drain", "drain-gather", "drain-each", "drain-each-wait", "e2e")
 
 
 class SkmqPull(SkmqBroker):
@@ -315,6 +317,7 @@ async def run_one(name: str, scenario: str, args: argparse.Namespace, workdir: P
             system.ack = scenario.removeprefix("drain-")
         return await drain(system, args, scenario, workdir)
     except Exception as exc:  # (a row of its own: the other systems still run)
+        print(f"{scenario} {name} failed: {exc!s}", file=sys.stderr)  # (a child's log tail)
         return Row(scenario, name, error=(str(exc) or repr(exc)).splitlines()[0][:300])
     finally:
         await system.stop()
@@ -369,7 +372,8 @@ def time_went(rows: list[Row]) -> list[str]:
 
 
 def ratios(rows: list[Row]) -> list[str]:
-    """SKMQ's rows against NATS's of the same scenario (drain-gather, drain-each: NATS's drain)."""
+    """SKMQ's rows against NATS's of the same scenario (drain-gather, drain-each and
+    drain-each-wait: NATS's drain)."""
     nats = {r.scenario: r for r in rows if r.system == "nats" and not r.error}
     lines = []
     for r in rows:

@@ -10,10 +10,11 @@ the send-to-receipt latency is known when a producer runs beside the consumers.
 `--ack batch` settles each received batch in one request (`consumer.ack_all(msgs)`, the
 documented fast way). The client gathers the `msg.ack()` calls made in one event-loop
 turn into one request: `--ack gather` handles a received batch's messages concurrently,
-each awaiting its own `msg.ack()` (`asyncio.gather`, as the client's docstring says), one
-request a batch again; `--ack each` iterates `async for msg in consumer` and awaits
-`msg.ack()` before taking the next message, as the client's docstring shows first: one
-request a message.
+each awaiting its own `msg.ack()` (`asyncio.gather`), one request a batch again;
+`--ack each` is the README's loop: `async for msg in consumer`, the message handled in
+`async with msg.leased()`, then `msg.ack()` not awaited (it sends without waiting), one
+request a batch; `--ack each-wait` awaits each `msg.ack()` before taking the next
+message: one request a message.
 NATS acks each message with `msg.ack()` (its documented way: a publish, not awaited
 for an answer). With `--wait-go` the process consumes only once the harness says `go`
 (a stored backlog's drain, timed from the first receive).
@@ -121,12 +122,22 @@ async def skmq_main(args: argparse.Namespace) -> None:
             await asyncio.gather(*(handle(m) for m in msgs))
 
     async def each(tally: PullTally) -> None:
+        def acked(outcome: asyncio.Future[bool]) -> None:
+            if not outcome.cancelled() and outcome.exception() is None and outcome.result():
+                tally.settled(1)
+
+        async for m in consumer:
+            async with m.leased():
+                tally.note(m.msgid, m.content)
+            m.ack().add_done_callback(acked)
+
+    async def each_wait(tally: PullTally) -> None:
         async for m in consumer:
             tally.note(m.msgid, m.content)
             await m.ack()
             tally.settled(1)
 
-    modes = {"batch": by_batch, "gather": gathered, "each": each}
+    modes = {"batch": by_batch, "gather": gathered, "each": each, "each-wait": each_wait}
     await serve(args, modes[args.ack], consumer.__aexit__)
 
 
@@ -168,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway", help="tcp://HOST:PORT or http://HOST:PORT")
     p.add_argument("--app", default="bench")
     p.add_argument("--group", default="drain")
-    p.add_argument("--ack", choices=["batch", "gather", "each"], default="batch")
+    p.add_argument("--ack", choices=["batch", "gather", "each", "each-wait"], default="batch")
     # NATS
     p.add_argument("--url", default="nats://127.0.0.1:4222")
     p.add_argument("--subject")

@@ -101,6 +101,30 @@ async def test_acks_made_in_one_turn_go_in_one_request(
     assert (info.in_flight, info.delayed, info.backlog) == (0, 2, 0)
 
 
+async def test_async_for_acks_a_batch_in_one_request_as_the_readme_does(
+    make_broker: BrokerFactory, transport: str
+) -> None:
+    """The README's loop (leased, then `msg.ack()` not awaited): a received batch is
+    handed out and acked without a turn of the event loop, so its acks are one request;
+    those the consumer sent are answered before it closes."""
+    broker, url = await gateway(make_broker)
+    acks, extends = requests_of(broker, "ack"), requests_of(broker, "extend")
+    async with PullConsumer(consumer_url(broker, url, transport), "shop", "g", wait=1) as c:
+        await produce(url, "shop", *(f"m{i}" for i in range(50)))
+        handled = []
+        async for msg in c:
+            async with msg.leased():
+                handled.append(msg.msgid)
+            msg.ack()
+            if len(handled) == 50:
+                break
+    assert sorted(handled) == sorted(f"m{i}" for i in range(50))
+    assert [len(b["receipts"]) for b in acks] == [50]
+    assert extends == []  # (handled well within its lease)
+    (info,) = await broker.groups.describe("shop")
+    assert (info.in_flight, info.backlog) == (0, 0)
+
+
 async def test_ack_all_and_nack_all_settle_a_batch_in_one_request(
     make_broker: BrokerFactory, transport: str
 ) -> None:

@@ -5,7 +5,7 @@
         async for msg in consumer:
             async with msg.leased():      # the lease is extended while this block runs
                 handle(msg.content)
-            await msg.ack()               # or: await msg.nack(delay_ms=5000)
+            msg.ack()                     # or: msg.nack(delay_ms=5000)
 
 or a batch at a time, settled in one request:
 
@@ -15,15 +15,18 @@ or a batch at a time, settled in one request:
             await consumer.ack_all(msgs)      # or consumer.nack_all(msgs, delay_ms=5000)
 
 Settling is batched either way: the broker takes 1 to 1,000 receipts an ack, nack or
-extend, and the acks (nacks with one delay, extends with one lease) made in one
-event-loop turn go in one request, e.g. `asyncio.gather(*(m.ack() for m in msgs))` or
-acks from many handler tasks. Each call still answers its own message's outcome. (An
-ack awaited before the next message is taken is a request of its own: for throughput,
-ack_all a batch, or handle messages concurrently.)
+extend, and the acks (nacks with one delay) made in one event-loop turn go in one
+request. `msg.ack()` and `msg.nack()` send without waiting (as a NATS JetStream
+consumer's `msg.ack()` does): `async for` hands out a received batch without a turn of
+the event loop, so a batch handled without awaiting is acked in one request. Each call
+returns its message's outcome, to await where it matters (`await msg.ack()`: True, or
+False for a stale receipt); an ack awaited before the next message is taken is a
+request of its own. Acks sent and not answered yet are awaited when the consumer closes.
 
-`PullConsumer("tcp://127.0.0.1:1734", ...)` does the same over TCP (one connection; a
-long poll holds it, so it serves this consumer only). HTTP needs aiohttp (the `server`
-extra); TCP needs nothing more than the client."""
+`PullConsumer("tcp://127.0.0.1:1734", ...)` does the same over TCP, on two connections
+of its own: receives on one (a long poll holds its answers), settles on the other (an
+ack is answered while a receive waits). HTTP needs aiohttp (the `server` extra); TCP
+needs nothing more than the client."""
 
 from __future__ import annotations
 
@@ -85,15 +88,16 @@ class PulledMessage:
     lease_ends: float = field(default=0.0, repr=False)
     trace: str = field(default="", repr=False)  # its W3C traceparent, if it has one
 
-    async def ack(self) -> bool:
-        """True when settled; False for a stale receipt (the lease ran out). Acks made in
-        the same event-loop turn go to the broker in one request."""
-        return await self.consumer.settle("ack", self.receipt) == "acked"
+    def ack(self) -> asyncio.Future[bool]:
+        """Settle it, sent with the other settles of this event-loop turn whether or not
+        it is awaited; the outcome: True when settled, False for a stale receipt (the
+        lease ran out)."""
+        return self.consumer._outcome(self.consumer._settle_soon("ack", self.receipt, {}))
 
-    async def nack(self, delay_ms: int | None = None) -> str:
-        """A failed attempt: `retry` (after delay_ms, or the broker's backoff), `dead`, or
-        `stale`. Batched as ack() is, with the nacks of the same delay."""
-        return await self.consumer.settle("nack", self.receipt, **_nack_args(delay_ms))
+    def nack(self, delay_ms: int | None = None) -> asyncio.Future[str]:
+        """A failed attempt, sent as ack() is (with the nacks of the same delay); the
+        outcome: `retry` (after delay_ms, or the broker's backoff), `dead`, or `stale`."""
+        return self.consumer._settle_soon("nack", self.receipt, _nack_args(delay_ms))
 
     async def extend(self, seconds: float) -> bool:
         """Lease it for `seconds` from now; False for a stale receipt."""
@@ -101,26 +105,22 @@ class PulledMessage:
 
     @contextlib.asynccontextmanager
     async def leased(self) -> AsyncIterator[None]:
-        """Extend the lease every half visibility while the block runs."""
-        every = self.consumer.visibility / 2
-
-        async def keep() -> None:
-            while True:
-                await asyncio.sleep(every)
-                if not await self.extend(self.consumer.visibility):
-                    return
-
-        task = asyncio.create_task(keep())
+        """Its lease extended while the block runs (by the consumer's one keeper, every
+        half visibility, with the others held so: no task, no request a message)."""
+        self.consumer._hold(self)
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, PullError, *self.consumer.errors):
-                await task
+            self.consumer._held.discard(self)
 
 
 def _nack_args(delay_ms: int | None) -> dict[str, Any]:
     return {} if delay_ms is None else {"delay": delay_ms}
+
+
+def _retrieved(outcome: asyncio.Future[Any]) -> None:
+    if not outcome.cancelled():
+        outcome.exception()
 
 
 class _Settle(NamedTuple):
@@ -163,7 +163,10 @@ class PullConsumer:
         where = urlsplit(gateway)
         self._tcp = where.scheme == "tcp"
         self._address = (where.hostname or "127.0.0.1", where.port or 1734)
+        # over TCP: receives (a long poll holds its connection's answers) and settles, on
+        # a connection each: an ack is answered while a receive waits
         self._broker: Producer | None = None
+        self._settler: Producer | None = None
         self.batch = DEFAULT_BATCH if batch is None else batch
         self._batch_given = batch is not None
         self.wait = wait
@@ -177,6 +180,11 @@ class PullConsumer:
         self.errors: tuple[type[Exception], ...] = (OSError,)
         self._settles: Coalescer[_Settle] = Coalescer(self._send_settles)
         self._settling: set[asyncio.Task[None]] = set()
+        # messages in `leased()` blocks, and the task that extends their leases
+        self._held: set[PulledMessage] = set()
+        self._keeper: asyncio.Task[None] | None = None
+        self._keeper_due = 0.0  # (the loop's time) when the keeper looks again
+        self._keeper_wake = asyncio.Event()
 
     async def __aenter__(self) -> PullConsumer:
         """Connect and create the group, within START_TIMEOUT (TimeoutError)."""
@@ -184,9 +192,9 @@ class PullConsumer:
             async with asyncio.timeout(START_TIMEOUT):
                 if self._tcp:
                     host, port = self._address
-                    # settles and extensions wait behind a long poll on one connection
                     self._broker = Producer(host, port, token=self.token)
-                    await self._broker.connect()
+                    self._settler = Producer(host, port, token=self.token)
+                    await asyncio.gather(self._broker.connect(), self._settler.connect())
                 else:
                     import aiohttp
 
@@ -209,6 +217,11 @@ class PullConsumer:
         return body
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+            self._keeper = None
         self._settles.flush()  # settles asked for just before: sent, and answered
         if self._settling:
             await asyncio.wait(self._settling, timeout=CLOSE_TIMEOUT)
@@ -217,15 +230,17 @@ class PullConsumer:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._broker is not None:
-            await self._broker.close()
-            self._broker = None
+        for broker in (self._broker, self._settler):
+            if broker is not None:
+                await broker.close()
+        self._broker = self._settler = None
 
     async def _call(self, op: str, body: dict[str, Any]) -> Any:
         """One operation (create, receive, ack, nack, extend) over HTTP or TCP."""
-        if self._broker is not None:
+        broker = self._broker if op in ("create", "receive") else self._settler
+        if broker is not None:
             fields = (("appid", self.app), ("group", self.group), ("op", op))
-            resp = await self._broker.request("pull", fields, json.dumps(body).encode())
+            resp = await broker.request("pull", fields, json.dumps(body).encode())
             if resp.ok:
                 return json.loads(resp.content)
             code, _, why = resp.content.partition(" ")
@@ -260,9 +275,67 @@ class PullConsumer:
         return await self._settle_soon(verb, receipt, extra)
 
     def _settle_soon(self, verb: str, receipt: str, extra: dict[str, Any]) -> asyncio.Future[str]:
-        outcome = asyncio.get_running_loop().create_future()
+        """The settle, sent at the end of this event-loop turn; its status. (A failure
+        nobody awaits is not reported as an exception never retrieved: an unsettled
+        message comes back once its lease runs out.)"""
+        outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        outcome.add_done_callback(_retrieved)
         self._settles.add(_Settle(verb, tuple(sorted(extra.items())), receipt, outcome))
         return outcome
+
+    @staticmethod
+    def _outcome(status: asyncio.Future[str]) -> asyncio.Future[bool]:
+        """An ack's status as its outcome: True for `acked`."""
+        acked: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        acked.add_done_callback(_retrieved)
+
+        def settled(done: asyncio.Future[str]) -> None:
+            if acked.done():
+                return
+            if done.cancelled():
+                acked.cancel()
+            elif (exc := done.exception()) is not None:
+                acked.set_exception(exc)
+            else:
+                acked.set_result(done.result() == "acked")
+
+        status.add_done_callback(settled)
+        return acked
+
+    # -- leases kept while messages are handled (PulledMessage.leased) ---------------
+    def _hold(self, msg: PulledMessage) -> None:
+        self._held.add(msg)
+        due = msg.lease_ends - self.visibility / 2
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.get_running_loop().create_task(self._keep_leases())
+        elif due < self._keeper_due:
+            self._keeper_wake.set()
+
+    async def _keep_leases(self) -> None:
+        """While messages are held, extend in one request those whose lease is half gone;
+        a message whose receipt went stale is held no longer (its lease cannot come back).
+        A request that failed is tried again a quarter visibility later."""
+        loop = asyncio.get_running_loop()
+        half = self.visibility / 2
+        errors: tuple[type[Exception], ...] = (PullError, *self.errors)
+        while self._held:
+            now = loop.time()
+            again: float | None = None
+            if due := [m for m in self._held if m.lease_ends - now <= half]:
+                try:
+                    kept = await self.extend_all(due, self.visibility)
+                except errors:
+                    again = loop.time() + half / 2
+                else:
+                    stale = (m for m, ok in zip(due, kept, strict=True) if not ok)
+                    self._held.difference_update(stale)
+            if not self._held:
+                break
+            self._keeper_due = again or min(m.lease_ends for m in self._held) - half
+            self._keeper_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, self._keeper_due - loop.time())):
+                    await self._keeper_wake.wait()
 
     def _send_settles(self, settles: list[_Settle]) -> None:
         """The turn is over: one request for each verb and its fields (MAX_RECEIPTS
