@@ -125,6 +125,32 @@ async def test_async_for_acks_a_batch_in_one_request_as_the_readme_does(
     assert (info.in_flight, info.backlog) == (0, 0)
 
 
+async def test_messages_held_at_once_have_their_leases_extended_in_one_request(
+    make_broker: BrokerFactory, transport: str
+) -> None:
+    """Handlers holding messages in `leased()` at once: the consumer's one keeper extends
+    the leases that are half gone together, a request a look, until the blocks end."""
+    broker, url = await gateway(make_broker)
+    extends = requests_of(broker, "extend")
+    where = consumer_url(broker, url, transport)
+    async with PullConsumer(where, "shop", "g", wait=1, visibility=0.6) as c:
+        await produce(url, "shop", "a", "b")
+        msgs = await c.receive()
+        released = asyncio.Event()
+
+        async def handle(msg: Any) -> bool:
+            async with msg.leased():
+                await released.wait()
+            return bool(await msg.ack())
+
+        handlers = [asyncio.ensure_future(handle(m)) for m in msgs]
+        await asyncio.sleep(1.5)  # (the time under test: 2.5 visibilities)
+        released.set()
+        assert await asyncio.gather(*handlers) == [True, True]
+    assert len(extends) >= 2
+    assert all(sorted(b["receipts"]) == sorted(m.receipt for m in msgs) for b in extends)
+
+
 async def test_ack_all_and_nack_all_settle_a_batch_in_one_request(
     make_broker: BrokerFactory, transport: str
 ) -> None:
