@@ -11,6 +11,7 @@ import importlib.util
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from skmq.cli import fail, group_position, seconds, unreachable, whole_number
@@ -67,24 +68,33 @@ async def _pull(args: argparse.Namespace, handler: Handler) -> int:
             print(f"skmq consume: pulling {args.app}/{args.group} from {args.gateway}",
                   file=sys.stderr, flush=True)  # fmt: skip
             messages = aiter(consumer)
+
+            def counted(verb: str) -> Callable[[asyncio.Future[Any]], None]:
+                def settled(outcome: asyncio.Future[Any]) -> None:
+                    if not outcome.cancelled() and outcome.exception() is None:
+                        done[verb] += 1
+
+                return settled
+
             while not stopped.is_set():
-                nxt = asyncio.ensure_future(anext(messages))
-                stop = asyncio.ensure_future(stopped.wait())
-                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-                stop.cancel()
-                if not nxt.done():
-                    nxt.cancel()
-                    break
-                msg = nxt.result()
+                if consumer.buffered:  # (the batch received: handed out at once)
+                    msg = await anext(messages)
+                else:
+                    nxt = asyncio.ensure_future(anext(messages))
+                    stop = asyncio.ensure_future(stopped.wait())
+                    await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    stop.cancel()
+                    if not nxt.done():
+                        nxt.cancel()
+                        break
+                    msg = nxt.result()
                 try:
                     async with msg.leased():
                         await handler(Message(args.app, msg.msgid, msg.content, {}))
                 except Exception:
-                    await msg.nack()
-                    done["nacked"] += 1
-                else:
-                    await msg.ack()
-                    done["acked"] += 1
+                    msg.nack().add_done_callback(counted("nacked"))
+                else:  # (sent with the settles of this turn; answered by the close)
+                    msg.ack().add_done_callback(counted("acked"))
     except PullError as exc:
         return fail("consume", f"refused: {exc}", 1)
     except NotAGateway as exc:

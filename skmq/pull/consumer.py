@@ -438,6 +438,12 @@ class PullConsumer:
         span.end()
         return tracing.traceparent(span)
 
+    @property
+    def buffered(self) -> int:
+        """Messages received and not handed out yet: `async for` hands out the next of
+        them without waiting for the broker."""
+        return len(self._buffer)
+
     def __aiter__(self) -> PullConsumer:
         return self
 
