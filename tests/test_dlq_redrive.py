@@ -177,22 +177,33 @@ async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> 
     assert logged(tmp_path) == [("purged", "src", "a"), ("stored", "dst", "a")]
 
 
-async def test_replay_to_another_app_refuses_a_msgid_held_there(
-    store: Store, cli: Cli, make_broker: BrokerFactory
-) -> None:
+async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cli: Cli) -> None:
     await bury(store, "src", "a", "boom", T0)
     await bury(store, "src", "b", "boom", T0)
     await bury(store, "dst", "b", "elsewhere", T0)  # b is already held by the target app
-    if ENGINE == "owner":  # (what dst holds, only an owner knows: none runs yet)
-        code, _, err = await cli("replay", "--app", "src", "--to-app", "dst")
-        assert code == 1 and "start a broker" in one_line(err), err
-        assert await dead_ids(store, "src") == ["a", "b"]
-    broker = await make_broker()
     code, out, err = await cli("replay", "--app", "src", "--to-app", "dst")
     assert (code, out.strip()) == (1, "replay into dst: 1 of 2 dead letter(s)"), err
     assert await dead_ids(store, "src") == ["b"]  # a duplicate there: left dead here
     assert await dead_ids(store, "dst") == ["b"]
-    assert [w.msgid for w in await broker.store.peek("dst", 10, now_ms())] == ["a"]
+    assert await waiting(store, "dst") == ["a"]
+
+
+async def test_a_move_with_no_broker_keeps_a_letter_whose_msgid_waits_in_the_target(
+    store: Store, cli: Cli
+) -> None:
+    """No broker runs: the target's stored state is read as its next owner would read
+    it, and another message "a" waiting there makes the letter "a" a duplicate."""
+    await bury(store, "src", "a", "boom", T0)
+    now = now_ms()
+    async with owning(store, "dst", now):
+        assert await store.store({"dst": [NewMessage("a", "queue", b"dst's own a")]}, now)
+    code, out, err = await cli("replay", "--app", "src", "--to-app", "dst")
+    assert (code, out.strip()) == (1, "replay into dst: 0 of 1 dead letter(s)"), err
+    assert await dead_ids(store, "src") == ["a"]
+    now = now_ms()
+    async with owning(store, "dst", now):
+        held = await store.peek("dst", 10, now)
+    assert [(w.msgid, w.preview) for w in held] == [("a", b"dst's own a")]
 
 
 async def test_two_moves_of_one_msgid_into_a_new_app_keep_the_second_letter(

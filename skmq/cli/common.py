@@ -20,9 +20,11 @@ from skmq.deliverylog import DeliveryLog
 from skmq.embedded import SECRET_FILE, EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
 from skmq.handler import bad_app
+from skmq.queue.owned_store import OwnedStore
 from skmq.store import Store, connect_redis
 from skmq.store.client import RedisClient
 from skmq.store.engine_mark import engine_of
+from skmq.store.wires import Wires
 
 LOADING_POLL = 0.05  # how often a command asks a loading server again
 
@@ -46,7 +48,14 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
         try:
             await wait_loaded(redis, settings.redis_wait)
             engine = await engine_of(redis, settings.key_prefix, settings.engine)
-            yield make_store(settings.model_copy(update={"engine": engine}), redis)
+            store = make_store(settings.model_copy(update={"engine": engine}), redis)
+            if isinstance(store, OwnedStore):  # (an app no broker owns is read as one would)
+                store.wires = Wires.beside(url, redis, settings.store_timeout)
+            try:
+                yield store
+            finally:
+                if isinstance(store, OwnedStore) and store.wires is not None:
+                    store.wires.close()
         finally:
             await redis.aclose()
     finally:

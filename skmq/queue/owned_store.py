@@ -14,8 +14,9 @@ from typing import Any
 
 from skmq.clock import now_ms
 from skmq.queue.dead import letter, moved
+from skmq.queue.deliveries import Policy
 from skmq.queue.entries import Meta, encode_header
-from skmq.queue.journal import AppKeys, script_source
+from skmq.queue.journal import AppKeys, Journal, Lease, script_source
 from skmq.queue.operator import NoOwner, Request, answer_request, ask_owner, oldest_pending
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as NewLetter
@@ -40,15 +41,21 @@ from skmq.store.store import (
     hand_over,
 )
 from skmq.store.wire import Wire
-from skmq.store.wires import TROUBLE
+from skmq.store.wires import TROUBLE, Wires
 
 STORED_LOOKBACK = 10_000
+# An app no broker owns read again at most this often while a move into it runs (each
+# time a broker took it and let it go meanwhile)
+MOVE_READS = 3
+Letter = tuple[bytes, bytes, Meta]  # a dead letter as it is stored again: msgid, content, header
 
 
 class OwnedStore(Store):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.owners: Owners | None = None  # set by the broker once its wire is up
+        # an operator command's connections to the owners' Redis (a broker's: its owners')
+        self.wires: Wires | None = None
         # an app's dispatcher told of new messages not stored through the enqueuer (a move)
         self.notify: Callable[[str], None] = lambda app: None
         self._dead_out = self.redis.register_script(script_source("dead_out"))
@@ -306,9 +313,9 @@ class OwnedStore(Store):
         as a dead letter: the letter stays). Into an app a broker owns, its owner stores
         them (only it knows the msgids live in its memory: an inbox entry of one would be
         dropped as its duplicate), here or asked through its inbox; into one none owns,
-        appended to its inbox (lua/append.lua) where it holds no stored state (else
-        NoOwner: start a broker). Each step is one app's keys: a Cluster may put the two
-        apps on two nodes."""
+        appended to its inbox but for the msgids live in its stored state, read as a new
+        owner would read it (`_append_at_rest`). Each step is one app's keys: a Cluster
+        may put the two apps on two nodes."""
         if not delivery_ids:
             return []
         owner = self._owned(to_app)
@@ -318,7 +325,7 @@ class OwnedStore(Store):
         if owner is not None:
             return await self.move_into(owner, to_app, app, delivery_ids, now)
         letters = await self._letters(app, delivery_ids)
-        stored = await self._append_unowned(to_app, list(letters.values()), now)
+        stored = await self._append_at_rest(to_app, letters, now)
         if stored is None:
             request = Request("move", None, source=app, ids=tuple(delivery_ids))
             return [int(x) for x in await ask_owner(self.redis, self.prefix, to_app, request)]
@@ -330,54 +337,67 @@ class OwnedStore(Store):
         """At the owner of `app`: `move` of `source`'s dead letters `ids` into it."""
         letters = await self._letters(source, ids)
         messages = [NewLetter(*m) for m in letters.values()]
-        result = await self._taken(source, ids, letters, await owner.store(messages, now))
+        stored = dict(zip(letters, await owner.store(messages, now), strict=True))
+        result = await self._taken(source, ids, letters, stored)
         if 1 in result:
             self.notify(app)
         return result
 
-    async def _letters(self, app: str, ids: Sequence[str]) -> dict[str, tuple[bytes, bytes, Meta]]:
+    async def _letters(self, app: str, ids: Sequence[str]) -> dict[str, Letter]:
         """What each dead letter of `ids` that `app` holds is stored with elsewhere."""
         dead = AppKeys.of(self.prefix, app).dead
         values = await self.redis.hmget(dead, [i.encode("utf-8", ENC) for i in ids])
         return {i: moved(i, v) for i, v in zip(ids, values, strict=True) if v is not None}
 
-    async def _append_unowned(
-        self, app: str, letters: Sequence[tuple[bytes, bytes, Meta]], now: int
-    ) -> list[bool] | None:
-        """lua/append.lua: each stored (False: a duplicate); None: the app is owned."""
+    async def _append_at_rest(
+        self, app: str, letters: dict[str, Letter], now: int
+    ) -> dict[str, bool] | None:
+        """Into `app` while no broker owns it: its stored state read as a new owner reads
+        it (nothing written), the letters of a msgid live there are duplicates (False),
+        the others appended to its inbox (lua/append.lua), unless a broker owns it by
+        then (None: its owner's to store) or took it and let go since (read again)."""
         if not letters:
-            return []
+            return {}
+        wires = self.owners.wires if self.owners is not None else self.wires
+        if wires is None:
+            raise RuntimeError("no connection to the owners' Redis (OwnedStore.wires)")
         keys = AppKeys.of(self.prefix, app)
-        args: list[Any] = [keys.wakeup]
-        for msgid, content, meta in letters:
-            args += (msgid, content, encode_header(meta))
-        touched = [keys.inbox, *keys.dedupe(now, self.dedupe_ms), keys.listed, *keys.groups]
-        state = (keys.owner, keys.checkpoint, keys.journal, keys.log)
-        reply = await self._append([*touched, keys.dead, keys.dead_copies, *state], args)
-        if reply == [b"owned"]:
-            return None
-        if reply == [b"held"]:
-            raise NoOwner(
-                f"no broker owns app {app!r} now, and only its owner knows what it holds: "
-                "start a broker, then move the dead letters again"
-            )
-        if reply[-1]:
-            await self.directory.add([app])
-        return [bool(x) for x in reply[:-1]]
+        wire = await wires.of(keys.epoch)
+        for _ in range(MOVE_READS):
+            epoch = await wire.call("GET", keys.epoch) or b"0"
+            look = AppOwner(Journal(wire, keys, Lease("", int(epoch)), self.dedupe_ms),
+                            Policy(), tuple)  # fmt: skip
+            await look.load(now, adopt=False)
+            fresh = {i: m for i, m in letters.items() if m[0] not in look.live}
+            if not fresh:
+                return dict.fromkeys(letters, False)
+            args: list[Any] = [keys.wakeup, epoch, look.inbox_cursor]
+            for msgid, content, meta in fresh.values():
+                args += (msgid, content, encode_header(meta))
+            touched = [keys.inbox, *keys.dedupe(now, self.dedupe_ms), keys.listed, *keys.groups]
+            state = (keys.dead, keys.dead_copies, keys.owner, keys.epoch)
+            reply = await self._append([*touched, *state], args)
+            if reply == [b"owned"]:
+                return None
+            if reply == [b"changed"]:
+                continue
+            if reply[-1]:
+                await self.directory.add([app])
+            appended = dict(zip(fresh, (bool(x) for x in reply[:-1]), strict=True))
+            return {i: appended.get(i, False) for i in letters}
+        raise NoOwner(
+            f"app {app!r} was taken over {MOVE_READS} times while the dead letters moved: "
+            "move them again"
+        )
 
     async def _taken(
-        self,
-        app: str,
-        ids: Sequence[str],
-        letters: dict[str, tuple[bytes, bytes, Meta]],
-        stored: Sequence[bool],
+        self, app: str, ids: Sequence[str], letters: dict[str, Letter], stored: dict[str, bool]
     ) -> list[int]:
         """The letters stored elsewhere taken out of `app`'s dead letters; each id's end."""
-        result = dict(zip(letters, stored, strict=True))
-        if taken := [i.encode("utf-8", ENC) for i, ok in result.items() if ok]:
+        if taken := [i.encode("utf-8", ENC) for i in letters if stored[i]]:
             keys = AppKeys.of(self.prefix, app)
             await self._dead_purge([keys.dead, keys.dead_order, keys.dead_copies], taken)
-        return [0 if i not in result else 1 if result[i] else -1 for i in ids]
+        return [0 if i not in stored else 1 if stored[i] else -1 for i in ids]
 
     async def purge(self, app: str, delivery_ids: Sequence[str]) -> list[bool]:
         if not delivery_ids:

@@ -11,8 +11,6 @@ import json
 from collections.abc import Sequence
 
 import structlog
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.sentinel import SentinelConnectionPool
 
 from skmq.aio import cancel_and_wait, spawn
 from skmq.clock import now_ms
@@ -28,7 +26,7 @@ from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
 from skmq.store.client import RedisClient
-from skmq.store.wires import TROUBLE, Wires, sentinel_master
+from skmq.store.wires import TROUBLE, Wires
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import Vouched
 from skmq.workers.engine import Engine
@@ -113,10 +111,7 @@ class OwnerRuntime:
         supervisor: Supervisor,
         orphans: bool = False,
     ) -> OwnerRuntime:
-        cluster = redis if isinstance(redis, RedisCluster) else None
-        pool = None if cluster is not None else redis.connection_pool
-        master = sentinel_master(pool) if isinstance(pool, SentinelConnectionPool) else None
-        wires = Wires(url, settings.store_timeout, cluster, master)
+        wires = Wires.beside(url, redis, settings.store_timeout)
         runtime = cls(settings, wires, store, broker_id, engine)
         if orphans:  # this broker's Redis alone: every lease in it is a dead process's
             for app in await store.apps():

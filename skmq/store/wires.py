@@ -23,6 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import RedisError
 
+from skmq.store.client import RedisClient
 from skmq.store.shards import SlotMap, WriteFailed, master_of
 from skmq.store.wire import ReplyError, Wire, WireClosed, WireNotSent
 
@@ -59,6 +60,15 @@ class Wires:
         self.slots = SlotMap(cluster) if cluster is not None else None
         self._open: dict[str, Wire] = {}
         self._connecting: dict[str, asyncio.Future[Wire]] = {}
+
+    @classmethod
+    def beside(cls, url: str, redis: RedisClient, timeout: float) -> Wires:
+        """Wires to the Redis of `url`, whose redis-py client `redis` is (a Cluster's
+        slot map, the master a Sentinel names)."""
+        cluster = redis if isinstance(redis, RedisCluster) else None
+        pool = None if cluster is not None else redis.connection_pool
+        master = sentinel_master(pool) if isinstance(pool, SentinelConnectionPool) else None
+        return cls(url, timeout, cluster, master)
 
     @classmethod
     def over(cls, wire: Wire, url: str = "", timeout: float = 2.0) -> Wires:

@@ -8,40 +8,39 @@
 -- directory (skmq/store/directory.py) before it answers.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
 -- A dead letter moved into an app no broker owns is appended so too (OwnedStore.move),
--- with the app's owner, checkpoint, journal and log keys after the rest. Only an owner
--- knows the msgids live in an app (a live one's entry is dropped as its duplicate when
--- read), so the script answers {'owned'} where the app is owned (its owner's to store)
--- and {'held'} where it holds a stored state (a checkpoint, a journal, a log) or an inbox
--- of over INBOX_SCAN entries; else nothing is live but what the inbox holds: a msgid
--- there is a duplicate.
+-- the app's owner and epoch keys after the rest, the epoch its mover read and the last
+-- inbox entry it read after the channel: the mover read the app's stored state as a new
+-- owner would and left out the msgids live there (only an owner knows them: a live
+-- one's entry is dropped as its duplicate when read). Where the app is owned now the
+-- script answers {'owned'} (its owner's to store); where another epoch began since the
+-- mover read it, {'changed'} (read it again); else what the inbox took since is all
+-- that changed: a msgid there is a duplicate.
 -- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed,
 --       groups, recipients, glog, gseen, gadded, dead letters (hash), dead topic copies
---       by msgid (hash)(, owner, checkpoint, journal, log: a move)
--- ARGV: channel, (msgid, content, header ('': none))*
+--       by msgid (hash)(, owner, epoch: a move)
+-- ARGV: channel(, epoch, inbox entry: a move), (msgid, content, header ('': none))*
 -- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
 -- the `listed` mark is new else 0.
-local INBOX_SCAN = 10000
+local first = 2  -- the first message's ARGV
 local present = nil
 if KEYS[12] then
   if redis.call('EXISTS', KEYS[12]) == 1 then return {'owned'} end
-  if redis.call('EXISTS', KEYS[13], KEYS[14]) > 0 or redis.call('XLEN', KEYS[15]) > 0
-      or redis.call('XLEN', KEYS[1]) > INBOX_SCAN then
-    return {'held'}
-  end
+  if (redis.call('GET', KEYS[13]) or '0') ~= ARGV[2] then return {'changed'} end
   present = {}
-  for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+  for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. ARGV[3], '+')) do
     if e[2][1] == 'm' then present[e[2][2]] = true end
   end
+  first = 4
 end
 local log, cur, prev = KEYS[1], KEYS[2], KEYS[3]
 local ids = {}
-for i = 2, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
+for i = first, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
 local e = ended_of(cur, prev, KEYS[10], KEYS[11], ids)
 local g = groups_of(KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ids)
 local out = {}
 local told = false
 for j = 1, #ids do
-  local i = 3 * j - 1
+  local i = first + 3 * (j - 1)
   if ended(e, j) or (g and g.seen[j]) or (present and present[ARGV[i]]) then
     out[j] = 0
   else
