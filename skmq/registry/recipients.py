@@ -82,7 +82,9 @@ class Registry:
                 if rec is not None:
                     new[rec.id] = rec
             self._apps[app] = new
-            if any(
+            # (one gone too: its topic copies no longer wait for it, its dispatcher fails
+            # them now rather than at its next idle poll)
+            if old.keys() - new.keys() or any(
                 rid not in old
                 or old[rid].alive != r.alive
                 or old[rid].port != r.port
@@ -169,10 +171,17 @@ class Registry:
         self._changes.pop(app, None)
 
     async def mark(self, app: str, rid: str, alive: bool, detail: str = "") -> None:
-        """Record a heartbeat or connection outcome; log only real state changes."""
-        self._changed(app)
+        """Record a heartbeat or connection outcome; log only real state changes. (One that
+        leaves this view as it is, as every heartbeat does, does not count as a local
+        change: a refresh racing it reads the same, and is not held back by it, so that
+        a recipient removed meanwhile, probed as lost each heartbeat, is seen gone.)"""
+        rec = self._apps.get(app, {}).get(rid)
+        changing = rec is None or rec.alive != alive
+        if changing:
+            self._changed(app)
         previous = await self.store.set_state(app, rid, alive, now_ms())
-        self._changed(app)
+        if changing:
+            self._changed(app)
         rec = self._apps.get(app, {}).get(rid)
         if rec is not None:
             rec.alive = alive
