@@ -49,13 +49,14 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
             await wait_loaded(redis, settings.redis_wait)
             engine = await engine_of(redis, settings.key_prefix, settings.engine)
             store = make_store(settings.model_copy(update={"engine": engine}), redis)
+            wires = None
             if isinstance(store, OwnedStore):  # (an app no broker owns is read as one would)
-                store.wires = Wires.beside(url, redis, settings.store_timeout)
+                wires = store.wires = Wires.beside(url, redis, settings.store_timeout)
             try:
                 yield store
             finally:
-                if isinstance(store, OwnedStore) and store.wires is not None:
-                    store.wires.close()
+                if wires is not None:
+                    wires.close()
         finally:
             await redis.aclose()
     finally:

@@ -74,6 +74,5 @@ def letter(app: str, did: bytes, value: bytes, died: float) -> DeadLetter:
 
 def moved(did: str, value: bytes) -> tuple[bytes, bytes, Meta]:
     """The msgid, content and header a letter is stored with again (a move)."""
-    header, _, rest = value.partition(b"\n")
-    msgid = did.partition(SEP)[0].encode("utf-8", ENC)
-    return msgid, rest.partition(b"\n")[2], decode_header(header)
+    header, _, content = value.split(b"\n", 2)  # (as `letter` reads it)
+    return did.partition(SEP)[0].encode("utf-8", ENC), content, decode_header(header)

@@ -282,6 +282,15 @@ class Journal:
         _fenced(await run_script(self.wire, "checkpoint", keys, args), self.lease, self.keys)
 
 
+class NotAtRest(Exception):
+    """A mover's append (lua/append.lua): the app is owned now (`owned`), or another
+    epoch began since the mover read its stored state."""
+
+    def __init__(self, owned: bool) -> None:
+        super().__init__("owned" if owned else "taken over since it was read")
+        self.owned = owned
+
+
 async def append(
     wire: Wire,
     keys: AppKeys,
@@ -289,15 +298,21 @@ async def append(
     dedupe_ms: int,
     messages: Sequence[Appended],
     lister: Lister | None = None,
+    at_rest: tuple[bytes, bytes] | None = None,
 ) -> list[bytes | None]:
     """A store by a broker that does not own the queue: appended to the inbox, and the
     owner told; the app listed by `lister` when its mark is new. None where a message is
-    a duplicate (settled within the dedupe window, held as a dead letter)."""
-    args: list[Any] = [keys.wakeup]
+    a duplicate (settled within the dedupe window, held as a dead letter). `at_rest`: a
+    mover's, the epoch and the last inbox entry of the state it read (NotAtRest where
+    the app is owned now, or was taken since)."""
+    args: list[Any] = [keys.wakeup, *(at_rest or ())]
     for m in messages:
         args += (m.msgid, m.content, m.header)
     touched = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, *keys.groups)
-    reply = await run_script(wire, "append", (*touched, keys.dead, keys.dead_copies), args)
+    state = (keys.owner, keys.epoch) if at_rest is not None else ()
+    reply = await run_script(wire, "append", (*touched, keys.dead, keys.dead_copies, *state), args)
+    if reply in ([b"owned"], [b"changed"]):
+        raise NotAtRest(reply == [b"owned"])
     if reply[-1] and lister is not None:
         await lister(keys.app)
     return [entry or None for entry in reply[:-1]]

@@ -16,7 +16,15 @@ from skmq.clock import now_ms
 from skmq.queue.dead import letter, moved
 from skmq.queue.deliveries import Policy
 from skmq.queue.entries import Meta, encode_header
-from skmq.queue.journal import AppKeys, Journal, Lease, script_source
+from skmq.queue.journal import (
+    Appended,
+    AppKeys,
+    Journal,
+    Lease,
+    NotAtRest,
+    append,
+    script_source,
+)
 from skmq.queue.operator import NoOwner, Request, answer_request, ask_owner, oldest_pending
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as NewLetter
@@ -59,7 +67,6 @@ class OwnedStore(Store):
         # an app's dispatcher told of new messages not stored through the enqueuer (a move)
         self.notify: Callable[[str], None] = lambda app: None
         self._dead_out = self.redis.register_script(script_source("dead_out"))
-        self._append = self.redis.register_script(script_source("append"))
         self._dead_purge = self.redis.register_script(script_source("dead_purge"))
         self._forget = self.redis.register_script(script_source("forget"))
 
@@ -329,7 +336,7 @@ class OwnedStore(Store):
         if stored is None:
             request = Request("move", None, source=app, ids=tuple(delivery_ids))
             return [int(x) for x in await ask_owner(self.redis, self.prefix, to_app, request)]
-        return await self._taken(app, delivery_ids, letters, stored)
+        return await self._taken(app, delivery_ids, stored)
 
     async def move_into(
         self, owner: AppOwner, app: str, source: str, ids: Sequence[str], now: int
@@ -338,7 +345,7 @@ class OwnedStore(Store):
         letters = await self._letters(source, ids)
         messages = [NewLetter(*m) for m in letters.values()]
         stored = dict(zip(letters, await owner.store(messages, now), strict=True))
-        result = await self._taken(source, ids, letters, stored)
+        result = await self._taken(source, ids, stored)
         if 1 in result:
             self.notify(app)
         return result
@@ -363,6 +370,10 @@ class OwnedStore(Store):
             raise RuntimeError("no connection to the owners' Redis (OwnedStore.wires)")
         keys = AppKeys.of(self.prefix, app)
         wire = await wires.of(keys.epoch)
+
+        async def listed(name: str) -> None:
+            await self.directory.add([name])
+
         for _ in range(MOVE_READS):
             epoch = await wire.call("GET", keys.epoch) or b"0"
             look = AppOwner(Journal(wire, keys, Lease("", int(epoch)), self.dedupe_ms),
@@ -371,30 +382,25 @@ class OwnedStore(Store):
             fresh = {i: m for i, m in letters.items() if m[0] not in look.live}
             if not fresh:
                 return dict.fromkeys(letters, False)
-            args: list[Any] = [keys.wakeup, epoch, look.inbox_cursor]
-            for msgid, content, meta in fresh.values():
-                args += (msgid, content, encode_header(meta))
-            touched = [keys.inbox, *keys.dedupe(now, self.dedupe_ms), keys.listed, *keys.groups]
-            state = (keys.dead, keys.dead_copies, keys.owner, keys.epoch)
-            reply = await self._append([*touched, *state], args)
-            if reply == [b"owned"]:
-                return None
-            if reply == [b"changed"]:
+            appended = [Appended(m, c, encode_header(meta)) for m, c, meta in fresh.values()]
+            try:
+                at_rest = (epoch, look.inbox_cursor)
+                ids = await append(wire, keys, now, self.dedupe_ms, appended, listed, at_rest)
+            except NotAtRest as exc:
+                if exc.owned:
+                    return None
                 continue
-            if reply[-1]:
-                await self.directory.add([app])
-            appended = dict(zip(fresh, (bool(x) for x in reply[:-1]), strict=True))
-            return {i: appended.get(i, False) for i in letters}
+            stored = dict(zip(fresh, (i is not None for i in ids), strict=True))
+            return {i: stored.get(i, False) for i in letters}
         raise NoOwner(
             f"app {app!r} was taken over {MOVE_READS} times while the dead letters moved: "
             "move them again"
         )
 
-    async def _taken(
-        self, app: str, ids: Sequence[str], letters: dict[str, Letter], stored: dict[str, bool]
-    ) -> list[int]:
-        """The letters stored elsewhere taken out of `app`'s dead letters; each id's end."""
-        if taken := [i.encode("utf-8", ENC) for i in letters if stored[i]]:
+    async def _taken(self, app: str, ids: Sequence[str], stored: dict[str, bool]) -> list[int]:
+        """The letters stored elsewhere (`stored`: by delivery id, the letters `app`
+        held) taken out of `app`'s dead letters; each id's end."""
+        if taken := [i.encode("utf-8", ENC) for i, ok in stored.items() if ok]:
             keys = AppKeys.of(self.prefix, app)
             await self._dead_purge([keys.dead, keys.dead_order, keys.dead_copies], taken)
         return [0 if i not in stored else 1 if stored[i] else -1 for i in ids]
