@@ -5,6 +5,7 @@ owner."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -508,3 +509,24 @@ async def test_peek_and_purge_reach_the_backlog_the_log_holds(wire: Wire, keys: 
     await b.load(T)
     assert b.counts(T) == (10, 0, 0)  # (the purge is journaled: only the n's come back)
     assert sorted(await drain(b, T)) == more
+
+
+async def test_a_checkpoint_bounds_its_writes_not_the_taking_of_its_state(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A state that takes longer to snapshot than the bound (a large one on a slow
+    machine) is still written: before, such a checkpoint ran out of time before its
+    first write, every round."""
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("m1", "m2"), T)
+    snapshot = a.queue.snapshot
+
+    def slow_snapshot() -> bytes:
+        time.sleep(0.2)  # (the CPU a large state costs: the loop is held meanwhile)
+        return snapshot()
+
+    a.queue.snapshot = slow_snapshot  # type: ignore[method-assign]
+    assert await wire.call("GET", keys.checkpoint) is None
+    await a.checkpoint(T, bound=0.1)
+    saved = await wire.call("GET", keys.checkpoint)
+    assert saved is not None and b'"m1"' in saved and b'"m2"' in saved

@@ -388,12 +388,14 @@ class AppOwner:
         held = len(self.queue.deliveries) + len(self.unfanned)
         return self.unchecked >= held or now - self.checked_at >= CHECKPOINT_AGE_MS
 
-    async def checkpoint(self, now: int) -> None:
+    async def checkpoint(self, now: int, bound: float | None = None) -> None:
         """Keep the state as of the journal's last entry, and drop what no delivery needs
         any more. The state is taken, and every record made up to it drained into one
         flush, with no wait between (no other coroutine makes a record meanwhile): the
         checkpoint names that flush's journal entry, and a new owner replays exactly the
-        records made after it."""
+        records made after it. `bound` (seconds) bounds the writes, not the taking of
+        the state: a large state on a slow machine is written, not taken again and
+        again by checkpoints that ran out of time before their first write."""
         held = [(d.entry, d.inbox) for d in self.queue.deliveries.values()]
         held += [(e.entry, inbox) for e, inbox in self.unfanned]
         # (what follows a cursor is needed still: a backlog unread, a tail to replay)
@@ -406,8 +408,9 @@ class AppOwner:
             (self.log_cursor, self.inbox_cursor, self.queue.snapshot(), waiting, self.log_last)
         )
         self.unchecked, self.checked_at = 0, now
-        flushed = await self._flush(now, mark=True)
-        await self.journal.checkpoint(state, flushed.journaled, *oldest)
+        async with asyncio.timeout(bound):
+            flushed = await self._flush(now, mark=True)
+            await self.journal.checkpoint(state, flushed.journaled, *oldest)
 
     async def load(self, now: int, adopt: bool = True) -> None:
         """A new owner: the checkpoint, the log and inbox after it (the old owner's

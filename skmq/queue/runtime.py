@@ -34,6 +34,10 @@ from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.queue.runtime")
 
+# Past the moment another broker's lease runs out that an app is tried for: the lease's
+# end is known to a round trip (and the Redis clock's expiry to a millisecond).
+LAPSE_MARGIN = 0.01
+
 
 def policy_of(s: Settings) -> Policy:
     return Policy(
@@ -221,15 +225,16 @@ class OwnerRuntime:
 
     async def _checkpoint(self, app: str, owner: AppOwner, just_taken: bool) -> None:
         """The app's checkpoint when one is due (AppOwner.checkpoint_due) and its counts
-        for status, within a third of the lease (its node in trouble holds up no other
-        app). An app `just_taken` in this round is checkpointed in the next: its
+        for status, their writes each within a third of the lease (its node in trouble
+        holds up no other app). An app `just_taken` in this round is checkpointed in the next: its
         dispatcher pushes again what the old owner had in flight first (a checkpoint of
         100,000 deliveries is some 0.1 s of CPU and a 10 MB write)."""
         now = now_ms()
+        bound = self.lease_ms / 3000
         try:
-            async with asyncio.timeout(self.lease_ms / 3000):
-                if not just_taken and owner.checkpoint_due(now):
-                    await owner.checkpoint(now)
+            if not just_taken and owner.checkpoint_due(now):
+                await owner.checkpoint(now, bound)
+            async with asyncio.timeout(bound):
                 due, later, in_flight = owner.counts(now)
                 oldest = oldest_pending(owner) or ""
                 counted = ("pending", due, "delayed", later, "in_flight", in_flight)
@@ -264,10 +269,24 @@ class OwnerRuntime:
 
     async def run(self) -> None:
         """Every third of the lease: renew, and the upkeep unless the last one still
-        runs (a node in trouble holds it up to a third of a lease a step)."""
+        runs (a node in trouble holds it up to a third of a lease a step). Between
+        two, as another broker's lease runs out unrenewed: its apps are tried for
+        (Ownership.take_lapsed)."""
+        loop = asyncio.get_running_loop()
+        period = self.lease_ms / 3000
         upkeep: asyncio.Task[None] | None = None
+        lapsed: asyncio.Task[None] | None = None
+        next_round = loop.time() + period
         while True:
-            await asyncio.sleep(self.lease_ms / 3000)
+            wake = next_round
+            lapse = self.ownership.next_lapse()
+            if lapse is not None and (lapsed is None or lapsed.done()):
+                wake = min(wake, loop.time() + (lapse - now_ms()) / 1000 + LAPSE_MARGIN)
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+            if loop.time() < next_round:
+                lapsed = spawn(self._take_lapsed(), self.tasks)
+                continue
+            next_round = loop.time() + period
             try:
                 await self.renew()
             except TROUBLE as exc:
@@ -276,6 +295,12 @@ class OwnerRuntime:
                 if upkeep is not None:
                     upkeep.result()  # (an error not a node's trouble: the supervisor's)
                 upkeep = spawn(self._upkeep_logged(), self.tasks)
+
+    async def _take_lapsed(self) -> None:
+        try:
+            await self.ownership.take_lapsed(now_ms())
+        except TROUBLE as exc:
+            log.warning("taking apps whose lease ran out failed", error=repr(exc))
 
     async def _upkeep_logged(self) -> None:
         try:
