@@ -54,6 +54,7 @@ class Ownership:
     # app -> (the broker holding it, when its lease runs out unless renewed: ms), as its
     # last refused acquire said
     lapsing: dict[str, tuple[str, int]] = field(default_factory=dict)
+    lapse_seen: asyncio.Event = field(default_factory=asyncio.Event)  # (one added since)
 
     @property
     def members_key(self) -> str:
@@ -178,6 +179,7 @@ class Ownership:
         if isinstance(won, HeldBy):
             self.unowned_since[app] = now  # owned by another: it is not unowned
             self.lapsing[app] = (won.broker, now + won.ms_left)
+            self.lapse_seen.set()
             return False
         self.unowned_since.pop(app, None)
         self.lapsing.pop(app, None)

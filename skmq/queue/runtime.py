@@ -278,11 +278,13 @@ class OwnerRuntime:
         lapsed: asyncio.Task[None] | None = None
         next_round = loop.time() + period
         while True:
+            self.ownership.lapse_seen.clear()
             wake = next_round
             lapse = self.ownership.next_lapse()
             if lapse is not None and (lapsed is None or lapsed.done()):
                 wake = min(wake, loop.time() + (lapse - now_ms()) / 1000 + LAPSE_MARGIN)
-            await asyncio.sleep(max(0.0, wake - loop.time()))
+            if await self._lapse_seen_before(wake):
+                continue  # (when to wake again)
             if loop.time() < next_round:
                 lapsed = spawn(self._take_lapsed(), self.tasks)
                 continue
@@ -295,6 +297,15 @@ class OwnerRuntime:
                 if upkeep is not None:
                     upkeep.result()  # (an error not a node's trouble: the supervisor's)
                 upkeep = spawn(self._upkeep_logged(), self.tasks)
+
+    async def _lapse_seen_before(self, when: float) -> bool:
+        """Wait until `when` (the loop's time); True if a round saw another broker's
+        lease first (it may run out sooner)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(when):
+                await self.ownership.lapse_seen.wait()
+                return True
+        return False
 
     async def _take_lapsed(self) -> None:
         try:
