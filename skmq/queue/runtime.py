@@ -226,9 +226,9 @@ class OwnerRuntime:
     async def _checkpoint(self, app: str, owner: AppOwner, just_taken: bool) -> None:
         """The app's checkpoint when one is due (AppOwner.checkpoint_due) and its counts
         for status, their writes each within a third of the lease (its node in trouble
-        holds up no other app). An app `just_taken` in this round is checkpointed in the next: its
-        dispatcher pushes again what the old owner had in flight first (a checkpoint of
-        100,000 deliveries is some 0.1 s of CPU and a 10 MB write)."""
+        holds up no other app). An app `just_taken` in this round is checkpointed in the
+        next: its dispatcher pushes again what the old owner had in flight first (a
+        checkpoint of 100,000 deliveries is some 0.1 s of CPU and a 10 MB write)."""
         now = now_ms()
         bound = self.lease_ms / 3000
         try:
@@ -281,7 +281,11 @@ class OwnerRuntime:
             self.ownership.lapse_seen.clear()
             wake = next_round
             lapse = self.ownership.next_lapse()
-            if lapse is not None and (lapsed is None or lapsed.done()):
+            if lapsed is not None and lapsed.done():
+                ended: asyncio.Task[None] = lapsed
+                lapsed = None
+                ended.result()  # (an error not a node's trouble: the supervisor's)
+            if lapse is not None and lapsed is None:
                 wake = min(wake, loop.time() + (lapse - now_ms()) / 1000 + LAPSE_MARGIN)
             if await self._lapse_seen_before(wake):
                 continue  # (when to wake again)
