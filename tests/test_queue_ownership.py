@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from skmq.queue.journal import AppKeys, Lease
 from skmq.queue.ownership import Ownership, preferred
 from skmq.store.wire import Wire
@@ -149,3 +151,37 @@ async def test_a_holder_that_renewed_is_tried_again_only_when_its_new_lease_runs
     assert again is not None and again > lapse  # refused again: when to try next
     await a.take_lapsed(lapse)  # (not before then)
     assert a.lapsing[app][1] == again
+
+
+async def test_a_take_whose_state_fails_to_load_lets_the_lease_go(wire: Wire, prefix: str) -> None:
+    """The load failed (its node in trouble): not held, its lease released, and the next
+    take is a new attempt (not the failed one's result, nor a lease renewed for
+    nobody)."""
+    epochs: list[int] = []
+
+    async def gained(app: str, lease: Lease) -> None:
+        epochs.append(lease.epoch)
+        if len(epochs) == 1:
+            raise OSError("load failed")
+
+    async def lost(app: str) -> None:
+        pass
+
+    a = Ownership("A", prefix, LEASE, Wires.over(wire), gained, lost)
+    a.brokers = ["A"]
+    owner = AppKeys.of(prefix, "app0").owner
+    with pytest.raises(OSError):
+        await a.take("app0", T)
+    assert "app0" not in a.held and not a.taking
+    assert await wire.call("GET", owner) is None
+    assert await a.take("app0", T)
+    assert epochs == [1, 2] and a.held["app0"].epoch == 2
+
+
+async def test_a_lease_with_no_end_is_not_waited_for(wire: Wire, prefix: str) -> None:
+    log: list[tuple[str, str, int]] = []
+    a = broker("A", wire, prefix, log)
+    a.brokers = ["A"]
+    await wire.call("SET", AppKeys.of(prefix, "app0").owner, "B:1")  # (by hand: no PX)
+    assert not await a.take("app0", T)
+    assert a.next_lapse() is None

@@ -165,7 +165,8 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class HeldBy:
-    """Another broker's lease on a queue: its holder, and the ms it has left."""
+    """Another broker's lease on a queue: its holder, and the ms it has left (-1: no
+    end, a key set by hand)."""
 
     broker: str
     ms_left: int
@@ -176,7 +177,7 @@ async def try_acquire(wire: Wire, keys: AppKeys, broker: str, lease_ms: int) -> 
     reply = await run_script(wire, "acquire", (keys.owner, keys.epoch), (broker, lease_ms))
     if reply[0] == 1:
         return Lease(broker, int(reply[1]))
-    return HeldBy(reply[1].decode().rpartition(":")[0], max(0, int(reply[2])))
+    return HeldBy(reply[1].decode().rpartition(":")[0], int(reply[2]))
 
 
 async def acquire(wire: Wire, keys: AppKeys, broker: str, lease_ms: int) -> Lease | None:

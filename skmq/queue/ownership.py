@@ -17,6 +17,8 @@ unrenewed is dead or stalled, and is no longer preferred for that app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -120,11 +122,12 @@ class Ownership:
     async def _take_bounded(self, app: str, now: int) -> None:
         """`take`, waited for as `_bounded` waits; a take that won the lease and still
         loads the app's state (a large one: seconds) goes on, and is no failure."""
+        bound = asyncio.timeout(self.lease_ms / 3000)
         try:
-            async with asyncio.timeout(self.lease_ms / 3000):
+            async with bound:
                 await self.take(app, now)
-        except TROUBLE as exc:
-            if not (isinstance(exc, TimeoutError) and app in self.held):
+        except TROUBLE as exc:  # (the attempt's own failure: logged as it ends, `_taken`)
+            if bound.expired() and app not in self.held:
                 log.warning("ownership call failed", app=app, error=repr(exc))
 
     async def _renew(self, app: str, lease: Lease) -> None:
@@ -160,11 +163,17 @@ class Ownership:
             return await asyncio.shield(pending)
         attempt = asyncio.ensure_future(self._take(app, now))
         self.taking[app] = attempt
-        try:
-            return await asyncio.shield(attempt)
-        finally:
-            if self.taking.get(app) is attempt and attempt.done():
-                del self.taking[app]
+        attempt.add_done_callback(functools.partial(self._taken, app))
+        return await asyncio.shield(attempt)
+
+    def _taken(self, app: str, attempt: asyncio.Future[bool]) -> None:
+        """An attempt ended, whether or not anyone still waits for it (a round stops
+        waiting after a third of the lease, a large state loads for longer): the next
+        take makes a new one, and a failure is logged once."""
+        if self.taking.get(app) is attempt:
+            del self.taking[app]
+        if not attempt.cancelled() and (exc := attempt.exception()) is not None:
+            log.warning("taking an app failed", app=app, error=repr(exc))
 
     async def _take(self, app: str, now: int) -> bool:
         brokers = self.brokers or [self.broker]
@@ -178,13 +187,20 @@ class Ownership:
         won = await try_acquire(await self._wire(app), self.keys(app), self.broker, self.lease_ms)
         if isinstance(won, HeldBy):
             self.unowned_since[app] = now  # owned by another: it is not unowned
-            self.lapsing[app] = (won.broker, now + won.ms_left)
-            self.lapse_seen.set()
+            if won.ms_left >= 0:  # (-1: a lease with no end, which no broker sets)
+                self.lapsing[app] = (won.broker, now + won.ms_left)
+                self.lapse_seen.set()
             return False
         self.unowned_since.pop(app, None)
         self.lapsing.pop(app, None)
         self.held[app] = won
-        await self.gained(app, won)
+        try:
+            await self.gained(app, won)
+        except Exception:  # (its state not loaded: let go, for this or another broker)
+            del self.held[app]
+            with contextlib.suppress(*TROUBLE):
+                await release(await self._wire(app), self.keys(app), won)
+            raise
         return True
 
     async def release_all(self) -> None:

@@ -316,6 +316,8 @@ class OwnerRuntime:
             await self.ownership.take_lapsed(now_ms())
         except TROUBLE as exc:
             log.warning("taking apps whose lease ran out failed", error=repr(exc))
+        finally:  # (the loop wakes to see the lease ends that came meanwhile)
+            self.ownership.lapse_seen.set()
 
     async def _upkeep_logged(self) -> None:
         try:
