@@ -70,6 +70,10 @@ class OwnedStore(Store):
         self._dead_purge = self.redis.register_script(script_source("dead_purge"))
         self._forget = self.redis.register_script(script_source("forget"))
 
+    async def list_app(self, app: str) -> None:
+        """The app in the apps directory (a `Lister`: its mark in Redis was new)."""
+        await self.directory.add([app])
+
     @property
     def _owners(self) -> Owners:
         assert self.owners is not None, "the owners start with the broker"
@@ -371,9 +375,6 @@ class OwnedStore(Store):
         keys = AppKeys.of(self.prefix, app)
         wire = await wires.of(keys.epoch)
 
-        async def listed(name: str) -> None:
-            await self.directory.add([name])
-
         for _ in range(MOVE_READS):
             epoch = await wire.call("GET", keys.epoch) or b"0"
             look = AppOwner(Journal(wire, keys, Lease("", int(epoch)), self.dedupe_ms),
@@ -385,7 +386,9 @@ class OwnedStore(Store):
             appended = [Appended(m, c, encode_header(meta)) for m, c, meta in fresh.values()]
             try:
                 at_rest = (epoch, look.inbox_cursor)
-                ids = await append(wire, keys, now, self.dedupe_ms, appended, listed, at_rest)
+                ids = await append(
+                    wire, keys, now, self.dedupe_ms, appended, self.list_app, at_rest
+                )
             except NotAtRest as exc:
                 if exc.owned:
                     return None

@@ -69,7 +69,7 @@ class OwnerRuntime:
             timeout=settings.store_timeout,
             linger=settings.ack_linger,
             settling=engine.stalls.settling,
-            lister=lambda app: store.directory.add([app]),
+            lister=store.list_app,
             backlog_held=settings.backlog_held,
         )
         self.lease_ms = int(settings.owner_lease * 1000)
