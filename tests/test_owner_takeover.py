@@ -79,3 +79,48 @@ async def test_an_owner_stopped_past_its_lease_is_fenced_and_nothing_is_lost(
         print(f"writes of the woken owner fenced: {fenced}")
     finally:
         await rec.stop()
+
+
+async def test_a_dead_owners_app_is_taken_as_its_lease_runs_out_not_at_the_next_round(
+    broker_process: BrokerProcess,
+    make_broker: BrokerFactory,
+    redis: aioredis.Redis,
+    redis_url: str,
+    prefix: str,
+) -> None:
+    """The other broker learns when the owner's lease runs out (its refused acquires
+    say) and takes the app then: with a lease of 6 s its rounds come every 2 s, and the
+    app would otherwise wait for the next one (up to 2 s after the lease)."""
+    lease = 6.0
+    env = broker_process.env
+    env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix, SKMQ_ENGINE="owner",
+               SKMQ_OWNER_LEASE=str(lease))  # fmt: skip
+    await asyncio.to_thread(broker_process.start)
+    rec = await FakeRecipient("lapse", "r").start()
+    try:
+        await registered(broker_process.port, rec)
+        await produce(broker_process.port, "lapse", ["m0"])  # it owns the app
+        keys = AppKeys.of(prefix, "lapse")
+        owner = (await redis.get(keys.owner)).decode()
+        other = await make_broker(engine="owner", owner_lease=lease)
+        assert other.owned is not None
+        lapsing = other.owned.ownership.lapsing
+
+        async def seen() -> bool:  # (a refused acquire of the other's said when)
+            return "lapse" in lapsing
+
+        await eventually(seen, timeout=3 * lease)
+        assert broker_process.proc is not None
+        broker_process.proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(broker_process.proc.wait)
+        loop = asyncio.get_running_loop()
+        runs_out = loop.time() + await redis.pttl(keys.owner) / 1000
+
+        async def taken() -> bool:
+            return (await redis.get(keys.owner) or owner.encode()).decode() != owner
+
+        await eventually(taken, timeout=2 * lease)
+        late = loop.time() - runs_out
+        assert late < 1.0, f"taken {late:.2f} s after the lease ran out"
+    finally:
+        await rec.stop()

@@ -157,3 +157,24 @@ async def test_pushes_of_a_store_whose_caller_gave_up_are_handed_back(
     await eventually(materialised)
     d = owner.queue.deliveries[(b"m1", "")]
     assert (d.state, d.attempt, pushed) == (State.PENDING, 0, {})
+
+
+async def test_a_claim_returns_once_its_pushes_are_journaled_and_a_stale_owner_pushes_nothing(
+    wire: Wire, prefix: str
+) -> None:
+    """A push leaves only once a new owner would know of it: the claim's records are in
+    the journal when it returns; an owner taken over meanwhile (its lease ran out in a
+    stall) claims nothing, and is no longer the app's owner."""
+    o = await owners(wire, prefix, "orders")
+    keys = AppKeys.of(prefix, "orders")
+    await o.store({"orders": [NewMessage("m1", "queue", b"one")]}, T)
+    journaled = await wire.call("XLEN", keys.journal)
+    claimed, _, _ = await o.claim("orders", T, 10, alive("r1"), ["r1"])
+    assert [c.delivery_id for c in claimed] == ["m1"]
+    assert await wire.call("XLEN", keys.journal) == journaled + 1  # (nothing flushed it else)
+
+    await o.store({"orders": [NewMessage("m2", "queue", b"two")]}, T)
+    await wire.call("DEL", keys.owner)  # (A's lease ran out while it stalled)
+    assert await acquire(wire, keys, "B", 60_000) is not None
+    assert await o.claim("orders", T, 10, alive("r1"), ["r1"]) == ([], None, 0.0)
+    assert "orders" not in o.owned

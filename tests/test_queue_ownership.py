@@ -103,6 +103,56 @@ async def test_takes_at_the_same_time_share_one_acquire(wire: Wire, prefix: str)
     assert log == [("A", "app0", 1)] and a.held["app0"].epoch == 1
 
 
+async def test_a_dead_owners_apps_are_taken_as_its_leases_run_out_not_at_a_round(
+    wire: Wire, prefix: str
+) -> None:
+    """A refused acquire says when the holder's lease runs out; the apps are tried for
+    then, and a holder that let its lease run out is no longer preferred, though it
+    still counts as alive (its membership has not run out)."""
+    log: list[tuple[str, str, int]] = []
+    a, b = broker("A", wire, prefix, log), broker("B", wire, prefix, log)
+    await a.live(T)
+    await b.live(T)
+    await b.round(APPS, T)
+    theirs = set(b.held)
+    await a.round(APPS, T)
+    await wire.call("ZADD", a.members_key, T + 60_000, "B")  # B alive on paper
+    await a.round(APPS, T + LEASE)  # unowned for a lease: A asks for B's apps, refused
+    assert theirs and not theirs & set(a.held)
+    assert set(a.lapsing) == theirs and {b for b, _ in a.lapsing.values()} == {"B"}
+    first, last = a.next_lapse(), max(when for _, when in a.lapsing.values())
+    assert first is not None and T + LEASE < first <= last <= T + 2 * LEASE
+
+    await a.take_lapsed(first - 1)  # not yet: nothing tried
+    assert set(a.lapsing) == theirs
+    for app in theirs:  # B dies: its leases run out unrenewed
+        await wire.call("DEL", AppKeys.of(prefix, app).owner)
+    await a.take_lapsed(last)
+    assert theirs <= set(a.held) and a.next_lapse() is None
+    assert all(epoch == 2 for name, app, epoch in log if name == "A" and app in theirs)
+
+
+async def test_a_holder_that_renewed_is_tried_again_only_when_its_new_lease_runs_out(
+    wire: Wire, prefix: str
+) -> None:
+    log: list[tuple[str, str, int]] = []
+    a, b = broker("A", wire, prefix, log), broker("B", wire, prefix, log)
+    a.brokers = b.brokers = ["A", "B"]
+    app = next(app for app in APPS if preferred(app, ["A", "B"]) == "B")
+    assert await b.take(app, T)
+    assert not await a.take(app, T)  # B's by rendezvous: not asked for
+    assert app not in a.lapsing
+    assert not await a.take(app, T + LEASE)  # unowned for a lease, on paper: refused
+    lapse = a.lapsing[app][1]
+    await b.renew_all()  # B is alive: its lease runs on
+    await a.take_lapsed(lapse)
+    assert app not in a.held and app in b.held
+    again = a.next_lapse()
+    assert again is not None and again > lapse  # refused again: when to try next
+    await a.take_lapsed(lapse)  # (not before then)
+    assert a.lapsing[app][1] == again
+
+
 async def test_a_take_whose_state_fails_to_load_lets_the_lease_go(wire: Wire, prefix: str) -> None:
     """The load failed (its node in trouble): not held, its lease released, and the next
     take is a new attempt (not the failed one's result, nor a lease renewed for
@@ -126,3 +176,12 @@ async def test_a_take_whose_state_fails_to_load_lets_the_lease_go(wire: Wire, pr
     assert await wire.call("GET", owner) is None
     assert await a.take("app0", T)
     assert epochs == [1, 2] and a.held["app0"].epoch == 2
+
+
+async def test_a_lease_with_no_end_is_not_waited_for(wire: Wire, prefix: str) -> None:
+    log: list[tuple[str, str, int]] = []
+    a = broker("A", wire, prefix, log)
+    a.brokers = ["A"]
+    await wire.call("SET", AppKeys.of(prefix, "app0").owner, "B:1")  # (by hand: no PX)
+    assert not await a.take("app0", T)
+    assert a.next_lapse() is None

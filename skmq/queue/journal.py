@@ -163,10 +163,27 @@ class Lease:
         return f"{self.broker}:{self.epoch}"
 
 
+@dataclass(frozen=True, slots=True)
+class HeldBy:
+    """Another broker's lease on a queue: its holder, and the ms it has left (-1: no
+    end, a key set by hand)."""
+
+    broker: str
+    ms_left: int
+
+
+async def try_acquire(wire: Wire, keys: AppKeys, broker: str, lease_ms: int) -> Lease | HeldBy:
+    """The queue's lease and a new epoch, or who holds it and for how long yet."""
+    reply = await run_script(wire, "acquire", (keys.owner, keys.epoch), (broker, lease_ms))
+    if reply[0] == 1:
+        return Lease(broker, int(reply[1]))
+    return HeldBy(reply[1].decode().rpartition(":")[0], int(reply[2]))
+
+
 async def acquire(wire: Wire, keys: AppKeys, broker: str, lease_ms: int) -> Lease | None:
     """The queue's lease and a new epoch, or None while another broker holds it."""
-    won, value = await run_script(wire, "acquire", (keys.owner, keys.epoch), (broker, lease_ms))
-    return Lease(broker, int(value)) if won == 1 else None
+    won = await try_acquire(wire, keys, broker, lease_ms)
+    return won if isinstance(won, Lease) else None
 
 
 async def renew(wire: Wire, keys: AppKeys, lease: Lease, lease_ms: int) -> bool:

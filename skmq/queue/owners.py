@@ -9,6 +9,7 @@ inbox, which its owner reads; an answer for it is stale here (its owner holds it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -183,7 +184,12 @@ class Owners:
         lost: Sequence[str] = (),
     ) -> ClaimResult:
         """As Store.claim: queue messages to `assignment` in order, topic copies to the
-        alive recipients with room; the expired and undeliverable met on the way."""
+        alive recipients with room; the expired and undeliverable met on the way.
+
+        Returns once their records are in the journal, fenced by this owner's epoch
+        (as a store's carried claim does): a push leaves only when a new owner would
+        know of it, so one taken over meanwhile (stalled past its lease) pushes nothing
+        (Fenced), and after a kill -9 every push that left is counted and timed out."""
         owner = self.owned.get(app)
         if owner is None:
             return [], None, 0.0
@@ -198,6 +204,7 @@ class Owners:
             n, rate_wait = self.buckets.setdefault(app, _Bucket()).take(rate, now, n)
             assignment = assignment[:n]
         out: list[Claimed] = []
+        went: list[Delivery] = []  # pushed
         capable = next((r.rid for r in alive if r.takes_length), None)
         length_ok = {r.rid: r.takes_length for r in alive}
         queue_msgs = list(q.take(len(assignment), now))
@@ -212,6 +219,7 @@ class Owners:
                 rid = capable
             q.push(d, rid, now)
             out.append(_claimed(d))
+            went.append(d)
         budget = n - len(queue_msgs)
         copies: list[Delivery] = []
         for r in alive:
@@ -231,15 +239,22 @@ class Owners:
                     copies.append(d)
         await owner.contents(copies)
         out.extend(_claimed(d) for d in copies)
+        went.extend(copies)
         for change in q.expired:
             d = change.delivery
             out.append(_claimed(d, "expired", b"drop" if d.state is State.DROPPED else b"dead"))
-        if q.expired:  # (dead letters: there when the caller logs them)
-            q.expired.clear()
-            await self._durable(owner)
-        else:  # (the pushes' records: with the next flush, on the next loop turn, so that
-            # a new owner after a kill -9 counts the attempt; its failure, the round's too)
-            owner.durable().add_done_callback(observed)
+        q.expired.clear()
+        if out:  # (dead letters: there when the caller logs them)
+            try:
+                await self._durable(owner)
+            except Fenced:  # taken over meanwhile: nothing of this flush landed
+                self.lost(app)
+                return [], None, 0.0
+            except TROUBLE:  # (the write goes on: handed back, no attempt spent)
+                for d in went:
+                    with contextlib.suppress(Refused):  # (its lease ran out meanwhile)
+                        q.release(d.msgid, d.copy, d.attempt, now)
+                raise
         return out, self._due(owner, now), rate_wait
 
     def _due(self, owner: AppOwner, now: int) -> int | None:

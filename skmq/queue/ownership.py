@@ -7,6 +7,11 @@ has been unowned longer than a lease (that broker is gone, or not yet counted de
 
 One `round` does it all; the broker runs it every lease / 3. Only `acquire` can start
 an ownership and only `renew` extends one: both are fenced scripts (journal.py).
+
+A refused acquire says when the holder's lease runs out (`lapsing`); the broker tries
+again then (`take_lapsed`), not at its next round: a dead owner's apps are taken a lease
+after its last renewal, not up to a third of a lease later. A holder whose lease ran out
+unrenewed is dead or stalled, and is no longer preferred for that app.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from skmq.queue.journal import AppKeys, Lease, acquire, release, renew
+from skmq.queue.journal import AppKeys, HeldBy, Lease, release, renew, try_acquire
 from skmq.store.wire import Wire
 from skmq.store.wires import TROUBLE, Wires
 
@@ -48,6 +53,10 @@ class Ownership:
     unowned_since: dict[str, int] = field(default_factory=dict)
     brokers: list[str] = field(default_factory=list)  # alive at the last round
     taking: dict[str, asyncio.Future[bool]] = field(default_factory=dict)
+    # app -> (the broker holding it, when its lease runs out unless renewed: ms), as its
+    # last refused acquire said
+    lapsing: dict[str, tuple[str, int]] = field(default_factory=dict)
+    lapse_seen: asyncio.Event = field(default_factory=asyncio.Event)  # (one added since)
 
     @property
     def members_key(self) -> str:
@@ -87,6 +96,27 @@ class Ownership:
                 self.brokers = await self.live(now)
         except TROUBLE as exc:  # (its node in trouble: the brokers seen last)
             log.warning("live brokers not read", error=repr(exc))
+        apps = list(apps)
+        for gone in self.lapsing.keys() - set(apps):  # (apps forgotten meanwhile)
+            del self.lapsing[gone]
+        await self._take_each(apps, now)
+
+    def next_lapse(self) -> int | None:
+        """When the first of the other brokers' leases seen runs out unless renewed (ms),
+        or None."""
+        return min((when for _, when in self.lapsing.values()), default=None)
+
+    async def take_lapsed(self, now: int) -> None:
+        """Try for the apps whose holder's lease has run out by `now`, each once (a
+        refusal says when to try again)."""
+        apps = [app for app, (_, when) in self.lapsing.items() if when <= now]
+        await self._take_each(apps, now)
+        for app in apps:
+            lapse = self.lapsing.get(app)
+            if lapse is not None and lapse[1] <= now:  # (not refused again: not retried)
+                del self.lapsing[app]
+
+    async def _take_each(self, apps: list[str], now: int) -> None:
         await asyncio.gather(*(self._take_bounded(app, now) for app in apps))
 
     async def _take_bounded(self, app: str, now: int) -> None:
@@ -146,15 +176,23 @@ class Ownership:
             log.warning("taking an app failed", app=app, error=repr(exc))
 
     async def _take(self, app: str, now: int) -> bool:
-        first = preferred(app, self.brokers or [self.broker])
+        brokers = self.brokers or [self.broker]
+        lapsed = self.lapsing.get(app)
+        if lapsed is not None and lapsed[1] <= now:  # (its holder did not renew in time)
+            brokers = [b for b in brokers if b != lapsed[0]] or [self.broker]
+        first = preferred(app, brokers)
         since = self.unowned_since.setdefault(app, now)
         if first != self.broker and now - since < self.lease_ms:
             return False
-        won = await acquire(await self._wire(app), self.keys(app), self.broker, self.lease_ms)
-        if won is None:
+        won = await try_acquire(await self._wire(app), self.keys(app), self.broker, self.lease_ms)
+        if isinstance(won, HeldBy):
             self.unowned_since[app] = now  # owned by another: it is not unowned
+            if won.ms_left >= 0:  # (-1: a lease with no end, which no broker sets)
+                self.lapsing[app] = (won.broker, now + won.ms_left)
+                self.lapse_seen.set()
             return False
         self.unowned_since.pop(app, None)
+        self.lapsing.pop(app, None)
         self.held[app] = won
         try:
             await self.gained(app, won)

@@ -34,6 +34,10 @@ from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.queue.runtime")
 
+# Past the moment another broker's lease runs out that an app is tried for: the lease's
+# end is known to a round trip (and the Redis clock's expiry to a millisecond).
+LAPSE_MARGIN = 0.01
+
 
 def policy_of(s: Settings) -> Policy:
     return Policy(
@@ -265,10 +269,30 @@ class OwnerRuntime:
 
     async def run(self) -> None:
         """Every third of the lease: renew, and the upkeep unless the last one still
-        runs (a node in trouble holds it up to a third of a lease a step)."""
+        runs (a node in trouble holds it up to a third of a lease a step). Between
+        two, as another broker's lease runs out unrenewed: its apps are tried for
+        (Ownership.take_lapsed)."""
+        loop = asyncio.get_running_loop()
+        period = self.lease_ms / 3000
         upkeep: asyncio.Task[None] | None = None
+        lapsed: asyncio.Task[None] | None = None
+        next_round = loop.time() + period
         while True:
-            await asyncio.sleep(self.lease_ms / 3000)
+            self.ownership.lapse_seen.clear()
+            wake = next_round
+            lapse = self.ownership.next_lapse()
+            if lapsed is not None and lapsed.done():
+                ended: asyncio.Task[None] = lapsed
+                lapsed = None
+                ended.result()  # (an error not a node's trouble: the supervisor's)
+            if lapse is not None and lapsed is None:
+                wake = min(wake, loop.time() + (lapse - now_ms()) / 1000 + LAPSE_MARGIN)
+            if await self._lapse_seen_before(wake):
+                continue  # (when to wake again)
+            if loop.time() < next_round:
+                lapsed = spawn(self._take_lapsed(), self.tasks)
+                continue
+            next_round = loop.time() + period
             try:
                 await self.renew()
             except TROUBLE as exc:
@@ -277,6 +301,23 @@ class OwnerRuntime:
                 if upkeep is not None:
                     upkeep.result()  # (an error not a node's trouble: the supervisor's)
                 upkeep = spawn(self._upkeep_logged(), self.tasks)
+
+    async def _lapse_seen_before(self, when: float) -> bool:
+        """Wait until `when` (the loop's time); True if a round saw another broker's
+        lease first (it may run out sooner)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(when):
+                await self.ownership.lapse_seen.wait()
+                return True
+        return False
+
+    async def _take_lapsed(self) -> None:
+        try:
+            await self.ownership.take_lapsed(now_ms())
+        except TROUBLE as exc:
+            log.warning("taking apps whose lease ran out failed", error=repr(exc))
+        finally:  # (the loop wakes to see the lease ends that came meanwhile)
+            self.ownership.lapse_seen.set()
 
     async def _upkeep_logged(self) -> None:
         try:
