@@ -11,7 +11,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
 from skmq.store import connect_redis
-from skmq.store.client import QuickPool, _HiredisPacking, hiredis_packing
+from skmq.store.client import _HiredisPacking, hiredis_packing
 
 ARGS: list[tuple[Any, ...]] = [
     ("EVALSHA", b"abc", 2, "k1", "k2", 1.5, -3, b"\x00\r\n"),
@@ -44,16 +44,37 @@ async def test_the_store_talks_through_it(redis_url: str) -> None:
     await client.aclose()
 
 
-async def test_the_pool_under_contention_and_after_a_disconnect(redis_url: str) -> None:
-    """QuickPool: more callers than connections all get theirs (the waiters through
-    redis-py's way), and an idle connection that was closed is not lent as it is."""
+async def test_the_pool_under_contention_and_after_redis_closed_its_connections(
+    redis_url: str,
+) -> None:
+    """More callers than connections all get theirs (waiting for one), and connections
+    Redis closed meanwhile are made again (redis-py's BlockingConnectionPool: its public
+    API only, no private attributes of redis-py's)."""
     client = connect_redis(redis_url, pool_size=2)
-    pool = client.connection_pool
-    assert isinstance(pool, QuickPool)
     results = await asyncio.gather(*(client.echo(f"m{i}") for i in range(50)))
     assert results == [f"m{i}".encode() for i in range(50)]
-    assert not pool._in_use_connections and len(pool._available_connections) == 2
-    for conn in pool._available_connections:
-        await conn.disconnect()
+    ids = set(await asyncio.gather(*(client.client_id() for _ in range(4))))
+    assert len(ids) == 2  # (both connections made)
+    killer = connect_redis(redis_url, pool_size=1)
+    for client_id in ids:  # (Redis closes them: a restart, a timeout, an operator)
+        assert await killer.client_kill_filter(_id=client_id) == 1
+    await killer.aclose()
     assert await asyncio.gather(client.echo("a"), client.echo("b")) == [b"a", b"b"]
+    await client.aclose()
+
+
+async def test_an_error_reply_is_redis_pys_exception_for_it(redis_url: str) -> None:
+    """The store's multiplexed connection gives an error reply the class redis-py's parser
+    would (a script to load again: NoScriptError), the message after its code."""
+    from redis.exceptions import NoScriptError, ResponseError
+
+    from skmq.store.multiplex import multiplexed
+
+    client = connect_redis(redis_url)
+    lane = multiplexed(client)
+    assert lane is not None
+    replies = await lane.pipeline([("EVALSHA", "0" * 40, 0), ("INCR", "skmq-test:{x}:no", "a")])
+    assert isinstance(replies[0], NoScriptError) and str(replies[0]).startswith("No matching")
+    assert type(replies[1]) is ResponseError and str(replies[1]).startswith("wrong number")
+    lane.close()
     await client.aclose()

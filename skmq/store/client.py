@@ -7,17 +7,15 @@ failovers (it asks for the slot map again)."""
 
 from __future__ import annotations
 
-import functools
 from contextvars import ContextVar
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 from urllib.parse import unquote, urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import DataError, RedisClusterException, RedisError
 
 log = structlog.get_logger("skmq.store")
@@ -58,93 +56,7 @@ class _HiredisPacking(AbstractConnection):  # type: ignore[misc]
         except TypeError as exc:  # as redis-py's Encoder says it
             raise DataError(str(exc)) from exc
 
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        """A small command on an idle, healthy connection is handed to the transport at
-        once. redis-py waits for `drain()` under `wait_for` (a task and a timer a command),
-        which returns at once anyway while the transport holds less than its high-water
-        mark; a broken connection shows on the read of the reply, bounded as before.
-        Anything else (a large or a queued write, a health check due) goes redis-py's way."""
-        writer = self._writer
-        if (
-            writer is None
-            or not isinstance(command, list)
-            or (check_health and self.health_check_interval)
-            or writer.transport.is_closing()
-            or writer.transport.get_write_buffer_size()
-            or sum(map(len, command)) > QUICK_WRITE_BYTES
-        ):
-            await super().send_packed_command(command, check_health)
-            return
-        try:
-            writer.writelines(command)
-        except OSError as exc:
-            await self.disconnect(nowait=True)
-            raise RedisConnectionError(f"Error while writing to socket: {exc!r}") from exc
 
-
-# What a command may weigh to skip redis-py's drain (the transports' high-water mark is
-# 64 KiB: a write onto an empty buffer below it never pauses the stream).
-QUICK_WRITE_BYTES = 16 << 10
-
-
-def _idle_ready(connection: AbstractConnection) -> bool:
-    """Connected, nothing unread or closed under it, nothing to redo before reuse: what
-    redis-py's `ensure_connection` (a read attempt under a timer) would find."""
-    reader = connection._reader
-    return (
-        reader is not None
-        and connection._writer is not None
-        and not reader._buffer
-        and not reader.at_eof()
-        and reader.exception() is None
-        and not connection.should_reconnect()
-        and getattr(connection, "_re_auth_token", None) is None
-    )
-
-
-class QuickPool(BlockingConnectionPool):  # type: ignore[misc]
-    """BlockingConnectionPool whose common case costs no lock, timer or read attempt.
-
-    redis-py takes an asyncio.Condition, arms a timeout, tries a read on the connection
-    (for data left on it) and awaits its metrics hooks to lend a connection, and takes
-    the condition and a lock again to take it back: about 15% of the broker's CPU at
-    2,000 msg/s, where every message has its own round trips. Here an idle connection
-    that is connected with nothing unread is lent at once, and taken back at once, while
-    nobody waits for one; anything else (none idle, a waiter, a connection to redo,
-    maintenance) goes redis-py's way, bounded by the pool's timeout as before."""
-
-    async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
-        available = self._available_connections
-        if (
-            available
-            and not args
-            and not kwargs
-            and not self._in_maintenance
-            and not self._condition.locked()  # nobody queued for one (no stealing theirs)
-            and not self._condition._waiters
-        ):
-            connection = cast(AbstractConnection, available[-1])
-            if _idle_ready(connection):
-                available.pop()
-                self._in_use_connections.add(connection)
-                return connection
-        return cast(AbstractConnection, await super().get_connection(*args, **kwargs))
-
-    async def release(self, connection: AbstractConnection) -> None:
-        if (
-            self._in_maintenance
-            or self._condition.locked()
-            or self._condition._waiters
-            or connection not in self._in_use_connections
-            or not _idle_ready(connection)
-        ):
-            await super().release(connection)
-            return
-        self._in_use_connections.remove(connection)
-        self._available_connections.append(connection)
-
-
-@functools.cache
 def hiredis_packing(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
     """`connection_class` (plain, TLS, unix socket, Sentinel-managed) packing with hiredis."""
     return type(connection_class.__name__, (_HiredisPacking, connection_class), {})

@@ -35,10 +35,23 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import hiredis
-from redis._parsers.base import BaseParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import SentinelManagedConnection
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    ExecAbortError,
+    MasterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -56,11 +69,33 @@ class _Call:
     replies: list[Any] = field(default_factory=list)
 
 
+# An error reply's first word: the class redis-py's own parser gives it (redis.exceptions),
+# for what the store's callers tell apart (a script to load again, a replica, a full Redis).
+_ERRORS: dict[str, type[RedisError]] = {
+    "NOSCRIPT": NoScriptError,
+    "READONLY": ReadOnlyError,
+    "OOM": OutOfMemoryError,
+    "LOADING": BusyLoadingError,
+    "MASTERDOWN": MasterDownError,
+    "NOPERM": NoPermissionError,
+    "NOAUTH": AuthenticationError,
+    "WRONGPASS": AuthenticationError,
+    "EXECABORT": ExecAbortError,
+    "TRYAGAIN": TryAgainError,
+    "CLUSTERDOWN": ClusterDownError,
+}
+
+
 def _reply(value: Any) -> Any:
-    """A reply as redis-py would return it: an error as its exception class."""
-    if isinstance(value, hiredis.ReplyError):
-        return BaseParser.parse_error(str(value))
-    return value
+    """A reply as redis-py would return it: an error as its exception class, with the
+    message after its code."""
+    if not isinstance(value, hiredis.ReplyError):
+        return value
+    message = str(value)
+    code, _, rest = message.partition(" ")
+    if code in _ERRORS:
+        return _ERRORS[code](rest)
+    return ResponseError(rest if code == "ERR" else message)
 
 
 class _Protocol(asyncio.Protocol):

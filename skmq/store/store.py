@@ -32,7 +32,6 @@ from skmq.store import scripts
 from skmq.store.client import (
     CLUSTER_SCHEME,
     ENC,
-    QuickPool,
     RedisClient,
     connect_cluster,
     hiredis_packing,
@@ -106,7 +105,7 @@ def connect_redis(url: str, pool_size: int = 64, wait: float = 5.0) -> RedisClie
     if url.startswith(f"{CLUSTER_SCHEME}://"):
         return connect_cluster(url, options)
     if not url.startswith("redis+sentinel://"):
-        pool = QuickPool.from_url(url, **options)
+        pool = BlockingConnectionPool.from_url(url, **options)
         pool.connection_class = hiredis_packing(pool.connection_class)
         return aioredis.Redis.from_pool(pool)
     parsed = urlsplit(url)
