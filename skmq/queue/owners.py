@@ -188,8 +188,9 @@ class Owners:
 
         Returns once their records are in the journal, fenced by this owner's epoch
         (as a store's carried claim does): a push leaves only when a new owner would
-        know of it, so one taken over meanwhile (stalled past its lease) pushes nothing
-        (Fenced), and after a kill -9 every push that left is counted and timed out."""
+        know of it. An owner taken over meanwhile (stalled past its lease) claims
+        nothing and drops the app; after a kill -9 every push that left is known to the
+        new owner, which times it out."""
         owner = self.owned.get(app)
         if owner is None:
             return [], None, 0.0
