@@ -7,6 +7,7 @@ failovers (it asks for the slot map again)."""
 
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
 from typing import Any, TypeAlias
 from urllib.parse import unquote, urlsplit
@@ -57,6 +58,7 @@ class _HiredisPacking(AbstractConnection):  # type: ignore[misc]
             raise DataError(str(exc)) from exc
 
 
+@functools.cache
 def hiredis_packing(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
     """`connection_class` (plain, TLS, unix socket, Sentinel-managed) packing with hiredis."""
     return type(connection_class.__name__, (_HiredisPacking, connection_class), {})
