@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 from redis.asyncio.connection import Connection
-from redis.exceptions import DataError
+from redis.exceptions import DataError, NoScriptError, ResponseError
 
 from skmq.store import connect_redis
 from skmq.store.client import _HiredisPacking, hiredis_packing
+from skmq.store.multiplex import multiplexed
 
 ARGS: list[tuple[Any, ...]] = [
     ("EVALSHA", b"abc", 2, "k1", "k2", 1.5, -3, b"\x00\r\n"),
@@ -66,10 +67,6 @@ async def test_the_pool_under_contention_and_after_redis_closed_its_connections(
 async def test_an_error_reply_is_redis_pys_exception_for_it(redis_url: str) -> None:
     """The store's multiplexed connection gives an error reply the class redis-py's parser
     would (a script to load again: NoScriptError), the message after its code."""
-    from redis.exceptions import NoScriptError, ResponseError
-
-    from skmq.store.multiplex import multiplexed
-
     client = connect_redis(redis_url)
     lane = multiplexed(client)
     assert lane is not None
