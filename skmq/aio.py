@@ -34,18 +34,34 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float = 2
             log.warning("task did not stop in time", task=task.get_name())
 
 
+# unless_set: how often, and how long each time, it asks its coroutine to stop.
+STOP_TRIES = 4
+STOP_TRY_S = 0.5
+
+
 async def unless_set(event: asyncio.Event, coro: Coroutine[Any, Any, None]) -> bool:
     """Run coro until it ends or `event` is set, whichever comes first: True if it ended
-    (its exception raised), False if the event came first (coro cancelled)."""
+    (its exception raised), False if the event came first (coro cancelled, or left
+    running if it would not stop).
+
+    A cancel can be lost inside redis-py's connect (redis/redis-py#2028, #2551): under
+    load, a stop while REDIS_WAIT pinged a Redis that accepts and never answers was
+    swallowed one time in three, and the ping went on. So a coroutine still running is
+    cancelled again, every STOP_TRY_S, STOP_TRIES times at most."""
     task = asyncio.ensure_future(coro)
     set_ = asyncio.ensure_future(event.wait())
     try:
         await asyncio.wait((task, set_), return_when=asyncio.FIRST_COMPLETED)
     finally:
         await cancel_and_wait([set_])
+        for _ in range(STOP_TRIES):
+            if task.done():
+                break
+            task.cancel()
+            await asyncio.wait([task], timeout=STOP_TRY_S)
         if not task.done():
-            await cancel_and_wait([task])
-    if task.cancelled():
+            log.warning("task did not stop in time", task=task.get_name())
+    if not task.done() or task.cancelled():
         return False
     task.result()
     return True
