@@ -44,10 +44,10 @@ async def unless_set(event: asyncio.Event, coro: Coroutine[Any, Any, None]) -> b
     (its exception raised), False if the event came first (coro cancelled, or left
     running if it would not stop).
 
-    A cancel can be lost inside redis-py's connect (redis/redis-py#2028, #2551): under
-    load, a stop while REDIS_WAIT pinged a Redis that accepts and never answers was
-    swallowed one time in three, and the ping went on. So a coroutine still running is
-    cancelled again, every STOP_TRY_S, STOP_TRIES times at most."""
+    A coroutine can lose a cancel: redis-py's connect turns one into a ConnectionError,
+    which a retry loop takes for a failure (broker.wait_for_redis, fixed there: under
+    load, a stop while REDIS_WAIT pinged a silent Redis was lost one time in three). So
+    one still running is cancelled again, every STOP_TRY_S, STOP_TRIES times at most."""
     task = asyncio.ensure_future(coro)
     set_ = asyncio.ensure_future(event.wait())
     try:

@@ -107,6 +107,11 @@ async def wait_for_redis(redis: RedisClient, deadline: float, least: float) -> N
                 await redis.ping(**every)
             return
         except (RedisError, OSError, TimeoutError) as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # A stop (SIGTERM, Ctrl-C) that reached redis-py's connect comes out of
+                # it as a ConnectionError: a stop all the same, not a retry.
+                raise asyncio.CancelledError from exc
             if time.monotonic() >= deadline:
                 raise
             error = f"{type(exc).__name__}: {redis_error_text(exc) or 'no answer'}"
