@@ -21,17 +21,23 @@ def spawn(coro: Coroutine[Any, Any, T], tasks: set[asyncio.Task[Any]]) -> asynci
     return task
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float = 2.0) -> None:
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Task[Any]], timeout: float = 2.0, tries: int = 1
+) -> None:
     """Cancel tasks and wait for them, bounded: on Python 3.11 a cancel() that coincides
     with an expiring asyncio.timeout() can be swallowed, so a wait must never be open-ended
-    (the loops also check a stop flag of their own)."""
-    pending = [t for t in tasks if not t.done()]
+    (the loops also check a stop flag of their own). `tries`: how many times a task
+    still running is cancelled, `timeout` apart (a second cancel would cut short a task
+    cleaning up after its first: only where nothing is to clean up)."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(tries):
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=timeout)
     for task in pending:
-        task.cancel()
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=timeout)
-        for task in still:
-            log.warning("task did not stop in time", task=task.get_name())
+        log.warning("task did not stop in time", task=task.get_name())
 
 
 # unless_set: how often, and how long each time, it asks its coroutine to stop.
@@ -54,13 +60,7 @@ async def unless_set(event: asyncio.Event, coro: Coroutine[Any, Any, None]) -> b
         await asyncio.wait((task, set_), return_when=asyncio.FIRST_COMPLETED)
     finally:
         await cancel_and_wait([set_])
-        for _ in range(STOP_TRIES):
-            if task.done():
-                break
-            task.cancel()
-            await asyncio.wait([task], timeout=STOP_TRY_S)
-        if not task.done():
-            log.warning("task did not stop in time", task=task.get_name())
+        await cancel_and_wait([task], STOP_TRY_S, STOP_TRIES)
     if not task.done() or task.cancelled():
         return False
     task.result()
