@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from skmq.admission import Admission
 from skmq.aio import cancel_and_wait, unless_set
 from skmq.auth import broker_tokens, push_signer
-from skmq.clock import StoreClock
+from skmq.clock import StoreClock, now_ms
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis, preloaded_allocator
@@ -43,6 +43,7 @@ from skmq.pull.groups import Groups
 from skmq.pull.longpoll import LongPoll
 from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
+from skmq.queue.migrate import convert_legacy
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.runtime import OwnerRuntime
 from skmq.registry.own_addresses import OwnAddresses
@@ -204,6 +205,8 @@ class Broker:
         self.supervisor.start("store-clock", clock.run)
         self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
         self.supervisor.start("eviction-watch", self.eviction.run)
+        if s.engine == "owner":  # (a store an earlier version wrote: converted)
+            await convert_legacy(self.redis, s.key_prefix, now_ms(), int(s.dedupe_window * 1000))
         if "engine" not in s.model_fields_set:  # (unset: the store's, else the default)
             engine = await engine_of(self.redis, s.key_prefix, s.engine)
             s = self.settings = s.model_copy(update={"engine": engine})

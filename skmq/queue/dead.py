@@ -32,13 +32,21 @@ def delivery_id(d: Delivery) -> str:
 def value_head(d: Delivery) -> bytes:
     """What the flush writes before the content."""
     replay = Meta(d.topic, 0, 0, d.key, d.trace, d.copy if d.topic else "")
+    return head(replay, d.stored_at, d.attempt, d.error, d.history, d.recipient)
+
+
+def head(
+    replay: Meta, stored: int, attempts: int, error: str, history: list[str], recipient: str
+) -> bytes:
+    """A dead letter's value before its content: the header its replay stores it with
+    (no TTL), then its history."""
     about = {
-        "k": "topic" if d.topic else "queue",
-        "s": d.stored_at,
-        "n": d.attempt,
-        "e": d.error,
-        "h": d.history,
-        "r": d.recipient,
+        "k": "topic" if replay.topic else "queue",
+        "s": stored,
+        "n": attempts,
+        "e": error,
+        "h": history,
+        "r": recipient,
     }
     return encode_header(replay) + b"\n" + json.dumps(about).encode() + b"\n"
 
