@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 
 from skmq.clock import now_ms
 from skmq.errors import Misconfigured
+from skmq.queue import migrate
 from skmq.queue.journal import AppKeys
 from skmq.queue.migrate import OLD_KEYS, migrate_store
 from skmq.store.engine_mark import mark_key
@@ -131,9 +132,12 @@ async def test_a_broker_converts_a_store_of_an_earlier_version_and_delivers_what
     assert replayed[0].fields.get("traceparent", "").startswith("00-0af7651916cd43dd")
 
 
+@pytest.mark.parametrize("page", [migrate.CHUNK, 2])
 async def test_two_brokers_starting_together_convert_each_message_once(
-    legacy: str, redis: aioredis.Redis, prefix: str
+    legacy: str, redis: aioredis.Redis, prefix: str, page: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(Pages of 2 messages: an ordering key's messages read in several pages.)"""
+    monkeypatch.setattr(migrate, "CHUNK", page)
     await asyncio.gather(
         migrate_store(redis, prefix, NOW + 30_000, 3_600_000),
         migrate_store(redis, prefix, NOW + 30_000, 3_600_000),
@@ -144,6 +148,8 @@ async def test_two_brokers_starting_together_convert_each_message_once(
     assert await redis.hget(keys.dead_copies, "t3") == b"2"
     entries = [fields[b"m"] for _, fields in await redis.xrange(keys.inbox)]
     assert entries.index(b"a1") < entries.index(b"a2") < entries.index(b"a3")
+    assert entries.index(b"b1") < entries.index(b"b2")
+    assert entries[:4] == [b"p1", H1.encode(), b"ttl", b"t2"]  # (`ready`, in its order)
     assert H1.encode() in entries  # as text, not packed
 
 

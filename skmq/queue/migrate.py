@@ -8,7 +8,8 @@ app's messages in a `msgs` hash (skmq/store/messages.py), their delivery state i
 and log streams and its dead letters (skmq/queue/dead.py). So, for each app:
 
 - a message waiting (pending, delayed, waiting for a retry or behind its ordering key)
-  or in flight becomes an entry of the app's inbox, in stored order, as if stored
+  or in flight becomes an entry of the app's inbox, in the order it would have gone
+  (each ordering key's in its order), as if stored
   through a broker that does not own the app: its next owner reads it, delivers it
   again (one in flight: at least once) with its delay, TTL, ordering key and
   traceparent; its attempts start again;
@@ -16,7 +17,8 @@ and log streams and its dead letters (skmq/queue/dead.py). So, for each app:
   recipient alone; the acked copies are over;
 - a dead letter keeps its attempts, last error, history and the time it died.
 
-Each message moves in one script with its removal from `msgs` (lua/migrate.lua), so a
+An app moves a page of messages at a time (the broker's memory is bounded whatever
+the backlog), each message in one script with its removal from `msgs` (lua/migrate.lua), so a
 migration cut short (a crash, a stop) goes on where it stopped, and brokers that start
 together move each message once. The recipients, consumer groups, the apps directory
 and the dedupe sets are the same keys in both layouts (a packed msgid of a dedupe set
@@ -27,7 +29,7 @@ store is marked as the owner engine's (skmq/store/engine_mark.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,13 +43,14 @@ from skmq.store.client import ENC, RedisClient
 from skmq.store.directory import AppDirectory
 from skmq.store.engine_mark import LEGACY, mark_key, written_by
 from skmq.store.messages import read
-from skmq.store.msgids import SEP, TAG, unpack
+from skmq.store.msgids import SEP, TAG, split_held, unpack
 
 log = structlog.get_logger("skmq.queue.migrate")
 
 # The old layout's keys of an app, under its hash tag (lib.lua of earlier versions)
 OLD_KEYS = ("msgs", "state", "ready", "delayed", "inflight", "kq")
 CHUNK = 500  # messages a script call
+PROGRESS = 100_000  # messages moved between two lines of progress
 ALIVE_MS = 10_000  # a broker that said it was alive since then is running
 
 
@@ -56,96 +59,161 @@ class Moved:
     """One message's part of a migrate.lua call."""
 
     held: bytes  # its msgid as `msgs` holds it
-    order: tuple[int, int]  # stored ms, then its place in its ordering key
     live: list[Any] = field(default_factory=list)  # (stored, msgid, content, header)*
     dead: list[Any] = field(default_factory=list)  # (old id, delivery id, died, value)*
 
+    def args(self) -> list[Any]:
+        return [self.held, len(self.live) // 4, len(self.dead) // 4, *self.live, *self.dead]
+
+
+# A message's state attributes a migration reads (lib.lua of earlier versions): its
+# ordering key's place, traceparent, topic copies, expiry, due time behind its key,
+# attempts, last error, history and last recipient; a copy's own n, e, h.
+ATTRS = (b"k", b"tp", b"c", b"x", b"d", b"n", b"e", b"h", b"r")
+COPY_ATTRS = (b"n", b"e", b"h")
+
+
+def _fields(held: bytes, attrs: Iterable[bytes], copy: bytes = b"") -> list[bytes]:
+    return [held + SEP + a + (SEP + copy if copy else b"") for a in attrs]
+
+
+def _text(raw: bytes | None) -> str:
+    return raw.decode("utf-8", ENC) if raw else ""
+
 
 @dataclass(frozen=True, slots=True)
-class OldApp:
-    """One app's keys in the old layout, as read."""
+class Delivery:
+    """What a dead letter's or an inbox entry's writing needs of one delivery."""
 
-    msgs: dict[bytes, bytes]
-    state: dict[bytes, bytes]
-    waiting: set[bytes]  # delivery ids in ready, delayed or in flight
-    due: dict[bytes, float]  # delayed: when each falls due
-    dead: dict[bytes, float]  # when each died
-
-    def attr(self, held: bytes, name: str, copy: bytes = b"") -> bytes:
-        """A state attribute of a message (of its topic copy for `copy`): b"" if unset."""
-        f = held + SEP + name.encode() + (SEP + copy if copy else b"")
-        return self.state.get(f, b"")
+    old_id: bytes
+    copy: bytes
+    due: float | None  # in `delayed`: when it falls due
+    died: float | None  # in `dead`: when it died
+    waiting: bool  # in ready, delayed or in flight
+    attempts: int
+    error: str
+    history: str
 
 
-def _message(old: OldApp, held: bytes, value: bytes, now: int) -> Moved:
+async def _page(
+    redis: RedisClient, base: str, helds: list[bytes], ready_copies: set[bytes], now: int
+) -> list[Moved]:
+    """The messages of `helds` still in `msgs`, as migrate.lua moves them (four round
+    trips a page: the messages and their state, then their topic copies')."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hmget(base + "msgs", helds)
+    pipe.hmget(base + "state", [f for h in helds for f in _fields(h, ATTRS)])
+    pipe.zmscore(base + "delayed", helds)
+    pipe.zmscore(base + "dead", helds)
+    values, attrs, due, died = await pipe.execute()
+    found = []
+    for i, (held, value) in enumerate(zip(helds, values, strict=True)):
+        if value is not None:
+            a = dict(zip(ATTRS, attrs[i * len(ATTRS) : (i + 1) * len(ATTRS)], strict=True))
+            found.append((held, value, a, due[i], died[i]))
+    copies = [(held, copy) for held, _, a, _, _ in found if a[b"c"] for copy in a[b"c"].split(SEP)]
+    copy_ids = [held + SEP + copy for held, copy in copies]
+    of_copy: dict[tuple[bytes, bytes], Delivery] = {}
+    if copies:
+        pipe = redis.pipeline(transaction=False)
+        pipe.zmscore(base + "delayed", copy_ids)
+        pipe.zmscore(base + "inflight", copy_ids)
+        pipe.zmscore(base + "dead", copy_ids)
+        pipe.hmget(base + "state", [f for h, c in copies for f in _fields(h, COPY_ATTRS, c)])
+        c_due, c_flying, c_died, c_attrs = await pipe.execute()
+        for j, ((held, copy), cid) in enumerate(zip(copies, copy_ids, strict=True)):
+            n, e, h = c_attrs[3 * j : 3 * j + 3]
+            waiting = cid in ready_copies or c_due[j] is not None or c_flying[j] is not None
+            of_copy[held, copy] = Delivery(
+                cid, copy, c_due[j], c_died[j], waiting, int(n or 0), _text(e), _text(h)
+            )
+    out = []
+    for held, value, a, m_due, m_died in found:
+        if a[b"c"]:
+            deliveries = [of_copy[held, c] for c in a[b"c"].split(SEP)]
+        else:  # (a queue message, or a topic one not fanned out: waiting unless dead)
+            n, e, h = int(a[b"n"] or 0), _text(a[b"e"]), _text(a[b"h"])
+            deliveries = [Delivery(held, b"", m_due, m_died, m_died is None, n, e, h)]
+        out.append(_message(held, value, a, deliveries, now))
+    return out
+
+
+def _message(
+    held: bytes, value: bytes, a: dict[bytes, bytes | None], deliveries: list[Delivery], now: int
+) -> Moved:
     kind, stored, content = read(value, now)
     msgid = unpack(held).encode("utf-8", ENC)
-    place = old.attr(held, "k")  # <key> \x1f <16-digit sequence> \x1f <msgid>
-    key, _, rest = place.partition(SEP)
-    moved = Moved(held, (stored, int(rest[:16] or 0)))
+    key = (a[b"k"] or b"").partition(SEP)[0].decode("utf-8", ENC)
+    trace = _text(a[b"tp"])
     topic = kind == "topic"
-    copies = old.attr(held, "c").split(SEP) if topic and old.attr(held, "c") else [b""]
-    for copy in copies:
-        did = held + SEP + copy if copy else held
-        text_id = msgid + SEP + copy if copy else msgid
-        meta = Meta(topic, 0, 0, key.decode(), old.attr(held, "tp").decode(), copy.decode())
-        if did in old.dead:
-            history = old.attr(held, "h", copy).decode()
-            value_head = head(
-                meta,
-                stored,
-                int(old.attr(held, "n", copy) or 0),
-                old.attr(held, "e", copy).decode(),
-                history.split("\n") if history else [],
-                copy.decode() or old.attr(held, "r").decode(),
-            )
-            moved.dead += (did, text_id, int(old.dead[did]), value_head + content)
-        elif did in old.waiting or not copy:  # (one behind its key waits in kq alone)
-            due = int(old.due.get(did) or old.attr(held, "d") or 0)
-            expires = int(old.attr(held, "x") or 0)
-            live = Meta(topic, due if due > now else 0, expires, meta.key, meta.trace, meta.only)
+    moved = Moved(held)
+    for d in deliveries:
+        meta = Meta(topic, 0, 0, key, trace, d.copy.decode("utf-8", ENC))
+        if d.died is not None:
+            last = d.copy.decode("utf-8", ENC) or _text(a[b"r"])
+            history = d.history.split("\n") if d.history else []
+            value_head = head(meta, stored, d.attempts, d.error, history, last)
+            delivery_id = msgid + SEP + d.copy if d.copy else msgid
+            moved.dead += (d.old_id, delivery_id, int(d.died), value_head + content)
+        elif d.waiting:
+            due = int(d.due or a[b"d"] or 0)
+            expires = int(a[b"x"] or 0)
+            live = Meta(topic, due if due > now else 0, expires, key, trace, meta.only)
             moved.live += (stored, msgid, content, encode_header(live))
         # (else: a topic copy acked)
     return moved
 
 
-async def _read(redis: RedisClient, base: str) -> OldApp:
-    pipe = redis.pipeline(transaction=False)
-    pipe.hgetall(base + "msgs")
-    pipe.hgetall(base + "state")
-    pipe.lrange(base + "ready", 0, -1)
-    pipe.zrange(base + "delayed", 0, -1, withscores=True)
-    pipe.zrange(base + "inflight", 0, -1)
-    pipe.zrange(base + "dead", 0, -1, withscores=True)
-    msgs, state, ready, delayed, inflight, dead = await pipe.execute()
-    due = dict(delayed)
-    return OldApp(msgs, state, {*ready, *due, *inflight}, due, dict(dead))
+async def _ids(redis: RedisClient, base: str) -> AsyncIterator[list[bytes]]:
+    """Pages of msgids to move, in the order their messages are delivered again: those
+    ready (in their order), in flight, delayed, then those behind their ordering key (in
+    its order, after the key's first message, which is in one of those), the dead, and
+    last any message in none of these (none should be)."""
+    for name in ("ready", "inflight", "delayed", "kq", "dead"):
+        key, start = base + name, 0
+        while True:
+            if name == "ready":
+                page = await redis.lrange(key, start, start + CHUNK - 1)
+            else:
+                page = await redis.zrange(key, start, start + CHUNK - 1)
+            if not page:
+                break
+            start += len(page)
+            if name == "kq":  # (<key> \x1f <16-digit sequence> \x1f <msgid>)
+                page = [m[m.index(SEP) + 18 :] for m in page]
+            yield [split_held(i)[0] for i in page]
+    cursor = 0
+    while True:
+        cursor, page = await redis.hscan(base + "msgs", cursor, count=CHUNK)
+        if page:
+            yield list(page)
+        if not cursor:
+            break
 
 
-def _chunks(moved: list[Moved]) -> Iterable[list[Any]]:
-    """Each chunk's ARGV after the channel."""
-    for i in range(0, len(moved), CHUNK):
-        args: list[Any] = []
-        for m in moved[i : i + CHUNK]:
-            args += (m.held, len(m.live) // 4, len(m.dead) // 4, *m.live, *m.dead)
-        yield args
+async def _ready_copies(redis: RedisClient, base: str) -> set[bytes]:
+    """The topic copies in `ready` (the queue messages there need no such lookup)."""
+    copies: set[bytes] = set()
+    start = 0
+    while page := await redis.lrange(base + "ready", start, start + 10 * CHUNK - 1):
+        copies.update(i for i in page if split_held(i)[1])
+        start += len(page)
+    return copies
 
 
 async def migrate_app(redis: RedisClient, prefix: str, app: str, now: int) -> int:
-    """One app's messages moved; how many (0: none left in the old layout)."""
+    """One app's messages moved, a page at a time; how many (0: none left to move)."""
     keys = AppKeys.of(prefix, app)
-    old = await _read(redis, keys.base)
-    if not old.msgs:
-        return 0
-    moved = sorted(
-        (_message(old, held, value, now) for held, value in old.msgs.items()),
-        key=lambda m: m.order,
-    )
     script = redis.register_script(script_source("migrate"))
     touched = [keys.base + "msgs", keys.inbox, keys.dead, keys.dead_order, keys.dead_copies]
+    ready_copies = await _ready_copies(redis, keys.base)
     count = 0
-    for args in _chunks(moved):
-        count += int(await script(touched, [keys.wakeup, *args]))
+    async for helds in _ids(redis, keys.base):
+        if moved := await _page(redis, keys.base, list(dict.fromkeys(helds)), ready_copies, now):
+            args = [a for m in moved for a in m.args()]
+            before, count = count, count + int(await script(touched, [keys.wakeup, *args]))
+            if count // PROGRESS > before // PROGRESS:
+                log.info("converting an app", app=app, messages=count)
     return count
 
 
