@@ -39,7 +39,7 @@ from skmq.queue.entries import (
     parse_entry,
 )
 from skmq.queue.journal import GROUPS_ONLY, Appended, Flushed, Journal
-from skmq.queue.lifecycle import State
+from skmq.lifecycle import State
 from skmq.store.wire import Wire
 
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
