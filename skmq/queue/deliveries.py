@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from skmq.jsonbody import dump_json, load_json
-from skmq.queue.entries import entry_order
 from skmq.lifecycle import OVER, TRIGGER_OF, Record, Refused, State, Trigger, detour, step
+from skmq.queue.entries import entry_order
 
 # The states a delivery leaves at a time of its own (`due`): each has an entry in `timers`.
 TIMED = (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT)  # (a tuple: Enum hashes in Python)

@@ -23,10 +23,10 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from skmq.lifecycle import WAITING, State
 from skmq.queue.deliveries import Delivery
 from skmq.queue.entries import entry_order
 from skmq.queue.journal import AppKeys, script_source
-from skmq.lifecycle import WAITING, State
 from skmq.queue.owner import AppOwner
 from skmq.store.store import PREVIEW_BYTES
 

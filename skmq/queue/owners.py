@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from skmq.lifecycle import Refused, State, Trigger
 from skmq.queue.dead import delivery_id
 from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, Lister, append
-from skmq.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import BACKLOG_HELD, AppOwner, observed
 from skmq.queue.owner import NewMessage as Stored
 from skmq.stall import STALL
