@@ -462,7 +462,7 @@ async def test_messages_produced_before_any_recipient_wait_for_one(
 async def test_an_owner_holds_backlog_held_messages_and_leaves_the_rest_in_the_log(
     make_broker: BrokerFactory, redis: aioredis.Redis
 ) -> None:
-    """BACKLOG_HELD (ENGINE=owner): past it, a message waits in Redis's log and its owner
+    """BACKLOG_HELD: past it, a message waits in Redis's log and its owner
     keeps its msgid alone; every one is counted, and pushed in order as those held go."""
     assert Settings().backlog_held == BACKLOG_HELD
     broker = await make_broker(engine="owner", backlog_held=8)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from skmq.lifecycle import Record, Refused, State, Trigger
 from skmq.queue.deliveries import QUEUE, AppQueue, Delivery, Policy, parse_records
-from skmq.queue.lifecycle import Record, Refused, State, Trigger
 
 T = 1_700_000_000_000
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+from skmq.lifecycle import State
 from skmq.queue.deliveries import Policy
 from skmq.queue.journal import AppKeys, acquire
-from skmq.queue.lifecycle import State
 from skmq.queue.owners import UNDELIVERABLE, Owners
 from skmq.store import AliveRecipient, ClaimResult, Failed, NewMessage
 from skmq.store.shards import WriteFailed

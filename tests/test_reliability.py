@@ -33,10 +33,10 @@ from redis.asyncio.cluster import RedisCluster
 from skmq.clock import now_ms
 from skmq.codec import Frame, encode_frame
 from skmq.embedded import EmbeddedRedis, read_info
+from skmq.lifecycle import Refused, State
 from skmq.logarchive import log_files, read_lines
 from skmq.queue.deliveries import Policy as QueuePolicy
 from skmq.queue.journal import AppKeys, Journal, Lease
-from skmq.queue.lifecycle import Refused, State
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
 from skmq.store import Store
