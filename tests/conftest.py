@@ -31,6 +31,7 @@ from skmq.store.wire import Wire
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Every async test runs on uvloop, the loop the broker runs on."""
     return {"uvloop": uvloop.new_event_loop}

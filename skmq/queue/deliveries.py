@@ -151,6 +151,8 @@ class AppQueue:
                         self._move(nxt, Trigger.DUE, now)
                 else:
                     del self.keys[d.key]
+            elif waiting and d in waiting:  # (behind its key's head: purged, or expired)
+                waiting.remove(d)
         del self.deliveries[d.ident]
         # (replaying the journal: the old owner flushed these with the record)
         if d.state is State.DEAD and self.recording:
