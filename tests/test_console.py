@@ -12,17 +12,20 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from skmq.clock import now_ms
 from skmq.console import PEEK_MAX, preview
 from skmq.events import PENDING_PURGED
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import AliveRecipient, NewMessage, Purged
+from skmq.store.wire import Wire
 from skmq.throughput import Throughput
 from tests.conftest import BrokerFactory, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 from tests.test_cli_ops import one_line, skmq
 from tests.test_delivery import log_events
+from tests.test_queue_owners import owners
 
 ADMIN = "console-admin-token-0123456789ab"
 TENANT = "console-tenant-token-0123456789a"
@@ -290,10 +293,14 @@ async def test_a_purged_first_message_of_a_key_lets_the_next_go(store: OwnedStor
     assert ack.ok  # (k3 purged meanwhile: nothing left behind its key)
     counts = (await store.counts(["o"], now))["o"]
     assert (counts.pending, counts.delayed, counts.in_flight, counts.dead) == (0, 0, 0, 0)
-    assert await store.forget_apps(["o"]) == ["o"]  # nothing left behind
+    assert await store.peek("o", 10, now) == []  # nothing left behind
 
 
-async def test_a_topic_copy_waiting_is_purged_alone(store: OwnedStore) -> None:
+async def test_a_topic_copy_waiting_is_purged_alone(
+    wire: Wire, redis: aioredis.Redis, prefix: str
+) -> None:
+    store = OwnedStore(redis, prefix)  # (this process owns the app, its recipients r1, r2)
+    store.owners = await owners(wire, prefix, "t", rids=("r1", "r2"))
     now = now_ms()
     await stored(store, "t", "t1", kind="topic")
     alive = [AliveRecipient("r1", 1, True), AliveRecipient("r2", 0, True)]
@@ -303,7 +310,7 @@ async def test_a_topic_copy_waiting_is_purged_alone(store: OwnedStore) -> None:
     assert purged == [Purged("t1", "topic", "r2")]
     (ack,) = await store.finish("t", [(got[0].delivery_id, 0)], now)
     assert ack.ok
-    assert await store.forget_apps(["t"]) == ["t"]
+    assert not store.owners.owned["t"].queue.deliveries  # nothing left behind
 
 
 # -- HTTP ------------------------------------------------------------------------------
