@@ -23,7 +23,7 @@ from skmq.handler import bad_app
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import connect_redis
 from skmq.store.client import RedisClient
-from skmq.store.engine_mark import refuse_legacy
+from skmq.store.engine_mark import claim_store
 from skmq.store.wires import Wires
 
 LOADING_POLL = 0.05  # how often a command asks a loading server again
@@ -47,7 +47,7 @@ async def open_store(settings: Settings) -> AsyncIterator[OwnedStore]:
         redis = connect_redis(url)
         try:
             await wait_loaded(redis, settings.redis_wait)
-            await refuse_legacy(redis, settings.key_prefix)
+            await claim_store(redis, settings.key_prefix)  # (a new store: marked, as a broker does)
             store = make_store(settings, redis)
             # (an app no broker owns is read as its owner would)
             wires = store.wires = Wires.beside(url, redis, settings.store_timeout)

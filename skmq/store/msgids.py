@@ -12,12 +12,12 @@ knowing which form it took. A text msgid holds no `\\x1f` either, which separate
 topic copy's recipient from its msgid in a delivery id; a packed one may, and is cut
 off by its length instead (`split_held`, lib.lua's `split`).
 
-Such a store chose its format once, when the first client met it: `compact` (packed msgids, compact message headers:
-skmq/store/messages.py) if no broker ran on it before and it lists no app; otherwise
-its msgids stay text (`text`), since what it holds (dedupe sets and group logs too,
-which outlive their app's listing) was written that way. A store the broker of the
-version before made is `packed` (packed msgids, text headers) and stays so. The choice
-is the global key `<prefix>:msgids`.
+Such a store chose its format once, when the first client met it: `compact` (packed
+msgids, compact message headers: skmq/store/messages.py) if no broker ran on it before
+and it listed no app; otherwise `text`, since what it held (dedupe sets and group logs
+too, which outlive their app's listing) was written that way; a store made by the
+version before that is `packed` (packed msgids, text headers). The choice is the
+global key `<prefix>:msgids`.
 """
 
 from __future__ import annotations
