@@ -195,8 +195,8 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
     env.update(SKMQ_ACK_TIMEOUT="1.5", SKMQ_RETRY_BACKOFF="0.1")
     env["SKMQ_LOG_DIR"] = env["SKMQ_DATA_DIR"] + "-killed-log"  # its log only
     await asyncio.to_thread(broker_process.start)
-    # the first messages through the broker to kill, before the other starts: with
-    # ENGINE=owner it owns the app then (and pushes), as the test needs
+    # the first messages through the broker to kill, before the other starts: it owns
+    # the app then (and pushes), as the test needs
     await _produce_keyed(broker_process.port, [f"k{k}-0" for k in range(KEYS)])
     other = await make_broker(ack_timeout=1.5, retry_times=20, retry_backoff=[0.1])
     watch = OrderWatch()
@@ -227,7 +227,7 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
         await eventually(in_flight_there, timeout=60)
         await asyncio.to_thread(broker_process.kill)
         watch.hold = False
-        if other.owned is not None:  # (ENGINE=owner: the counts are the owner's; until
+        if other.owned is not None:  # (the counts are the owner's; until
             # `other` takes the app over, they are as the killed one last said)
             owned = other.owned.owners.owned
 

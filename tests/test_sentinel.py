@@ -113,7 +113,7 @@ async def test_owner_engine_runs_through_sentinel_and_follows_a_failover(
     on the new master, and stores and pushes there."""
     master, replica, port = sentinel_pair
     url = f"redis+sentinel://127.0.0.1:{port}/skmq/0"
-    broker = await make_broker(redis_url=url, engine="owner")
+    broker = await make_broker(redis_url=url)
     rec = await FakeRecipient("s", "r").start()
     try:
         assert (await rec.register(broker.server.port))["status"] == "ack"
