@@ -179,6 +179,14 @@ class OwnedStore(Store):
         rate: float = 0.0,
         lost: Sequence[str] = (),
     ) -> ClaimResult:
+        """Take up to n deliveries in flight; queue ones go to `assignment` in order, topic
+        copies only to recipients with free slots (the others wait; those of a `lost`
+        recipient wait, without spending an attempt, until it is back).
+
+        Returns them (kind `dead` for one dead-lettered as undeliverable, its content the
+        reason; kind `expired` for one whose TTL ran out, its content `dead` or `drop`),
+        when the next delayed one falls due (unix ms), and how long the app's
+        DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
         return await self._owners.claim(app, now, n, alive, assignment, rate, lost)
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:

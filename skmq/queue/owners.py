@@ -183,7 +183,7 @@ class Owners:
         rate: float = 0.0,
         lost: Sequence[str] = (),
     ) -> ClaimResult:
-        """As Store.claim: queue messages to `assignment` in order, topic copies to the
+        """As OwnedStore.claim: queue messages to `assignment` in order, topic copies to the
         alive recipients with room; the expired and undeliverable met on the way.
 
         Returns once their records are in the journal, fenced by this owner's epoch

@@ -145,10 +145,10 @@ ClaimResult = tuple[list[Claimed], int | None, float]
 
 @dataclass(slots=True)
 class ClaimArgs:
-    """A claim to run in a store's round trip (`Store.store(claims=...)`)."""
+    """A claim carried by a store (`OwnedStore.store(claims=...)`)."""
 
     app: str
-    args: list[Any]  # Store.claim_args
+    args: list[Any]  # OwnedStore.claim_args
     done: Callable[[ClaimResult | BaseException], None]
 
 
