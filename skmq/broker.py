@@ -84,7 +84,6 @@ def make_store(settings: Settings, redis: RedisClient) -> OwnedStore:
         replica_ack_timeout=settings.replica_ack_timeout,
         expired_drop=settings.expired == "drop",
         max_lease_extensions=settings.max_lease_extensions,
-        ack_linger=settings.ack_linger,
     )
 
 

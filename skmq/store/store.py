@@ -297,7 +297,6 @@ class Store:
         replica_ack_timeout: float = 1.0,
         expired_drop: bool = False,
         max_lease_extensions: int = 10,
-        ack_linger: float = 0.0,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -314,7 +313,6 @@ class Store:
         }
         self._bases: dict[str, str] = {}
         self._lane = multiplexed(redis)
-        self.ack_linger = ack_linger
 
     def close(self) -> None:
         """Close the store's own connection (the client passed in is the caller's)."""
