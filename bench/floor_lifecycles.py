@@ -45,7 +45,7 @@ end
 return out""",
     "claim": """
 -- KEYS: ready, msgs, state, inflight; ARGV: n, lease ms
--- Returns (msgid, attempt, message)*, then two zeros (as claim.lua's two last fields).
+-- Returns (msgid, attempt, message)*, then two zeros (a claim's two last fields).
 local ids = redis.call('LPOP', KEYS[1], ARGV[1])
 local out = {}
 for _, id in ipairs(ids or {}) do

@@ -1,5 +1,5 @@
-"""Wake-ups of long polls, whichever broker stored a message or made one due: store.lua
-and pull_nack.lua publish on the app's group-log channel (`<prefix>:{app}:glog`); one
+"""Wake-ups of long polls, whichever broker stored a message or made one due: the
+owners' feed of the group log (skmq/queue/lua/feed.lua) and pull_nack.lua publish on the app's group-log channel (`<prefix>:{app}:glog`); one
 pattern subscription a broker wakes the polls waiting on it. Idle polls send nothing to
 Redis; a poll also wakes by itself when the group's next delay or lease runs out.
 
