@@ -4,6 +4,7 @@ skmq/lifecycle.py over a real Redis, refusals (stale receipts) included."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -654,3 +655,55 @@ async def test_a_group_or_log_from_before_the_count_is_counted_by_reading(
     assert ids(await received(groups, "e", n=2)) == ["old1", "old2"]
     await stored(groups, "newer")
     assert await backlogs(groups) == {"e": 3, "g": 1}
+
+
+async def test_every_script_touches_only_the_keys_it_declares(groups: Groups) -> None:
+    """Redis Cluster routes a script by the keys it declares: MONITOR shows each EVALSHA
+    with its KEYS, then every command the script ran. The store's scripts (recipients,
+    consumer groups: skmq/store/scripts.py) and the owners' inbox append, once each."""
+    store, end = groups.store, f"{groups.store.prefix}:monitor-end"
+    touched: list[tuple[list[str], str, str]] = []
+    ready, ended = asyncio.Event(), asyncio.Event()
+
+    async def watch() -> None:
+        async with store.redis.monitor() as monitor:
+            ready.set()
+            keys: list[str] = []
+            async for entry in monitor.listen():
+                args = entry["command"].split(" ")
+                if args[0].upper() == "EVALSHA":
+                    keys = args[3 : 3 + int(args[2])]
+                elif entry.get("client_type") == "lua" and len(args) > 1:
+                    touched.append((keys, args[0], args[1]))
+                elif end in entry["command"]:
+                    ended.set()
+
+    task = asyncio.create_task(watch())
+    await ready.wait()
+    await store.load_scripts()
+    await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 1}, NOW, 10)
+    assert await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 2}, NOW, 10) == "h:1"
+    await store.set_state(APP, "r1", False, NOW)
+    await groups.create(APP, "g")
+    keyed = [NewMessage(m, "queue", b"x", 0, 0, "k") for m in ("k1", "k2")]
+    expiring = NewMessage("p3", "queue", b"z", NOW + 5, NOW + 1)  # due at its expiry
+    await store.store({APP: [NewMessage("p1", "queue", b"y"), *keyed, expiring]}, NOW)
+    await store.unregister(APP, "r1")
+    got = await received(groups, "g", n=5)
+    leased = [receipt(p) for p in got]
+    await groups.extend(APP, "g", [(*leased[0], 1000)], NOW)
+    await groups.nack(APP, "g", [(*leased[0], 0)], NOW)
+    await groups.ack(APP, "g", leased[1:2], NOW)  # k1: k2 may go
+    again = await groups.receive(APP, "g", NOW + 1, 5, 1000)
+    assert ids(again.expired) == ["p3"] and "k2" in ids(again.messages)
+    await groups.reset(APP, "g", "latest")
+    await groups.trim(APP)
+    await groups.delete(APP, "g")
+    await store.redis.set(end, 1)
+    async with asyncio.timeout(10):
+        await ended.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(touched) > 30
+    assert [(cmd, key) for keys, cmd, key in touched if key not in keys] == []
