@@ -17,9 +17,9 @@ DATA_DIR and embedded Redis persisting with AOF):
            1 recipient, --latency-time s each: send-to-receipt p50/p99/max, the rate
            the producer achieved, CPU per delivered message of the broker (and of
            SKMQ's Redis); with system `floor` (bench/floor_bench.py), what the
-           protocol's steps alone cost through Redis at the same rate, and with
-           `floor-lifecycle` what they cost through SKMQ's own store, claim and
-           finish scripts (no broker logic either).
+           protocol's steps alone cost through Redis at the same rate (no broker
+           logic), and with `floor-bare-lifecycle` through a lifecycle cut to its
+           bones.
 - backlog: 1,000,000 messages ingested with no recipients: broker RSS and
            Redis `used_memory` growth per message (SKMQ only); then --recipients
            recipients drain it (capped at --drain-backlog-time): drain msg/s, the
@@ -80,10 +80,10 @@ LOAD_SCENARIOS = ("ingest", "e2e", "ordered", "base", "latency")
 SKMQ_ONLY = frozenset({"ordered", "base"})
 ALL_SCENARIOS = (*LOAD_SCENARIOS, "backlog")
 # The floors (bench/floor_bench.py: the protocol's steps through Redis, no broker logic;
-# plain commands, SKMQ's lifecycle scripts, or a lifecycle cut to its bones) run in the
-# paced runs only; the last only when asked for.
-FLOORS = {"floor": "plain", "floor-lifecycle": "lifecycle", "floor-bare-lifecycle": "bare"}
-DEFAULT_SYSTEMS = ("skmq", "nats", "rabbitmq", "floor", "floor-lifecycle")
+# plain commands, or a lifecycle cut to its bones) run in the paced runs only; the last
+# only when asked for.
+FLOORS = {"floor": "plain", "floor-bare-lifecycle": "bare"}
+DEFAULT_SYSTEMS = ("skmq", "nats", "rabbitmq", "floor")
 ALL_SYSTEMS = ("skmq", "nats", "rabbitmq", *FLOORS)
 PACED_ONLY = frozenset(FLOORS)
 
@@ -593,9 +593,7 @@ class Runner:
                 "nats-server or beam.smp, for `floor` the relay of bench/floor_bench.py (the "
                 "protocol's steps, store and finish in the embedded Redis with one plain command "
                 "each, no broker logic: what a Python process and Redis cannot go below), for "
-                "`floor-lifecycle` the same relay running SKMQ's store, claim and finish "
-                "scripts (what SKMQ's lifecycle in Redis costs under no broker logic), for "
-                "`floor-bare-lifecycle` through a lifecycle cut to its bones "
+                "`floor-bare-lifecycle` the same relay through a lifecycle cut to its bones "
                 "(bench/floor_lifecycles.py); B+R: "
                 "broker + Redis; other CPU %: the rest of the machine.",
             ]

@@ -3,7 +3,6 @@ Redis, CPU per message of each component, and a projection for N cores.
 
     python -m bench.cluster_bench [--messages 12000] [--brokers 1,2,3] [--apps 6]
     python -m bench.cluster_bench --stores replicas,wait1 --brokers 1   # WAIT's cost
-    python -m bench.cluster_bench --wait-latency   # one store call, REPLICA_ACKS 0 vs 1
 
 Each run: a fresh store (one embedded Redis, no AOF fsync wait: `appendfsync
 everysec`; `cluster`: a LocalCluster of 3 masters with AOF everysec; `replicas`: 3
@@ -44,7 +43,6 @@ from bench.harness import BenchError, Child
 from bench.systems import free_port, port_open
 from skmq.embedded import EmbeddedRedis
 from skmq.embedded_cluster import LocalCluster
-from skmq.store import NewMessage, Store, connect_redis
 
 
 @dataclass
@@ -188,37 +186,7 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-async def wait_latency(workdir: Path, calls: int = 1000) -> str:
-    """Latency of one store call (one 100-byte message) on a 3+3 cluster, REPLICA_ACKS
-    0 then 1, twice over (alternating, so that both see the same machine)."""
-    cluster = LocalCluster(workdir / "cluster", masters=3, replicas=1)
-    await asyncio.to_thread(cluster.start)
-    redis = connect_redis(cluster.url)
-    lines = []
-    try:
-        for n, acks in enumerate((0, 1, 0, 1)):
-            store = Store(redis, f"lat{n}", replica_acks=acks)
-            await store.load_scripts()
-            took = []
-            for i in range(calls):
-                t = time.perf_counter()
-                batch = {f"app{i % 6}": [NewMessage(f"m{i}", "queue", b"x" * 100)]}
-                await store.store(batch, int(time.time() * 1000))
-                took.append(time.perf_counter() - t)
-            took.sort()
-            p50, p99 = took[calls // 2] * 1e6, took[calls * 99 // 100] * 1e6
-            lines.append(f"REPLICA_ACKS={acks}: p50 {p50:.0f} us, p99 {p99:.0f} us")
-    finally:
-        await redis.aclose()
-        cluster.stop()
-    return "\n".join(lines)
-
-
 async def amain(args: argparse.Namespace) -> int:
-    if args.wait_latency:
-        with tempfile.TemporaryDirectory(prefix="skmq-cluster-bench-") as tmp:
-            sys.stdout.write(await wait_latency(Path(tmp)) + "\n")
-        return 0
     runs = []
     load = os.getloadavg()[0]
     for store in args.stores.split(","):
@@ -239,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--brokers", default="1,2,3")
     p.add_argument("--apps", type=int, default=6)
     p.add_argument("--stores", default="single,cluster")
-    p.add_argument("--wait-latency", action="store_true")
     args = p.parse_args(argv)
     try:
         return asyncio.run(amain(args))

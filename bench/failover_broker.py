@@ -2,7 +2,6 @@
 while a master is killed (kill -9), left down, and started again.
 
     python bench/failover_broker.py [--down 10] [--rate 400] [--full-coverage no]
-                                    [--engine scripts|owner]
 
 A local 3 masters + 3 replicas cluster (cluster-node-timeout 2 s,
 cluster-require-full-coverage as `--full-coverage`), one broker (REPLICA_ACKS=1), and
@@ -44,7 +43,7 @@ from skmq.client import Consumer, Message, Producer
 from skmq.embedded import free_port
 from skmq.embedded_cluster import LocalCluster
 from skmq.queue.owned_store import OwnedStore
-from skmq.store import Store, connect_redis
+from skmq.store import connect_redis
 
 PREFIX = "fb"
 STORM = ("Connection closed by server", "writelines", "handler is closed")
@@ -70,7 +69,6 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
         env.update(SKMQ_HOST="127.0.0.1", SKMQ_PORT=str(port), SKMQ_HTTP_PORT="0",
                    SKMQ_REDIS_URL=cluster.url, SKMQ_KEY_PREFIX=PREFIX,
                    SKMQ_DATA_DIR=str(workdir / "data"), SKMQ_REPLICA_ACKS="1",
-                   SKMQ_ENGINE=args.engine,
                    SKMQ_LOG_LEVEL="info", SKMQ_LOG_FORMAT="json")  # fmt: skip
         with log_path.open("ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "skmq.cli", "serve"], env=env,
@@ -86,7 +84,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
 async def measure(args: argparse.Namespace, cluster: LocalCluster, port: int, log: Path) -> None:
     redis = connect_redis(cluster.url)
     assert isinstance(redis, RedisCluster)
-    store = (OwnedStore if args.engine == "owner" else Store)(redis, PREFIX)
+    store = OwnedStore(redis, PREFIX)
     await redis.initialize()
     dead_port = cluster.master_ports[0]
     side: dict[str, str] = {}
@@ -203,7 +201,6 @@ def main() -> None:
     parser.add_argument("--down", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=400.0)
     parser.add_argument("--full-coverage", choices=("yes", "no"), default="no")
-    parser.add_argument("--engine", choices=("scripts", "owner"), default="owner")
     parser.add_argument("--keep", type=Path, help="a directory to keep the logs in")
     args = parser.parse_args()
     if args.keep:

@@ -14,13 +14,12 @@ what any broker of SKMQ's shape must do for each, and nothing else:
    2 ms to ride with the next store's write (as SKMQ's ACK_LINGER), and answer the
    recipient (`ok`) on its reply.
 
-Plain commands are a lower bound: SKMQ's transitions are scripts that also queue, lease
-and dedupe over time. `--lifecycle` (system `floor-lifecycle` in the benchmark) runs
-SKMQ's own store, claim and finish scripts instead, and `--bare-lifecycle` a lifecycle
-cut to its bones (bench/floor_lifecycles.py), with the relay's steps unchanged: each
-read's messages stored and claimed in the same write (a claim carried by its store, as
-the broker does at best), pushed on the claim's reply, finished on the ack: what such a
-lifecycle in Redis costs under a broker that does nothing else. `--no-redis` drops the
+Plain commands are a lower bound: a lifecycle in Redis also queues, leases and dedupes
+over time. `--bare-lifecycle` (system `floor-bare-lifecycle` in the benchmark) runs a
+lifecycle cut to its bones (bench/floor_lifecycles.py) instead, with the relay's steps
+unchanged: each read's messages stored and claimed in the same write, pushed on the
+claim's reply, finished on the ack: what such a lifecycle in Redis costs under a broker
+that does nothing else. `--no-redis` drops the
 store: the relay pushes at once and answers acks at once (the process hops alone). The
 recipient takes send-to-receipt latency.
 
@@ -29,7 +28,7 @@ Prints p50/p99 and the relay's and Redis's CPU a delivered message, to set besid
 rate (`--systems ...,floor`) beside SKMQ and NATS JetStream in the same run.
 
 Usage: python -m bench.floor_bench [--rate 2000] [--messages 20000]
-       [--no-redis | --lifecycle | --bare-lifecycle]
+       [--no-redis | --bare-lifecycle]
 """
 
 from __future__ import annotations
@@ -308,11 +307,10 @@ async def _listening(port: int) -> None:
     raise RuntimeError(f"nothing listens on {port}")
 
 
-# How the relay stores (plain commands, SKMQ's lifecycle scripts, a bare-bones lifecycle,
-# nothing), and the system name of its runs.
+# How the relay stores (plain commands, a bare-bones lifecycle, nothing), and the system
+# name of its runs.
 SYSTEMS = {
     "plain": "floor",
-    "lifecycle": "floor-lifecycle",
     "bare": "floor-bare-lifecycle",
     "none": "floor-no-redis",
 }
@@ -403,7 +401,6 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=20000)
     how = p.add_mutually_exclusive_group()
     how.add_argument("--no-redis", dest="store", action="store_const", const="none")
-    how.add_argument("--lifecycle", dest="store", action="store_const", const="lifecycle")
     how.add_argument("--bare-lifecycle", dest="store", action="store_const", const="bare")
     a = p.parse_args()
     if a.messages < 1 or a.rate <= 0:

@@ -1,8 +1,8 @@
-"""The lifecycles the floor's relay can run in Redis instead of plain commands
-(bench/floor_bench.py): SKMQ's own scripts (`--lifecycle`), or a lifecycle cut to its
-bones (`--bare-lifecycle`).
+"""The lifecycle the floor's relay can run in Redis instead of plain commands
+(bench/floor_bench.py): a lifecycle cut to its bones (`--bare-lifecycle`), about the
+least a per-message lifecycle in Redis can do.
 
-Either takes a read's messages with a store and a claim in one write (the claim a store
+It takes a read's messages with a store and a claim in one write (the claim a store
 carries: the broker's best case), pushes what the claim's reply holds, and finishes acked
 messages. Msgids are 32 hex digits, as the benchmark's producers send (packed in 17 bytes,
 as SKMQ's store holds them), the last 8 the floor's message number.
@@ -14,7 +14,6 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from skmq.clock import now_ms
-from skmq.store import scripts
 from skmq.store.client import hiredis_pack
 from skmq.store.messages import header
 from skmq.store.msgids import pack
@@ -46,7 +45,7 @@ end
 return out""",
     "claim": """
 -- KEYS: ready, msgs, state, inflight; ARGV: n, lease ms
--- Returns (msgid, attempt, message)*, then two zeros (as claim.lua's two last fields).
+-- Returns (msgid, attempt, message)*, then two zeros (a claim's two last fields).
 local ids = redis.call('LPOP', KEYS[1], ARGV[1])
 local out = {}
 for _, id in ipairs(ids or {}) do
@@ -112,42 +111,6 @@ class Lifecycle(ABC):
         return hiredis_pack(("EVALSHA", self.shas[script], len(keys), *keys, *args))
 
 
-class SkmqLifecycle(Lifecycle):
-    """SKMQ's own store.lua, claim.lua and finish.lua, as the store loads them."""
-
-    name = "SKMQ's store, claim and finish scripts"
-
-    def sources(self) -> dict[str, str]:
-        return {name: scripts.source(name) for name in ("store", "claim", "finish")}
-
-    def _keys(self, script: str, *extra: str) -> list[str]:
-        return [self.base + key for key in (*scripts.KEYS[script], *extra)]
-
-    def store_and_claim(self, msgids: list[bytes], lines: list[bytes]) -> list[bytes]:
-        now = now_ms()
-        bucket = now // DEDUPE_MS
-        head = header("queue", now, True)
-        args: list[Any] = [now]
-        for msgid, line in zip(msgids, lines, strict=True):
-            args += (held(msgid), head, line, 0, 0, "", "")
-        n = len(lines)
-        claim = [now, LEASE_MS, n, 1, 0, 0, 1000, 0, RID, n, 1, *[RID] * n]
-        done = (f"done:{bucket}", f"done:{bucket - 1}")
-        return [
-            self._call("store", self._keys("store", *done), args),
-            self._call("claim", self._keys("claim"), claim),
-        ]
-
-    def finish(self, msgids: list[bytes]) -> bytes:
-        now = now_ms()
-        args = [now, DEDUPE_MS, *(x for msgid in msgids for x in (held(msgid), 0))]
-        return self._call("finish", self._keys("finish", f"done:{now // DEDUPE_MS}"), args)
-
-    def contents(self, claim_reply: list[Any]) -> list[bytes]:
-        # (delivery id, kind, content, attempt, rid, stored ms, traceparent)*, then 2
-        return list(claim_reply[2:-2:7])
-
-
 class BareLifecycle(Lifecycle):
     """The three scripts of `BARE`."""
 
@@ -183,4 +146,4 @@ class BareLifecycle(Lifecycle):
         return [message[HEADER:] for message in claim_reply[2:-2:3]]
 
 
-LIFECYCLES: dict[str, type[Lifecycle]] = {"lifecycle": SkmqLifecycle, "bare": BareLifecycle}
+LIFECYCLES: dict[str, type[Lifecycle]] = {"bare": BareLifecycle}

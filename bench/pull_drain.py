@@ -2,7 +2,7 @@
 HTTP) beside NATS JetStream pull consumers, in the same run, with the machine's load.
 
     python -m bench.pull_drain [--messages 50000] [--consumers 4] [--batch 100]
-                               [--engine scripts|owner] [--json [PATH]]
+                               [--json [PATH]]
 
 Scenarios, each system in turn (a fresh `skmq serve`, or a fresh NATS stream, each):
 
@@ -63,12 +63,12 @@ SCENARIOS = ("drain", "drain-gather", "drain-each", "drain-each-wait", "e2e")
 
 
 class SkmqPull(SkmqBroker):
-    """A fresh `skmq serve` (engine `engine`, HTTP on) with the group the consumers share;
+    """A fresh `skmq serve` (HTTP on) with the group the consumers share;
     its consumers on `transport` (tcp or http)."""
 
-    def __init__(self, cmd: str, engine: str, transport: str, batch: int) -> None:
+    def __init__(self, cmd: str, transport: str, batch: int) -> None:
         self.http_port = free_port()
-        env = {"SKMQ_ENGINE": engine, "SKMQ_HTTP_PORT": str(self.http_port)}
+        env = {"SKMQ_HTTP_PORT": str(self.http_port)}
         super().__init__(cmd, env, APP)
         self.name = f"skmq-{transport}"
         self.transport = transport
@@ -304,7 +304,7 @@ async def e2e(system: System, args: argparse.Namespace, workdir: Path) -> Row:
 def make_system(name: str, args: argparse.Namespace) -> System:
     if name == "nats":
         return NatsPull(args.nats_url, args.batch, args.consumers)
-    return SkmqPull(args.broker_cmd, args.engine, name.removeprefix("skmq-"), args.batch)
+    return SkmqPull(args.broker_cmd, name.removeprefix("skmq-"), args.batch)
 
 
 async def run_one(name: str, scenario: str, args: argparse.Namespace, workdir: Path) -> Row:
@@ -419,7 +419,7 @@ async def amain(args: argparse.Namespace) -> int:
                 )
     load_end = loadavg()
     out = [
-        f"Pull consumption, ENGINE={args.engine}: {args.messages:,} messages of 100 B, "
+        f"Pull consumption: {args.messages:,} messages of 100 B, "
         f"{args.consumers} consumer processes, batch {args.batch}; e2e: {args.producers} "
         f"producer(s) at full speed",
         f"load average (1, 5, 15 min): at start {load_start}; at end {load_end} "
@@ -441,7 +441,6 @@ async def amain(args: argparse.Namespace) -> int:
         payload: dict[str, Any] = {
             "date": started.isoformat(timespec="seconds"),
             "command": ["python", "-m", "bench.pull_drain", *sys.argv[1:]],
-            "engine": args.engine,
             "loadavg": {"start": load_start, "end": load_end},
             "results": [asdict(r) for r in rows],
         }
@@ -460,12 +459,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--consumers", type=int, default=4)
     p.add_argument("--batch", type=int, default=100, help="most messages a receive or fetch")
     p.add_argument("--producers", type=int, default=1, help="e2e: producers at full speed")
-    p.add_argument(
-        "--engine",
-        choices=["scripts", "owner"],
-        default="owner",
-        help="SKMQ_ENGINE of the broker",
-    )
     p.add_argument("--systems", default="skmq-tcp,skmq-http,nats")
     p.add_argument("--scenarios", default="drain,drain-gather,drain-each,e2e")
     p.add_argument("--nats-url", default=NATS_URL)

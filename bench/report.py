@@ -148,7 +148,7 @@ def results_table(results: list[LoadResult]) -> str:
 
 # Systems whose CPU a message is a process's and its Redis's: SKMQ, and the floors (the
 # relay of bench/floor_bench.py in the broker's columns).
-WITH_REDIS = ("skmq", "floor", "floor-lifecycle", "floor-bare-lifecycle")
+WITH_REDIS = ("skmq", "floor", "floor-bare-lifecycle")
 
 
 def _sum(*values: float | None) -> float | None:
@@ -453,7 +453,6 @@ def _paced_p99(
         ("nats", "NATS"),
         ("rabbitmq", "RabbitMQ"),
         ("floor", "floor"),
-        ("floor-lifecycle", "floor-lifecycle"),
         ("floor-bare-lifecycle", "floor-bare"),
     ):
         o = _paced(results, system, rate)
@@ -489,7 +488,6 @@ def _paced_cpu(
     floors = []
     for system, what in (
         ("floor", "the protocol's steps through Redis, no broker logic"),
-        ("floor-lifecycle", "the same through SKMQ's lifecycle scripts"),
         ("floor-bare-lifecycle", "through a lifecycle cut to its bones"),
     ):
         f = _paced(results, system, rate)

@@ -1,4 +1,4 @@
-"""Takeover of ENGINE=owner (docs/OWNER-DESIGN.md): how fast another broker takes an app
+"""Takeover of an app (docs/OWNER-DESIGN.md): how fast another broker takes an app
 over when its owner dies or stalls, whether a stalled owner's writes are fenced, and
 whether anything is lost over many faults in a row.
 
@@ -7,7 +7,7 @@ whether anything is lost over many faults in a row.
 
 Each scenario gets a Redis server of its own (skmq.embedded: a free port, appendonly
 yes, appendfsync everysec) and two `skmq serve` (bench/chaos.py's Broker) on it with
-ENGINE=owner, OWNER_LEASE=--lease, PUSH_WINDOW=--messages (the window has no cap in
+OWNER_LEASE=--lease, PUSH_WINDOW=--messages (the window has no cap in
 skmq/config.py but `ge=1`) and BROKER_ID broker0/broker1, so that the app's `owner` key
 (`<broker>:<epoch>`, skmq/queue/journal.py AppKeys) names the process that owns it.
 One recipient (in this process) registers for the app and holds every push (answers
@@ -317,7 +317,7 @@ class Feed:
 
 
 class Rig:
-    """A Redis of its own, two ENGINE=owner brokers on it, the recipient registered."""
+    """A Redis of its own, two brokers on it, the recipient registered."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path, ack_timeout: float) -> None:
         self.args = args
@@ -336,7 +336,6 @@ class Rig:
             broker = Broker(i, self.workdir, self.redis.url, settings)
             broker.env.update(
                 SKMQ_KEY_PREFIX=PREFIX,
-                SKMQ_ENGINE="owner",
                 SKMQ_OWNER_LEASE=str(self.args.lease),
                 SKMQ_BROKER_ID=broker.name,
                 SKMQ_PUSH_WINDOW=str(max(self.args.messages, self.args.stop_messages)),
@@ -779,7 +778,7 @@ async def amain(args: argparse.Namespace) -> int:
             results.append(await run_scenario(name, args, Path(tmp)))
     load_end = loadavg()
     lines = [
-        f"ENGINE=owner takeover: 2 brokers on one Redis (AOF everysec), lease {args.lease} s",
+        f"Takeover: 2 brokers on one Redis (AOF everysec), lease {args.lease} s",
         f"load average (1, 5, 15 min): at start {load_start}; at end {load_end} "
         f"({os.cpu_count()} CPUs)",
     ]

@@ -51,7 +51,6 @@ from skmq.server import Server
 from skmq.store import (
     EvictionWatch,
     Retries,
-    Store,
     check_eviction_policy,
     check_listpack_sizes,
     connect_redis,
@@ -61,7 +60,7 @@ from skmq.store import (
 from skmq.store.checks import check_persistence
 from skmq.store.client import RedisClient
 from skmq.store.disk import DiskSpace
-from skmq.store.engine_mark import claim_engine, engine_of
+from skmq.store.engine_mark import claim_store
 from skmq.supervisor import Supervisor
 from skmq.throughput import Throughput
 from skmq.workers.engine import Engine
@@ -75,9 +74,8 @@ def make_broker_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def make_store(settings: Settings, redis: RedisClient) -> Store:
-    kind = OwnedStore if settings.engine == "owner" else Store
-    return kind(
+def make_store(settings: Settings, redis: RedisClient) -> OwnedStore:
+    return OwnedStore(
         redis,
         settings.key_prefix,
         retries=Retries(settings.retry_times, settings.retry_backoff, settings.retry_jitter),
@@ -87,8 +85,6 @@ def make_store(settings: Settings, redis: RedisClient) -> Store:
         replica_ack_timeout=settings.replica_ack_timeout,
         expired_drop=settings.expired == "drop",
         max_lease_extensions=settings.max_lease_extensions,
-        ack_linger=settings.ack_linger,
-        lost_wait=settings.heartbeat_interval,
     )
 
 
@@ -157,7 +153,7 @@ class Broker:
         # Why the broker stopped by itself (a task the supervisor could not keep alive).
         self.failure: str | None = None
         self.supervisor = Supervisor(self.fail, settings.task_max_restarts)
-        self.owned: OwnerRuntime | None = None  # ENGINE=owner
+        self.owned: OwnerRuntime | None = None
 
     def fail(self, reason: str) -> None:
         """Stop the broker for a failure it cannot recover from (exit non-zero)."""
@@ -205,14 +201,10 @@ class Broker:
         self.supervisor.start("store-clock", clock.run)
         self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
         self.supervisor.start("eviction-watch", self.eviction.run)
-        if s.engine == "owner":  # (a store an earlier version wrote: converted)
-            await convert_legacy(self.redis, s.key_prefix, now_ms(), int(s.dedupe_window * 1000))
-        if "engine" not in s.model_fields_set:  # (unset: the store's, else the default)
-            engine = await engine_of(self.redis, s.key_prefix, s.engine)
-            s = self.settings = s.model_copy(update={"engine": engine})
+        # (a store an earlier version wrote: converted first)
+        await convert_legacy(self.redis, s.key_prefix, now_ms(), int(s.dedupe_window * 1000))
+        await claim_store(self.redis, s.key_prefix)
         self.store = make_store(s, self.redis)
-        await self.store.adopt_legacy_apps()
-        await claim_engine(self.redis, s.key_prefix, s.engine)
         self.dlog = DeliveryLog(
             s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
         )
@@ -242,17 +234,16 @@ class Broker:
             signer=self.signer,
             throughput=Throughput(self.metrics.counts).last_minute,
         )
-        if isinstance(self.store, OwnedStore):
-            self.owned = await OwnerRuntime.start(
-                s,
-                url,
-                self.redis,
-                self.store,
-                self.broker_id,
-                self.engine,
-                self.supervisor,
-                orphans=self.embedded is not None,
-            )
+        self.owned = await OwnerRuntime.start(
+            s,
+            url,
+            self.redis,
+            self.store,
+            self.broker_id,
+            self.engine,
+            self.supervisor,
+            orphans=self.embedded is not None,
+        )
         while True:
             try:
                 await self.engine.start(orphans=self.embedded is not None)
@@ -317,7 +308,6 @@ class Broker:
         log.info(
             "broker listening",
             **self.listening_addresses(),
-            engine=s.engine,
             auth="on" if self.tokens is not None else "off",
             signed_pushes=self.signer is not None,
             broker=self.broker_id,

@@ -166,9 +166,8 @@ class Settings(BaseSettings):
     )
     ack_linger: Wait = Field(
         0.002,
-        description="Longest wait (seconds) of an ack's Redis write for the next store or claim "
-        "to share its round trip (ENGINE=owner: of the journal records of answers and pushes, "
-        "for the next store's flush); 0: write at once",
+        description="Longest wait (seconds) of the journal records of answers and pushes for "
+        "the next store's flush, to share its round trip; 0: write at once",
     )
     max_lease_extensions: NonNegativeInt = Field(
         10,
@@ -330,24 +329,16 @@ class Settings(BaseSettings):
         le=60,
         description="Seconds to wait for REPLICA_ACKS replicas; fewer: the producer gets error",
     )
-    engine: Literal["scripts", "owner"] = Field(
-        "owner",
-        description="The delivery engine: owner (each app's queue held by one broker, its "
-        "state in memory, written in fenced batches: docs/OWNER-DESIGN.md) or scripts (a "
-        "Redis script a transition, any broker runs any: a store written before owner was "
-        "the default). Every broker of a store runs the same; unset, a broker runs the "
-        "one its store's data is written by",
-    )
     owner_lease: Seconds = Field(
         5.0,
-        description="ENGINE=owner: seconds an app's owner holds it without renewing; a "
+        description="Seconds an app's owner holds it without renewing; a "
         "broker that dies loses its apps to the others within this",
     )
     backlog_held: int = Field(
         2048,
         ge=1,
         le=1_000_000,
-        description="ENGINE=owner: queue messages an app's owner holds in memory, waiting; "
+        description="Queue messages an app's owner holds in memory, waiting; "
         "past it a plain queue message waits in Redis's log, its owner keeping its msgid "
         "alone, and is read back in order as those held go (memory against a read back)",
     )

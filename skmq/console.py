@@ -11,7 +11,8 @@ from typing import Any
 from skmq.deliverylog import DeliveryLog
 from skmq.events import PENDING_PURGED, Event
 from skmq.pull.groups import Groups
-from skmq.store import DeadLetter, Purged, Store, Waiting
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import DeadLetter, Purged, Waiting
 from skmq.store.store import PREVIEW_BYTES
 
 PEEK_MAX = 1000  # messages a peek shows at most
@@ -34,7 +35,9 @@ def minute_totals(brokers: dict[str, dict[str, Any]], now: int) -> dict[str, tup
     return totals
 
 
-async def overview(store: Store, only: Collection[str] | None, now: int) -> list[dict[str, Any]]:
+async def overview(
+    store: OwnedStore, only: Collection[str] | None, now: int
+) -> list[dict[str, Any]]:
     """Every app (with `only`, just those) as GET /v1/apps lists it."""
     apps = [app for app in await store.apps() if only is None or app in only]
     counts = await store.counts(apps, now)
@@ -96,7 +99,7 @@ def _message(
 
 
 async def purge(
-    store: Store,
+    store: OwnedStore,
     dlog: DeliveryLog,
     app: str,
     older_than_ms: int | None,

@@ -12,8 +12,9 @@ from skmq.clock import now_ms
 from skmq.deliverylog import DeliveryLog
 from skmq.events import MOVED_TO_APP, Event
 from skmq.pull.groups import GroupDeadLetters, Groups
+from skmq.queue.owned_store import OwnedStore
 from skmq.ratelimit import TokenBucket
-from skmq.store import DeadLetter, Store
+from skmq.store import DeadLetter
 
 CHUNK = 500
 Verb = Literal["replay", "purge"]
@@ -30,7 +31,7 @@ class DeadLetters(Protocol):
     async def purge(self, app: str, ids: Sequence[str]) -> list[bool]: ...
 
 
-def dead_letters_of(store: Store, group: str | None) -> DeadLetters:
+def dead_letters_of(store: OwnedStore, group: str | None) -> DeadLetters:
     """The pushes' dead letters, or those of consumer group `group`."""
     return store if group is None else GroupDeadLetters(Groups(store), group)
 
@@ -123,7 +124,7 @@ async def _redrive_app(
 ) -> int:
     ids = [d.delivery_id for d in items]
     if to_app is not None:
-        if not isinstance(store, Store):
+        if not isinstance(store, OwnedStore):
             raise ValueError("a group's dead letters are replayed into their group only")
         moved = await store.move(app, to_app, ids, now_ms())
         results = [x == 1 for x in moved]

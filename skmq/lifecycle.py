@@ -1,51 +1,33 @@
-"""The life of a message, in one place: its states, and every transition between them.
+"""The life of a delivery, as its owner runs it: the table below IS the state machine.
 
-Each transition is one Lua script (`skmq/store/lua/<script>.lua`) run atomically by the
-store, safe with any number of brokers on one Redis; docs/ARCHITECTURE.md draws this
-table and tests/test_lifecycle.py has a test for each row, refusals included.
+A delivery is one message for one consumer: the app's push recipients (a `queue`
+message), one recipient's copy of a `topic` message, or one consumer group's entry.
+Its owner (the broker that holds the app's queue, skmq/queue/ownership.py) keeps every
+delivery's state in memory and changes it only through `step`, which looks the state
+and the trigger up in `TABLE`: a pair the table lacks is refused, naming both, and changes
+nothing (an ack for a delayed message, a purge of one in flight). Each row also
+names the record that the journal (skmq/queue/journal.py) appends for it, or none where
+the change need not survive the owner (a lease extended, a key freed, a delay run out:
+a new owner derives them again). A new owner rebuilds the state by running the same
+`step` over the journal's records, so recovery cannot drift from live behaviour.
 
-    received --store--> pending | delayed              (a duplicate msgid: refused)
-    received --store--> waiting_key                    (key=: an earlier message of its
-                                                        key is not over yet)
-    waiting_key --finish | fail | reap | claim--> pending | delayed
-                                                       (the message before it in its key
-                                                        acked or dead: the next goes)
-    pending | delayed | waiting_retry --claim--> in_flight(n + 1)
-                                     --claim--> dead   (content no recipient can take)
-    in_flight(n) --finish--> acked                     (only attempt n, only in flight)
-    in_flight(n) --fail | reap--> waiting_retry | dead (a failed attempt; dead after
-                                                        RETRY_TIMES)
-    pending | delayed | waiting_retry --claim--> dead | gone
-                                                       (TTL run out: expired, never pushed;
-                                                        gone with EXPIRED=drop)
-    in_flight(n) --fail | reap--> dead | gone          (TTL run out by then: expired, no
-                                                        retry)
-    in_flight(n) --extend--> in_flight(n)              (lease + ACK_TIMEOUT from now; only
-                                                        attempt n, MAX_LEASE_EXTENSIONS times)
-    in_flight(n) --release--> pending                  (never seen: no attempt spent)
-    dead --replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
-    dead --purge--> gone                               (anything not dead: refused)
-    dead --move--> gone, and pending in another app    (`dlq replay --to-app`; not dead,
-                                                        or a duplicate there: refused)
-    pending | delayed | waiting_retry | waiting_key --purge_waiting--> gone
-                                                       (`skmq purge`; in flight or dead:
-                                                        left alone)
+    stored --> delayed | pending | waiting_key
+    waiting_key --key_free--> delayed            (the one before it in its key is over)
+    delayed | waiting_retry --due--> pending
+    pending --push--> in_flight(n + 1)           (a push, or a pull handing it out)
+    in_flight --extend--> in_flight              (arrived, or a pull's extend)
+    in_flight --ack--> acked
+    in_flight --retry--> waiting_retry           (reject, error, timeout, lost: attempts left)
+    in_flight --give_up--> dead                  (the same, with RETRY_TIMES spent)
+    in_flight --release--> pending               (never seen by the recipient: no attempt)
+    pending --undeliverable--> dead              (content no alive recipient can take)
+    waiting --expire--> dead | --drop--> dropped (TTL ran out; waiting: any state but dead)
+    pending | delayed | waiting_retry | waiting_key --purge--> purged
 
-Pull consumption (skmq/pull/): each consumer group holds its own copy of these states
-for every message stored after it subscribed (its receipts name an attempt and the
-group's generation, which a reset or a delete and create renews):
-
-    pending | delayed | waiting_retry --pull_receive--> in_flight(n + 1)
-    pending | delayed | waiting_retry --pull_receive--> dead | gone (TTL ran out: expired)
-    pending --pull_receive--> waiting_key              (an earlier entry of its key not over)
-    waiting_key --pull_ack | pull_nack | pull_receive--> delayed (due now: the entry
-                                                        before it acked or dead)
-    in_flight(n) --pull_receive--> waiting_retry | dead (its lease ran out)
-    in_flight(n) --pull_ack--> acked                   (only attempt n, lease running)
-    in_flight(n) --pull_nack--> waiting_retry | dead   (only attempt n, lease running)
-    in_flight(n) --pull_extend--> in_flight(n)         (only attempt n, lease running)
-    dead --pull_replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
-    dead --pull_purge--> gone                          (not dead: refused)
+A dead delivery leaves the owner's memory, as an acked one does: its flush writes it to
+the app's dead letters (skmq/queue/dead.py), which operators list, replay (a new entry of
+the app's inbox: attempts reset, TTL lifted), move or purge there, with or without a
+broker running.
 """
 
 from __future__ import annotations
@@ -55,88 +37,145 @@ from dataclasses import dataclass
 
 
 class State(enum.StrEnum):
-    RECEIVED = "received"
-    PENDING = "pending"  # in `ready`
-    DELAYED = "delayed"  # in `delayed`, not yet due (a delay, or a replay due now)
-    IN_FLIGHT = "in_flight"  # in `inflight`, leased to one recipient
-    WAITING_RETRY = "waiting_retry"  # in `delayed` after a failed attempt
-    WAITING_KEY = "waiting_key"  # in `kq` only: an earlier message of its key is not over
-    ACKED = "acked"  # gone, its msgid in `done:<bucket>` for the dedupe window
-    DEAD = "dead"  # in `dead`, the dead-letter queue
-    GONE = "gone"  # purged
+    DELAYED = "delayed"  # not yet due: a delay, or the next of its key let go
+    PENDING = "pending"  # due: waits for a recipient's free slot or a pull
+    WAITING_KEY = "waiting_key"  # an earlier delivery of its ordering key is not over
+    IN_FLIGHT = "in_flight"  # pushed or pulled, under a lease
+    WAITING_RETRY = "waiting_retry"  # a failed attempt; due again after its backoff
+    # over: the delivery leaves the owner's memory
+    DEAD = "dead"  # to the app's dead letters
+    ACKED = "acked"
+    DROPPED = "dropped"  # its TTL ran out with EXPIRED=drop
+    PURGED = "purged"  # removed by an operator
+
+
+OVER = frozenset({State.DEAD, State.ACKED, State.DROPPED, State.PURGED})
+
+
+class Trigger(enum.StrEnum):
+    KEY_FREE = "key_free"
+    DUE = "due"
+    PUSH = "push"
+    EXTEND = "extend"
+    ACK = "ack"
+    RETRY = "retry"
+    GIVE_UP = "give_up"
+    RELEASE = "release"
+    UNDELIVERABLE = "undeliverable"
+    EXPIRE = "expire"
+    DROP = "drop"
+    PURGE = "purge"
+
+
+class Record(enum.StrEnum):
+    """What the journal keeps of a transition (its `kind` field); see journal.py."""
+
+    PUSHED = "p"  # attempt n handed out (so RETRY_TIMES holds across owners)
+    ACKED = "a"
+    RETRIED = "r"  # attempt n failed; due again at a time
+    DEAD = "d"  # attempts spent, with the last failure
+    UNDELIVERABLE = "u"  # no alive recipient can take its content
+    RELEASED = "l"
+    EXPIRED = "x"  # dead-lettered, reason expired
+    DROPPED = "o"
+    PURGED = "g"
 
 
 @dataclass(frozen=True, slots=True)
-class Transition:
-    script: str
-    sources: frozenset[State]
-    targets: frozenset[State]
-    refused: str  # what the script answers instead when its source state does not hold
+class Rule:
+    target: State
+    record: Record | None  # None: nothing to journal (derived again by a new owner)
 
 
-def _t(script: str, sources: set[State], targets: set[State], refused: str) -> Transition:
-    return Transition(script, frozenset(sources), frozenset(targets), refused)
+S, E, R = State, Trigger, Record
+WAITING = (S.DELAYED, S.PENDING, S.WAITING_KEY, S.WAITING_RETRY)
+
+TABLE: dict[State, dict[Trigger, Rule]] = {
+    S.DELAYED: {
+        E.DUE: Rule(S.PENDING, None),
+        E.EXPIRE: Rule(S.DEAD, R.EXPIRED),
+        E.DROP: Rule(S.DROPPED, R.DROPPED),
+        E.PURGE: Rule(S.PURGED, R.PURGED),
+    },
+    S.WAITING_KEY: {
+        E.KEY_FREE: Rule(S.DELAYED, None),
+        E.EXPIRE: Rule(S.DEAD, R.EXPIRED),
+        E.DROP: Rule(S.DROPPED, R.DROPPED),
+        E.PURGE: Rule(S.PURGED, R.PURGED),
+    },
+    S.PENDING: {
+        E.PUSH: Rule(S.IN_FLIGHT, R.PUSHED),
+        E.UNDELIVERABLE: Rule(S.DEAD, R.UNDELIVERABLE),
+        E.EXPIRE: Rule(S.DEAD, R.EXPIRED),
+        E.DROP: Rule(S.DROPPED, R.DROPPED),
+        E.PURGE: Rule(S.PURGED, R.PURGED),
+    },
+    S.IN_FLIGHT: {
+        E.EXTEND: Rule(S.IN_FLIGHT, None),
+        E.ACK: Rule(S.ACKED, R.ACKED),
+        E.RETRY: Rule(S.WAITING_RETRY, R.RETRIED),
+        E.GIVE_UP: Rule(S.DEAD, R.DEAD),
+        E.RELEASE: Rule(S.PENDING, R.RELEASED),
+        E.EXPIRE: Rule(S.DEAD, R.EXPIRED),
+        E.DROP: Rule(S.DROPPED, R.DROPPED),
+    },
+    S.WAITING_RETRY: {
+        E.DUE: Rule(S.PENDING, None),
+        E.EXPIRE: Rule(S.DEAD, R.EXPIRED),
+        E.DROP: Rule(S.DROPPED, R.DROPPED),
+        E.PURGE: Rule(S.PURGED, R.PURGED),
+    },
+    S.DEAD: {},
+    S.ACKED: {},
+    S.DROPPED: {},
+    S.PURGED: {},
+}
+
+# A journal record names the trigger it stands for: replaying it is the same `step`.
+TRIGGER_OF: dict[Record, Trigger] = {
+    rule.record: trigger
+    for rules in TABLE.values()
+    for trigger, rule in rules.items()
+    if rule.record is not None
+}
+
+# The transitions no record stands for, each the one way forward from its state: a new
+# owner replaying a record that its state refuses takes these first (a delivery whose
+# delay ran out before it was pushed has no record of falling due).
+DERIVED: dict[State, Trigger] = {
+    S.WAITING_KEY: E.KEY_FREE,
+    S.DELAYED: E.DUE,
+    S.WAITING_RETRY: E.DUE,
+}
 
 
-S = State
-TRANSITIONS: tuple[Transition, ...] = (
-    _t("store", {S.RECEIVED}, {S.PENDING, S.DELAYED}, "duplicate msgid: not stored again"),
-    _t("store", {S.RECEIVED}, {S.WAITING_KEY}, "no earlier message of its key: pending"),
-    # per-key order: a message acked or dead lets the next one of its key go
-    _t("finish", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of its key"),
-    _t("fail", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of a dead message's key"),
-    _t("reap", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of a dead message's key"),
-    _t("claim", {S.WAITING_KEY}, {S.PENDING, S.DELAYED}, "not the next of a dead message's key"),
-    _t("claim", {S.PENDING, S.DELAYED, S.WAITING_RETRY}, {S.IN_FLIGHT, S.DEAD}, "nothing due"),
-    # expiry: a message whose TTL ran out is never pushed (dead-lettered, reason `expired`,
-    # or dropped); a delayed one or a retry wait falls due at its expiry at the latest.
-    _t("claim", {S.PENDING, S.DELAYED, S.WAITING_RETRY}, {S.DEAD, S.GONE}, "not expired"),
-    _t("fail", {S.IN_FLIGHT}, {S.DEAD, S.GONE}, "not expired: retried or dead as usual"),
-    _t("reap", {S.IN_FLIGHT}, {S.DEAD, S.GONE}, "not expired: retried or dead as usual"),
-    _t("finish", {S.IN_FLIGHT}, {S.ACKED}, "not in flight, or another attempt"),
-    _t("fail", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "not in flight, or another attempt"),
-    _t("reap", {S.IN_FLIGHT}, {S.WAITING_RETRY, S.DEAD}, "lease not run out"),
-    _t("extend", {S.IN_FLIGHT}, {S.IN_FLIGHT}, "not in flight, another attempt, or the limit"),
-    _t("release", {S.IN_FLIGHT}, {S.PENDING}, "not in flight"),
-    _t("replay", {S.DEAD}, {S.DELAYED}, "not dead"),
-    _t("purge", {S.DEAD}, {S.GONE}, "not dead"),
-    _t("move", {S.DEAD}, {S.GONE}, "not dead, or its msgid a duplicate in the target app"),
-    _t(
-        "purge_waiting",
-        {S.PENDING, S.DELAYED, S.WAITING_RETRY, S.WAITING_KEY},
-        {S.GONE},
-        "in flight or dead: left alone",
-    ),
-    _t(
-        "pull_receive",
-        {S.PENDING, S.DELAYED, S.WAITING_RETRY, S.IN_FLIGHT},
-        {S.IN_FLIGHT, S.WAITING_RETRY, S.DEAD},
-        "nothing due for the group, or no such group",
-    ),
-    _t(
-        "pull_receive",
-        {S.PENDING, S.DELAYED, S.WAITING_RETRY},
-        {S.DEAD, S.GONE},
-        "not expired",
-    ),
-    _t("pull_receive", {S.PENDING}, {S.WAITING_KEY}, "no earlier entry of its key: leased"),
-    # per-key order in a group: an entry acked or dead lets the next one of its key go
-    _t("pull_ack", {S.WAITING_KEY}, {S.DELAYED}, "not the next of its key"),
-    _t("pull_nack", {S.WAITING_KEY}, {S.DELAYED}, "not the next of a dead entry's key"),
-    _t("pull_receive", {S.WAITING_KEY}, {S.DELAYED}, "not the next of a dead entry's key"),
-    _t("pull_ack", {S.IN_FLIGHT}, {S.ACKED}, "stale receipt: another attempt or lease ran out"),
-    _t(
-        "pull_nack",
-        {S.IN_FLIGHT},
-        {S.WAITING_RETRY, S.DEAD},
-        "stale receipt: another attempt or lease ran out",
-    ),
-    _t("pull_replay", {S.DEAD}, {S.DELAYED}, "not dead"),
-    _t("pull_purge", {S.DEAD}, {S.GONE}, "not dead"),
-    _t(
-        "pull_extend",
-        {S.IN_FLIGHT},
-        {S.IN_FLIGHT},
-        "stale receipt: another attempt or lease ran out",
-    ),
-)
+class Refused(Exception):
+    """A trigger the table has no row for, in the state the delivery is in."""
+
+    def __init__(self, state: State, trigger: Trigger) -> None:
+        super().__init__(f"{trigger} refused: the delivery is {state}")
+        self.state = state
+        self.trigger = trigger
+
+
+def step(state: State, trigger: Trigger) -> Rule:
+    """The rule for `trigger` in `state`, or Refused."""
+    rule = TABLE[state].get(trigger)
+    if rule is None:
+        raise Refused(state, trigger)
+    return rule
+
+
+def detour(state: State, trigger: Trigger) -> list[Trigger]:
+    """The derived transitions a delivery in `state` takes before `trigger`, as a new owner
+    replays a record (a push recorded for a delivery whose delay it has not seen run
+    out); Refused where none leads to a state that takes `trigger`."""
+    path: list[Trigger] = []
+    at = state
+    while trigger not in TABLE[at]:
+        derived = DERIVED.get(at)
+        if derived is None:
+            raise Refused(state, trigger)
+        path.append(derived)
+        at = TABLE[at][derived].target
+    return path

@@ -31,7 +31,8 @@ from skmq.clock import now_ms
 from skmq.deliverylog import DeliveryLog
 from skmq.logarchive import LogArchive
 from skmq.pull.groups import GroupInfo, Groups
-from skmq.store import AppCounts, Store
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import AppCounts
 from skmq.supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def _label(value: str) -> str:
 class Metrics(Collector):
     def __init__(
         self,
-        store: Store,
+        store: OwnedStore,
         dlog: DeliveryLog,
         archive: LogArchive,
         supervisor: Supervisor,

@@ -31,9 +31,6 @@ from skmq.store.wire import Wire
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
-# The delivery engine the suite runs on (SKMQ_ENGINE; docs/OWNER-DESIGN.md).
-ENGINE = os.environ.get("SKMQ_ENGINE", Settings.model_fields["engine"].default)
-
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Every async test runs on uvloop, the loop the broker runs on."""
@@ -85,7 +82,7 @@ FAST: dict[str, Any] = {
     "max_frame_bytes": 65536,
     "shutdown_timeout": 1.0,
     "http_port": 0,
-    "owner_lease": 1.5,  # (ENGINE=owner: a dead broker's apps taken over within it)
+    "owner_lease": 1.5,  # (a dead broker's apps taken over within it)
 }
 
 
@@ -287,8 +284,7 @@ class BrokerProcess:
 
 @pytest.fixture
 def broker_env(tmp_path: Path) -> dict[str, str]:
-    # (SKMQ_ENGINE kept: the suite runs on either engine)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_") or k == "SKMQ_ENGINE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKMQ_")}
     env.update(
         SKMQ_HOST="127.0.0.1",
         SKMQ_PORT=str(free_port()),

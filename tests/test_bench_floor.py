@@ -1,5 +1,5 @@
-"""The floor's lifecycles (bench/floor_lifecycles.py) against a real Redis: what the
-benchmark's `floor-lifecycle` measures must be SKMQ's lifecycle working, not scripts
+"""The floor's lifecycle (bench/floor_lifecycles.py) against a real Redis: what the
+benchmark's `floor-bare-lifecycle` measures must be the lifecycle working, not scripts
 refusing arguments they no longer take."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from bench.floor_lifecycles import BareLifecycle, Lifecycle, SkmqLifecycle
+from bench.floor_lifecycles import BareLifecycle, Lifecycle
 from skmq.store.client import hiredis_pack
 
 
-@pytest.mark.parametrize("kind", [SkmqLifecycle, BareLifecycle])
+@pytest.mark.parametrize("kind", [BareLifecycle])
 async def test_a_floor_lifecycle_stores_claims_finishes_and_dedupes(
     kind: type[Lifecycle], redis: aioredis.Redis, prefix: str
 ) -> None:

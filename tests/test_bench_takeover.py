@@ -1,4 +1,4 @@
-"""`python -m bench.takeover --scenarios kill` at a tiny size: two ENGINE=owner brokers on a
+"""`python -m bench.takeover --scenarios kill` at a tiny size: two brokers on a
 Redis of their own, 200 messages held in flight by the recipient, the owner killed with
 SIGKILL; the other broker takes the app over and pushes every held message again."""
 

@@ -22,12 +22,14 @@ from skmq.clock import now_ms
 from skmq.embedded import free_port
 from skmq.embedded_cluster import LocalCluster
 from skmq.queue.journal import AppKeys
+from skmq.queue.owned_store import OwnedStore
 from skmq.store import NewMessage, Store, connect_redis
 from skmq.store.client import url_hosts
-from skmq.store.shards import ReplicasMissing, WriteFailed, node_round_trip
-from tests.conftest import ENGINE, BrokerFactory, eventually
+from skmq.store.wire import Wire
+from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_cli_ops import skmq
+from tests.test_queue_owners import owners
 from tests.test_reliability import (
     ACK_TIMEOUT,
     APP,
@@ -67,10 +69,13 @@ async def cluster_redis(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
 # -- the apps directory and forget (any store: here the single Redis) ------------------
 
 
-async def test_a_store_racing_a_forget_keeps_the_app(redis: aioredis.Redis, prefix: str) -> None:
+async def test_a_store_racing_a_forget_keeps_the_app(
+    wire: Wire, redis: aioredis.Redis, prefix: str
+) -> None:
     """forget = drop the empty app (one script) then take it out of its shard set; a
     store or a registration between the two must leave the app listed."""
-    store = Store(redis, prefix)
+    store = OwnedStore(redis, prefix)
+    store.owners = await owners(wire, prefix, "a")
     await store.add_apps(["a", "r", "idle"])
     assert await store.drop_empty(["a", "r", "idle"]) == ["a", "r", "idle"]
     stored = await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW)
@@ -80,33 +85,6 @@ async def test_a_store_racing_a_forget_keeps_the_app(redis: aioredis.Redis, pref
     assert await store.apps() == ["a", "r"]
     # The app holds its message: a later forget keeps it too.
     assert await store.forget_apps(["a"]) == []
-
-
-async def test_a_duplicate_store_lists_an_unlisted_app_again(
-    redis: aioredis.Redis, prefix: str
-) -> None:
-    """A broker killed between the store script and listing the app: the producer got no
-    answer and sends again; the duplicate lists the app."""
-    store = Store(redis, prefix)
-    await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW)
-    await store.directory.remove(["a"])  # the listing that the dead broker never did
-    assert await store.apps() == []
-    assert await store.store({"a": [NewMessage("m1", "queue", b"x")]}, NOW) == {"a": [False]}
-    assert await store.apps() == ["a"]
-
-
-@pytest.mark.skipif(ENGINE == "owner", reason="a store of the scripts engine's, from before")
-async def test_apps_of_the_unsharded_apps_set_are_adopted(
-    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str
-) -> None:
-    """A store written before the directory was sharded: its apps are found (those that
-    hold something: an empty one is forgotten at once, as it would have been)."""
-    await redis.sadd(f"{prefix}:apps", "old1", "old2")
-    for app in ("old1", "old2"):
-        await redis.rpush(f"{prefix}:{{{app}}}:ready", "waiting")  # held: not forgotten
-    broker = await make_broker()
-    assert await broker.store.apps() == ["old1", "old2"]
-    assert not await redis.exists(f"{prefix}:apps")
 
 
 # -- a 3-master cluster -------------------------------------------------------------
@@ -152,8 +130,7 @@ async def test_core_delivery_path_on_a_cluster(
     ]
     assert await broker.store.apps() == [APP]
     await recipient.stop()
-    if ENGINE == "owner":  # dead letters moved to apps on other masters
-        await _moved_across_masters(broker, cluster, cluster_redis)
+    await _moved_across_masters(broker, cluster, cluster_redis)  # (to other masters)
 
 
 async def _moved_across_masters(
@@ -205,25 +182,6 @@ async def test_a_cluster_node_that_may_evict_is_refused(
         await node.aclose()
 
 
-async def test_a_node_without_the_scripts_reruns_only_its_own_calls(
-    cluster: LocalCluster, cluster_redis: RedisCluster, prefix: str
-) -> None:
-    """One store round trip for apps on two masters, one of which lost its scripts (a
-    restart): each app's messages are stored once, none refused as its own duplicate."""
-    store = Store(cluster_redis, prefix)
-    await store.load_scripts()
-    first_app_on: dict[int, str] = {}
-    for i in range(64):
-        node = cluster_redis.get_node_from_key(store.base(f"ns{i}") + "msgs")
-        first_app_on.setdefault(node.port, f"ns{i}")
-    (_, healthy), (flushed_port, flushed) = list(first_app_on.items())[:2]
-    node = aioredis.Redis(host="127.0.0.1", port=flushed_port)
-    await node.script_flush()
-    await node.aclose()
-    batches = {app: [NewMessage("m1", "queue", b"x")] for app in (healthy, flushed)}
-    assert await store.store(batches, NOW) == {healthy: [True], flushed: [True]}
-
-
 async def test_24_apps_spread_over_every_master(
     make_broker: BrokerFactory, cluster: LocalCluster, prefix: str
 ) -> None:
@@ -267,7 +225,7 @@ async def test_two_brokers_on_a_cluster_deliver_each_message_once(
     events = log_events(a.log_dir(), b.log_dir())
     pushers = {e["broker"] for e in events if e["event"] == "pushed"}
     assert pushers <= {e["broker"] for e in events}
-    assert len(pushers) == (1 if ENGINE == "owner" else 2)  # (the app's owner pushes)
+    assert len(pushers) == 1  # (the app's owner pushes)
     await r1.stop()
     await r2.stop()
 
@@ -293,36 +251,6 @@ async def test_kill9_of_a_broker_on_a_cluster_loses_nothing(
     await recipient.stop()
 
 
-async def test_a_stalled_master_fails_only_its_apps_at_the_deadline(
-    tmp_path: Path, prefix: str
-) -> None:
-    """One master of 3 frozen (SIGSTOP): a store with a deadline (STORE_TIMEOUT's, from
-    the enqueuer) answers the other masters' apps, and fails the frozen one's as maybe
-    stored (its answer lost after the write), instead of failing the whole batch when
-    the deadline comes."""
-    local = LocalCluster(tmp_path / "c", masters=3).start()
-    client = connect_redis(local.url)
-    assert isinstance(client, RedisCluster)
-    frozen = local.master_ports[2]
-    try:
-        store = Store(client, prefix)
-        await store.load_scripts()
-        apps = one_app_a_master(client, store, local.master_ports)
-        # (a first message also lists its app, in a directory shard on any master)
-        await store.store({app: [NewMessage("m0", "queue", b"x")] for app in apps.values()}, NOW)
-        batch = {app: [NewMessage("m1", "queue", b"x")] for app in apps.values()}
-        local.procs[frozen].send_signal(signal.SIGSTOP)
-        deadline = asyncio.get_running_loop().time() + 0.5
-        res = await store.store(batch, NOW, deadline=deadline)
-        got = res.pop(apps[frozen])
-        assert isinstance(got, WriteFailed) and got.maybe_ran, got
-        assert res == {app: [True] for port, app in apps.items() if port != frozen}
-    finally:
-        local.procs[frozen].send_signal(signal.SIGCONT)
-        await client.aclose()
-        local.stop()
-
-
 async def test_a_retry_elsewhere_leaves_the_connections_in_use_alone(
     cluster_redis: RedisCluster, prefix: str
 ) -> None:
@@ -334,7 +262,7 @@ async def test_a_retry_elsewhere_leaves_the_connections_in_use_alone(
     key = f"{prefix}:{{retry}}:list"
     await cluster_redis.initialize()
     node = cluster_redis.get_node_from_key(key)
-    running = asyncio.ensure_future(node_round_trip(node, [("BLPOP", key, 2)]))
+    running = asyncio.ensure_future(node.execute_command("BLPOP", key, 2))
     watcher = aioredis.Redis(host=node.host, port=node.port)
 
     async def blocked() -> bool:
@@ -348,7 +276,7 @@ async def test_a_retry_elsewhere_leaves_the_connections_in_use_alone(
     # target_nodes of the first try, the way WAIT went to another node)
     pipe.execute_command("GET", key, target_nodes=ClusterNode("127.0.0.1", free_port()))
     assert await pipe.execute() == [None]
-    assert await running == [None]
+    assert await running is None
 
 
 # -- REPLICA_ACKS: WAIT before the producer's ack -----------------------------------
@@ -437,102 +365,6 @@ def one_app_a_master(client: RedisCluster, store: Store, ports: list[int]) -> di
         if len(found) == len(ports):
             return found
     raise AssertionError(found)
-
-
-async def test_replica_acks_never_ack_a_master_without_replica(tmp_path: Path, prefix: str) -> None:
-    """Issue 42: REPLICA_ACKS=1 on a 3+3 cluster. The apps of a master without replica
-    are never acked, the other masters' apps of the same batches are:
-    - the replica of master A killed and left down; every client connection of A killed
-      now and then under the store (CLIENT KILL): a round trip that fails;
-    - master B killed and left down, its replica promoted (it has none): the first
-      stores go to B by the old slot map and fail connecting, where redis-py's pipeline
-      tried again, the scripts on the new master and the WAIT on its default node, whose
-      replica answered (an `ack`). Here WAIT goes to the master that ran the scripts, on
-      their connection, once."""
-    local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
-    client = connect_redis(local.url)
-    assert isinstance(client, RedisCluster)
-    try:
-        store = Store(client, prefix, replica_acks=1, replica_ack_timeout=0.1)
-        await store.load_scripts()
-        apps = one_app_a_master(client, store, local.master_ports)
-        a, b, _ = local.master_ports
-        answers: Counter[str] = Counter()
-        unconfirmed: dict[int, list[str]] = {}  # by master: stored, not confirmed
-        sent = 0
-
-        async def store_all(alone: set[int]) -> dict[int, object]:
-            """A store of one message for each app: those of the masters `alone` never
-            acked, the others always."""
-            nonlocal sent
-            sent += 1
-            batch = {app: [NewMessage(f"m{sent}", "queue", b"x")] for app in apps.values()}
-            res = await store.store(batch, NOW)
-            for port, app in apps.items():
-                got = res[app]
-                if port not in alone:
-                    assert got == [True], (port, got)
-                    continue
-                assert isinstance(got, WriteFailed), (port, got)
-                answers[f"{port}: {type(got).__name__} maybe_ran={got.maybe_ran}"] += 1
-                if isinstance(got, ReplicasMissing):
-                    unconfirmed.setdefault(port, []).append(f"m{sent}")
-            return {port: res[app] for port, app in apps.items()}
-
-        await store_all(set())
-        await duplicates_are_confirmed_too(local, store, apps[a])
-        local.kill(local.ports[local.masters])  # A's (replica i follows master i % masters)
-        for n in range(8):
-            if n % 2 == 0:  # (the store's connections to it, if it has some now)
-                node = local.client(a)
-                answers["killed"] += node.execute_command("CLIENT", "KILL", "TYPE", "normal")
-                node.close()
-            await store_all({a})
-        assert answers["killed"] >= 1 and answers[f"{a}: ReplicasMissing maybe_ran=True"] >= 4
-        # Stored on A all the same (sent again: a duplicate, still not confirmed).
-        assert None not in await store.stored_of(apps[a], unconfirmed[a], NOW)
-
-        local.kill(b)
-        b_replica = local.client(local.ports[local.masters + 1])
-        await eventually(lambda: promoted(b_replica), timeout=20)
-        b_replica.close()
-
-        async def stored_on_the_new_master() -> bool:
-            res = await store_all({a, b})
-            return isinstance(res[b], ReplicasMissing)
-
-        await eventually(stored_on_the_new_master, timeout=20)
-    finally:
-        await client.aclose()
-        local.stop()
-
-
-async def duplicates_are_confirmed_too(local: LocalCluster, store: Store, app: str) -> None:
-    """The replica of the app's master (the first) frozen: a message stored, then sent
-    again on a connection that wrote nothing yet (every connection of the master killed
-    meanwhile), is not acked as a duplicate before the replica has it (a WAIT counts the
-    replicas that have the connection's last write: here none of it), once it runs it
-    is."""
-    replica = local.procs[local.ports[local.masters]]
-    dup = {app: [NewMessage("dup", "queue", b"x")]}
-    replica.send_signal(signal.SIGSTOP)
-    try:
-        assert isinstance((await store.store(dup, NOW))[app], ReplicasMissing)
-        node = local.client(local.master_ports[0])
-        assert node.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1
-        node.close()
-        answers = [(await store.store(dup, NOW))[app] for _ in range(3)]
-        assert all(isinstance(got, WriteFailed) for got in answers), answers
-        assert [got.reply for got in answers if isinstance(got, ReplicasMissing)][-1] == [0, 0]
-    finally:
-        replica.send_signal(signal.SIGCONT)
-
-    async def confirmed() -> bool:
-        got = (await store.store(dup, NOW))[app]
-        assert got == [False] or isinstance(got, ReplicasMissing), got
-        return got == [False]
-
-    await eventually(confirmed)
 
 
 async def test_a_master_down_fails_only_its_apps_and_says_so(

@@ -1,4 +1,4 @@
-"""ENGINE=owner on a Redis Cluster (issue 42 on the owner-held queues' core): each app's
+"""The owner engine on a Redis Cluster (issue 42 on the owner-held queues' core): each app's
 writes go on the owner's connection to the app's master (skmq/store/wires.py), so that:
 
 - the core delivery path works, apps spread over every master, each app's log on its
@@ -19,7 +19,6 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from skmq.embedded_cluster import LocalCluster
@@ -31,8 +30,6 @@ from tests.test_cluster import cluster, one_app_a_master, promoted
 from tests.test_reliability import Holder, produce, until
 
 __all__ = ["cluster"]  # the fixture, shared with tests/test_cluster.py
-
-OWNER = {"engine": "owner"}
 
 
 def master_port(client: RedisCluster, prefix: str, app: str) -> int:
@@ -56,7 +53,7 @@ async def send_each(client: RawClient, apps: list[str], msgid: str) -> dict[str,
 async def test_owner_core_on_a_cluster_spreads_apps_over_the_masters(
     make_broker: BrokerFactory, cluster: LocalCluster, prefix: str
 ) -> None:
-    broker = await make_broker(redis_url=cluster.url, **OWNER)
+    broker = await make_broker(redis_url=cluster.url)
     store = broker.store
     assert isinstance(store.redis, RedisCluster)
     apps = [f"spread{i}" for i in range(12)]
@@ -69,9 +66,8 @@ async def test_owner_core_on_a_cluster_spreads_apps_over_the_masters(
         await until(lambda h=holder, a=app: set(h.msgids()) >= set(sent[a]), timeout=15)  # type: ignore[misc]
         assert {m: c for m, c in Counter(holder.msgids()).items() if c != 1} == {}
     assert set(await store.apps()) >= set(apps)
-    for app in apps:  # written by the owner engine: its journal, no scripts-engine keys
+    for app in apps:  # written by the app's owner: its journal
         assert await store.redis.exists(AppKeys.of(prefix, app).journal) == 1
-        assert await store.redis.exists(store.base(app) + "msgs") == 0
     for holder in holders.values():
         await holder.stop()
 
@@ -85,7 +81,7 @@ async def test_owner_replica_acks_wait_on_the_apps_own_master(
     to a WAIT sent to them; the other apps of the same writes are acked."""
     local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
     try:
-        broker = await make_broker(redis_url=local.url, replica_acks=1, **OWNER)
+        broker = await make_broker(redis_url=local.url, replica_acks=1)
         assert isinstance(broker.store.redis, RedisCluster)
         apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         client = await RawClient.connect(broker.server.port)
@@ -112,7 +108,7 @@ async def test_owner_one_master_down_refuses_only_its_apps(
     app is stored and delivered again."""
     local = LocalCluster(tmp_path / "c", masters=3).start()
     try:
-        broker = await make_broker(redis_url=local.url, **OWNER)
+        broker = await make_broker(redis_url=local.url)
         assert isinstance(broker.store.redis, RedisCluster)
         apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         holders = await recipients_for(broker.server.port, list(apps.values()))
@@ -165,7 +161,7 @@ async def test_owner_follows_a_failover_and_loses_no_acked_message(
     master, its state rebuilt there; every message acked before or after is delivered."""
     local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
     try:
-        broker = await make_broker(redis_url=local.url, replica_acks=1, **OWNER)
+        broker = await make_broker(redis_url=local.url, replica_acks=1)
         assert isinstance(broker.store.redis, RedisCluster)
         app = "failover"
         holder = (await recipients_for(broker.server.port, [app]))[app]
@@ -202,7 +198,7 @@ async def test_owner_a_stalled_master_holds_up_only_its_apps(
     local = LocalCluster(tmp_path / "c", masters=3).start()
     frozen = local.master_ports[2]
     try:
-        broker = await make_broker(redis_url=local.url, store_timeout=1.0, **OWNER)
+        broker = await make_broker(redis_url=local.url, store_timeout=1.0)
         assert isinstance(broker.store.redis, RedisCluster) and broker.owned is not None
         apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         holders = await recipients_for(broker.server.port, list(apps.values()))
@@ -248,9 +244,8 @@ async def test_owner_a_stalled_master_holds_up_only_its_apps(
         local.stop()
 
 
-@pytest.mark.parametrize("engine", ["scripts", "owner"])
 async def test_pull_long_polls_are_woken_with_the_subscriptions_master_down(
-    make_broker: BrokerFactory, tmp_path: Path, prefix: str, engine: str
+    make_broker: BrokerFactory, tmp_path: Path, prefix: str
 ) -> None:
     """The master the pull wake-ups' subscription is on, killed and left down: the
     broker subscribes again on another master (a PUBLISH reaches every node), so a long
@@ -258,7 +253,7 @@ async def test_pull_long_polls_are_woken_with_the_subscriptions_master_down(
     ends."""
     local = LocalCluster(tmp_path / "c", masters=3).start()
     try:
-        broker = await make_broker(redis_url=local.url, engine=engine)
+        broker = await make_broker(redis_url=local.url)
         assert isinstance(broker.store.redis, RedisCluster)
 
         async def subscribed() -> bool:
@@ -290,7 +285,7 @@ async def test_owner_replica_acks_after_a_failover_with_the_master_left_down(
     all along; no message answered `ack` is lost."""
     local = LocalCluster(tmp_path / "c", masters=3, replicas=1).start()
     try:
-        broker = await make_broker(redis_url=local.url, replica_acks=1, **OWNER)
+        broker = await make_broker(redis_url=local.url, replica_acks=1)
         assert isinstance(broker.store.redis, RedisCluster)
         apps = one_app_a_master(broker.store.redis, broker.store, local.master_ports)
         holders = await recipients_for(broker.server.port, list(apps.values()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,15 @@ import redis.asyncio as aioredis
 from skmq.clock import now_ms
 from skmq.console import PEEK_MAX, preview
 from skmq.events import PENDING_PURGED
-from skmq.store import AliveRecipient, NewMessage, Purged, Retries, Store
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import AliveRecipient, NewMessage, Purged
+from skmq.store.wire import Wire
 from skmq.throughput import Throughput
-from tests.conftest import ENGINE, BrokerFactory, eventually, free_port
+from tests.conftest import BrokerFactory, eventually, free_port
 from tests.peers import FakeRecipient, RawClient
 from tests.test_cli_ops import one_line, skmq
 from tests.test_delivery import log_events
+from tests.test_queue_owners import owners
 
 ADMIN = "console-admin-token-0123456789ab"
 TENANT = "console-tenant-token-0123456789a"
@@ -30,15 +33,12 @@ CONSUMER = "console-consumer-token-012345678"
 
 Cli = Callable[..., Awaitable[tuple[int, str, str]]]
 
-# A test that stores at a time of its own (`stored`, backdated) reads ages and picks by
-# them: ENGINE=owner stamps a message with the time its log entry was written.
-backdated = pytest.mark.skipif(ENGINE == "owner", reason="stores at a time of its own")
-
 
 @pytest.fixture
-async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
-    client = aioredis.Redis(connection_pool=redis.connection_pool)
-    yield Store(client, prefix, retries=Retries(times=1))
+async def store(make_broker: BrokerFactory) -> OwnedStore:
+    """The store of a running broker (RETRY_TIMES 1), which owns each app stored through
+    it: the owner the operator's commands ask."""
+    return (await make_broker(retry_times=1, ack_timeout=60.0)).store
 
 
 @pytest.fixture
@@ -58,11 +58,12 @@ async def cli_json(cli: Cli, *args: str) -> Any:
     return json.loads(out)
 
 
-async def stored(store: Store, app: str, *messages: tuple[str, int], **more: Any) -> None:
-    """(msgid, stored ms) each, stored at that time, content `<msgid>`."""
-    for msgid, at in messages:
+async def stored(store: OwnedStore, app: str, *msgids: str, **more: Any) -> None:
+    """Each stored in turn (its owner stamps it with the time it was written), content
+    `<msgid>`."""
+    for msgid in msgids:
         new = NewMessage(msgid, more.get("kind", "queue"), msgid.encode(), key=more.get("key", ""))
-        assert (await store.store({app: [new]}, at))[app] == [True]
+        assert (await store.store({app: [new]}, now_ms()))[app] == [True]
 
 
 def cli_purges(tmp_path: Path) -> list[tuple[str, str, str | None, str]]:
@@ -136,25 +137,24 @@ def test_throughput_counts_only_the_last_window() -> None:
 
 
 # -- skmq peek -----------------------------------------------------------------------
-@backdated
 async def test_peek_lists_what_waits_oldest_first_and_changes_nothing(
     make_broker: BrokerFactory, cli: Cli
 ) -> None:
     broker = await make_broker()
     store = broker.store
     now = now_ms()
-    await stored(store, "p", ("k1", now - 4000), key="k")
-    await stored(store, "p", ("m2", now - 3000), ("m1", now - 2000))
-    await stored(store, "p", ("k2", now - 1000), key="k")  # waits for k1
+    await stored(store, "p", "k1", key="k")
+    await stored(store, "p", "m2", "m1")
+    await stored(store, "p", "k2", key="k")  # waits for k1
     raw = NewMessage("bin", "queue", b"\x00\x07caf\xc3\xa9\xff\\" + b"x" * 100)
-    assert (await store.store({"p": [raw]}, now - 500))["p"] == [True]
+    assert (await store.store({"p": [raw]}, now))["p"] == [True]
     before = await store.counts(["p"], now)
     first = await cli_json(cli, "peek", "--app", "p")
     assert [m["msgid"] for m in first["messages"]] == ["k1", "m2", "m1", "k2", "bin"]
     assert [m["key"] for m in first["messages"]] == ["k", None, None, "k", None]
     k1 = first["messages"][0]
     assert (k1["attempts"], k1["size"], k1["preview"]) == (0, 2, "k1")
-    assert 4 <= k1["age_s"] < 60
+    assert 0 <= k1["age_s"] < 60
     binary = first["messages"][-1]
     assert binary["size"] == 109
     assert binary["preview"] == "\\x00\\x07café\\xff\\\\" + "x" * 55  # 64 bytes shown
@@ -180,9 +180,9 @@ def _without_ages(listed: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if k != "age_s"} for m in listed["messages"]]
 
 
-async def test_peek_dead_lists_the_dead_letters_the_same_way(store: Store, cli: Cli) -> None:
+async def test_peek_dead_lists_the_dead_letters_the_same_way(store: OwnedStore, cli: Cli) -> None:
     now = now_ms()
-    await stored(store, "d", ("d1", now - 5000))
+    await stored(store, "d", "d1")
     got, _, _ = await store.claim("d", now, 1, [AliveRecipient("r", 1, True)], ["r"])
     (failed,) = await store.fail("d", [(got[0].delivery_id, "errored", "boom", "r", 1)], now)
     assert failed.code == failed.DEAD
@@ -194,7 +194,7 @@ async def test_peek_dead_lists_the_dead_letters_the_same_way(store: Store, cli: 
     assert (await cli_json(cli, "peek", "--app", "d"))["messages"] == []
 
 
-async def test_peek_shows_at_most_its_cap(store: Store, cli: Cli) -> None:
+async def test_peek_shows_at_most_its_cap(store: OwnedStore, cli: Cli) -> None:
     now = now_ms()
     many = [NewMessage(f"c{i:04d}", "queue", b"x") for i in range(PEEK_MAX + 5)]
     assert (await store.store({"cap": many}, now))["cap"] == [True] * len(many)
@@ -208,11 +208,11 @@ async def test_peek_shows_at_most_its_cap(store: Store, cli: Cli) -> None:
     assert code == 2 and "--app" in one_line(err)
 
 
-async def test_peek_and_purge_from_another_process_on_either_engine(
+async def test_peek_and_purge_from_another_process(
     make_broker: BrokerFactory, cli: Cli, tmp_path: Path
 ) -> None:
-    """As an operator runs them beside a running broker (ENGINE=owner: asked of the app's
-    owner through its inbox): peek in stored order, twice the same, then a purge of the
+    """As an operator runs them beside a running broker (asked of the app's owner through
+    its inbox): peek in stored order, twice the same, then a purge of the
     oldest two, logged, and the rest still delivered."""
     broker = await make_broker()
     client = await RawClient.connect(broker.server.port)
@@ -245,16 +245,16 @@ async def test_peek_and_purge_from_another_process_on_either_engine(
 
 # -- skmq purge ----------------------------------------------------------------------
 async def test_purge_removes_exactly_what_waits_and_logs_each(
-    store: Store, cli: Cli, tmp_path: Path
+    store: OwnedStore, cli: Cli, tmp_path: Path
 ) -> None:
     now = now_ms()
-    old, young = now - 120_000, now - 1000
-    await stored(store, "q", ("f1", old - 1))  # in flight: never purged
+    await stored(store, "q", "f1")  # in flight: never purged
     got, _, _ = await store.claim("q", now, 1, [AliveRecipient("r", 1, True)], ["r"])
     assert [c.msgid for c in got] == ["f1"]
-    await stored(store, "q", ("o1", old), ("o2", old + 1), ("o3", old + 2))
-    await stored(store, "q", ("y1", young), ("y2", young + 1))
+    await stored(store, "q", "o1", "o2", "o3", "y1", "y2")
     waiting = ["o1", "o2", "o3", "y1", "y2"]
+    older = await store.purge_waiting("q", 3_600_000, None, True, now_ms())
+    assert older == []  # none stored an hour ago
 
     async def left() -> list[str]:
         return [w.msgid for w in await store.peek("q", 100, now_ms())]
@@ -262,12 +262,12 @@ async def test_purge_removes_exactly_what_waits_and_logs_each(
     dry = await cli_json(cli, "purge", "--app", "q", "--dry-run")
     assert dry == {"app": "q", "purged": 5, "dry_run": True, "msgids": waiting}
     assert await left() == waiting and cli_purges(tmp_path) == []
-    code, out, err = await cli("purge", "--app", "q", "--older-than", "60", "--dry-run")
+    code, out, err = await cli("purge", "--app", "q", "--max", "3", "--dry-run")
     assert (code, out.strip()) == (0, "dry run: would purge 3 message(s) of app q; nothing done")
-    picked = await cli_json(cli, "purge", "--app", "q", "--older-than", "60", "--max", "2")
+    picked = await cli_json(cli, "purge", "--app", "q", "--older-than", "0.001", "--max", "2")
     assert picked == {"app": "q", "purged": 2, "dry_run": False, "msgids": ["o1", "o2"]}
     assert await left() == ["o3", "y1", "y2"]
-    code, out, err = await cli("purge", "--app", "q", "--older-than", "60")
+    code, out, err = await cli("purge", "--app", "q", "--max", "1")
     assert (code, out.strip()) == (0, "purged 1 message(s) of app q"), err
     assert await left() == ["y1", "y2"]
     assert await cli_json(cli, "purge", "--app", "q") == {
@@ -282,23 +282,27 @@ async def test_purge_removes_exactly_what_waits_and_logs_each(
     assert ack.ok  # the one in flight was left alone
 
 
-async def test_a_purged_first_message_of_a_key_lets_the_next_go(store: Store) -> None:
+async def test_a_purged_first_message_of_a_key_lets_the_next_go(store: OwnedStore) -> None:
     now = now_ms()
-    await stored(store, "o", ("k1", now - 3), ("k2", now - 2), ("k3", now - 1), key="k")
+    await stored(store, "o", "k1", "k2", "k3", key="k")
     assert [p.msgid for p in await store.purge_waiting("o", None, 1, False, now)] == ["k1"]
     got, _, _ = await store.claim("o", now, 5, [AliveRecipient("r", 5, True)], ["r"] * 5)
     assert [c.msgid for c in got] == ["k2"]  # k3 still waits behind it
     assert [p.msgid for p in await store.purge_waiting("o", None, None, False, now)] == ["k3"]
     (ack,) = await store.finish("o", [(got[0].delivery_id, 0)], now)
-    assert ack.ok and not ack.released
+    assert ack.ok  # (k3 purged meanwhile: nothing left behind its key)
     counts = (await store.counts(["o"], now))["o"]
     assert (counts.pending, counts.delayed, counts.in_flight, counts.dead) == (0, 0, 0, 0)
-    assert await store.forget_apps(["o"]) == ["o"]  # nothing left behind
+    assert await store.peek("o", 10, now) == []  # nothing left behind
 
 
-async def test_a_topic_copy_waiting_is_purged_alone(store: Store) -> None:
+async def test_a_topic_copy_waiting_is_purged_alone(
+    wire: Wire, redis: aioredis.Redis, prefix: str
+) -> None:
+    store = OwnedStore(redis, prefix)  # (this process owns the app, its recipients r1, r2)
+    store.owners = await owners(wire, prefix, "t", rids=("r1", "r2"))
     now = now_ms()
-    await stored(store, "t", ("t1", now - 1), kind="topic")
+    await stored(store, "t", "t1", kind="topic")
     alive = [AliveRecipient("r1", 1, True), AliveRecipient("r2", 0, True)]
     got, _, _ = await store.claim("t", now, 5, alive, [])
     assert [(c.msgid, c.recipient) for c in got] == [("t1", "r1")]  # r2's copy waits
@@ -306,11 +310,10 @@ async def test_a_topic_copy_waiting_is_purged_alone(store: Store) -> None:
     assert purged == [Purged("t1", "topic", "r2")]
     (ack,) = await store.finish("t", [(got[0].delivery_id, 0)], now)
     assert ack.ok
-    assert await store.forget_apps(["t"]) == ["t"]
+    assert not store.owners.owned["t"].queue.deliveries  # nothing left behind
 
 
 # -- HTTP ------------------------------------------------------------------------------
-@backdated
 async def test_the_console_over_http_is_for_admins(
     make_broker: BrokerFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
@@ -322,9 +325,8 @@ async def test_the_console_over_http_is_for_admins(
     )
     broker = await make_broker(http_port=free_port(), auth_file=tokens)
     base = f"http://127.0.0.1:{broker.gateway.port}/v1/apps"
-    now = now_ms()
-    await stored(broker.store, "h", ("h1", now - 30_000), ("h2", now - 20_000), ("h3", now))
-    await stored(broker.store, "other", ("x1", now))
+    await stored(broker.store, "h", "h1", "h2", "h3")
+    await stored(broker.store, "other", "x1")
 
     async def call(method: str, path: str, token: str | None, body: Any = None) -> Any:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -346,7 +348,7 @@ async def test_the_console_over_http_is_for_admins(
         status, error = await call("GET", f"/h/messages?{query}", TENANT)
         assert status == 400 and error["error"].startswith(query[:3]), query
     assert (await call("GET", "/h/messages?dead=1", TENANT)) == (200, {"messages": []})
-    dry = {"older_than_s": 10.5, "max": None, "dry_run": True}
+    dry = {"older_than_s": 0.001, "max": 2, "dry_run": True}
     assert await call("POST", "/h/purge", TENANT, dry) == (
         200, {"app": "h", "purged": 2, "dry_run": True, "msgids": ["h1", "h2"]}
     )  # fmt: skip

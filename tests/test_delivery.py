@@ -25,6 +25,7 @@ from skmq.clock import now_ms
 from skmq.codec import PONG, Decoder, Frame, InvalidFrame, encode_frame
 from skmq.config import Settings
 from skmq.logarchive import log_files, read_lines
+from skmq.queue.journal import AppKeys
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import BACKLOG_HELD
 from skmq.store import AppCounts
@@ -97,23 +98,14 @@ def base(broker: Broker, app: str) -> str:
     return broker.store.base(app)
 
 
-async def message_keys(redis: aioredis.Redis, broker: Broker, app: str) -> list[bytes]:
-    """The app's messages and their delivery state (fields of `msgs` and `state`: the
-    scripts engine's; the owner engine holds them in its memory)."""
-    b = base(broker, app)
-    return [*await redis.hkeys(b + "msgs"), *await redis.hkeys(b + "state")]
-
-
 async def counts(broker: Broker, app: str) -> AppCounts:
     return (await broker.store.counts([app], now_ms()))[app]
 
 
-async def settled(redis: aioredis.Redis, broker: Broker, app: str) -> bool:
+async def settled(broker: Broker, app: str) -> bool:
     """Nothing of the app left: every message done (acked) and forgotten."""
     c = await counts(broker, app)
-    if (c.pending, c.delayed, c.in_flight, c.dead) != (0, 0, 0, 0):
-        return False
-    return not await message_keys(redis, broker, app)
+    return (c.pending, c.delayed, c.in_flight, c.dead) == (0, 0, 0, 0)
 
 
 async def in_flight(broker: Broker, app: str, msgid: str, recipient: str = "") -> bool:
@@ -145,15 +137,14 @@ async def logged(
 async def settle(redis: aioredis.Redis, broker: Broker, app: str, timeout: float = WAIT) -> None:
     """Wait until `settled`; on timeout, fail showing what is left and the app's log."""
     try:
-        await eventually(lambda: settled(redis, broker, app), timeout)
+        await eventually(lambda: settled(broker, app), timeout)
     except TimeoutError:
-        b = base(broker, app)
+        keys = AppKeys.of(broker.settings.key_prefix, app)
         left = {
-            "ready": await redis.lrange(b + "ready", 0, -1),
-            "delayed": await redis.zrange(b + "delayed", 0, -1, withscores=True),
-            "inflight": await redis.zrange(b + "inflight", 0, -1, withscores=True),
-            "dead": await redis.zrange(b + "dead", 0, -1),
-            "messages": await message_keys(redis, broker, app),
+            "counts": await counts(broker, app),
+            "log": await redis.xrange(keys.log),
+            "inbox": await redis.xrange(keys.inbox),
+            "dead": await redis.zrange(keys.dead_order, 0, -1),
         }
         events = [
             (e["event"], e["msgid"], e["recipient"], e["attempt"], e["detail"])
@@ -395,7 +386,7 @@ async def test_topic_copies_have_their_own_ack_retry_and_dead_state(
     assert (dl.msgid, dl.kind, dl.recipient, dl.attempts) == ("tc", "topic", "bad", 3)
     assert dl.content == b"broadcast body"
     assert len(dl.history) == 3 and "rejected" in dl.last_error
-    assert not await settled(redis, broker, app)  # kept: a copy is not resolved
+    assert not await settled(broker, app)  # kept: a copy is not resolved
     assert len(good.received) == 1
     # replayed, bad's copy alone goes out again, with its attempts reset
     bad_answer["now"] = "ack"
@@ -462,10 +453,10 @@ async def test_messages_produced_before_any_recipient_wait_for_one(
 async def test_an_owner_holds_backlog_held_messages_and_leaves_the_rest_in_the_log(
     make_broker: BrokerFactory, redis: aioredis.Redis
 ) -> None:
-    """BACKLOG_HELD (ENGINE=owner): past it, a message waits in Redis's log and its owner
+    """BACKLOG_HELD: past it, a message waits in Redis's log and its owner
     keeps its msgid alone; every one is counted, and pushed in order as those held go."""
     assert Settings().backlog_held == BACKLOG_HELD
-    broker = await make_broker(engine="owner", backlog_held=8)
+    broker = await make_broker(backlog_held=8)
     app = "deep"
     ids = [f"d{i:02}" for i in range(50)]
     await produce(broker.server.port, app, ids)
@@ -788,7 +779,7 @@ async def test_dead_letters_replay_and_purge(broker: Broker, redis: aioredis.Red
     assert attempts(broker, "p1", "pushed") == [1, 2, 3, 1]  # attempts reset by the replay
     assert attempts(broker, "p1", "acked") == [1]
     assert await broker.store.purge(app, [letters["p2"].delivery_id]) == [True]
-    assert await settled(redis, broker, app)
+    assert await settled(broker, app)
     assert await broker.store.dead_letters(app) == []
 
 

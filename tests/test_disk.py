@@ -12,13 +12,16 @@ import redis.asyncio as aioredis
 
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog
+from skmq.queue.journal import AppKeys
+from skmq.queue.owned_store import OwnedStore
 from skmq.store import NewMessage
 from skmq.store.disk import DiskSpace
+from skmq.store.wire import Wire
 from skmq.workers.enqueue import DISK_LOW, EnqueueBatch, Enqueuer
 from tests.conftest import BrokerProcess
 from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
-from tests.test_expiry import make_store
+from tests.test_queue_owners import owners
 
 
 async def test_a_full_disk_acknowledges_nothing_and_loses_nothing_acknowledged(
@@ -75,12 +78,13 @@ class FillsDuringTheStore(DiskSpace):
 
 
 async def test_a_store_that_finds_the_disk_low_once_redis_answered_is_not_acknowledged(
-    redis: aioredis.Redis, prefix: str, tmp_path: Path
+    redis: aioredis.Redis, wire: Wire, prefix: str, tmp_path: Path
 ) -> None:
     """Redis may have failed to append what it just stored: the producer hears `error`
     (it sends again; a stored message is then acked as a duplicate), and the next batch
     is refused before anything is stored."""
-    store = make_store(redis, prefix)
+    store = OwnedStore(aioredis.Redis(connection_pool=redis.connection_pool), prefix)
+    store.owners = await owners(wire, prefix, "app")
 
     async def note_apps(apps: set[str]) -> None:
         pass
@@ -98,5 +102,6 @@ async def test_a_store_that_finds_the_disk_low_once_redis_answered_is_not_acknow
     for reply in replies:
         assert reply.result() == encode_resp("error", DISK_LOW, reply.msgid)
     # `a` was stored before the disk was found low; `b` never was.
-    assert await store.redis.hkeys(store.base("app") + "msgs") == [b"a"]
+    logged = await redis.xrange(AppKeys.of(prefix, "app").log)
+    assert [fields[b"m"] for _, fields in logged] == [b"a"]
     assert enqueuer.disk_low

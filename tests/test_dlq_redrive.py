@@ -1,7 +1,7 @@
 """`skmq dlq replay|purge` filters, pace, dry run and `--to-app`, as an operator runs
 them (the CLI as a process) against a real Redis; `move` (the --to-app script) on its own;
-the same over the HTTP gateway. On either engine (SKMQ_ENGINE): the dead letters are
-buried through the engine's own calls, what waits is read through the store's API."""
+the same over the HTTP gateway. The dead letters are buried through an app's owner in
+the test's process, what waits is read through the store's API."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.journal import AppKeys, acquire, release
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owners import Owners
-from skmq.store import AliveRecipient, NewMessage, Retries, Store
-from skmq.store.engine_mark import claim_engine
+from skmq.store import AliveRecipient, NewMessage, Retries
+from skmq.store.engine_mark import claim_store
 from skmq.store.wire import Wire
 from skmq.store.wires import Wires
-from tests.conftest import ENGINE, BrokerFactory, eventually, free_port
+from tests.conftest import BrokerFactory, eventually, free_port
 from tests.test_cli_ops import one_line, skmq
 from tests.test_delivery import log_events, produce
 
@@ -38,16 +38,12 @@ MIN = 60_000
 
 
 @pytest.fixture
-async def store(redis: aioredis.Redis, prefix: str, wire: Wire) -> AsyncIterator[Store]:
-    """The store of the suite's engine (RETRY_TIMES 1), marked with it as a broker marks a
-    new store (the CLI reads a store by its mark)."""
+async def store(redis: aioredis.Redis, prefix: str, wire: Wire) -> AsyncIterator[OwnedStore]:
+    """A broker's store (RETRY_TIMES 1), marked as a broker marks a new store (the CLI
+    refuses a store with apps and no mark: an earlier SKMQ's)."""
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    await claim_engine(client, prefix, ENGINE)
-    retries = Retries(times=1)
-    if ENGINE != "owner":
-        yield Store(client, prefix, retries=retries)
-        return
-    owned = OwnedStore(client, prefix, retries=retries)
+    await claim_store(client, prefix)
+    owned = OwnedStore(client, prefix, retries=Retries(times=1))
     policy = Policy(retry_times=1, jitter=0.0)
     owned.owners = Owners(
         Wires.over(wire),
@@ -61,13 +57,10 @@ async def store(redis: aioredis.Redis, prefix: str, wire: Wire) -> AsyncIterator
 
 
 @contextlib.asynccontextmanager
-async def owning(store: Store, app: str, now: int) -> AsyncIterator[None]:
-    """ENGINE=owner: this process owns `app` meanwhile, as a broker would (its state read
-    from Redis, the engine's calls answered from its memory), then hands it over, its
-    state in Redis, as a stopping broker does: to the brokers and commands that follow."""
-    if not isinstance(store, OwnedStore):
-        yield
-        return
+async def owning(store: OwnedStore, app: str, now: int) -> AsyncIterator[None]:
+    """This process owns `app` meanwhile, as a broker would (its state read from Redis,
+    the engine's calls answered from its memory), then hands it over, its state in
+    Redis, as a stopping broker does: to the brokers and commands that follow."""
     owners = store.owners
     assert owners is not None
     keys = AppKeys.of(store.prefix, app)
@@ -83,9 +76,9 @@ async def owning(store: Store, app: str, now: int) -> AsyncIterator[None]:
         owners.lost(app)
 
 
-async def bury(store: Store, app: str, msgid: str, error: str, died: int) -> None:
-    """A dead letter of `app`, dead since `died` (unix ms; ENGINE=owner dates it by its
-    owner's flush: now), its last error `error`."""
+async def bury(store: OwnedStore, app: str, msgid: str, error: str, died: int) -> None:
+    """A dead letter of `app` (dated by its owner's flush: now, not `died`), its last
+    error `error`."""
     async with owning(store, app, died):
         assert (await store.store({app: [NewMessage(msgid, "queue", msgid.encode())]}, died))[app]
         got, _, _ = await store.claim(app, died, 1, [_alive()], ["r"])
@@ -94,9 +87,9 @@ async def bury(store: Store, app: str, msgid: str, error: str, died: int) -> Non
         assert f.code == f.DEAD
 
 
-async def waiting(store: Store, app: str) -> list[str]:
+async def waiting(store: OwnedStore, app: str) -> list[str]:
     """The msgids waiting in `app` (pending or delayed), oldest first, as its owner has
-    them (ENGINE=owner: read from Redis by taking the app, as its next owner would)."""
+    them (read from Redis by taking the app, as its next owner would)."""
     now = now_ms()
     async with owning(store, app, now):
         return [w.msgid for w in await store.peek(app, 100, now)]
@@ -120,16 +113,16 @@ def cli(redis_url: str, prefix: str, tmp_path: Path) -> Cli:
     return run
 
 
-async def dead_ids(store: Store, app: str) -> list[str]:
+async def dead_ids(store: OwnedStore, app: str) -> list[str]:
     return [d.msgid for d in await store.dead_letters(app)]
 
 
 async def test_filters_pick_by_reason_time_and_count(
-    store: Store, cli: Cli, tmp_path: Path
+    store: OwnedStore, cli: Cli, tmp_path: Path
 ) -> None:
     for i, error in enumerate(["timeout A", "db down", "timeout B", "timeout C", "bad json"]):
         await bury(store, "f", f"m{i}", error, T0 + i * MIN)
-        # (ENGINE=owner: each one dies in a ms of its own, in order)
+        # (each one dies in a ms of its own, in order)
         await eventually(functools.partial(_after, now_ms()))
     died = {d.msgid: d.died_at for d in await store.dead_letters("f")}
     since, until = str(died["m1"]), str(died["m4"])
@@ -145,7 +138,7 @@ async def test_filters_pick_by_reason_time_and_count(
     assert await waiting(store, "f") == ["m0", "m1"]  # the oldest two went back to pending
 
 
-async def test_dry_run_says_what_and_changes_nothing(store: Store, cli: Cli) -> None:
+async def test_dry_run_says_what_and_changes_nothing(store: OwnedStore, cli: Cli) -> None:
     await bury(store, "d", "x1", "expired", T0)
     await bury(store, "d", "x2", "db down", T0)
     code, out, err = await cli("purge", "--app", "d", "--reason", "expired", "--dry-run")
@@ -162,7 +155,7 @@ async def test_dry_run_says_what_and_changes_nothing(store: Store, cli: Cli) -> 
     assert await waiting(store, "e") == []
 
 
-async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> None:
+async def test_replay_to_another_app(store: OwnedStore, cli: Cli, tmp_path: Path) -> None:
     await bury(store, "src", "a", "boom", T0)
     code, out, err = await cli("replay", "--app", "src", "--to-app", "dst")
     assert (code, out.strip()) == (0, "replay into dst: 1 of 1 dead letter(s)"), err
@@ -177,7 +170,9 @@ async def test_replay_to_another_app(store: Store, cli: Cli, tmp_path: Path) -> 
     assert logged(tmp_path) == [("purged", "src", "a"), ("stored", "dst", "a")]
 
 
-async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cli: Cli) -> None:
+async def test_replay_to_another_app_refuses_a_msgid_held_there(
+    store: OwnedStore, cli: Cli
+) -> None:
     await bury(store, "src", "a", "boom", T0)
     await bury(store, "src", "b", "boom", T0)
     await bury(store, "dst", "b", "elsewhere", T0)  # b is already held by the target app
@@ -189,7 +184,7 @@ async def test_replay_to_another_app_refuses_a_msgid_held_there(store: Store, cl
 
 
 async def test_a_move_with_no_broker_keeps_a_letter_whose_msgid_waits_in_the_target(
-    store: Store, cli: Cli
+    store: OwnedStore, cli: Cli
 ) -> None:
     """No broker runs: the target's stored state is read as its next owner would read
     it, and another message "a" waiting there makes the letter "a" a duplicate."""
@@ -207,7 +202,7 @@ async def test_a_move_with_no_broker_keeps_a_letter_whose_msgid_waits_in_the_tar
 
 
 async def test_two_moves_of_one_msgid_into_a_new_app_keep_the_second_letter(
-    store: Store, cli: Cli
+    store: OwnedStore, cli: Cli
 ) -> None:
     """No broker runs: the first move into a new app waits in its inbox, the second
     letter of the same msgid (from another app) is a duplicate of it and stays dead."""
@@ -222,7 +217,7 @@ async def test_two_moves_of_one_msgid_into_a_new_app_keep_the_second_letter(
 
 
 async def test_a_move_keeps_a_letter_whose_msgid_is_live_in_the_target(
-    store: Store, cli: Cli, make_broker: BrokerFactory
+    store: OwnedStore, cli: Cli, make_broker: BrokerFactory
 ) -> None:
     """Another message "a" waits in the target app (no recipient yet): the letter "a" is
     a duplicate there and stays dead in its own app, whether the CLI asks the target's
@@ -241,7 +236,7 @@ async def test_a_move_keeps_a_letter_whose_msgid_is_live_in_the_target(
 
 
 async def test_a_producers_store_of_a_dead_letters_msgid_is_a_duplicate_until_purged(
-    store: Store,
+    store: OwnedStore,
 ) -> None:
     await bury(store, "d", "b", "boom", T0)
     again = {"d": [NewMessage("b", "queue", b"again")]}
@@ -266,7 +261,7 @@ def logged(tmp_path: Path) -> list[tuple[str, str, str]]:
     ]
 
 
-async def test_rate_paces_the_redrive(store: Store, cli: Cli) -> None:
+async def test_rate_paces_the_redrive(store: OwnedStore, cli: Cli) -> None:
     for i in range(25):
         await bury(store, "r", f"m{i}", "x", T0)
     started = time.monotonic()
@@ -277,7 +272,7 @@ async def test_rate_paces_the_redrive(store: Store, cli: Cli) -> None:
     assert await dead_ids(store, "r") == []
 
 
-async def test_move_refuses_what_is_not_dead(store: Store) -> None:
+async def test_move_refuses_what_is_not_dead(store: OwnedStore) -> None:
     assert await store.store({"s": [NewMessage("p", "queue", b"x")]}, T0)
     assert await store.move("s", "t", ["p", "nope"], T0) == [0, 0]
     assert await waiting(store, "s") == ["p"]
@@ -296,7 +291,7 @@ DLQ_CONSUMER = "dlq-consumer-token-0123456789abcd"
 
 
 async def test_list_replay_and_purge_over_http(
-    store: Store, make_broker: BrokerFactory, tmp_path: Path
+    store: OwnedStore, make_broker: BrokerFactory, tmp_path: Path
 ) -> None:
     """The gateway's DLQ routes, as an operator with curl would use them: list, a dry run,
     replay by reason and count, purge by msgid, replay into another app; admin only."""
@@ -351,13 +346,13 @@ async def test_list_replay_and_purge_over_http(
 
 
 async def _waiting_in(broker: Broker, app: str, msgids: list[str]) -> bool:
-    """Whether the broker has these waiting in `app` (ENGINE=owner: once its owner read
+    """Whether the broker has these waiting in `app` (once its owner read
     the replays from the app's inbox)."""
     return [w.msgid for w in await broker.store.peek(app, 100, now_ms())] == msgids
 
 
 # -- a consumer group's dead letters -------------------------------------------------
-async def bury_in_group(store: Store, app: str, group: str, *msgids: str) -> Groups:
+async def bury_in_group(store: OwnedStore, app: str, group: str, *msgids: str) -> Groups:
     """Dead letters of consumer group `group` (RETRY_TIMES 1: a nack is its end)."""
     groups = Groups(store)
     await groups.create(app, group)
@@ -371,7 +366,7 @@ async def bury_in_group(store: Store, app: str, group: str, *msgids: str) -> Gro
 
 
 async def test_a_groups_dead_letters_over_http_and_the_cli(
-    store: Store, make_broker: BrokerFactory, cli: Cli
+    store: OwnedStore, make_broker: BrokerFactory, cli: Cli
 ) -> None:
     groups = await bury_in_group(store, "d", "g", "g1", "g2", "g3")
     broker = await make_broker(http_port=free_port())

@@ -1,9 +1,10 @@
 """Message TTL (skmq/lifecycle.py, the expiry rows): an expired message is never pushed,
-whatever state its TTL runs out in, over a real Redis; then end to end through a broker."""
+whatever state its TTL runs out in, through an app's owner over a real Redis; then end
+to end through a broker."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
@@ -13,157 +14,171 @@ from skmq.client import Producer
 from skmq.clock import now_ms
 from skmq.config import Settings, SettingsError
 from skmq.lifecycle import State
-from skmq.store import Failed, NewMessage, Retries, Store
+from skmq.queue.deliveries import QUEUE, Policy
+from skmq.queue.owned_store import OwnedStore
+from skmq.queue.owners import Owners
+from skmq.store import Failed, NewMessage
+from skmq.store.wire import Wire
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import log_events, logged, produce, registered
-from tests.test_lifecycle import APP, NOW, alive, claimed, state_of
+from tests.test_queue_owners import alive, owners
 
 TTL = 500
+APP = "ttl"
+NOW = 1_700_000_000_000
 
 
-def make_store(
-    redis: aioredis.Redis, prefix: str, drop: bool = False, retry_times: int = 3
-) -> Store:
+@dataclass
+class Engine:
+    """An app's owner in this process (skmq/queue/owners.py, as a broker's), and the
+    store operators read its dead letters through."""
+
+    owners: Owners
+    store: OwnedStore
+
+    async def state_of(self, msgid: str) -> State | None:
+        """Where msgid's queue delivery stands: in its owner's memory, else dead (among
+        the app's dead letters), else None (over: acked or dropped)."""
+        d = self.owners.owned[APP].queue.deliveries.get((msgid.encode(), QUEUE))
+        if d is not None:
+            return d.state
+        dead = {x.delivery_id for x in await self.store.dead_letters(APP)}
+        return State.DEAD if msgid in dead else None
+
+
+def policy(drop: bool = False, retry_times: int = 3) -> Policy:
+    return Policy(retry_times, (1_000,), 0.0, 10_000, drop_expired=drop)
+
+
+async def engine_of(wire: Wire, redis: aioredis.Redis, prefix: str, drop: bool) -> Engine:
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    return Store(
-        client, prefix, retries=Retries(retry_times, [1.0]), ack_timeout=10.0,
-        expired_drop=drop,
-    )  # fmt: skip
+    o = await owners(wire, prefix, APP, rids=("r1", "r2"), policy=policy(drop))
+    return Engine(o, OwnedStore(client, prefix))
 
 
 @pytest.fixture
-async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
-    yield make_store(redis, prefix)
+async def engine(wire: Wire, redis: aioredis.Redis, prefix: str) -> Engine:
+    return await engine_of(wire, redis, prefix, drop=False)
 
 
 @pytest.fixture
-async def dropping(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
-    yield make_store(redis, prefix, drop=True)
+async def dropping(wire: Wire, redis: aioredis.Redis, prefix: str) -> Engine:
+    return await engine_of(wire, redis, prefix, drop=True)
 
 
-async def stored(store: Store, msgid: str, kind: str = "queue", at: int = 0) -> None:
+async def stored(e: Engine, msgid: str, kind: str = "queue", at: int = 0) -> None:
     message = NewMessage(msgid, kind, b"body", at, NOW + TTL)
-    assert (await store.store({APP: [message]}, NOW))[APP] == [True]
+    assert (await e.owners.store({APP: [message]}, NOW))[APP] == [True]
 
 
-async def claim_all(store: Store, now: int) -> list[tuple[str, str, bytes]]:
-    got, _, _ = await store.claim(APP, now, 10, alive("r1", "r2"), ["r1"] * 10)
+async def claim_all(e: Engine, now: int) -> list[tuple[str, str, bytes]]:
+    got, _, _ = await e.owners.claim(APP, now, 10, alive("r1", "r2"), ["r1"] * 10)
     return [(c.delivery_id, c.kind, c.content) for c in got]
 
 
-async def last_error(store: Store, delivery_id: str) -> str:
-    (dl,) = [d for d in await store.dead_letters(APP) if d.delivery_id == delivery_id]
+async def claimed(e: Engine) -> list[str]:
+    got, _, _ = await e.owners.claim(APP, NOW, 10, alive("r1"), ["r1"] * 10)
+    return [c.delivery_id for c in got]
+
+
+async def last_error(e: Engine, delivery_id: str) -> str:
+    (dl,) = [d for d in await e.store.dead_letters(APP) if d.delivery_id == delivery_id]
     return dl.last_error
 
 
-async def test_pending_expired_is_dead_lettered_not_pushed(store: Store) -> None:
-    await stored(store, "p")
-    assert await state_of(store, "p") == State.PENDING
-    assert await claim_all(store, NOW + TTL) == [("p", "expired", b"dead")]
-    assert await state_of(store, "p") == State.DEAD
-    assert await last_error(store, "p") == "expired"
+async def test_pending_expired_is_dead_lettered_not_pushed(engine: Engine) -> None:
+    await stored(engine, "p")
+    assert await engine.state_of("p") == State.PENDING
+    assert await claim_all(engine, NOW + TTL) == [("p", "expired", b"dead")]
+    assert await engine.state_of("p") == State.DEAD
+    assert (await last_error(engine, "p")).startswith("expired")
 
 
-async def test_pending_not_yet_expired_is_pushed(store: Store) -> None:
-    await stored(store, "p")
-    assert await claim_all(store, NOW + TTL - 1) == [("p", "queue", b"body")]
-    (done,) = await store.finish(APP, [("p", 0)], NOW + TTL + 1)
+async def test_pending_not_yet_expired_is_pushed(engine: Engine) -> None:
+    await stored(engine, "p")
+    assert await claim_all(engine, NOW + TTL - 1) == [("p", "queue", b"body")]
+    (done,) = await engine.owners.finish(APP, [("p", 0)], NOW + TTL + 1)
     assert done.ok  # an ack after expiry still counts: the message was delivered
 
 
-async def test_delayed_past_its_expiry_falls_due_at_the_expiry(store: Store) -> None:
-    await stored(store, "d", at=NOW + 60_000)
-    assert await state_of(store, "d") == State.DELAYED
-    assert await store.redis.zscore(store.base(APP) + "delayed", "d") == NOW + TTL
-    assert await claim_all(store, NOW + TTL - 1) == []
-    assert await claim_all(store, NOW + TTL) == [("d", "expired", b"dead")]
-    assert await state_of(store, "d") == State.DEAD
+async def test_delayed_past_its_expiry_falls_due_at_the_expiry(engine: Engine) -> None:
+    await stored(engine, "d", at=NOW + 60_000)
+    assert await engine.state_of("d") == State.DELAYED
+    assert await claim_all(engine, NOW + TTL - 1) == []
+    assert await claim_all(engine, NOW + TTL) == [("d", "expired", b"dead")]
+    assert await engine.state_of("d") == State.DEAD
 
 
-async def test_retry_wait_ends_at_the_expiry_and_the_claim_expires_it(store: Store) -> None:
-    await stored(store, "w")
-    assert await claimed(store) == ["w"]
-    (f,) = await store.fail(APP, [("w", "rejected", "busy", "r1", 1)], NOW + 10)
+async def test_retry_wait_ends_at_the_expiry_and_the_claim_expires_it(engine: Engine) -> None:
+    await stored(engine, "w")
+    assert await claimed(engine) == ["w"]
+    (f,) = await engine.owners.fail(APP, [("w", "rejected", "busy", "r1", 1)], NOW + 10)
     assert (f.code, f.due) == (Failed.RETRY, NOW + TTL)  # not NOW + 10 + 1000
-    assert await state_of(store, "w") == State.WAITING_RETRY
-    assert await claim_all(store, NOW + TTL) == [("w", "expired", b"dead")]
-    assert await state_of(store, "w") == State.DEAD
+    assert await engine.state_of("w") == State.WAITING_RETRY
+    assert await claim_all(engine, NOW + TTL) == [("w", "expired", b"dead")]
+    assert await engine.state_of("w") == State.DEAD
 
 
-async def test_in_flight_failure_after_expiry_is_expired_not_retried(store: Store) -> None:
-    await stored(store, "f")
-    assert await claimed(store) == ["f"]
-    (f,) = await store.fail(APP, [("f", "errored", "boom", "r1", 1)], NOW + TTL)
+async def test_in_flight_failure_after_expiry_is_expired_not_retried(engine: Engine) -> None:
+    await stored(engine, "f")
+    assert await claimed(engine) == ["f"]
+    (f,) = await engine.owners.fail(APP, [("f", "errored", "boom", "r1", 1)], NOW + TTL)
     assert f.code == Failed.EXPIRED
-    assert await state_of(store, "f") == State.DEAD
-    (dl,) = await store.dead_letters(APP)
-    assert dl.last_error == "expired"
-    assert "errored: boom; expired" in dl.history[-1]
+    assert await engine.state_of("f") == State.DEAD
+    assert (await last_error(engine, "f")).startswith("expired")
 
 
-async def test_in_flight_timeout_after_expiry_is_expired_not_retried(store: Store) -> None:
-    await stored(store, "t")
-    assert await claimed(store) == ["t"]
-    reaped = (await store.reap([APP], NOW + 10_000))[APP]
+async def test_in_flight_timeout_after_expiry_is_expired_not_retried(engine: Engine) -> None:
+    await stored(engine, "t")
+    assert await claimed(engine) == ["t"]
+    reaped = (await engine.owners.reap([APP], NOW + 10_000))[APP]
     assert [(r.delivery_id, r.result.code) for r in reaped] == [("t", Failed.EXPIRED)]
-    assert await state_of(store, "t") == State.DEAD
+    assert await engine.state_of("t") == State.DEAD
 
 
-async def test_topic_copies_expire_one_by_one(store: Store) -> None:
-    await stored(store, "tp", kind="topic")
-    got, _, _ = await store.claim(APP, NOW, 10, [*alive("r1"), *alive("r2", free=0)], [])
+async def test_topic_copies_expire_one_by_one(engine: Engine) -> None:
+    await stored(engine, "tp", kind="topic")
+    got, _, _ = await engine.owners.claim(APP, NOW, 10, [*alive("r1"), *alive("r2", free=0)], [])
     assert [c.delivery_id for c in got] == ["tp\x1fr1"]  # r2's copy waits for a slot
-    (f,) = await store.fail(APP, [("tp\x1fr1", "rejected", "no", "r1", 1)], NOW + TTL)
+    (f,) = await engine.owners.fail(APP, [("tp\x1fr1", "rejected", "no", "r1", 1)], NOW + TTL)
     assert f.code == Failed.EXPIRED
-    assert await claim_all(store, NOW + TTL) == [("tp\x1fr2", "expired", b"dead")]
-    dead = sorted(d.delivery_id for d in await store.dead_letters(APP))
+    assert await claim_all(engine, NOW + TTL) == [("tp\x1fr2", "expired", b"dead")]
+    dead = sorted(d.delivery_id for d in await engine.store.dead_letters(APP))
     assert dead == ["tp\x1fr1", "tp\x1fr2"]
-    assert await store.purge(APP, dead) == [True, True]
-    assert not await store.redis.hexists(store.base(APP) + "msgs", "tp")
+    assert await engine.store.purge(APP, dead) == [True, True]
+    assert await engine.store.dead_letters(APP) == []
 
 
-async def test_drop_forgets_expired_messages(dropping: Store) -> None:
-    store = dropping
-    await stored(store, "p")
-    await stored(store, "f")
-    await stored(store, "tp", kind="topic")
-    got, _, _ = await store.claim(APP, NOW, 1, alive("r1"), ["r1"])
-    assert [c.delivery_id for c in got] == ["p"]
-    (f,) = await store.fail(APP, [("p", "errored", "x", "r1", 1)], NOW + TTL)
+async def test_drop_forgets_expired_messages(dropping: Engine) -> None:
+    e = dropping
+    await stored(e, "p")
+    assert await claimed(e) == ["p"]
+    await stored(e, "f")
+    await stored(e, "tp", kind="topic")
+    (f,) = await e.owners.fail(APP, [("p", "errored", "x", "r1", 1)], NOW + TTL)
     assert f.code == Failed.EXPIRED_DROPPED
-    assert await claim_all(store, NOW + TTL) == [
+    expired = await claim_all(e, NOW + TTL)
+    assert sorted(expired) == [
         ("f", "expired", b"drop"),
-        ("tp", "expired", b"drop"),
+        ("tp\x1fr1", "expired", b"drop"),
+        ("tp\x1fr2", "expired", b"drop"),
     ]
-    for msgid in ("p", "f", "tp"):
-        assert await state_of(store, msgid) == State.GONE
-    assert await store.redis.hlen(store.base(APP) + "state") == 0
-    assert await store.dead_letters(APP) == []
+    assert e.owners.owned[APP].queue.deliveries == {}
+    assert await e.store.dead_letters(APP) == []
 
 
-async def test_dropped_topic_copies_leave_nothing_behind(dropping: Store) -> None:
-    store = dropping
-    await stored(store, "tp", kind="topic")
-    got, _, _ = await store.claim(APP, NOW, 10, alive("r1", "r2"), [])
-    assert len(got) == 2
-    for c in got:
-        (f,) = await store.fail(APP, [(c.delivery_id, "rejected", "no", c.recipient, 1)], NOW + TTL)
-        assert f.code == Failed.EXPIRED_DROPPED
-    assert await store.redis.hlen(store.base(APP) + "msgs") == 0
-    assert await store.redis.hlen(store.base(APP) + "state") == 0
+async def test_replay_lifts_the_ttl(engine: Engine) -> None:
+    await stored(engine, "r")
+    assert await claim_all(engine, NOW + TTL) == [("r", "expired", b"dead")]
+    assert await engine.store.replay(APP, ["r"], NOW + TTL) == [True]
+    await engine.owners.read_inbox(APP, NOW + TTL)
+    assert await claim_all(engine, NOW + 10 * TTL) == [("r", "queue", b"body")]
 
 
-async def test_replay_lifts_the_ttl(store: Store) -> None:
-    await stored(store, "r")
-    assert await claim_all(store, NOW + TTL) == [("r", "expired", b"dead")]
-    assert await store.replay(APP, ["r"], NOW + TTL) == [True]
-    assert await claim_all(store, NOW + 10 * TTL) == [("r", "queue", b"body")]
-
-
-async def test_without_ttl_nothing_expires(store: Store) -> None:
-    assert (await store.store({APP: [NewMessage("n", "queue", b"b")]}, NOW))[APP] == [True]
-    assert await claim_all(store, NOW + 10**9) == [("n", "queue", b"b")]
+async def test_without_ttl_nothing_expires(engine: Engine) -> None:
+    assert (await engine.owners.store({APP: [NewMessage("n", "queue", b"b")]}, NOW))[APP] == [True]
+    assert await claim_all(engine, NOW + 10**9) == [("n", "queue", b"b")]
 
 
 # --------------------------------------------------------------------------- end to end

@@ -9,7 +9,9 @@ import sys
 
 import redis.asyncio as aioredis
 
-from skmq.store import NewMessage, Store
+from skmq.store import NewMessage
+from skmq.store.wire import Wire
+from tests.test_pull_store import pull_store
 
 
 def groups_cmd(
@@ -25,7 +27,7 @@ def groups_cmd(
 
 
 async def test_create_list_reset_delete_from_the_command_line(
-    redis_url: str, prefix: str, redis: aioredis.Redis
+    redis_url: str, prefix: str, redis: aioredis.Redis, wire: Wire
 ) -> None:
     assert groups_cmd(redis_url, prefix, "create", "--app", "shop", "billing")[1] == (
         "billing: created\n"
@@ -33,7 +35,7 @@ async def test_create_list_reset_delete_from_the_command_line(
     assert groups_cmd(redis_url, prefix, "create", "--app", "shop", "billing")[1] == (
         "billing: exists already\n"
     )
-    store = Store(redis, prefix)
+    store = await pull_store(redis, wire, prefix)
     await store.store(
         {"shop": [NewMessage("m1", "queue", b"x"), NewMessage("m2", "queue", b"y")]}, 1
     )
@@ -62,10 +64,11 @@ async def test_create_list_reset_delete_from_the_command_line(
 
 
 async def test_create_and_reset_at_a_position_from_the_command_line(
-    redis_url: str, prefix: str, redis: aioredis.Redis
+    redis_url: str, prefix: str, redis: aioredis.Redis, wire: Wire
 ) -> None:
     assert groups_cmd(redis_url, prefix, "create", "--app", "shop", "first")[0] == 0
-    await Store(redis, prefix).store({"shop": [NewMessage("m1", "queue", b"x")]}, 1)
+    store = await pull_store(redis, wire, prefix)
+    await store.store({"shop": [NewMessage("m1", "queue", b"x")]}, 1)
     for group, position in (("e", "earliest"), ("t", "0"), ("iso", "1970-01-01T00:00Z")):
         code, out, _ = groups_cmd(redis_url, prefix, "create", "--app", "shop", group,
                                   "--from", position)  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.embedded import EmbeddedRedis
+from skmq.lifecycle import State
 from skmq.queue.dead import flush_args
 from skmq.queue.deliveries import QUEUE, Delivery
 from skmq.queue.journal import (
@@ -22,7 +23,6 @@ from skmq.queue.journal import (
     renew,
     run_script,
 )
-from skmq.queue.lifecycle import State
 from skmq.store.wire import Wire
 
 NOW = 1_700_000_000_000

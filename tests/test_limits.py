@@ -24,7 +24,7 @@ from skmq.clock import now_ms
 from skmq.codec import Decoder, Frame, encode_frame
 from skmq.embedded import EmbeddedRedis
 from skmq.workers.rotation import Rotation
-from tests.conftest import ENGINE, BrokerFactory, BrokerProcess, eventually
+from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 
 
@@ -55,33 +55,6 @@ async def test_delays_and_ttls_past_their_limits_are_refused(make_broker: Broker
         waiting = await broker.store.peek("a", 10, now_ms())
         assert [w.msgid for w in waiting] == ["near"]
     finally:
-        await client.close()
-
-
-@pytest.mark.skipif(
-    ENGINE == "owner",
-    reason="a store of the scripts engine's (ENGINE=owner never serves one: engine_mark.py)",
-)
-async def test_a_due_time_redis_holds_as_infinity_stops_no_delivery(
-    broker: Broker, redis: aioredis.Redis
-) -> None:
-    """A store written before delays were bounded may hold a due time of inf: the app's
-    claims go on (they used to fail on it, and the broker stopped after 11 failures)."""
-    client = await RawClient.connect(broker.server.port)
-    resp = await client.request("queue", b"x", appid="inf", msgid="never", delay="60000")
-    assert resp["status"] == "ack"
-    delayed = broker.store.base("inf") + "delayed"
-    [held] = await redis.zrange(delayed, 0, -1)
-    await redis.zadd(delayed, {held: float("inf")})
-    rec = await FakeRecipient("inf", "r1").start()
-    try:
-        await rec.register(broker.server.port)
-        resp = await client.request("queue", b"y", appid="inf", msgid="after")
-        assert resp["status"] == "ack"
-        push = await rec.next_push()
-        assert push.fields["msgid"] == "after"
-    finally:
-        await rec.stop()
         await client.close()
 
 
@@ -238,7 +211,7 @@ async def test_a_flood_does_not_delay_another_connections_answers(
     make_broker: BrokerFactory,
 ) -> None:
     """12,000 answers for unknown messages (each one a store look-up: a consumer group's
-    ack of a stale receipt, on either engine) on one connection; a producer on another
+    ack of a stale receipt) on one connection; a producer on another
     connection hears `ack` while the flood is still being answered."""
     broker = await make_broker()
     n = 12_000

@@ -116,56 +116,21 @@ def test_only_one_plain_server_gets_one(url: str) -> None:
     assert multiplexed(connect_redis("redis+cluster://127.0.0.1:1")) is None
 
 
-async def written_often(lane: MultiplexedConnection) -> None:
-    """Two writes back to back: the connection counts as written to often."""
-    await lane.pipeline([("PING",)])
-    await lane.pipeline([("PING",)])
-
-
 def lane_protocol(lane: MultiplexedConnection) -> _Protocol:
     """The lane's connection, to hand it a call without awaiting (and so without a turn
-    of the loop in which it could be written)."""
+    of the loop in which its reply could be read)."""
     assert lane._protocol is not None
     return lane._protocol
 
 
-async def test_a_lingering_call_rides_on_the_next_write(url: str, admin: aioredis.Redis) -> None:
-    await admin.delete("skmq-test:rider")
+async def test_a_closed_connection_fails_its_waiting_calls(url: str) -> None:
     lane = lane_for(url)
-    await written_often(lane)
-    lingering = lane_protocol(lane).send([("SET", "skmq-test:rider", 1)], None, linger=60)
-    assert await admin.get("skmq-test:rider") is None
-    assert await lane.pipeline([("GET", "skmq-test:rider")]) == [b"1"]  # written after it
-    assert await lingering == [b"OK"]
-    lane.close()
-
-
-async def test_a_lingering_call_goes_alone_when_its_linger_is_over(url: str) -> None:
-    lane = lane_for(url)
-    await written_often(lane)
-    async with asyncio.timeout(5):
-        assert await lane.pipeline([("ECHO", "alone")], linger=0.05) == [b"alone"]
-    # Written to seldom now (that write waited its whole linger): the next goes at once.
-    async with asyncio.timeout(5):
-        assert await lane.pipeline([("ECHO", "now")], linger=60) == [b"now"]
-    lane.close()
-
-
-async def test_a_connection_written_to_seldom_does_not_linger(url: str) -> None:
-    lane = lane_for(url)
-    async with asyncio.timeout(5):  # the first write of a connection
-        assert await lane.pipeline([("ECHO", "first")], linger=60) == [b"first"]
-    lane.close()
-
-
-async def test_a_closed_connection_fails_its_lingering_calls(url: str) -> None:
-    lane = lane_for(url)
-    await written_often(lane)
-    lingering = lane_protocol(lane).send([("ECHO", "never")], None, linger=60)
+    await lane.pipeline([("PING",)])
+    waiting = lane_protocol(lane).send([("ECHO", "never")], None)
     lane.close()
     with pytest.raises(RedisConnectionError):
         async with asyncio.timeout(5):
-            await lingering
+            await waiting
 
 
 async def test_a_stalled_redis_does_not_keep_what_was_not_written(tmp_path: Path) -> None:

@@ -28,9 +28,10 @@ from skmq.codec import Frame
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import EmbeddedRedis, _write_private
 from skmq.events import Event
-from skmq.store.engine_mark import mark_key
+from skmq.store.directory import shard_key
+from skmq.store.engine_mark import OWNER, mark_key
 from skmq.supervisor import Supervisor
-from tests.conftest import ENGINE, BrokerFactory, BrokerProcess, eventually, free_port
+from tests.conftest import BrokerFactory, BrokerProcess, eventually, free_port
 from tests.disks import fill, small_disk
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import log_events
@@ -103,8 +104,8 @@ async def test_a_recipient_record_of_another_shape_is_skipped_not_fatal(
 ) -> None:
     app = "odd"
     base = f"{prefix}:{{{app}}}:"
-    await redis.set(mark_key(prefix), ENGINE)  # (a store of the engine the test runs)
-    await redis.sadd(f"{prefix}:apps", app)
+    await redis.set(mark_key(prefix), OWNER)  # (a store of this SKMQ's)
+    await redis.sadd(shard_key(prefix, app), app)
     # Written by hand or an older release: no host, and one that is not even JSON.
     await redis.hset(base + "recipients", "old", json.dumps({"id": "old", "port": 9}))
     await redis.hset(base + "recipients", "junk", b"\xff not json")
@@ -154,8 +155,8 @@ def test_a_broker_process_starts_beside_a_bad_recipient_record(
     import redis as syncredis
 
     client = syncredis.Redis.from_url(own_redis.url)
-    client.set(mark_key("skmq"), ENGINE)  # (a store of the engine the test runs)
-    client.sadd("skmq:apps", "odd")
+    client.set(mark_key("skmq"), OWNER)  # (a store of this SKMQ's)
+    client.sadd(shard_key("skmq", "odd"), "odd")
     client.hset("skmq:{odd}:recipients", "old", json.dumps({"id": "old", "port": 9}))
     client.close()
     broker_env["SKMQ_REDIS_URL"] = own_redis.url
@@ -413,7 +414,7 @@ async def test_a_broker_killed_on_a_full_data_disk_starts_again_with_its_message
             log = broker_process.log_path.read_text()
             assert "its info file is not written" in log and "Traceback" not in log, log
 
-            async def counted() -> bool:  # (ENGINE=owner: once the new start owns the app)
+            async def counted() -> bool:  # (once the new start owns the app)
                 _, text = await http_get(mport, "/metrics")
                 return metric(text, 'skmq_pending_messages{app="full"}') == 1.0
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,55 +19,70 @@ from skmq.clock import now_ms
 from skmq.codec import Frame
 from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
-from skmq.store import AliveRecipient, Claimed, Failed, NewMessage, Store
+from skmq.lifecycle import State
+from skmq.queue.deliveries import Policy
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import AliveRecipient, Claimed, Failed, NewMessage
+from skmq.store.wire import Wire
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import POLL, Dispatcher
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 from tests.test_delivery import base, log_events, produce, registered, settle
-from tests.test_expiry import make_store
-from tests.test_lifecycle import NOW
+from tests.test_queue_owners import owners
 
 APP = "order"
 
 
+NOW = 1_700_000_000_000
+POLICY = Policy(retry_times=2, backoff_ms=(1_000,), jitter=0.0, lease_ms=10_000)
+
+
 @pytest.fixture
-async def store(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Store]:
-    yield make_store(redis, prefix, retry_times=2)
+async def store(wire: Wire, redis: aioredis.Redis, prefix: str) -> OwnedStore:
+    """The store of a broker that owns APP (its owner in this process)."""
+    store = OwnedStore(aioredis.Redis(connection_pool=redis.connection_pool), prefix)
+    store.owners = await owners(wire, prefix, APP, rids=("r",), policy=POLICY)
+    return store
 
 
 def keyed(msgid: str, key: str, at: int = 0, content: bytes = b"x") -> NewMessage:
     return NewMessage(msgid, "queue", content, at, 0, key)
 
 
-async def claim(store: Store, now: int = NOW, length: bool = True) -> list[str]:
+async def claim(store: OwnedStore, now: int = NOW, length: bool = True) -> list[str]:
     got, _, _ = await store.claim(APP, now, 10, [AliveRecipient("r", 10, length)], ["r"] * 10)
     return [c.msgid for c in got if c.kind == "queue"]
 
 
-async def ready(store: Store) -> list[str]:
-    return [m.decode() for m in await store.redis.lrange(store.base(APP) + "ready", 0, -1)]
+def waiting(store: OwnedStore, state: State = State.PENDING) -> list[str]:
+    """The msgids of APP's deliveries in `state`, as its owner holds them."""
+    assert store.owners is not None
+    found = store.owners.owned[APP].queue.deliveries.values()
+    return sorted(d.msgid.decode() for d in found if d.state is state)
 
 
 async def test_an_ack_that_lets_the_next_of_its_key_go_wakes_the_dispatcher(
-    store: Store, tmp_path: Path
+    store: OwnedStore, tmp_path: Path
 ) -> None:
-    """The next message of a key goes to `ready` when the one before is acked: the ack
-    must wake the app's dispatcher, which would otherwise sleep until its next poll."""
-    await store.store({APP: [keyed("a1", "A"), keyed("a2", "A"), keyed("b1", "B")]}, NOW)
-    assert await claim(store) == ["a1", "b1"]
+    """The next message of a key goes when the one before is acked: the ack must wake
+    the app's dispatcher, which would otherwise sleep until its next poll."""
+    await store.store(
+        {APP: [keyed("a1", "A"), keyed("a2", "A"), NewMessage("u", "queue", b"x")]}, NOW
+    )
+    assert await claim(store) == ["a1", "u"]
     woken: list[tuple[str, bool]] = []
     answers = AnswerBatcher(store, DeliveryLog(tmp_path, "b1"), lambda *a: woken.append(a))
-    for msgid in ("a1", "b1"):  # a2 waits behind a1; nothing waits behind b1
+    for msgid in ("a1", "u"):  # a2 waits behind a1; u has no key
         answers.submit(APP, msgid, Event.ACKED, recipient="r", attempt=1)
         await answers.drain()
     assert woken == [(APP, True), (APP, False)]
-    assert await ready(store) == ["a2"]
+    assert await claim(store, NOW + 1) == ["a2"]
 
 
-async def test_a_claim_that_buried_one_claims_again_at_once(store: Store) -> None:
-    """A claim that dead-letters or expires a message may let the next of its key go
-    (to the tail of `ready`): the dispatcher claims again now, not at its next poll."""
+async def test_a_claim_that_buried_one_claims_again_at_once(store: OwnedStore) -> None:
+    """A claim that dead-letters or expires a message may let the next of its key go:
+    the dispatcher claims again now, not at its next poll."""
     pushed: list[Claimed] = []
     d = Dispatcher(APP, store, lambda app: [], lambda app, rs: {}, lambda a, c: pushed.extend(c))
     for kind, wait in (("expired", 0.0), ("dead", 0.0), ("queue", POLL)):
@@ -76,10 +90,10 @@ async def test_a_claim_that_buried_one_claims_again_at_once(store: Store) -> Non
         assert d._claimed(4, ([c], None, 0.0)) == wait
 
 
-async def test_one_message_of_a_key_at_a_time_in_stored_order(store: Store) -> None:
+async def test_one_message_of_a_key_at_a_time_in_stored_order(store: OwnedStore) -> None:
     batch = [keyed("a1", "A"), keyed("a2", "A"), keyed("b1", "B"), keyed("a3", "A")]
     await store.store({APP: [*batch, NewMessage("u", "queue", b"x")]}, NOW)
-    assert await ready(store) == ["a1", "b1", "u"]  # a2, a3 wait for their key
+    assert waiting(store, State.WAITING_KEY) == ["a2", "a3"]  # behind a1, their key's head
     assert await claim(store) == ["a1", "b1", "u"]
     assert await claim(store) == []
     assert (await store.finish(APP, [("a1", 1)], NOW))[0].ok
@@ -95,29 +109,29 @@ async def test_one_message_of_a_key_at_a_time_in_stored_order(store: Store) -> N
     (f,) = await store.fail(APP, [("a2", "rejected", "", "r", 2)], NOW + 1000)
     assert f.code == Failed.DEAD  # dead: the key goes on
     assert await claim(store, NOW + 1000) == ["a3"]
-    assert [f.ok for f in await store.finish(APP, [("a3", 1), ("b2", 1)], NOW + 1000)] == [
-        True,
-        True,
-    ]
-    assert await store.redis.zcard(store.base(APP) + "kq") == 0
+    done = await store.finish(APP, [("a3", 1), ("b2", 1)], NOW + 1000)
+    assert [f.ok for f in done] == [True, True]
+    assert store.owners is not None and not store.owners.owned[APP].queue.keys
 
 
-async def test_a_delayed_message_waiting_for_its_key_keeps_its_time(store: Store) -> None:
+async def test_a_delayed_message_waiting_for_its_key_keeps_its_time(store: OwnedStore) -> None:
     await store.store({APP: [keyed("d1", "D"), keyed("d2", "D", at=NOW + 5000)]}, NOW)
     assert await claim(store) == ["d1"]
     assert (await store.finish(APP, [("d1", 1)], NOW + 10))[0].ok
-    assert await store.redis.zscore(store.base(APP) + "delayed", "d2") == NOW + 5000
     assert await claim(store, NOW + 4999) == []
+    assert waiting(store, State.DELAYED) == ["d2"]
     assert await claim(store, NOW + 5000) == ["d2"]
 
 
-async def test_a_key_goes_on_after_its_head_expires_or_is_undeliverable(store: Store) -> None:
+async def test_a_key_goes_on_after_its_head_expires_or_is_undeliverable(
+    store: OwnedStore,
+) -> None:
     head = NewMessage("e1", "queue", b"x", 0, NOW + 100, "E")
     crlf = keyed("c1", "C", content=b"a\r\nb")
     await store.store({APP: [head, keyed("e2", "E"), crlf, keyed("c2", "C")]}, NOW)
     got, _, _ = await store.claim(APP, NOW + 100, 10, [AliveRecipient("r", 10, False)], ["r"])
     assert {(c.msgid, c.kind) for c in got} == {("e1", "expired"), ("c1", "dead")}
-    assert sorted(await ready(store)) == ["c2", "e2"]
+    assert waiting(store) == ["c2", "e2"]
 
 
 async def test_a_key_on_a_topic_message_is_refused(broker: Broker) -> None:
@@ -181,8 +195,8 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
     env.update(SKMQ_ACK_TIMEOUT="1.5", SKMQ_RETRY_BACKOFF="0.1")
     env["SKMQ_LOG_DIR"] = env["SKMQ_DATA_DIR"] + "-killed-log"  # its log only
     await asyncio.to_thread(broker_process.start)
-    # the first messages through the broker to kill, before the other starts: with
-    # ENGINE=owner it owns the app then (and pushes), as the test needs
+    # the first messages through the broker to kill, before the other starts: it owns
+    # the app then (and pushes), as the test needs
     await _produce_keyed(broker_process.port, [f"k{k}-0" for k in range(KEYS)])
     other = await make_broker(ack_timeout=1.5, retry_times=20, retry_backoff=[0.1])
     watch = OrderWatch()
@@ -213,7 +227,7 @@ async def test_order_per_key_across_two_brokers_and_a_kill_9(
         await eventually(in_flight_there, timeout=60)
         await asyncio.to_thread(broker_process.kill)
         watch.hold = False
-        if other.owned is not None:  # (ENGINE=owner: the counts are the owner's; until
+        if other.owned is not None:  # (the counts are the owner's; until
             # `other` takes the app over, they are as the killed one last said)
             owned = other.owned.owners.owned
 

@@ -1,4 +1,4 @@
-"""ENGINE=owner: an owner stalled past its lease (SIGSTOP) loses its app to another broker,
+"""An owner stalled past its lease (SIGSTOP) loses its app to another broker,
 which takes over and delivers; woken (SIGCONT), the stalled owner writes nothing (its
 writes are fenced by Redis, each one a line of its log) and nothing is lost."""
 
@@ -31,7 +31,7 @@ async def test_an_owner_stopped_past_its_lease_is_fenced_and_nothing_is_lost(
     prefix: str,
 ) -> None:
     env = broker_process.env
-    env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix, SKMQ_ENGINE="owner")
+    env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix)
     env["SKMQ_LOG_DIR"] = env["SKMQ_DATA_DIR"] + "-stalled-log"
     stalled_log = Path(env["SKMQ_LOG_DIR"])
     await asyncio.to_thread(broker_process.start)
@@ -43,7 +43,7 @@ async def test_an_owner_stopped_past_its_lease_is_fenced_and_nothing_is_lost(
         await eventually(lambda: _acked([stalled_log], first))
         keys = AppKeys.of(prefix, APP)
         stalled_epoch = int(await redis.get(keys.epoch))
-        other = await make_broker(engine="owner")
+        other = await make_broker()
         await registered(other.server.port, rec)
         assert broker_process.proc is not None
         broker_process.proc.send_signal(signal.SIGSTOP)
@@ -93,8 +93,7 @@ async def test_a_dead_owners_app_is_taken_as_its_lease_runs_out_not_at_the_next_
     app would otherwise wait for the next one (up to 2 s after the lease)."""
     lease = 6.0
     env = broker_process.env
-    env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix, SKMQ_ENGINE="owner",
-               SKMQ_OWNER_LEASE=str(lease))  # fmt: skip
+    env.update(SKMQ_REDIS_URL=redis_url, SKMQ_KEY_PREFIX=prefix, SKMQ_OWNER_LEASE=str(lease))
     await asyncio.to_thread(broker_process.start)
     rec = await FakeRecipient("lapse", "r").start()
     try:
@@ -102,7 +101,7 @@ async def test_a_dead_owners_app_is_taken_as_its_lease_runs_out_not_at_the_next_
         await produce(broker_process.port, "lapse", ["m0"])  # it owns the app
         keys = AppKeys.of(prefix, "lapse")
         owner = (await redis.get(keys.owner)).decode()
-        other = await make_broker(engine="owner", owner_lease=lease)
+        other = await make_broker(owner_lease=lease)
         assert other.owned is not None
         lapsing = other.owned.ownership.lapsing
 

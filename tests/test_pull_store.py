@@ -4,6 +4,7 @@ skmq/lifecycle.py over a real Redis, refusals (stale receipts) included."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -24,8 +25,12 @@ from skmq.pull.longpoll import LongPoll
 from skmq.pull.position import MAX_MS, BadPosition, FuturePosition, parse_position
 from skmq.pull.trimmer import Trimmer
 from skmq.pull.wakeups import Wakeups
-from skmq.store import NewMessage, Retries, Store
+from skmq.queue.journal import AppKeys
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import NewMessage, Retries
+from skmq.store.wire import Wire
 from tests.conftest import eventually
+from tests.test_queue_owners import owners
 
 APP = "pull"
 NOW = 1_700_000_000_000
@@ -33,14 +38,28 @@ VIS = 10_000
 
 
 @pytest.fixture
-async def groups(redis: aioredis.Redis, prefix: str) -> AsyncIterator[Groups]:
+async def groups(redis: aioredis.Redis, wire: Wire, prefix: str) -> AsyncIterator[Groups]:
+    yield Groups(await pull_store(redis, wire, prefix))
+
+
+async def pull_store(redis: aioredis.Redis, wire: Wire, prefix: str) -> OwnedStore:
+    """A broker's store that owns no app: a store appends to the app's inbox and feeds
+    its consumer groups (skmq/queue/lua/feed.lua), as through a broker not its owner."""
     client = aioredis.Redis(connection_pool=redis.connection_pool)
-    yield Groups(Store(client, prefix, retries=Retries(2, [1.0]), ack_timeout=10.0))
+    store = OwnedStore(client, prefix, retries=Retries(2, [1.0]), ack_timeout=10.0)
+    store.owners = await owners(wire, prefix)
+    return store
 
 
 async def stored(groups: Groups, *msgids: str, at: int = 0) -> list[bool]:
     batch = {APP: [NewMessage(m, "queue", f"body-{m}".encode(), at) for m in msgids]}
     return (await groups.store.store(batch, NOW))[APP]
+
+
+async def inbox(groups: Groups) -> list[bytes]:
+    """The msgids of APP's inbox: the push queue's, for its owner to read."""
+    entries = await groups.store.redis.xrange(AppKeys.of(groups.store.prefix, APP).inbox)
+    return [fields[b"m"] for _, fields in entries]
 
 
 async def received(groups: Groups, group: str, now: int = NOW, n: int = 10) -> list[Pulled]:
@@ -63,13 +82,14 @@ async def test_a_group_gets_what_is_stored_after_it_subscribed_and_each_group_al
     await stored(groups, "before")
     assert await groups.create(APP, "g1") and await groups.create(APP, "g2")
     assert not await groups.create(APP, "g1")
-    assert await stored(groups, "a", "b", "a") == [True, True, False]
+    assert await stored(groups, "a", "b") == [True, True]
+    await stored(groups, "a")  # (a duplicate: not in the groups again)
     for group in ("g1", "g2"):
         got = await received(groups, group)
         assert ids(got) == ["a", "b"] and got[0].content == b"body-a"
         assert [p.attempt for p in got] == [1, 1]
-    # "before" stays in the push queue, as before groups existed
-    assert await groups.store.redis.lrange(groups.store.base(APP) + "ready", 0, -1) == [b"before"]
+    # "before" stays in the push queue (the app's inbox, its owner's), as before groups existed
+    assert await inbox(groups) == [b"before"]
 
 
 async def test_pull_only_apps_skip_the_push_queue_push_recipients_keep_theirs(
@@ -77,11 +97,10 @@ async def test_pull_only_apps_skip_the_push_queue_push_recipients_keep_theirs(
 ) -> None:
     await groups.create(APP, "g")
     await stored(groups, "only-pulled")
-    base = groups.store.base(APP)
-    assert await groups.store.redis.hlen(base + "msgs") == 0
+    assert await inbox(groups) == []
     await groups.store.register(APP, "r1", {"id": "r1"}, NOW, 10)
     await stored(groups, "both")
-    assert await groups.store.redis.lrange(base + "ready", 0, -1) == [b"both"]
+    assert await inbox(groups) == [b"both"]
     assert ids(await received(groups, "g")) == ["only-pulled", "both"]
 
 
@@ -636,3 +655,55 @@ async def test_a_group_or_log_from_before_the_count_is_counted_by_reading(
     assert ids(await received(groups, "e", n=2)) == ["old1", "old2"]
     await stored(groups, "newer")
     assert await backlogs(groups) == {"e": 3, "g": 1}
+
+
+async def test_every_script_touches_only_the_keys_it_declares(groups: Groups) -> None:
+    """Redis Cluster routes a script by the keys it declares: MONITOR shows each EVALSHA
+    with its KEYS, then every command the script ran. The store's scripts (recipients,
+    consumer groups: skmq/store/scripts.py) and the owners' inbox append, once each."""
+    store, end = groups.store, f"{groups.store.prefix}:monitor-end"
+    touched: list[tuple[list[str], str, str]] = []
+    ready, ended = asyncio.Event(), asyncio.Event()
+
+    async def watch() -> None:
+        async with store.redis.monitor() as monitor:
+            ready.set()
+            keys: list[str] = []
+            async for entry in monitor.listen():
+                args = entry["command"].split(" ")
+                if args[0].upper() == "EVALSHA":
+                    keys = args[3 : 3 + int(args[2])]
+                elif entry.get("client_type") == "lua" and len(args) > 1:
+                    touched.append((keys, args[0], args[1]))
+                elif end in entry["command"]:
+                    ended.set()
+
+    task = asyncio.create_task(watch())
+    await ready.wait()
+    await store.load_scripts()
+    await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 1}, NOW, 10)
+    assert await store.register(APP, "r1", {"id": "r1", "host": "h", "port": 2}, NOW, 10) == "h:1"
+    await store.set_state(APP, "r1", False, NOW)
+    await groups.create(APP, "g")
+    keyed = [NewMessage(m, "queue", b"x", 0, 0, "k") for m in ("k1", "k2")]
+    expiring = NewMessage("p3", "queue", b"z", NOW + 5, NOW + 1)  # due at its expiry
+    await store.store({APP: [NewMessage("p1", "queue", b"y"), *keyed, expiring]}, NOW)
+    await store.unregister(APP, "r1")
+    got = await received(groups, "g", n=5)
+    leased = [receipt(p) for p in got]
+    await groups.extend(APP, "g", [(*leased[0], 1000)], NOW)
+    await groups.nack(APP, "g", [(*leased[0], 0)], NOW)
+    await groups.ack(APP, "g", leased[1:2], NOW)  # k1: k2 may go
+    again = await groups.receive(APP, "g", NOW + 1, 5, 1000)
+    assert ids(again.expired) == ["p3"] and "k2" in ids(again.messages)
+    await groups.reset(APP, "g", "latest")
+    await groups.trim(APP)
+    await groups.delete(APP, "g")
+    await store.redis.set(end, 1)
+    async with asyncio.timeout(10):
+        await ended.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(touched) > 30
+    assert [(cmd, key) for keys, cmd, key in touched if key not in keys] == []

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from skmq.lifecycle import Record, Refused, State, Trigger
 from skmq.queue.deliveries import QUEUE, AppQueue, Delivery, Policy, parse_records
-from skmq.queue.lifecycle import Record, Refused, State, Trigger
 
 T = 1_700_000_000_000
 
@@ -119,6 +119,18 @@ def test_one_message_of_a_key_at_a_time_in_stored_order() -> None:
     assert [d.msgid for d in pushed(q)] == [b"m3"]
     q.ack(b"m3", QUEUE, 1, T)
     assert not q.keys.get("k")
+
+
+def test_a_message_purged_behind_its_key_lets_the_head_be_acked() -> None:
+    q = queue()
+    for n in (1, 2, 3):
+        q.add(message(n, key="k"), T)
+    pushed(q, n=1)
+    assert q.purge(b"m2", QUEUE, T).delivery.state is State.PURGED  # behind m1
+    assert q.ack(b"m1", QUEUE, 1, T).delivery.state is State.ACKED
+    assert [d.msgid for d in pushed(q)] == [b"m3"]
+    q.ack(b"m3", QUEUE, 1, T)
+    assert not q.keys and not q.deliveries
 
 
 def test_a_retry_blocks_its_key_not_the_app() -> None:

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from skmq.lifecycle import State
 from skmq.queue.deliveries import QUEUE, Policy
 from skmq.queue.entries import Meta
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, acquire, append
-from skmq.queue.lifecycle import State
 from skmq.queue.operator import Request, answer_request
 from skmq.queue.owner import AppOwner, NewMessage
 from skmq.store.wire import Wire

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import redis.asyncio as aioredis
+
+from skmq.clock import now_ms
+from skmq.lifecycle import State
 from skmq.queue.deliveries import Policy
 from skmq.queue.journal import AppKeys, acquire
-from skmq.queue.lifecycle import State
+from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owners import UNDELIVERABLE, Owners
 from skmq.store import AliveRecipient, ClaimResult, Failed, NewMessage
 from skmq.store.shards import WriteFailed
@@ -178,3 +182,18 @@ async def test_a_claim_returns_once_its_pushes_are_journaled_and_a_stale_owner_p
     assert await acquire(wire, keys, "B", 60_000) is not None
     assert await o.claim("orders", T, 10, alive("r1"), ["r1"]) == ([], None, 0.0)
     assert "orders" not in o.owned
+
+
+async def test_an_ack_whose_answer_was_lost_is_found_acked(
+    wire: Wire, redis: aioredis.Redis, prefix: str
+) -> None:
+    """OwnedStore.acked_of (the answers' reconcile): acked once its message is settled in
+    the dedupe window; one still in flight is not."""
+    store = OwnedStore(redis, prefix)
+    store.owners = await owners(wire, prefix, "orders")
+    await store.store({"orders": [NewMessage(m, "queue", b"x") for m in ("m1", "m2")]}, T)
+    await store.claim("orders", T, 10, alive("r1"), ["r1", "r1"])
+    (done,) = await store.finish("orders", [("m1", 1)], T)
+    assert done.ok
+    # (the owner settles by its own clock: the reconcile asks at now_ms(), as here)
+    assert await store.acked_of("orders", ["m1", "m2"], now_ms()) == [True, False]

@@ -33,17 +33,15 @@ from redis.asyncio.cluster import RedisCluster
 from skmq.clock import now_ms
 from skmq.codec import Frame, encode_frame
 from skmq.embedded import EmbeddedRedis, read_info
+from skmq.lifecycle import Refused, State
 from skmq.logarchive import log_files, read_lines
 from skmq.queue.deliveries import Policy as QueuePolicy
 from skmq.queue.journal import AppKeys, Journal, Lease
-from skmq.queue.lifecycle import Refused, State
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
-from skmq.store import Store
 from skmq.store.wire import Wire
 from skmq.store.wires import Wires
 from tests.conftest import (
-    ENGINE,
     BrokerFactory,
     BrokerProcess,
     answers_ping,
@@ -55,11 +53,6 @@ from tests.peers import FakeRecipient, Policy, RawClient
 
 ACK_TIMEOUT = 1.5  # as in broker_env
 APP = "app"
-# A test that reads a lease in the scripts engine's `inflight` set: ENGINE=owner keeps
-# leases in the owner's memory (its fencing: tests/test_fencing.py, test_owner_takeover.py).
-reads_script_leases = pytest.mark.skipif(
-    ENGINE == "owner", reason="reads the scripts engine's leases"
-)
 DEDUPE_MS = 3_600_000  # (DEDUPE_WINDOW's default: the brokers here keep it)
 
 # -- peers and brokers -------------------------------------------------------------
@@ -265,51 +258,6 @@ class Producer:
 
 # One atomic snapshot (a script) of where each msgid is: its hash (m), its places in
 # ready / delayed / inflight / dead, and the done sets holding it.
-WHERE = """
-local base = KEYS[1]
-local done = redis.call('KEYS', base .. 'done:*')
-local out = {}
-for i, id in ipairs(ARGV) do
-  local w = {}
-  if redis.call('HEXISTS', base .. 'msgs', id) == 1 then w[#w + 1] = 'm' end
-  for _ = 1, #redis.call('LPOS', base .. 'ready', id, 'COUNT', 0) do w[#w + 1] = 'ready' end
-  for _, z in ipairs({'delayed', 'inflight', 'dead'}) do
-    if redis.call('ZSCORE', base .. z, id) then w[#w + 1] = z end
-  end
-  for _, d in ipairs(done) do
-    if redis.call('SISMEMBER', d, id) == 1 then w[#w + 1] = 'done' end
-  end
-  out[i] = table.concat(w, ',')
-end
-return out
-"""
-
-
-def base_of(prefix: str, app: str = APP) -> str:
-    return f"{prefix}:{{{app}}}:"
-
-
-async def where(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[str, str]:
-    """msgid -> pending | delayed | inflight | dead | done, or what is wrong with it."""
-    if not msgids:
-        return {}
-    if ENGINE == "owner":
-        return await where_owned(redis, prefix, msgids)
-    raw = await redis.eval(WHERE, 1, base_of(prefix), *msgids)  # type: ignore[misc]
-    out = {}
-    for msgid, w in zip(msgids, raw, strict=True):
-        places = (w.decode() if isinstance(w, bytes) else w).split(",")
-        if places == ["m", "ready"]:
-            out[msgid] = "pending"
-        elif len(places) == 2 and places[0] == "m" and places[1] in ("delayed", "inflight", "dead"):
-            out[msgid] = places[1]
-        elif places == ["done"]:
-            out[msgid] = "done"
-        else:
-            out[msgid] = "LOST" if places == [""] else "CORRUPT:" + ",".join(places)
-    return out
-
-
 OWNED_PLACES = {
     State.PENDING: "pending",
     State.IN_FLIGHT: "inflight",
@@ -335,9 +283,10 @@ async def rebuild(wire: Wire, keys: AppKeys, now: int) -> AppOwner:
     raise AssertionError("the owner checkpointed under every read")
 
 
-async def where_owned(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[str, str]:
-    """ENGINE=owner: where each msgid is as a new owner would rebuild it from Redis (its
-    checkpoint, journal, log and inbox; what is in flight left in flight), else among the
+async def where(redis: aioredis.Redis, prefix: str, msgids: list[str]) -> dict[str, str]:
+    """msgid -> pending | delayed | inflight | dead | done, or what is wrong with it: where
+    each msgid is as a new owner would rebuild it from Redis (its checkpoint, journal, log
+    and inbox; what is in flight left in flight), else among the
     app's dead letters or the dedupe window's settled msgids. These are read after the
     rebuild: a message that left the owner's state meanwhile is found there (they only
     grow), so an owner's writes between the reads never make a message look lost; one
@@ -506,7 +455,7 @@ async def test_kill9_at_each_stage_loses_nothing(
 
     if stage == "dead_lettering":
         await all_in(redis, prefix, msgids, ("dead",), 15)
-        store = (OwnedStore if ENGINE == "owner" else Store)(redis, prefix)
+        store = OwnedStore(redis, prefix)
         dead = await store.dead_letters(APP)
         assert sorted((d.msgid, d.content) for d in dead) == sorted((m, m.encode()) for m in msgids)
     else:
@@ -567,9 +516,9 @@ async def test_two_brokers_share_the_work_and_deliver_each_message_once(
     acks = Counter(e["msgid"] for e in events if e["event"] == "acked")
     assert {m: c for m, c in acks.items() if c != 1} == {}
     pushers = {e["broker"] for e in events if e["event"] == "pushed"}
-    # (ENGINE=owner: one app's queue is pushed by its owner alone; the brokers share the
-    # apps, and both stored and answered here)
-    assert len(pushers) == (1 if ENGINE == "owner" else 2), "both brokers deliver"
+    # (one app's queue is pushed by its owner alone; the brokers share the apps, and both
+    # stored and answered here)
+    assert len(pushers) == 1, "the app's owner delivers"
     await r1.stop()
     await r2.stop()
 
@@ -596,8 +545,8 @@ async def test_dead_brokers_in_flight_messages_are_taken_over_within_ack_timeout
     recipient.mode = "ack"
     await all_in(redis, prefix, msgids, ("done",), ack_timeout + 10)
     took = time.monotonic() - killed
-    # A's leases run out within ACK_TIMEOUT of the kill (ENGINE=owner: its ownership,
-    # within OWNER_LEASE); then a round (the reaper's, or the ownership's) and the push.
+    # A's leases run out within ACK_TIMEOUT of the kill (its ownership, within
+    # OWNER_LEASE); then a round (the reaper's, or the ownership's) and the push.
     assert took < ack_timeout + 1.5, f"took {took:.2f}s to take over"
 
     def acked_by_b() -> set[str]:  # (its log lines reach the file a moment after Redis)
@@ -645,90 +594,6 @@ async def test_delayed_messages_are_delivered_once_by_two_brokers(
     early = {m: t for m, t in recipient.at.items() if t * 1000 < due - 5}
     assert not early, "delivered before deliver_at"
     await recipient.stop()
-
-
-@reads_script_leases
-@pytest.mark.parametrize("stale", ["late_reject", "sigterm_hand_back"])
-async def test_a_stale_broker_cannot_touch_the_lease_of_another(
-    spawn: Spawn, redis: aioredis.Redis, redis_url: str, prefix: str, stale: str
-) -> None:
-    """Broker A pushes m, then freezes (SIGSTOP: a GC pause, a VM stall) past its lease;
-    broker B takes m over and pushes it again. When A wakes, what A does with its own,
-    stale, attempt (a late `reject` arriving for it, or handing it back on SIGTERM) must
-    not touch B's lease: m stays in flight from B alone (SPEC 5). The late `reject` is
-    written while A is stopped: A, waking, may read it or close the connection first
-    (its push there timed out: docs/PROTOCOL.md 6.1); neither may touch B's lease."""
-    a = await spawn("a", ack_timeout="1.0", **shared(redis_url, prefix)).up()
-    recipient = await start_recipient(a.port, policy="hold")
-    assert await produce(a.port, ["m"]) == ["m"]
-    await until(lambda: len(recipient.held) == 1)
-    inflight = f"{base_of(prefix)}inflight"
-
-    # Stopped before B starts: A's push must not time out (closing its connection)
-    # while a slow machine starts B.
-    os.kill(a.pid, signal.SIGSTOP)
-    try:
-        await spawn("b", ack_timeout="20", **shared(redis_url, prefix)).up()
-        await until(lambda: len(recipient.held) == 2, 10)  # B's push, once A's lease ran out
-        lease = await redis.zscore(inflight, "m")
-        assert lease is not None and lease > time.time() * 1000 + 10_000, "B holds the lease"
-        stale_writer, stale_push = recipient.held[0]
-        if stale == "late_reject":
-            answer(stale_writer, stale_push, "reject")
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-
-    # A runs again: a message stored through it proves its loop and its Redis link are back.
-    assert await produce(a.port, ["probe"], app="probe") == ["probe"]
-    if stale == "late_reject":
-        await until(
-            lambda: (
-                stale_writer.is_closing()
-                or any(f.fields.get("msgid") == "m" for f in recipient.resps)
-            )
-        )
-    else:
-        a.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        assert await a.exited() == 0
-    assert await redis.zscore(inflight, "m") == lease, (
-        "a stale attempt took the message out of another broker's lease"
-    )
-    await recipient.stop()
-
-
-@reads_script_leases
-@pytest.mark.parametrize("to", ["same_broker", "other_broker"])
-async def test_a_late_answer_on_the_recipients_own_connection_cannot_end_a_newer_attempt(
-    make_broker: BrokerFactory, redis: aioredis.Redis, prefix: str, to: str
-) -> None:
-    """r1 answers `arrived` for m, then goes quiet past ACK_TIMEOUT: m is retried and now in
-    flight to r2. r1's late `error`, sent on a connection of its own (SPEC 3) and naming
-    itself, is about its own, expired, attempt: it must not end r2's attempt (which would
-    put m in flight twice), whether it reaches the broker that pushed to r1 or another one
-    of the cluster (the client answers through the broker it registered with)."""
-    broker = await make_broker()
-    r1 = await start_recipient(broker.server.port, "r1", policy="arrived")
-    assert await produce(broker.server.port, ["m"]) == ["m"]
-    await r1.next_push()
-    await r1.stop()  # r1 goes away: the retry cannot go to it
-    r2 = await start_recipient(broker.server.port, "r2", policy="hold")
-    await r2.next_push(ACK_TIMEOUT + 5)
-    inflight = f"{base_of(prefix)}inflight"
-    lease = await redis.zscore(inflight, "m")
-    assert lease is not None
-
-    port = broker.server.port if to == "same_broker" else (await make_broker()).server.port
-    client = await RawClient.connect(port)
-    resp = await client.request("error", b"failed late", msgid="m", appid=APP, recipient="r1")
-    await client.close()
-    assert (resp["status"], await redis.zscore(inflight, "m")) == ("reject", lease), (
-        f"r1's late answer ({resp}) ended r2's attempt"
-    )
-    assert resp["content"] == "message 'm' is not in flight to recipient 'r1'"
-    await r2.stop()
-
-
-# -- 3. Redis faults -----------------------------------------------------------------
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """REPLICA_ACKS on one Redis with a real replica: a store is answered `ack` once the
 replica has it, and `error` (outcome unknown: stored on its master) while the replica
-does not answer. On either engine (SKMQ_ENGINE)."""
+does not answer."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ async def test_broker_generates_a_msgid_when_none_is_given(broker: Broker) -> No
 
 async def test_msgid_cannot_collide_with_broker_keys(broker: Broker) -> None:
     client = await RawClient.connect(broker.server.port)
-    # the app's keys of either engine (ENGINE=scripts: ready ...; owner: log, inbox ...)
+    # the app's keys (log, inbox ...; and those an earlier SKMQ's store held: ready ...)
     evils = ["ready", "inflight", "dead", "delayed", "recipients", "m:x", "{a}", "done:1"]
     evils += ["log", "inbox", "jr", "ckpt", "dl", "dlt", "epoch", "owner", "stats"]
     for evil in evils:

@@ -21,16 +21,16 @@ from skmq.embedded import SECRET_FILE, EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
 from skmq.handler import bad_app
 from skmq.queue.owned_store import OwnedStore
-from skmq.store import Store, connect_redis
+from skmq.store import connect_redis
 from skmq.store.client import RedisClient
-from skmq.store.engine_mark import engine_of
+from skmq.store.engine_mark import claim_store
 from skmq.store.wires import Wires
 
 LOADING_POLL = 0.05  # how often a command asks a loading server again
 
 
 @contextlib.asynccontextmanager
-async def open_store(settings: Settings) -> AsyncIterator[Store]:
+async def open_store(settings: Settings) -> AsyncIterator[OwnedStore]:
     """The broker's store: REDIS_URL, else the embedded server of a broker running with
     this DATA_DIR, else (no broker running) the embedded server started for this command."""
     embedded: EmbeddedRedis | None = None
@@ -47,16 +47,14 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
         redis = connect_redis(url)
         try:
             await wait_loaded(redis, settings.redis_wait)
-            engine = await engine_of(redis, settings.key_prefix, settings.engine)
-            store = make_store(settings.model_copy(update={"engine": engine}), redis)
-            wires = None
-            if isinstance(store, OwnedStore):  # (an app no broker owns is read as one would)
-                wires = store.wires = Wires.beside(url, redis, settings.store_timeout)
+            await claim_store(redis, settings.key_prefix)  # (a new store: marked, as a broker does)
+            store = make_store(settings, redis)
+            # (an app no broker owns is read as its owner would)
+            wires = store.wires = Wires.beside(url, redis, settings.store_timeout)
             try:
                 yield store
             finally:
-                if wires is not None:
-                    wires.close()
+                wires.close()
         finally:
             await redis.aclose()
     finally:

@@ -32,8 +32,9 @@ from skmq.errors import UsageError
 from skmq.handler import bad_app
 from skmq.logs import configure_logging
 from skmq.pull.groups import bad_group
+from skmq.queue.owned_store import OwnedStore
 from skmq.ratelimit import TokenBucket
-from skmq.store import DeadLetter, Store
+from skmq.store import DeadLetter
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +111,7 @@ def _filters(args: argparse.Namespace) -> Filters:
 
 
 async def _selected(
-    where: DeadLetters, store: Store, args: argparse.Namespace, only: frozenset[str] | None
+    where: DeadLetters, store: OwnedStore, args: argparse.Namespace, only: frozenset[str] | None
 ) -> list[DeadLetter]:
     apps = [args.app] if args.app else await store.apps()
     apps = [app for app in apps if only is None or app in only]

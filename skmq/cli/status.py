@@ -20,7 +20,7 @@ from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
 from skmq.config import settings_from_args
 from skmq.pull.groups import Groups
-from skmq.store import Store
+from skmq.queue.owned_store import OwnedStore
 from skmq.store.checks import persistence
 
 
@@ -31,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-async def snapshot(store: Store, only: frozenset[str] | None = None) -> dict[str, Any]:
+async def snapshot(store: OwnedStore, only: frozenset[str] | None = None) -> dict[str, Any]:
     """Every app's depths and recipients; with `only`, just those apps'."""
     now = now_ms()
     apps = [app for app in await store.apps() if only is None or app in only]

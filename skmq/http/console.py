@@ -18,7 +18,7 @@ from skmq.deliverylog import DeliveryLog
 from skmq.http.bearer import authorize, role_apps
 from skmq.http.errors import ApiError
 from skmq.http.produce import field_errors, path_app, read_json
-from skmq.store import Store
+from skmq.queue.owned_store import OwnedStore
 
 log = structlog.get_logger("skmq.console")
 
@@ -80,7 +80,7 @@ class PurgeResult(BaseModel):
 
 
 class ConsoleRoutes:
-    def __init__(self, store: Store, dlog: DeliveryLog, tokens: Tokens | None) -> None:
+    def __init__(self, store: OwnedStore, dlog: DeliveryLog, tokens: Tokens | None) -> None:
         self.store = store
         self.dlog = dlog
         self.tokens = tokens

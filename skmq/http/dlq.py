@@ -25,7 +25,7 @@ from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import app_id, field_errors, path_app, read_json
 from skmq.pull.groups import bad_group
-from skmq.store import Store
+from skmq.queue.owned_store import OwnedStore
 
 log = structlog.get_logger("skmq.dlq")
 Ms = Annotated[int, Field(ge=0, description="unix ms")]
@@ -77,7 +77,7 @@ class DeadLetterList(BaseModel):
 
 
 class DlqRoutes:
-    def __init__(self, store: Store, dlog: DeliveryLog, tokens: Tokens | None) -> None:
+    def __init__(self, store: OwnedStore, dlog: DeliveryLog, tokens: Tokens | None) -> None:
         self.store = store
         self.dlog = dlog
         self.tokens = tokens

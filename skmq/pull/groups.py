@@ -1,5 +1,19 @@
 """The store calls of consumer groups and pull consumption (the `pull_*` and `group_*`
-Lua scripts; keys in skmq/store/lua/pull_lib.lua, transitions in skmq/lifecycle.py).
+Lua scripts; keys in skmq/store/lua/pull_lib.lua). Each consumer group holds its own
+copy of a delivery's states (skmq/lifecycle.py) for every message stored after it
+subscribed; the scripts are its transitions:
+
+    pending | delayed | waiting_retry --pull_receive--> in_flight(n + 1)
+    pending | delayed | waiting_retry --pull_receive--> dead | gone (TTL ran out: expired)
+    pending --pull_receive--> waiting_key              (an earlier entry of its key not over)
+    waiting_key --pull_ack | pull_nack | pull_receive--> delayed (due now: the entry
+                                                        before it acked or dead)
+    in_flight(n) --pull_receive--> waiting_retry | dead (its lease ran out)
+    in_flight(n) --pull_ack--> acked                   (only attempt n, lease running)
+    in_flight(n) --pull_nack--> waiting_retry | dead   (only attempt n, lease running)
+    in_flight(n) --pull_extend--> in_flight(n)         (only attempt n, lease running)
+    dead --pull_replay--> delayed (due now, attempts reset, TTL lifted) (not dead: refused)
+    dead --pull_purge--> gone                          (not dead: refused)
 
 A receipt handle is `<entry id>.<n>.<generation>`, n counting the entry's attempts in
 the group, replays or not (`attempt` counts since the last replay): it settles only

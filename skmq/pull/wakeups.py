@@ -1,7 +1,8 @@
-"""Wake-ups of long polls, whichever broker stored a message or made one due: store.lua
-and pull_nack.lua publish on the app's group-log channel (`<prefix>:{app}:glog`); one
-pattern subscription a broker wakes the polls waiting on it. Idle polls send nothing to
-Redis; a poll also wakes by itself when the group's next delay or lease runs out.
+"""Wake-ups of long polls, whichever broker stored a message or made one due: the
+owners' feed of the group log (skmq/queue/lua/feed.lua) and pull_nack.lua publish on
+the app's group-log channel (`<prefix>:{app}:glog`); one pattern subscription a broker
+wakes the polls waiting on it. Idle polls send nothing to Redis; a poll also wakes by
+itself when the group's next delay or lease runs out.
 
 A wake-up goes to the first waiting poll of each group of the app, not to all: every
 poll a store woke would run a receive, and all but one would find nothing (2,000 polls

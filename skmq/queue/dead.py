@@ -1,4 +1,4 @@
-"""An app's dead letters (ENGINE=owner): a dead delivery leaves its owner's memory and
+"""An app's dead letters: a dead delivery leaves its owner's memory and
 is kept in Redis, written by the owner's fenced flush (lua/flush.lua). Operators list,
 replay, move and purge them here, from any process, with or without a broker running:
 a replay or a move is a new entry of an app's inbox (its owner reads it as a store), so

@@ -1,5 +1,5 @@
 """The deliveries of one app, in its owner's memory: sans-IO (no sockets, no Redis, no
-clock: `now` is passed in), every change through skmq/queue/lifecycle.py's table.
+clock: `now` is passed in), every change through skmq/lifecycle.py's table.
 
 Only what is materialised costs memory: deliveries read from the log and not over (in
 flight, waiting for a retry or their time or their key, dead). Pending ones wait in a
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from skmq.jsonbody import dump_json, load_json
+from skmq.lifecycle import OVER, TRIGGER_OF, Record, Refused, State, Trigger, detour, step
 from skmq.queue.entries import entry_order
-from skmq.queue.lifecycle import OVER, TRIGGER_OF, Record, Refused, State, Trigger, detour, step
 
 # The states a delivery leaves at a time of its own (`due`): each has an entry in `timers`.
 TIMED = (State.DELAYED, State.WAITING_RETRY, State.IN_FLIGHT)  # (a tuple: Enum hashes in Python)
@@ -151,6 +151,8 @@ class AppQueue:
                         self._move(nxt, Trigger.DUE, now)
                 else:
                     del self.keys[d.key]
+            elif waiting and d in waiting:  # (behind its key's head: purged, or expired)
+                waiting.remove(d)
         del self.deliveries[d.ident]
         # (replaying the journal: the old owner flushed these with the record)
         if d.state is State.DEAD and self.recording:

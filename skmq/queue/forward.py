@@ -1,4 +1,4 @@
-"""ENGINE=owner: a recipient's answer on a broker that does not own its app (SPEC 3: after
+"""A recipient's answer on a broker that does not own its app (SPEC 3: after
 `arrived` it may answer on a connection of its own, to any broker) goes to the owner,
 which alone knows what is in flight. The broker it reached checks what it can of the
 sender (its registered address, or its authentication for the app) and appends the

@@ -1,4 +1,4 @@
-"""ENGINE=owner: a store through a broker that does not own the app appends to the app's
+"""A store through a broker that does not own the app appends to the app's
 inbox and publishes on `<prefix>:{app}:inbox` (lua/append.lua); one pattern subscription
 a broker hears them, and the owner reads its inbox at its next claim. A new subscription
 tells every owned app once, for what it may have missed. The same connection hears the

@@ -41,7 +41,7 @@ from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import AppKeys, script_source
 from skmq.store.client import ENC, RedisClient
 from skmq.store.directory import AppDirectory
-from skmq.store.engine_mark import LEGACY, mark_key, written_by
+from skmq.store.engine_mark import OWNER, UNSHARDED, is_legacy, mark_key
 from skmq.store.messages import read
 from skmq.store.msgids import SEP, TAG, split_held, unpack
 
@@ -227,7 +227,12 @@ async def _dedupe_as_text(redis: RedisClient, keys: AppKeys, now: int, dedupe_ms
 
 async def migrate_store(redis: RedisClient, prefix: str, now: int, dedupe_ms: int) -> None:
     """Every app of the store moved, then the store marked as the owner engine's."""
-    apps = await AppDirectory(redis, prefix).members()
+    directory = AppDirectory(redis, prefix)
+    unsharded = f"{prefix}:{UNSHARDED}"
+    if listed := await redis.smembers(unsharded):  # (a store older still: one apps set)
+        await directory.add(app.decode("utf-8", ENC) for app in listed)
+        await redis.delete(unsharded)
+    apps = await directory.members()
     log.info("converting a store of an earlier version", apps=len(apps))
     for app in apps:
         keys = AppKeys.of(prefix, app)
@@ -237,7 +242,7 @@ async def migrate_store(redis: RedisClient, prefix: str, now: int, dedupe_ms: in
         if not await redis.hlen(base + "msgs"):  # (every message moved: by us or another)
             await redis.delete(*(base + name for name in OLD_KEYS))
         log.info("app converted", app=app, messages=count)
-    await redis.set(mark_key(prefix), "owner")
+    await redis.set(mark_key(prefix), OWNER)
     log.info("store converted", apps=len(apps))
 
 
@@ -246,7 +251,7 @@ async def convert_legacy(redis: RedisClient, prefix: str, now: int, dedupe_ms: i
     Refused (Misconfigured) while a broker of that version still serves it (one that
     said it was alive within ALIVE_MS: every broker says so each second), whose writes
     to the old layout would be stranded there."""
-    if await written_by(redis, prefix) != LEGACY:
+    if not await is_legacy(redis, prefix):
         return
     seen = await redis.hgetall(f"{prefix}:brokers")
     alive = sorted(

@@ -1,10 +1,10 @@
-"""ENGINE=owner: an operator's look at an app's waiting messages (peek) and their purge,
+"""An operator's look at an app's waiting messages (peek) and their purge,
 done by the app's owner, which alone holds them. From any process (the CLI, another
 broker's gateway) the request is appended to the app's inbox as a question
 (lua/ask.lua, as a forwarded answer is: skmq/queue/forward.py), and the owner publishes
 its reply on a channel the asker subscribed to for it alone.
 
-A purge is the table's PURGE of each waiting copy (skmq/queue/lifecycle.py), journaled
+A purge is the table's PURGE of each waiting copy (skmq/lifecycle.py), journaled
 and flushed before the owner replies: a new owner does not bring it back. A topic message
 still waiting for a first recipient is shown but not purged (it has no delivery yet).
 """
@@ -23,10 +23,10 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from skmq.lifecycle import WAITING, State
 from skmq.queue.deliveries import Delivery
 from skmq.queue.entries import entry_order
 from skmq.queue.journal import AppKeys, script_source
-from skmq.queue.lifecycle import WAITING, State
 from skmq.queue.owner import AppOwner
 from skmq.store.store import PREVIEW_BYTES
 

@@ -1,9 +1,9 @@
-"""The store of ENGINE=owner: the delivery engine's calls (claim, finish, fail, extend,
-reap, release, store) go to the apps this broker owns (owners.py), not to a script a
-transition; everything else (recipients, the apps directory, status) is the Store's.
-
-The way in of the engine swap (docs/OWNER-DESIGN.md): the engine's workers run as they
-are, on the owners' memory.
+"""The store every broker and operator command makes: the delivery engine's calls
+(claim, finish, fail, extend, reap, release, store) go to the apps this broker owns
+(owners.py), each app's queue held in its owner's memory and written to Redis in fenced
+batches (docs/OWNER-DESIGN.md); operators' calls (counts, peek, purges, dead letters)
+read what the owners write, or ask an app's owner through its inbox; everything else
+(recipients, the apps directory, brokers, tallies) is the Store's (skmq/store/store.py).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from skmq.store.store import (
     Store,
     Waiting,
     hand_over,
+    split_delivery,
 )
 from skmq.store.wire import Wire
 from skmq.store.wires import TROUBLE, Wires
@@ -87,7 +88,7 @@ class OwnedStore(Store):
     def carries_claims(self) -> bool:
         """A store pushes what it can of its new messages in its own flush (the push
         records with the messages): not under REPLICA_ACKS, whose pushes wait for the
-        replicas' acknowledgement as on ENGINE=scripts."""
+        replicas' acknowledgement."""
         return not self.replica_acks
 
     def claim_args(
@@ -111,8 +112,12 @@ class OwnedStore(Store):
         claims: Sequence[ClaimArgs] = (),
         deadline: float | None = None,
     ) -> dict[str, AppStored]:
-        """As Store.store. The carried `claims` are pushes made with the store
-        (Owners.store's `plans`); each hears its result, after `stored`."""
+        """Store the messages of several apps: for each, True stored or False a duplicate,
+        or a WriteFailed (ReplicasMissing when fewer than REPLICA_ACKS replicas
+        acknowledged it). `stored` hears the results as soon as the owners have them,
+        before anything else is awaited. The carried `claims` are pushes made with the
+        store (Owners.store's `plans`); each hears its result, after `stored`. `deadline`
+        (the event loop's time) bounds the call."""
         plans = {c.app: c.args for c in claims}
         pushed: dict[str, ClaimResult] = {}
         try:
@@ -174,6 +179,14 @@ class OwnedStore(Store):
         rate: float = 0.0,
         lost: Sequence[str] = (),
     ) -> ClaimResult:
+        """Take up to n deliveries in flight; queue ones go to `assignment` in order, topic
+        copies only to recipients with free slots (the others wait; those of a `lost`
+        recipient wait, without spending an attempt, until it is back).
+
+        Returns them (kind `dead` for one dead-lettered as undeliverable, its content the
+        reason; kind `expired` for one whose TTL ran out, its content `dead` or `drop`),
+        when the next delayed one falls due (unix ms), and how long the app's
+        DELIVERY_RATE bucket needs before the next push (seconds, 0: not limited)."""
         return await self._owners.claim(app, now, n, alive, assignment, rate, lost)
 
     async def finish(self, app: str, acks: Sequence[tuple[str, int]], now: int) -> list[Finished]:
@@ -208,8 +221,14 @@ class OwnedStore(Store):
         held = self._owners.holding(msgids)
         return {msgid: [*held[msgid], *elsewhere] for msgid in msgids}
 
+    async def forget_apps(self, apps: Sequence[str]) -> list[str]:
+        """Forget each app that holds no recipient and no message; returns those forgotten
+        (skmq/store/directory.py: why this is safe against a store at the same time)."""
+        return await self.unlist(await self.drop_empty(apps))
+
     async def drop_empty(self, apps: Sequence[str]) -> list[str]:
-        """As Store.drop_empty, over the owner engine's keys (lua/forget.lua)."""
+        """Drop the keys and `listed` mark of each app holding nothing (lua/forget.lua);
+        returns those dropped, still to be taken out of the directory (`unlist`)."""
         dropped = []
         for app in apps:
             k = AppKeys.of(self.prefix, app)
@@ -238,6 +257,18 @@ class OwnedStore(Store):
             raw = msgid.encode("utf-8", ENC)
             out.append(0 if in_cur or in_prev else at.get(raw))
         return out
+
+    async def acked_of(self, app: str, delivery_ids: Sequence[str], now: int) -> list[bool]:
+        """For deliveries whose finish's answer was lost: whether each was acked, as far
+        as the app's dedupe sets tell (its message completed within DEDUPE_WINDOW; a topic
+        copy's message only once every copy is over)."""
+        keys = AppKeys.of(self.prefix, app)
+        msgids = [split_delivery(d)[0].encode("utf-8", ENC) for d in delivery_ids]
+        pipe = self.redis.pipeline(transaction=False)
+        for done in keys.dedupe(now, self.dedupe_ms):
+            pipe.smismember(done, msgids)
+        cur, prev = await pipe.execute()
+        return [bool(a or b) for a, b in zip(cur, prev, strict=True)]
 
     # -- what operators see and do (from any process) --------------------------------
     async def counts(self, apps: Sequence[str], now: int) -> dict[str, AppCounts]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from skmq.clock import now_ms
 from skmq.jsonbody import dump_json, load_json
+from skmq.lifecycle import State
 from skmq.queue.dead import flush_args
 from skmq.queue.deliveries import (
     END,
@@ -39,7 +40,6 @@ from skmq.queue.entries import (
     parse_entry,
 )
 from skmq.queue.journal import GROUPS_ONLY, Appended, Flushed, Journal
-from skmq.queue.lifecycle import State
 from skmq.store.wire import Wire
 
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient

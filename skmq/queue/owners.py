@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from skmq.lifecycle import Refused, State, Trigger
 from skmq.queue.dead import delivery_id
 from skmq.queue.deliveries import QUEUE, Change, Delivery, Policy
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import Appended, AppKeys, Fenced, Journal, Lease, Lister, append
-from skmq.queue.lifecycle import Refused, State, Trigger
 from skmq.queue.owner import BACKLOG_HELD, AppOwner, observed
 from skmq.queue.owner import NewMessage as Stored
 from skmq.stall import STALL
@@ -183,7 +183,7 @@ class Owners:
         rate: float = 0.0,
         lost: Sequence[str] = (),
     ) -> ClaimResult:
-        """As Store.claim: queue messages to `assignment` in order, topic copies to the
+        """As OwnedStore.claim: queue messages to `assignment` in order, topic copies to the
         alive recipients with room; the expired and undeliverable met on the way.
 
         Returns once their records are in the journal, fenced by this owner's epoch
@@ -231,7 +231,7 @@ class Owners:
                 budget -= 1
         # A copy of a recipient neither alive nor lost (unregistered, removed): one a
         # claim handed to it, which the pusher fails (no longer registered), its
-        # attempts spent as under ENGINE=scripts; none waits for it for ever.
+        # attempts spent; none waits for it for ever.
         registered = {r.rid for r in alive} | set(lost)
         for line in q.lines():
             if line != QUEUE and line not in registered:

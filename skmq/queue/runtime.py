@@ -1,4 +1,4 @@
-"""ENGINE=owner in a broker: its connection for the owners' writes, the apps it owns
+"""The owner engine in a broker: its connection for the owners' writes, the apps it owns
 (owners.py) behind the store's engine calls (owned_store.py), the ownership rounds
 among the brokers (ownership.py), the inbox wake-ups (inbox_watch.py), and the hand-over
 of every owned app when the broker stops."""

@@ -1,4 +1,6 @@
-"""The one module that owns every Redis key and every state change of SKMQ."""
+"""SKMQ's Redis: connections, checks, and the store of what lives beside the delivery
+engine's own keys (recipients, the apps directory, brokers); the engine's state changes
+are the app owners' (skmq/queue/)."""
 
 from skmq.config import redacted
 from skmq.store.checks import (

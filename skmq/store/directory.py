@@ -6,8 +6,8 @@ spread over the nodes like the apps themselves and no node holds every app.
 
 A shard set lives in another slot than the app's own keys, so no script can change
 both. Instead each app has a `listed` mark among its own keys, set in the same step as
-every store and registration (store.lua, register.lua) and dropped with the app by
-forget.lua. The rule "an app with a mark is in the directory" holds because:
+every store and registration (the owners' flush.lua and append.lua, register.lua) and
+dropped with the app by forget.lua. The rule "an app with a mark is in the directory" holds because:
 - a store or a registration lists the app after its script whenever the mark was new
   (a registration always);
 - a forget takes the app out of its shard set, THEN looks at the mark again, and lists

@@ -1,7 +1,10 @@
-"""Which delivery engine (ENGINE) wrote a store's data: every broker of the store must run
-it, and an operator command reads the store by it. The first broker of a new store marks
-it (`<prefix>:engine`); a store without the mark that lists apps was written by the
-per-transition scripts (every version before ENGINE)."""
+"""Which SKMQ wrote a store's data. The first broker of a new store marks it
+`<prefix>:engine` = `owner`; a store marked `scripts`, or without the mark while it lists
+apps (in its apps directory, or in the one set of the versions before the directory was
+sharded, `<prefix>:apps`: every version before the mark), was written by an earlier SKMQ
+(the per-transition scripts engine), whose keys this one does not read. A broker
+converts such a store when it starts (skmq/queue/migrate.py); an operator command
+refuses it until then."""
 
 from __future__ import annotations
 
@@ -9,33 +12,29 @@ from skmq.errors import Misconfigured
 from skmq.store.client import RedisClient, text
 from skmq.store.directory import AppDirectory
 
-LEGACY = "scripts"  # the engine of a store written before the mark (every version before)
+OWNER = "owner"  # the mark of a store this SKMQ writes
+UNSHARDED = "apps"  # the apps set of the versions before the directory was sharded
 
 
 def mark_key(prefix: str) -> str:
     return f"{prefix}:engine"
 
 
-async def written_by(redis: RedisClient, prefix: str) -> str | None:
-    """The engine the store's data is written by; None: a new store (no mark, no app)."""
+async def is_legacy(redis: RedisClient, prefix: str) -> bool:
+    """Whether an earlier SKMQ wrote the store's data."""
     mark = await redis.get(mark_key(prefix))
     if mark:
-        return text(mark)
-    return LEGACY if await AppDirectory(redis, prefix).members() else None
+        return text(mark) != OWNER
+    unsharded = await redis.exists(f"{prefix}:{UNSHARDED}")
+    return bool(unsharded or await AppDirectory(redis, prefix).members())
 
 
-async def engine_of(redis: RedisClient, prefix: str, new: str) -> str:
-    """The engine to run on the store: the one its data is written by, or `new`."""
-    return await written_by(redis, prefix) or new
-
-
-async def claim_engine(redis: RedisClient, prefix: str, engine: str) -> None:
-    """Mark a new store with `engine`; refuse one whose data another engine wrote."""
-    # (a store of an earlier version marked as what it is; two new brokers: the first)
-    await redis.set(mark_key(prefix), await written_by(redis, prefix) or engine, nx=True)
-    written = text(await redis.get(mark_key(prefix)))
-    if written != engine:
+async def claim_store(redis: RedisClient, prefix: str) -> None:
+    """Refuse a store an earlier SKMQ wrote (Misconfigured); mark a new one `owner`."""
+    if await is_legacy(redis, prefix):
         raise Misconfigured(
-            f"the store (KEY_PREFIX {prefix!r}) holds data of ENGINE={written}; this "
-            f"broker runs ENGINE={engine}: run every broker of a store with one engine"
+            f"the store (KEY_PREFIX {prefix!r}) holds data of an earlier SKMQ (the "
+            "per-transition scripts engine): start a broker of this version "
+            "(`skmq serve`), which converts it"
         )
+    await redis.set(mark_key(prefix), OWNER, nx=True)

@@ -1,5 +1,7 @@
-"""Messages as Redis holds them: a field of the app's `msgs` hash, from the msgid (as
-skmq/store/msgids.py holds it) to a header and the content. The header tells the kind
+"""Messages as an earlier SKMQ's store holds them (the per-transition scripts engine,
+whose store a broker converts when it starts: skmq/queue/migrate.py): a field of the
+app's `msgs` hash, from the msgid (as skmq/store/msgids.py holds it) to a header and the
+content. The header tells the kind
 (queue or topic) and the unix ms the message was stored, in one of two forms:
 
 - text: `q` or `t`, then the ms in 13 digits (14 bytes);
@@ -7,7 +9,7 @@ skmq/store/msgids.py holds it) to a header and the content. The header tells the
   ms modulo 2**38 (8.7 years).
 
 A compact header starts with a byte of 128 or more, a text one with `q` or `t`: a value
-reads back whatever form wrote it (lib.lua's `read_message` reads it the same way). A stored
+reads back whatever form wrote it. A stored
 ms modulo 2**38 reads back as the latest time that fits it up to a day after now (a
 message is never older than 8.7 years less a day; a day covers clocks of brokers apart).
 
@@ -15,8 +17,8 @@ Why 5 bytes: Redis holds a hash entry's field and value in one allocation, and w
 embedded valkey's allocator (libc's) a 17-byte packed msgid with a value of up to 105
 bytes takes a class 24 bytes smaller than with 106 to 121: a 100-byte content then fits.
 
-Only a store whose format is `compact` is written compact (`Store.store_format`): the
-brokers of earlier versions read only text headers.
+Only a store whose format (`<prefix>:msgids`, skmq/store/msgids.py) is `compact` was
+written compact.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Msgids as Redis holds them.
+"""Msgids as an earlier SKMQ's store holds them (the per-transition scripts engine, whose
+store a broker converts when it starts: skmq/queue/migrate.py); a consumer group's log
+may hold one so too (`unpack`).
 
-Redis holds every stored msgid twice (a field of `msgs`, an entry of `ready`), and most
+That engine's Redis held every stored msgid twice (a field of `msgs`, an entry of `ready`), and most
 msgids are a uuid4 in hex: what SKMQ's client and the original SKMQ make, 32 characters.
 Held as its 16 bytes behind a tag byte instead, such a message costs Redis 31 bytes less
 (README.md, "Performance"). So, in a store whose format is
@@ -11,13 +13,12 @@ knowing which form it took. A text msgid holds no `\\x1f` either, which separate
 topic copy's recipient from its msgid in a delivery id; a packed one may, and is cut
 off by its length instead (`split_held`, lib.lua's `split`).
 
-A store chooses its format once, when the first client of this version meets it
-(`Store.store_format`): `compact` (packed msgids, compact message headers:
-skmq/store/messages.py) if no broker ran on it before and it lists no app; otherwise
-its msgids stay text (`text`), since what it holds (dedupe sets and group logs too,
-which outlive their app's listing) was written that way. A store the broker of the
-version before made is `packed` (packed msgids, text headers) and stays so. The choice
-is the global key `<prefix>:msgids`.
+Such a store chose its format once, when the first client met it: `compact` (packed
+msgids, compact message headers: skmq/store/messages.py) if no broker ran on it before
+and it listed no app; otherwise `text`, since what it held (dedupe sets and group logs
+too, which outlive their app's listing) was written that way; a store made by the
+version before that is `packed` (packed msgids, text headers). The choice is the
+global key `<prefix>:msgids`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from skmq.store.client import ENC, text
 TAG = b"\x00"
 SEP = b"\x1f"
 PACKED = b"packed"
-COMPACT = b"compact"  # (packed msgids and compact headers: Store.store_format)
+COMPACT = b"compact"  # (packed msgids and compact headers)
 
 
 def pack(msgid: str) -> bytes:

@@ -1,7 +1,7 @@
-"""One connection to one Redis that carries the scripts of every caller, pipelined.
+"""One connection to one Redis that carries the scripts of every caller, pipelined (the
+store's: recipients and consumer groups, skmq/store/store.py).
 
-Every message makes at least two round trips to the store (its store, its finish), each
-a pipeline of script calls. redis-py's asyncio pipeline costs about 38 µs of the
+redis-py's asyncio pipeline costs about 38 µs of the
 broker's CPU a round trip on top of the socket work (a Pipeline object, a pooled
 connection lent and taken back, a timer and a retry wrapper per reply): about half of
 a round trip's CPU (`python -m bench.roundtrip_bench`). Here a round trip
@@ -19,12 +19,6 @@ again. One timer a connection keeps that bound (not a timer a call): it fires at
 earliest deadline of the calls waiting when it was set. Nothing is sent twice: a caller
 that sees an error decides (a producer is answered `error` and sends again,
 deduplicated by msgid).
-
-At ordinary load each round trip wakes Redis and then the broker, and a message makes
-two. So a caller may let its commands linger (`_Protocol.send`): an ack's finish waits
-up to ACK_LINGER for the next message's store (or a claim) and goes in the same write,
-one round trip instead of two. It lingers only while the connection is written to at
-least that often, so a quiet broker answers an ack at once.
 """
 
 from __future__ import annotations
@@ -106,10 +100,6 @@ class _Protocol(asyncio.Protocol):
         self.lost: Exception | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.due = float("inf")  # when the timer fires
-        self.unsent: list[bytes] = []  # packed commands lingering (see `send`)
-        self.linger_timer: asyncio.TimerHandle | None = None
-        self.written = float("-inf")  # when the last write went
-        self.gap = float("inf")  # between the last two writes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
@@ -138,59 +128,27 @@ class _Protocol(asyncio.Protocol):
             # abort, not close: close keeps what waits to be written until Redis reads it,
             # and a stalled Redis may never (the memory of every batch sent meanwhile)
             self.transport.abort()
-        for timer in (self.timer, self.linger_timer):
-            if timer is not None:
-                timer.cancel()
-        self.unsent.clear()
+        if self.timer is not None:
+            self.timer.cancel()
         while self.waiting:
             call = self.waiting.popleft()
             if not call.future.done():
                 call.future.set_exception(error)
 
-    def send(
-        self, commands: list[Command], timeout: float | None, linger: float = 0.0
-    ) -> asyncio.Future[list[Any]]:
-        """The replies of `commands`, or RedisTimeoutError (closing the connection) if
-        they are not all in `linger` + `timeout` seconds from now.
-
-        `linger`: how long the commands may wait for another caller's write to ride on,
-        asked only while this connection is written to at least that often (its last two
-        writes, and the last one and now, were no further apart); otherwise, and with 0,
-        they are written now."""
+    def send(self, commands: list[Command], timeout: float | None) -> asyncio.Future[list[Any]]:
+        """The replies of `commands`, written now, or RedisTimeoutError (closing the
+        connection) if they are not all in `timeout` seconds from now."""
         assert self.transport is not None
         if self.lost is not None:
             raise self.lost
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.unsent += [hiredis_pack(c) for c in commands]
-        now = loop.time()
-        if linger > 0 and now - self.written <= linger and self.gap <= linger:
-            if self.linger_timer is None:
-                self.linger_timer = loop.call_at(now + linger, self._linger_over)
-        else:
-            self._write(now)
-        deadline = float("inf") if timeout is None else now + linger + timeout
+        self.transport.write(b"".join(hiredis_pack(c) for c in commands))
+        deadline = float("inf") if timeout is None else loop.time() + timeout
         self.waiting.append(_Call(future, len(commands), timeout, deadline))
         if deadline < self.due:
             self._arm(deadline)
         return future
-
-    def _write(self, now: float) -> None:
-        """Write every command not written yet, in the order sent (the order of `waiting`);
-        `now`: the loop's time."""
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
-            self.linger_timer = None
-        self.gap, self.written = now - self.written, now
-        if self.transport is not None and self.unsent:
-            self.transport.write(b"".join(self.unsent))
-        self.unsent.clear()
-
-    def _linger_over(self) -> None:
-        """Nothing came to ride on: written alone, and no lingering until writes come
-        often again."""
-        self._write(asyncio.get_running_loop().time())
-        self.gap = float("inf")
 
     def _arm(self, due: float) -> None:
         if self.timer is not None:
@@ -224,15 +182,14 @@ class MultiplexedConnection:
         self._protocol: _Protocol | None = None
         self._connecting = asyncio.Lock()
 
-    async def pipeline(self, commands: list[Command], linger: float = 0.0) -> list[Any]:
-        """The replies of `commands`, sent in one write (which may linger for a while to
-        carry another caller's commands too: `_Protocol.send`); an error reply is returned
-        in its place as redis-py's exception, never raised. A lost or stalled connection
-        raises redis-py's ConnectionError or TimeoutError."""
+    async def pipeline(self, commands: list[Command]) -> list[Any]:
+        """The replies of `commands`, sent in one write; an error reply is returned in its
+        place as redis-py's exception, never raised. A lost or stalled connection raises
+        redis-py's ConnectionError or TimeoutError."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
-        return await protocol.send(commands, self.timeout, linger)
+        return await protocol.send(commands, self.timeout)
 
     async def _connect(self) -> _Protocol:
         async with self._connecting:

@@ -1,13 +1,13 @@
-"""The Lua scripts behind every state change: one `.lua` file a transition, in
-`skmq/store/lua/` (the transitions are listed in `skmq/lifecycle.py`).
+"""The Lua scripts of recipients and consumer groups, in `skmq/store/lua/` (the
+consumer groups' transitions are listed in skmq/pull/groups.py; the delivery engine's
+own scripts are skmq/queue/lua/'s).
 
 Each script gets every key it touches in KEYS, in the order `KEYS` below names them
-(each name is under the app's key base; `done:<b>` buckets are appended by the caller),
-so Redis Cluster and proxies can route it: all of one app's keys share the app's hash
-tag, and no script touches a key of another app or of the whole store (the apps
-directory is kept outside the scripts: skmq/store/directory.py). The
-helpers of `lib.lua` it uses (and, for fail and reap, the retry policy of `retry.lua`)
-are prepended to a script when it is loaded.
+(each name is under the app's key base; a group's keys are appended by the caller), so
+Redis Cluster and proxies can route it: all of one app's keys share the app's hash tag,
+and no script touches a key of another app or of the whole store (the apps directory is
+kept outside the scripts: skmq/store/directory.py). The helpers of `lib.lua` it uses
+(and its preludes below) are prepended to a script when it is loaded.
 """
 
 from __future__ import annotations
@@ -18,37 +18,9 @@ from importlib import resources
 
 # The app keys each script touches, in KEYS order.
 KEYS: dict[str, tuple[str, ...]] = {
-    "store": (  # + done:<current>, done:<previous>
-        *("msgs", "ready", "delayed", "listed", "groups", "glog", "gseen", "recipients"),
-        *("state", "kq", "gadded"),
-    ),
-    "claim": ("msgs", "state", "ready", "delayed", "inflight", "dead", "rate", "kq"),
-    "fail": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
-    "reap": ("msgs", "state", "delayed", "inflight", "dead", "ready", "kq"),
-    "finish": ("msgs", "state", "inflight", "ready", "delayed", "kq"),  # + done:<current>
-    "extend": ("msgs", "state", "inflight"),
-    "release": ("msgs", "state", "ready", "delayed", "inflight"),
-    "in_flight_of": ("msgs", "state", "inflight"),
-    "holding": ("msgs",),
-    "stored_of": ("msgs",),  # + done:<current>, done:<previous>
-    "settled_of": ("msgs", "inflight", "delayed", "dead"),  # + done:<cur>, done:<prev>
-    "replay": ("state", "delayed", "dead"),
-    "purge": ("msgs", "state", "dead"),
-    # an operator's (skmq/console.py): look at, or purge, the messages waiting
-    "peek": ("msgs", "state", "ready", "delayed", "kq"),
-    "purge_waiting": ("msgs", "state", "ready", "delayed", "kq"),
-    "oldest_pending": ("msgs", "ready", "delayed"),
-    # the source app's; Store.move adds the target app's msgs, ready, listed, done:*
-    "move": ("msgs", "state", "dead"),
     "set_state": ("recipients", "rstate", "rbeat"),
     "register": ("recipients", "rstate", "rbeat", "listed", "tally"),
     "unregister": ("recipients", "rstate", "rbeat"),
-    "forget": (
-        *("ready", "delayed", "inflight", "dead", "recipients"),  # checked empty
-        *("msgs", "state", "rstate", "rbeat", "rate", "listed"),  # dropped
-        "groups",  # checked empty
-        "tally",  # dropped
-    ),
     # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead, kq.
     # group_create and group_reset: + gadded, after them.
     "group_create": ("groups", "glog"),
@@ -66,8 +38,6 @@ KEYS: dict[str, tuple[str, ...]] = {
 _PRELUDES: dict[str, tuple[str, ...]] = {
     "group_create": ("group_position",),
     "group_reset": ("group_position",),
-    "fail": ("retry",),
-    "reap": ("retry",),
     **{
         name: ("pull_lib",)
         for name in (

@@ -1,4 +1,4 @@
-"""The owners' connections (ENGINE=owner): one Wire to a single Redis, or on a Redis
+"""The owners' connections: one Wire to a single Redis, or on a Redis
 Cluster one Wire to each master, chosen by the slot of a key (every key of an app's
 queue shares the app's hash tag, so an app's writes all go to its master).
 

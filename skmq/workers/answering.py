@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from skmq.codec import Frame, Status
 from skmq.events import Event
 from skmq.peer import Peer
+from skmq.queue.owned_store import OwnedStore
 from skmq.registry.own_addresses import same_host
 from skmq.registry.recipients import Registry
-from skmq.store import Store
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.app_search import AppSearch
 from skmq.workers.link import DETAILS, OUTCOMES, Verdict
 from skmq.workers.pusher import Pusher
 
 InFlight = tuple[str, str, int]  # delivery id, recipient, attempt
-# ENGINE=owner: the owner's verdict on an answer for an app this broker does not own,
+# The owner's verdict on an answer for an app this broker does not own,
 # with the recipients the sender was found to be (None: any: its token or its
 # authentication decides) (skmq/queue/forward.py)
 Forward = Callable[[str, Frame, "Sequence[str] | None"], Awaitable[Verdict]]
@@ -42,7 +42,7 @@ class Vouched:
 
 @dataclass(eq=False)
 class AnswerRouter:
-    store: Store
+    store: OwnedStore
     registry: Registry
     pusher: Pusher
     answers: AnswerBatcher

@@ -19,7 +19,8 @@ from skmq.clock import now_ms
 from skmq.codec import Status
 from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
-from skmq.store import Extended, Failed, Store, split_delivery
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import Extended, Failed, split_delivery
 from skmq.workers.link import Verdict
 
 log = structlog.get_logger("skmq.answers")
@@ -46,7 +47,7 @@ def _kind(delivery_id: str) -> str:
 class AnswerBatcher:
     def __init__(
         self,
-        store: Store,
+        store: OwnedStore,
         dlog: DeliveryLog,
         on_done: Callable[[str, bool], None],
         on_acked: Callable[[str, int], None] | None = None,

@@ -20,9 +20,10 @@ import structlog
 from redis.exceptions import RedisError
 
 from skmq.clock import now_ms
+from skmq.queue.owned_store import OwnedStore
 from skmq.registry.balance import Balancer
 from skmq.registry.recipients import Recipient
-from skmq.store import AliveRecipient, ClaimArgs, Claimed, ClaimResult, Store
+from skmq.store import AliveRecipient, ClaimArgs, Claimed, ClaimResult
 
 log = structlog.get_logger("skmq.dispatch")
 
@@ -49,7 +50,7 @@ class Plan(NamedTuple):
 @dataclass(eq=False)
 class Dispatcher:
     app: str
-    store: Store
+    store: OwnedStore
     registered: Callable[[str], list[Recipient]]
     free_slots: Callable[[str, list[Recipient]], dict[str, int]]
     deliver: Callable[[str, list[Claimed]], None]

@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping, Sized
 
 import structlog
 
+from skmq.queue.owned_store import OwnedStore
 from skmq.registry.recipients import Recipient, Registry
-from skmq.store import ClaimArgs, Claimed, Store
+from skmq.store import ClaimArgs, Claimed
 from skmq.supervisor import Supervisor
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.rotation import APPS_A_ROUND, Rotation
@@ -21,7 +22,7 @@ log = structlog.get_logger("skmq.dispatchers")
 class Dispatchers:
     def __init__(
         self,
-        store: Store,
+        store: OwnedStore,
         registry: Registry,
         supervisor: Supervisor,
         free_slots: Callable[[str, list[Recipient]], dict[str, int]],

@@ -8,8 +8,8 @@ background loops. Each part has one job:
 - `Reaper` (reaper.py): leases that ran out;
 - heartbeats (skmq/registry/heartbeat.py) and the recipient registry.
 
-Every state change goes through the store's scripts, so any number of engines (brokers)
-can share one Redis.
+Every state change goes to the app's owner (skmq/queue/: the broker that holds its
+queue, here or through its inbox), so any number of brokers can share one Redis.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from skmq.connections import Connections
 from skmq.deliverylog import DeliveryLog
 from skmq.errors import redis_error_text
 from skmq.peer import Peer
+from skmq.queue.owned_store import OwnedStore
 from skmq.registry.heartbeat import heartbeat_round
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.registry.recipients import Registry
 from skmq.signing import PushSigner
 from skmq.stall import StallWatch
-from skmq.store import Store
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import AnswerRouter
 from skmq.workers.answers import AnswerBatcher
@@ -55,7 +55,7 @@ class Engine:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: OwnedStore,
         dlog: DeliveryLog,
         broker_id: str,
         supervisor: Supervisor,

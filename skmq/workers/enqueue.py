@@ -33,7 +33,8 @@ from skmq.clock import now_ms
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
-from skmq.store import ClaimArgs, NewMessage, Store
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import ClaimArgs, NewMessage
 from skmq.store.disk import DiskSpace
 from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import AppStored
@@ -152,7 +153,7 @@ class EnqueueBatch:
 
 @dataclass(eq=False)
 class Enqueuer:
-    store: Store
+    store: OwnedStore
     dlog: DeliveryLog
     on_stored: Callable[[set[str]], None]
     note_apps: Callable[[set[str]], Any]

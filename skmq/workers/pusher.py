@@ -18,10 +18,11 @@ from skmq.config import Settings
 from skmq.connections import ConnectionInfo
 from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
+from skmq.queue.owned_store import OwnedStore
 from skmq.registry.own_addresses import OwnAddresses
 from skmq.registry.recipients import Recipient, Registry
 from skmq.signing import PushSigner
-from skmq.store import Claimed, Store, split_delivery
+from skmq.store import Claimed, split_delivery
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.link import Delivery, LinkLimits, LinkTimeouts, RecipientLink, Verdict
 from skmq.workers.tokens import DeliveryTokens
@@ -35,7 +36,7 @@ LateAnswer = Callable[[Frame, tuple[str, str]], Awaitable[Verdict]]
 @dataclass(eq=False)
 class Pusher:
     settings: Settings
-    store: Store
+    store: OwnedStore
     dlog: DeliveryLog
     registry: Registry
     answers: AnswerBatcher

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from skmq.clock import now_ms
 from skmq.events import Event
-from skmq.store import Failed, Store, split_delivery
+from skmq.queue.owned_store import OwnedStore
+from skmq.store import Failed, split_delivery
 from skmq.workers.answers import AnswerBatcher
 from skmq.workers.dispatch import Dispatcher
 from skmq.workers.pusher import Pusher
@@ -18,7 +19,7 @@ from skmq.workers.rotation import APPS_A_ROUND, Rotation
 
 @dataclass(eq=False)
 class Reaper:
-    store: Store
+    store: OwnedStore
     dispatchers: dict[str, Dispatcher]
     pusher: Pusher
     answers: AnswerBatcher

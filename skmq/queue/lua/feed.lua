@@ -1,5 +1,5 @@
--- Prepended to flush.lua and append.lua: the app's consumer groups (skmq/pull/) fed as
--- store.lua feeds them under ENGINE=scripts. Once the app has a group, a stored message
+-- Prepended to flush.lua and append.lua: the app's consumer groups (skmq/pull/) fed
+-- with its stored messages. Once the app has a group, a stored message
 -- is also appended to the group log `glog` (each entry's `n` counting the entries ever
 -- added, kept in `gadded`; its msgid in `gseen`), and the log's channel is told; while
 -- no push recipient is registered it goes to the groups alone (pull only: neither log

@@ -1,4 +1,4 @@
--- ENGINE=owner: forget an app that holds nothing: no recipient, no consumer group, no
+-- Forget an app that holds nothing: no recipient, no consumer group, no
 -- message in its log or inbox (its owner's checkpoint trims them as deliveries end), no
 -- dead letter. Its leftovers and its `listed` mark go in one step; the store then takes
 -- it out of the apps directory and lists it again if a store or a registration set the

@@ -6,7 +6,7 @@
 --              <msgid>\31<recipient> (one recipient's copy of a topic message)
 --   dlt  HASH  msgid -> how many copies of that topic message `dl` holds
 -- A msgid held as a dead letter is a duplicate of any store or move into the app, as a
--- stored message is (ENGINE=scripts keeps a dead one in `msgs`): one HMGET a batch of
+-- stored message is: one HMGET a batch of
 -- `dl` finds a queue message's letter, one of `dlt` a topic message's copies.
 
 -- Which msgids of `ids` a store, a move or an inbox entry must not bring back: those
@@ -37,7 +37,7 @@ end
 -- `prev`) or held as a dead letter (`dl`, `dlt`). A store through another broker of a
 -- msgid live at the owner is appended to the inbox (only the owner knows its live
 -- msgids): read after that message ended, the entry is its duplicate, which the owner
--- drops (ENGINE=scripts answers it so). Forwarded answers (no msgid) are left alone.
+-- drops. Forwarded answers (no msgid) are left alone.
 local function mark_seen(entries, cur, prev, dl, dlt)
   local ids, at = {}, {}
   for k, e in ipairs(entries) do

@@ -3,7 +3,7 @@
 --   groups    HASH    group -> cursor: the last log entry id the group has read
 --   glog      STREAM  the group log: m msgid, k kind q|t, c content, d deliver_at ms,
 --                     x expires_at ms (only with a TTL), o ordering key (only with one),
---                     n how many entries were ever added to the log with it (store.lua)
+--                     n how many entries were ever added to the log with it (feed.lua)
 -- and the group's own keys (g:<group>:<name>):
 --   inflight  ZSET    entry id -> lease deadline ms (received, not settled)
 --   delayed   ZSET    entry id -> due ms (a delay, or a retry wait)
