@@ -1,17 +1,17 @@
 """Messages as an earlier SKMQ's store holds them (the per-transition scripts engine,
 whose store a broker converts when it starts: skmq/queue/migrate.py): a field of the
 app's `msgs` hash, from the msgid (as skmq/store/msgids.py holds it) to a header and the
-content. The header tells the kind
-(queue or topic) and the unix ms the message was stored, in one of two forms:
+content. The header tells the kind (queue or topic) and the unix ms the message was
+stored, in one of two forms:
 
 - text: `q` or `t`, then the ms in 13 digits (14 bytes);
 - compact: 5 bytes, big-endian: a 1 bit, the kind (0 queue, 1 topic), then the stored
   ms modulo 2**38 (8.7 years).
 
 A compact header starts with a byte of 128 or more, a text one with `q` or `t`: a value
-reads back whatever form wrote it. A stored
-ms modulo 2**38 reads back as the latest time that fits it up to a day after now (a
-message is never older than 8.7 years less a day; a day covers clocks of brokers apart).
+reads back whatever form wrote it. A stored ms modulo 2**38 reads back as the latest
+time that fits it up to a day after now (a message is never older than 8.7 years less a
+day; a day covers clocks of brokers apart).
 
 Why 5 bytes: Redis holds a hash entry's field and value in one allocation, and with the
 embedded valkey's allocator (libc's) a 17-byte packed msgid with a value of up to 105
