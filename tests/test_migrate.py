@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from skmq.clock import now_ms
+from skmq.embedded_cluster import LocalCluster
 from skmq.errors import Misconfigured
 from skmq.queue import migrate
 from skmq.queue.journal import AppKeys
@@ -34,7 +36,10 @@ from skmq.store.engine_mark import mark_key
 from skmq.store.msgids import pack
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import WAIT, FakeRecipient
+from tests.test_cluster import cluster, cluster_redis
 from tests.test_delivery import log_events, registered, started
+
+__all__ = ["cluster", "cluster_redis"]  # the fixtures, shared with tests/test_cluster.py
 
 DATA = Path(__file__).parent / "data"
 NOW = 1_700_000_000_000
@@ -44,7 +49,7 @@ FAR = 4_102_444_800_000
 LIVE = 13  # deliveries waiting or in flight in `shop`: each an inbox entry
 
 
-async def load(redis: aioredis.Redis, prefix: str, layout: str) -> None:
+async def load(redis: aioredis.Redis | RedisCluster, prefix: str, layout: str) -> None:
     """The stored keys, under `prefix`."""
     data = json.loads((DATA / f"legacy_store_{layout}.json").read_text())
     old = data["prefix"].encode() + b":"
@@ -173,3 +178,23 @@ async def test_a_store_an_earlier_broker_still_serves_is_not_converted(
         await make_broker()
     assert await redis.exists(AppKeys.of(prefix, "shop").base + "msgs")
     assert await redis.get(mark_key(prefix)) is None
+
+
+async def test_a_store_on_a_redis_cluster_is_converted(
+    make_broker: BrokerFactory, cluster: LocalCluster, cluster_redis: RedisCluster, prefix: str
+) -> None:
+    """Each app's old keys on its own master (the apps `shop` and `other` on two)."""
+    await load(cluster_redis, prefix, "packed")
+    shop, other = (AppKeys.of(prefix, app) for app in ("shop", "other"))
+    assert cluster_redis.keyslot(shop.inbox) != cluster_redis.keyslot(other.inbox)
+    broker = await make_broker(redis_url=cluster.url)
+    assert await cluster_redis.get(mark_key(prefix)) == b"owner"
+    assert not await cluster_redis.exists(*(shop.base + name for name in OLD_KEYS))
+
+    dead = {d.delivery_id for d in await broker.store.dead_letters("shop")}
+    waiting = {w.msgid for w in await broker.store.peek("shop", 20, NOW)}
+    # (`ttl`, its TTL run out: dead-lettered once its owner would push it, none here)
+    assert dead - {"ttl"} == {H2, "t3\x1fr1", "t3\x1fr2"}
+    queued = {"p1", H1, "inflight1", "retry1", "a1", "a2", "a3", "t1", "t2", "far", "b1", "b2"}
+    assert waiting - {"ttl"} == queued and "ttl" in dead | waiting
+    assert [d.msgid for d in await broker.store.dead_letters("other")] == ["o1"]
