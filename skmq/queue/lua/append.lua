@@ -22,11 +22,10 @@
 -- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
 -- the `listed` mark is new else 0.
 local first = 2  -- the first message's ARGV
-local present = nil
+local present = {}  -- msgids taken (a second one in the batch is its duplicate)
 if KEYS[12] then
   if redis.call('EXISTS', KEYS[12]) == 1 then return {'owned'} end
   if (redis.call('GET', KEYS[13]) or '0') ~= ARGV[2] then return {'changed'} end
-  present = {}
   for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. ARGV[3], '+')) do
     if e[2][1] == 'm' then present[e[2][2]] = true end
   end
@@ -41,10 +40,10 @@ local out = {}
 local told = false
 for j = 1, #ids do
   local i = first + 3 * (j - 1)
-  if ended(e, j) or (g and g.seen[j]) or (present and present[ARGV[i]]) then
+  if ended(e, j) or (g and g.seen[j]) or present[ARGV[i]] then
     out[j] = 0
   else
-    if present then present[ARGV[i]] = true end
+    present[ARGV[i]] = true
     if g then feed(g, ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
     if g and g.pull_only then
       out[j] = '-'
