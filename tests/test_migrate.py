@@ -84,6 +84,7 @@ async def test_a_broker_converts_a_store_of_an_earlier_version_and_delivers_what
     await started(*recs)
     broker = await make_broker()
     assert await redis.get(mark_key(prefix)) == b"owner"
+    assert not await redis.exists(f"{prefix}:msgids")
     for app in ("shop", "other"):
         base = AppKeys.of(prefix, app).base
         assert not await redis.exists(*(base + name for name in OLD_KEYS))

@@ -242,6 +242,7 @@ async def migrate_store(redis: RedisClient, prefix: str, now: int, dedupe_ms: in
         if not await redis.hlen(base + "msgs"):  # (every message moved: by us or another)
             await redis.delete(*(base + name for name in OLD_KEYS))
         log.info("app converted", app=app, messages=count)
+    await redis.delete(f"{prefix}:msgids")  # (the old layout's format: skmq/store/msgids.py)
     await redis.set(mark_key(prefix), OWNER)
     log.info("store converted", apps=len(apps))
 

@@ -2,12 +2,12 @@
 store a broker converts when it starts: skmq/queue/migrate.py); a consumer group's log
 may hold one so too (`unpack`).
 
-That engine's Redis held every stored msgid twice (a field of `msgs`, an entry of `ready`), and most
-msgids are a uuid4 in hex: what SKMQ's client and the original SKMQ make, 32 characters.
-Held as its 16 bytes behind a tag byte instead, such a message costs Redis 31 bytes less
-(README.md, "Performance"). So, in a store whose format is
-`packed` or `compact`, a msgid of exactly 32 lowercase hex digits is held as `\\x00` and its 16
-bytes; any other msgid as its text. No text msgid starts with `\\x00` (the broker
+That engine's Redis held every stored msgid twice (a field of `msgs`, an entry of
+`ready`), and most msgids are a uuid4 in hex: what SKMQ's client and the original SKMQ
+make, 32 characters. Held as its 16 bytes behind a tag byte instead, such a message cost
+Redis 31 bytes less. So, in a store whose format was `packed` or `compact`, a msgid of
+exactly 32 lowercase hex digits is held as `\\x00` and its 16 bytes; any other msgid as
+its text. No text msgid starts with `\\x00` (the broker
 refuses control characters in ids, skmq/handler.py), so a held msgid reads back without
 knowing which form it took. A text msgid holds no `\\x1f` either, which separates a
 topic copy's recipient from its msgid in a delivery id; a packed one may, and is cut
@@ -27,8 +27,6 @@ from skmq.store.client import ENC, text
 
 TAG = b"\x00"
 SEP = b"\x1f"
-PACKED = b"packed"
-COMPACT = b"compact"  # (packed msgids and compact headers)
 
 
 def pack(msgid: str) -> bytes:
@@ -42,12 +40,6 @@ def pack(msgid: str) -> bytes:
         if raw.hex() == msgid:
             return TAG + raw
     return msgid.encode("utf-8", ENC)
-
-
-def pack_delivery(delivery_id: str) -> bytes:
-    """A delivery id (msgid, or msgid \\x1f recipient) as a packed store holds it."""
-    msgid, sep, rid = delivery_id.partition("\x1f")
-    return pack(msgid) + SEP + rid.encode("utf-8", ENC) if sep else pack(msgid)
 
 
 def split_held(held: bytes) -> tuple[bytes, bytes]:
