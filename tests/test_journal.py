@@ -195,3 +195,22 @@ async def test_a_checkpoint_trims_the_journal_and_the_log(wire: Wire, keys: AppK
     assert await wire.call("GET", keys.checkpoint) == b"state@r1"
     assert [e[0] for e in await wire.call("XRANGE", keys.journal, "-", "+")] == [second[0]]
     assert [e[1][1] for e in await wire.call("XRANGE", keys.log, "-", "+")] == [b"b"]
+
+
+async def test_a_store_through_another_broker_lists_an_app_no_broker_owns(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A broker that died between a first store's write and the app's listing left the
+    app unlisted, so no ownership round would take it: a store sent again lists it,
+    while no broker owns it (an owned app is listed: once its mark is set, not again)."""
+    listed: list[str] = []
+
+    async def lister(app: str) -> None:
+        listed.append(app)
+
+    await append(wire, keys, NOW, DEDUPE, [Appended(b"m1", b"x")], lister)
+    await append(wire, keys, NOW, DEDUPE, [Appended(b"m1", b"x")], lister)  # sent again
+    assert listed == [keys.app, keys.app]
+    assert await acquire(wire, keys, "A", LEASE) is not None
+    await append(wire, keys, NOW, DEDUPE, [Appended(b"m2", b"y")], lister)
+    assert listed == [keys.app, keys.app]

@@ -318,15 +318,16 @@ async def append(
     at_rest: tuple[bytes, bytes] | None = None,
 ) -> list[bytes | None]:
     """A store by a broker that does not own the queue: appended to the inbox, and the
-    owner told; the app listed by `lister` when its mark is new. None where a message is
-    a duplicate (settled within the dedupe window, held as a dead letter). `at_rest`: a
-    mover's, the epoch and the last inbox entry of the state it read (NotAtRest where
-    the app is owned now, or was taken since)."""
+    owner told; the app listed by `lister` when its mark is new or no broker owns it
+    (lua/append.lua: why). None where a message is a duplicate (settled within the dedupe
+    window, held as a dead letter, twice in `messages`). `at_rest`: a mover's, the epoch
+    and the last inbox entry of the state it read (NotAtRest where the app is owned now,
+    or was taken since)."""
     args: list[Any] = [keys.wakeup, *(at_rest or ())]
     for m in messages:
         args += (m.msgid, m.content, m.header)
     touched = (keys.inbox, *keys.dedupe(now, dedupe_ms), keys.listed, *keys.groups)
-    state = (keys.owner, keys.epoch) if at_rest is not None else ()
+    state = (keys.owner, *((keys.epoch,) if at_rest is not None else ()))
     reply = await run_script(wire, "append", (*touched, keys.dead, keys.dead_copies, *state), args)
     if reply in ([b"owned"], [b"changed"]):
         raise NotAtRest(reply == [b"owned"])

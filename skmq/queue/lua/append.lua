@@ -4,11 +4,13 @@
 -- it reads the entry (a live msgid is known only to it). The inbox is apart from the
 -- owner's log so that the owner, the log's only writer, knows every entry of it without
 -- reading it back.
--- The app's `listed` mark is set; when it is new, the caller lists the app in the apps
--- directory (skmq/store/directory.py) before it answers.
+-- The app's `listed` mark is set; when it is new, or no broker owns the app, the caller
+-- lists the app in the apps directory (skmq/store/directory.py) before it answers: the
+-- ownership rounds read the directory, and a broker that died between a first store's
+-- write and its listing left an app there unlisted, which a store sent again lists.
 -- The app's consumer groups are fed as feed.lua (prepended) says.
 -- A dead letter moved into an app no broker owns is appended so too (OwnedStore.move),
--- the app's owner and epoch keys after the rest, the epoch its mover read and the last
+-- the app's epoch key after the rest, the epoch its mover read and the last
 -- inbox entry it read after the channel: the mover read the app's stored state as a new
 -- owner would and left out the msgids live there (only an owner knows them: a live
 -- one's entry is dropped as its duplicate when read). Where the app is owned now the
@@ -17,14 +19,15 @@
 -- that changed: a msgid there is a duplicate.
 -- KEYS: inbox, done:<current bucket>, done:<previous bucket>, listed,
 --       groups, recipients, glog, gseen, gadded, dead letters (hash), dead topic copies
---       by msgid (hash)(, owner, epoch: a move)
+--       by msgid (hash), owner(, epoch: a move)
 -- ARGV: channel(, epoch, inbox entry: a move), (msgid, content, header ('': none))*
 -- Returns {inbox entry id, '-' for the groups alone, or 0 for a duplicate}*, then 1 if
--- the `listed` mark is new else 0.
+-- the app is to be listed (its `listed` mark new, or no owner) else 0.
 local first = 2  -- the first message's ARGV
 local present = {}  -- msgids taken (a second one in the batch is its duplicate)
-if KEYS[12] then
-  if redis.call('EXISTS', KEYS[12]) == 1 then return {'owned'} end
+local owned = redis.call('EXISTS', KEYS[12]) == 1
+if KEYS[13] then
+  if owned then return {'owned'} end
   if (redis.call('GET', KEYS[13]) or '0') ~= ARGV[2] then return {'changed'} end
   for _, e in ipairs(redis.call('XRANGE', KEYS[1], '(' .. ARGV[3], '+')) do
     if e[2][1] == 'm' then present[e[2][2]] = true end
@@ -59,5 +62,6 @@ for j = 1, #ids do
 end
 fed(g, '1')
 if told then redis.call('PUBLISH', ARGV[1], '1') end
-out[#out + 1] = redis.call('SET', KEYS[4], 1, 'NX') and 1 or 0
+local new = redis.call('SET', KEYS[4], 1, 'NX')
+out[#out + 1] = (new or not owned) and 1 or 0
 return out
