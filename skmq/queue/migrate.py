@@ -98,8 +98,8 @@ class Delivery:
 async def _page(
     redis: RedisClient, base: str, helds: list[bytes], ready_copies: set[bytes], now: int
 ) -> list[Moved]:
-    """The messages of `helds` still in `msgs`, as migrate.lua moves them (four round
-    trips a page: the messages and their state, then their topic copies')."""
+    """The messages of `helds` still in `msgs`, as migrate.lua moves them (a round trip
+    for the messages and their state, another for their topic copies')."""
     pipe = redis.pipeline(transaction=False)
     pipe.hmget(base + "msgs", helds)
     pipe.hmget(base + "state", [f for h in helds for f in _fields(h, ATTRS)])
