@@ -201,10 +201,9 @@ class Broker:
         self.supervisor.start("store-clock", clock.run)
         self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
         self.supervisor.start("eviction-watch", self.eviction.run)
-        # (a store an earlier version wrote: converted first)
-        await convert_legacy(self.redis, s.key_prefix, now_ms(), int(s.dedupe_window * 1000))
-        await claim_store(self.redis, s.key_prefix)
         self.store = make_store(s, self.redis)
+        await convert_legacy(self.store, now_ms())  # (a store an earlier version wrote)
+        await claim_store(self.redis, s.key_prefix)
         self.dlog = DeliveryLog(
             s.delivery_log_dir, self.broker_id, s.log_rotate_bytes, s.log_backlog_bytes
         )

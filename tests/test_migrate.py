@@ -34,6 +34,7 @@ from skmq.queue.journal import AppKeys
 from skmq.queue.migrate import OLD_KEYS, migrate_store
 from skmq.store.engine_mark import mark_key
 from skmq.store.msgids import pack
+from skmq.store.store import Store
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import WAIT, FakeRecipient
 from tests.test_cluster import cluster, cluster_redis
@@ -145,8 +146,8 @@ async def test_two_brokers_starting_together_convert_each_message_once(
     """(Pages of 2 messages: an ordering key's messages read in several pages.)"""
     monkeypatch.setattr(migrate, "CHUNK", page)
     await asyncio.gather(
-        migrate_store(redis, prefix, NOW + 30_000, 3_600_000),
-        migrate_store(redis, prefix, NOW + 30_000, 3_600_000),
+        migrate_store(Store(redis, prefix, dedupe_window=3600.0), NOW + 30_000),
+        migrate_store(Store(redis, prefix, dedupe_window=3600.0), NOW + 30_000),
     )
     keys = AppKeys.of(prefix, "shop")
     assert await redis.xlen(keys.inbox) == LIVE
@@ -166,7 +167,7 @@ async def test_the_dedupe_sets_hold_msgids_as_text(
     now = NOW + 30_000
     current, _ = keys.dedupe(now, 3_600_000)
     await redis.sadd(current, pack(H2), "acked2")
-    await migrate_store(redis, prefix, now, 3_600_000)
+    await migrate_store(Store(redis, prefix, dedupe_window=3600.0), now)
     assert await redis.smembers(current) == {H2.encode(), b"acked1", b"acked2"}
 
 

@@ -28,7 +28,6 @@ store is marked as the owner engine's (skmq/store/engine_mark.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +38,11 @@ from skmq.errors import Misconfigured
 from skmq.queue.dead import head
 from skmq.queue.entries import Meta, encode_header
 from skmq.queue.journal import AppKeys, script_source
-from skmq.store.client import ENC, RedisClient
-from skmq.store.directory import AppDirectory
+from skmq.store.client import ENC, RedisClient, text
 from skmq.store.engine_mark import OWNER, UNSHARDED, is_legacy, mark_key
 from skmq.store.messages import read
 from skmq.store.msgids import SEP, TAG, split_held, unpack
+from skmq.store.store import Store
 
 log = structlog.get_logger("skmq.queue.migrate")
 
@@ -75,10 +74,6 @@ COPY_ATTRS = (b"n", b"e", b"h")
 
 def _fields(held: bytes, attrs: Iterable[bytes], copy: bytes = b"") -> list[bytes]:
     return [held + SEP + a + (SEP + copy if copy else b"") for a in attrs]
-
-
-def _text(raw: bytes | None) -> str:
-    return raw.decode("utf-8", ENC) if raw else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +120,14 @@ async def _page(
             n, e, h = c_attrs[3 * j : 3 * j + 3]
             waiting = cid in ready_copies or c_due[j] is not None or c_flying[j] is not None
             of_copy[held, copy] = Delivery(
-                cid, copy, c_due[j], c_died[j], waiting, int(n or 0), _text(e), _text(h)
+                cid, copy, c_due[j], c_died[j], waiting, int(n or 0), text(e or b""), text(h or b"")
             )
     out = []
     for held, value, a, m_due, m_died in found:
         if a[b"c"]:
             deliveries = [of_copy[held, c] for c in a[b"c"].split(SEP)]
         else:  # (a queue message, or a topic one not fanned out: waiting unless dead)
-            n, e, h = int(a[b"n"] or 0), _text(a[b"e"]), _text(a[b"h"])
+            n, e, h = int(a[b"n"] or 0), text(a[b"e"] or b""), text(a[b"h"] or b"")
             deliveries = [Delivery(held, b"", m_due, m_died, m_died is None, n, e, h)]
         out.append(_message(held, value, a, deliveries, now))
     return out
@@ -143,14 +138,14 @@ def _message(
 ) -> Moved:
     kind, stored, content = read(value, now)
     msgid = unpack(held).encode("utf-8", ENC)
-    key = (a[b"k"] or b"").partition(SEP)[0].decode("utf-8", ENC)
-    trace = _text(a[b"tp"])
+    key = text((a[b"k"] or b"").partition(SEP)[0])
+    trace = text(a[b"tp"] or b"")
     topic = kind == "topic"
     moved = Moved(held)
     for d in deliveries:
-        meta = Meta(topic, 0, 0, key, trace, d.copy.decode("utf-8", ENC))
+        meta = Meta(topic, 0, 0, key, trace, text(d.copy))
         if d.died is not None:
-            last = d.copy.decode("utf-8", ENC) or _text(a[b"r"])
+            last = meta.only or text(a[b"r"] or b"")
             history = d.history.split("\n") if d.history else []
             value_head = head(meta, stored, d.attempts, d.error, history, last)
             delivery_id = msgid + SEP + d.copy if d.copy else msgid
@@ -225,39 +220,38 @@ async def _dedupe_as_text(redis: RedisClient, keys: AppKeys, now: int, dedupe_ms
             await redis.srem(key, *packed)
 
 
-async def migrate_store(redis: RedisClient, prefix: str, now: int, dedupe_ms: int) -> None:
+async def migrate_store(store: Store, now: int) -> None:
     """Every app of the store moved, then the store marked as the owner engine's."""
-    directory = AppDirectory(redis, prefix)
-    unsharded = f"{prefix}:{UNSHARDED}"
+    redis, prefix = store.redis, store.prefix
+    unsharded = store.global_key(UNSHARDED)
     if listed := await redis.smembers(unsharded):  # (a store older still: one apps set)
-        await directory.add(app.decode("utf-8", ENC) for app in listed)
+        await store.add_apps(text(app) for app in listed)
         await redis.delete(unsharded)
-    apps = await directory.members()
+    apps = await store.apps()
     log.info("converting a store of an earlier version", apps=len(apps))
     for app in apps:
         keys = AppKeys.of(prefix, app)
-        base = keys.base
         count = await migrate_app(redis, prefix, app, now)
-        await _dedupe_as_text(redis, keys, now, dedupe_ms)
-        if not await redis.hlen(base + "msgs"):  # (every message moved: by us or another)
-            await redis.delete(*(base + name for name in OLD_KEYS))
+        await _dedupe_as_text(redis, keys, now, store.dedupe_ms)
+        if not await redis.hlen(keys.base + "msgs"):  # (every message moved: by us or another)
+            await redis.delete(*(keys.base + name for name in OLD_KEYS))
         log.info("app converted", app=app, messages=count)
-    await redis.delete(f"{prefix}:msgids")  # (the old layout's format: skmq/store/msgids.py)
+    await redis.delete(store.global_key("msgids"))  # (the old layout's format: msgids.py)
     await redis.set(mark_key(prefix), OWNER)
     log.info("store converted", apps=len(apps))
 
 
-async def convert_legacy(redis: RedisClient, prefix: str, now: int, dedupe_ms: int) -> None:
+async def convert_legacy(store: Store, now: int) -> None:
     """A store an earlier version wrote converted (`migrate_store`); any other as it is.
     Refused (Misconfigured) while a broker of that version still serves it (one that
     said it was alive within ALIVE_MS: every broker says so each second), whose writes
     to the old layout would be stranded there."""
-    if not await is_legacy(redis, prefix):
+    prefix = store.prefix
+    if not await is_legacy(store.redis, prefix):
         return
-    seen = await redis.hgetall(f"{prefix}:brokers")
     alive = sorted(
         f"{info.get('host')}:{info.get('port')}"
-        for info in (json.loads(v) for v in seen.values())
+        for info in (await store.brokers()).values()
         if now - int(info.get("last_seen") or 0) < ALIVE_MS
     )
     if alive:
@@ -265,4 +259,4 @@ async def convert_legacy(redis: RedisClient, prefix: str, now: int, dedupe_ms: i
             f"the store (KEY_PREFIX {prefix!r}) is served by brokers of an earlier SKMQ "
             f"({', '.join(alive)}): stop them, then start this one, which converts it"
         )
-    await migrate_store(redis, prefix, now, dedupe_ms)
+    await migrate_store(store, now)
