@@ -146,9 +146,11 @@ async def make_broker(redis_url: str, prefix: str, tmp_path: Path) -> AsyncItera
                 await broker.start()
             except Misconfigured as exc:
                 # A free port the test picked (HTTP_PORT, METRICS_PORT) was taken meanwhile
-                # by another process of this machine: stop what started, pick others. The
-                # test reads the port the broker got from broker.settings / broker.gateway.
-                if "address already in use" not in str(exc) or attempt == 2:
+                # by another process of this machine, or by this broker's own PORT 0 (the
+                # kernel hands a closed port out again): stop what started, pick others.
+                # The test reads the port the broker got from broker.settings / .gateway.
+                taken = ("address already in use", "an address the broker uses already")
+                if not any(t in str(exc) for t in taken) or attempt == 2:
                     raise
                 if hasattr(broker, "server"):
                     broker.stopping.set()
