@@ -245,6 +245,57 @@ async def test_pushes_made_while_a_checkpoint_is_written_are_replayed_once(
     assert states(b) == {k: (State.PENDING, 1) for k in before}  # pushed again
 
 
+async def test_a_checkpoint_waits_for_a_store_whose_flush_carries_first_pushes(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A store's first pushes are held once its flush returns: a checkpoint taken while
+    that flush is on its way must not name a journal entry past their records without
+    holding them (a new owner would find the message pending, a record of its ack
+    refused, the app not loaded: a broker killed so could not start again). It waits
+    for the store, and a store that comes meanwhile waits for it."""
+    a = await owner(wire, keys, "A", ["r1"])
+    storing = asyncio.ensure_future(a.store_and_push(msgs("m1"), T, ["r1"]))
+    await asyncio.sleep(0)  # (the store's flush sent, its reply not read)
+    checkpoint = asyncio.ensure_future(a.checkpoint(T))
+    await asyncio.sleep(0)  # (the checkpoint waits for the store)
+    later = asyncio.ensure_future(a.store_and_push(msgs("m2"), T, ["r1"]))
+    (stored, pushed), _ = await asyncio.gather(storing, checkpoint)
+    assert stored == [True] and [d.msgid for d in pushed] == [b"m1"]
+    assert (await later)[0] == [True]
+    state = await wire.call("GET", keys.checkpoint)
+    assert b"m1" in state and b"m2" not in state  # (m2 stored after the checkpoint)
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    await a.flush(T)
+
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    await b.load(T + 1)
+    assert (b"m1", QUEUE) not in b.queue.deliveries  # acked
+    assert states(b)[(b"m2", QUEUE)] == (State.PENDING, 1)  # pushed again
+
+
+async def test_a_journal_record_its_delivery_cannot_take_is_skipped_not_fatal(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """A new owner that meets a record the table refuses (here an ack whose push record
+    is missing) leaves that delivery as it stands and loads the app: redelivered, never
+    an app (or a broker) that cannot start."""
+    a = await owner(wire, keys, "A", ["r1"])
+    await a.store(msgs("m1", "m2"), T)
+    (d,) = a.queue.take(1, T)
+    a.queue.push(d, "r1", T)
+    await a.flush(T)
+    ((pushed, _),) = await wire.call("XREVRANGE", keys.journal, "+", "-", "COUNT", 1)
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    await a.flush(T)
+    await wire.call("XDEL", keys.journal, pushed)
+
+    await wire.call("DEL", keys.owner)
+    b = await owner(wire, keys, "B", ["r1"])
+    await b.load(T + 1)
+    assert states(b) == {(b"m1", QUEUE): (State.PENDING, 0), (b"m2", QUEUE): (State.PENDING, 0)}
+
+
 async def test_the_answers_of_one_loop_turn_share_one_write(wire: Wire, keys: AppKeys) -> None:
     a = await owner(wire, keys, "A", ["r1"])
     await a.store(msgs(*(f"m{n}" for n in range(20))), T)

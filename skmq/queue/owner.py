@@ -16,9 +16,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from skmq.clock import now_ms
 from skmq.jsonbody import dump_json, load_json
-from skmq.lifecycle import State
+from skmq.lifecycle import Refused, State
 from skmq.queue.dead import flush_args
 from skmq.queue.deliveries import (
     END,
@@ -41,6 +43,8 @@ from skmq.queue.entries import (
 )
 from skmq.queue.journal import GROUPS_ONLY, Appended, Flushed, Journal
 from skmq.store.wire import Wire
+
+log = structlog.get_logger("skmq.owner")
 
 FANNED = b"f"  # a journal record outside the table: a topic message's copies, by recipient
 CHECKPOINTED = b"k"  # a journal record outside the table: the flush a checkpoint names
@@ -84,6 +88,13 @@ class AppOwner:
         # msgids whose store's flush is on its way, and its end: a second store of one
         # waits for it (live, or not, once it is done), as one script a msgid would
         self._storing: dict[bytes, asyncio.Future[None]] = {}
+        # Stores whose flush carries first pushes (`store_and_push`): their deliveries are
+        # held only once the flush returns, so a checkpoint waits for them (its state
+        # must hold every delivery whose records precede its mark), and stores wait for
+        # a checkpoint waiting so (`_pushes_done`, `_checkpointing`).
+        self._pushing = 0
+        self._pushes_done: asyncio.Future[None] | None = None
+        self._checkpointing: asyncio.Future[None] | None = None
         # the log: every entry up to `log_cursor` read; after it, `backlog` plain queue
         # messages not read yet (in `live`, not held), and entries that were read as
         # they were stored (the rest); `log_last`, the last entry stored
@@ -148,6 +159,8 @@ class AppOwner:
         """As `store`; and the first new messages, when nothing waits before them, pushed
         to `recipients` in order (a dispatcher's free window slots), their push records
         in the same flush: the deliveries to hand to the pusher, in flight."""
+        while self._checkpointing is not None:  # (its state is being taken: after it)
+            await asyncio.shield(self._checkpointing)
         # (a store of the same msgid on its way: its outcome first, then live says)
         while waits := {self._storing[m.msgid] for m in messages if m.msgid in self._storing}:
             await asyncio.wait(waits)
@@ -163,33 +176,46 @@ class AppOwner:
         storing = asyncio.get_running_loop().create_future()
         for msgid in seen:
             self._storing[msgid] = storing
+        self._pushing += bool(pushes)
         try:
-            flushed = await self._flush(now, appended, read_inbox=True, pushes=pushes)
+            try:
+                flushed = await self._flush(now, appended, read_inbox=True, pushes=pushes)
+            finally:
+                for msgid in seen:
+                    del self._storing[msgid]
+                storing.set_result(None)
+            stored: dict[bytes, bool] = {}
+            pushed: list[Delivery] = []
+            # (No wait from the flush's reply to here: the stores' entries are taken in
+            # the order written, which `backlog` and the log's cursor need.)
+            for m, entry in zip(fresh, flushed.ids, strict=True):
+                stored[m.msgid] = entry is not None
+                if entry is not None and entry != GROUPS_ONLY:
+                    self.live.add(m.msgid)
+                    self.log_last = entry
+                    e = Entry(entry, m.msgid, m.content, m.meta)
+                    rid = plan.get(m.msgid)
+                    if rid is not None:  # (its push record is in the flush)
+                        pushed.append(self._materialise_pushed(e, rid, now))
+                    elif in_log(m.meta) and (self.backlog or self._waiting() >= self.held):
+                        self.backlog += 1  # (stays in the log: `refill` reads it)
+                    else:
+                        self._materialise(e, now)
+                    if not self.backlog:
+                        self.log_cursor = entry
         finally:
-            for msgid in seen:
-                del self._storing[msgid]
-            storing.set_result(None)
-        stored: dict[bytes, bool] = {}
-        pushed: list[Delivery] = []
-        # (No wait from the flush's reply to here: the stores' entries are taken in the
-        # order written, which `backlog` and the log's cursor need.)
-        for m, entry in zip(fresh, flushed.ids, strict=True):
-            stored[m.msgid] = entry is not None
-            if entry is not None and entry != GROUPS_ONLY:
-                self.live.add(m.msgid)
-                self.log_last = entry
-                e = Entry(entry, m.msgid, m.content, m.meta)
-                rid = plan.get(m.msgid)
-                if rid is not None:  # (its push record is in the flush)
-                    pushed.append(self._materialise_pushed(e, rid, now))
-                elif in_log(m.meta) and (self.backlog or self._waiting() >= self.held):
-                    self.backlog += 1  # (stays in the log: `refill` reads it)
-                else:
-                    self._materialise(e, now)
-                if not self.backlog:
-                    self.log_cursor = entry
+            self._pushed(bool(pushes))
         await self.journal.list_app(flushed)
         return [stored.pop(m.msgid, False) for m in messages], pushed
+
+    def _pushed(self, pushes: bool) -> None:
+        """A store whose flush carried first pushes is over (held, or failed)."""
+        if not pushes:
+            return
+        self._pushing -= 1
+        done = self._pushes_done
+        if not self._pushing and done is not None and not done.done():
+            done.set_result(None)
 
     def _waiting(self) -> int:
         """How long the queue's pending line is (an upper bound: it may hold deliveries
@@ -395,7 +421,12 @@ class AppOwner:
         checkpoint names that flush's journal entry, and a new owner replays exactly the
         records made after it. `bound` (seconds) bounds the writes, not the taking of
         the state: a large state on a slow machine is written, not taken again and
-        again by checkpoints that ran out of time before their first write."""
+        again by checkpoints that ran out of time before their first write.
+        A store whose flush carries first pushes and has not returned yet holds up the
+        state's taking (and new stores wait meanwhile): its push records come before
+        the mark, and its deliveries are held only once it returns."""
+        async with asyncio.timeout(bound):
+            await self._stores_pushing_done()
         held = [(d.entry, d.inbox) for d in self.queue.deliveries.values()]
         held += [(e.entry, inbox) for e, inbox in self.unfanned]
         # (what follows a cursor is needed still: a backlog unread, a tail to replay)
@@ -411,6 +442,22 @@ class AppOwner:
         async with asyncio.timeout(bound):
             flushed = await self._flush(now, mark=True)
             await self.journal.checkpoint(state, flushed.journaled, *oldest)
+
+    async def _stores_pushing_done(self) -> None:
+        """Until no store's flush with first pushes is on its way; stores that start
+        meanwhile wait for this to end (then for the checkpoint's mark, which the caller
+        sends before it next waits: the gate opens at once, its waiters run later)."""
+        if not self._pushing:
+            return
+        loop = asyncio.get_running_loop()
+        gate = self._checkpointing = loop.create_future()
+        try:
+            while self._pushing:
+                self._pushes_done = loop.create_future()
+                await self._pushes_done
+        finally:
+            self._pushes_done = self._checkpointing = None
+            gate.set_result(None)
 
     async def load(self, now: int, adopt: bool = True) -> None:
         """A new owner: the checkpoint, the log and inbox after it (the old owner's
@@ -478,7 +525,12 @@ class AppOwner:
         if not self.backlog:
             self.log_cursor = self.log_last
         for record in parse_records(END.join(records)) if records else ():
-            self.queue.apply(*record, now)
+            try:
+                self.queue.apply(*record, now)
+            except Refused as exc:  # (its delivery is left as it stands: at least once)
+                log.error("a journal record its delivery cannot take, skipped",
+                          app=self.journal.keys.app, record=record[0].name,
+                          msgid=record[1].decode("utf-8", "replace"), error=str(exc))  # fmt: skip
         self.unchecked = len(records) + len(entries) + tail  # (a long tail: checkpoint it soon)
         if adopt:
             self.adopted = self.queue.adopt(now)

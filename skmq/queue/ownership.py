@@ -129,6 +129,8 @@ class Ownership:
         except TROUBLE as exc:  # (the attempt's own failure: logged as it ends, `_taken`)
             if bound.expired() and app not in self.held:
                 log.warning("ownership call failed", app=app, error=repr(exc))
+        except Exception:  # (a state this broker cannot load: that app's trouble alone,
+            pass  # not the round's; logged as the attempt ends, `_taken`)
 
     async def _renew(self, app: str, lease: Lease) -> None:
         async def renewed() -> bool:
@@ -173,7 +175,8 @@ class Ownership:
         if self.taking.get(app) is attempt:
             del self.taking[app]
         if not attempt.cancelled() and (exc := attempt.exception()) is not None:
-            log.warning("taking an app failed", app=app, error=repr(exc))
+            level = log.warning if isinstance(exc, TROUBLE) else log.error
+            level("taking an app failed", app=app, error=repr(exc))
 
     async def _take(self, app: str, now: int) -> bool:
         brokers = self.brokers or [self.broker]
