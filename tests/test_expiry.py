@@ -16,7 +16,7 @@ from skmq.config import Settings, SettingsError
 from skmq.lifecycle import State
 from skmq.queue.deliveries import QUEUE, Policy
 from skmq.queue.owned_store import OwnedStore
-from skmq.queue.owners import Owners
+from skmq.queue.owners import SWEEP_MS, Owners
 from skmq.store import Failed, NewMessage
 from skmq.store.wire import Wire
 from tests.conftest import BrokerFactory, eventually
@@ -181,7 +181,59 @@ async def test_without_ttl_nothing_expires(engine: Engine) -> None:
     assert await claim_all(engine, NOW + 10**9) == [("n", "queue", b"b")]
 
 
+async def test_a_claim_of_none_expires_what_waits_for_no_recipient(engine: Engine) -> None:
+    await stored(engine, "p")
+    got, due, _ = await engine.owners.claim(APP, NOW + 100, 0, [], [], lost=["r1", "r2"])
+    assert got == [] and due == NOW + 100 + SWEEP_MS  # (its TTL: the sweep after it)
+    got, _, _ = await engine.owners.claim(APP, NOW + 100 + SWEEP_MS, 0, [], [], lost=["r1"])
+    assert [(c.delivery_id, c.kind, c.content) for c in got] == [("p", "expired", b"dead")]
+    assert await engine.state_of("p") == State.DEAD
+
+
+async def test_a_lost_recipients_copy_expires_while_another_takes_its_own(engine: Engine) -> None:
+    await stored(engine, "tp", kind="topic")
+    got, _, _ = await engine.owners.claim(APP, NOW, 10, alive("r1"), [], lost=["r2"])
+    assert [c.delivery_id for c in got] == ["tp\x1fr1"]
+    got, _, _ = await engine.owners.claim(APP, NOW + SWEEP_MS, 10, alive("r1"), [], lost=["r2"])
+    assert [(c.delivery_id, c.kind) for c in got] == [("tp\x1fr2", "expired")]
+    assert [d.delivery_id for d in await engine.store.dead_letters(APP)] == ["tp\x1fr2"]
+
+
+async def test_one_behind_its_key_expires_and_the_head_is_acked(engine: Engine) -> None:
+    for msgid in ("k1", "k2"):
+        m = NewMessage(msgid, "queue", b"body", 0, NOW + TTL, key="K")
+        assert (await engine.owners.store({APP: [m]}, NOW))[APP] == [True]
+    assert await claimed(engine) == ["k1"]
+    assert await engine.state_of("k2") == State.WAITING_KEY
+    got, _, _ = await engine.owners.claim(APP, NOW + SWEEP_MS, 0, [], [], lost=["r1"])
+    assert [c.delivery_id for c in got] == ["k2"]
+    (done,) = await engine.owners.finish(APP, [("k1", 1)], NOW + SWEEP_MS)
+    assert done.ok and await engine.state_of("k1") is None
+
+
 # --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("expired", ["dead", "drop"])
+async def test_a_message_for_an_app_without_recipients_expires_on_time(
+    make_broker: BrokerFactory, expired: str
+) -> None:
+    broker = await make_broker(expired=expired)
+    await produce(broker.server.port, "nobody", ["gone"], ttl="100")
+    await produce(broker.server.port, "nobody", ["kept"])
+    (line,) = await logged(broker, "expired", "gone")
+    (stored_line,) = log_events(broker, "gone", "stored")
+    assert line["ts"] - stored_line["ts"] < 100 + 3 * SWEEP_MS  # (no recipient ever came)
+    c = (await broker.store.counts(["nobody"], now_ms()))["nobody"]
+    if expired == "dead":
+        (dl,) = await broker.store.dead_letters("nobody")
+        assert (dl.msgid, dl.last_error) == ("gone", "expired")
+        await logged(broker, "dead_lettered", "gone")
+        assert (c.pending, c.dead) == (1, 1)
+    else:
+        assert line["detail"] == "dropped (EXPIRED=drop)"
+        assert (c.pending, c.dead) == (1, 0)
+        assert await broker.store.dead_letters("nobody") == []
 
 
 async def test_ttl_field_expires_a_message_nobody_took(

@@ -286,6 +286,25 @@ class AppQueue:
                     d.in_line = False
             self.pending[copy] = kept
 
+    def expire_waiting(self, now: int) -> int | None:
+        """The pending deliveries and those behind their key whose TTL ran out, expired
+        though no claim takes them (an app with no recipient alive, a lost recipient's
+        copies; their changes in `expired`); returns the next such expiry. (A delayed
+        one or a retry wait falls due at its expiry at the latest: `tick`, then this.)"""
+        ahead: int | None = None
+        moved = False
+        for d in list(self.deliveries.values()):
+            if not d.expires or (d.state is not State.PENDING and d.state is not State.WAITING_KEY):
+                continue
+            if now >= d.expires:
+                self.expired.append(self._expire(d, now))
+                moved = True
+            elif ahead is None or d.expires < ahead:
+                ahead = d.expires
+        if moved:
+            self.drop_moved()
+        return ahead
+
     def put_back(self, d: Delivery) -> None:
         """A delivery `take` gave that the caller could not push now: first again."""
         self._line(d.copy).appendleft(d)

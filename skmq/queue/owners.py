@@ -41,6 +41,9 @@ from skmq.store.wires import TROUBLE, Wires, refused_here
 UNDELIVERABLE = (
     "undeliverable: content holds CR or LF and no recipient declared the length capability"
 )
+# How often an app's owner looks for waiting deliveries whose TTL ran out (ms): a claim
+# meets those it takes, this the rest (an app with no recipient alive; at most this late).
+SWEEP_MS = 1_000
 FAILED_CODES = {
     Trigger.RETRY: Failed.RETRY,
     Trigger.GIVE_UP: Failed.DEAD,
@@ -113,6 +116,8 @@ class Owners:
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+    # each app's last TTL sweep (ms) and the next expiry it found (AppQueue.expire_waiting)
+    swept: dict[str, tuple[int, int | None]] = field(default_factory=dict)
 
     async def _durable(self, owner: AppOwner, linger: float = 0.0) -> None:
         """Until what the owner recorded is in the journal, TIMEOUT at most (then a
@@ -145,6 +150,7 @@ class Owners:
     def lost(self, app: str) -> None:
         self.owned.pop(app, None)
         self.timed_out.pop(app, None)
+        self.swept.pop(app, None)
 
     def told(self, app: str) -> None:
         """Another broker appended to the app's inbox (its wake-up): read it next claim."""
@@ -199,6 +205,7 @@ class Owners:
             await self.read_inbox(app, now)
         await owner.refill(now, len(assignment))
         self._tick(app, owner, now)
+        self._sweep(app, owner, now)
         owner.fan_out(now)
         rate_wait = 0.0
         if rate > 0:
@@ -256,11 +263,21 @@ class Owners:
                     with contextlib.suppress(Refused):  # (its lease ran out meanwhile)
                         q.release(d.msgid, d.copy, d.attempt, now)
                 raise
-        return out, self._due(owner, now), rate_wait
+        return out, self._due(app, owner, now), rate_wait
 
-    def _due(self, owner: AppOwner, now: int) -> int | None:
-        """When the app's next delay or lease runs out (not before the loop settled)."""
+    def _sweep(self, app: str, owner: AppOwner, now: int) -> None:
+        """Once in SWEEP_MS at most: the waiting deliveries whose TTL ran out, expired
+        though no claim takes them (no recipient alive, a lost recipient's copies)."""
+        if now - self.swept.get(app, (0, None))[0] >= SWEEP_MS:
+            self.swept[app] = (now, owner.queue.expire_waiting(now))
+
+    def _due(self, app: str, owner: AppOwner, now: int) -> int | None:
+        """When the app's next delay, lease or TTL runs out (not before the loop settled)."""
         due = owner.queue.next_due()
+        last, ahead = self.swept.get(app, (0, None))
+        if ahead is not None:  # (the sweep after it)
+            ahead = max(ahead, last + SWEEP_MS)
+            due = ahead if due is None else min(due, ahead)
         if due is not None and self.settling():  # (leases run out once it has settled)
             due = max(due, now + int(STALL * 1000))
         return due
@@ -426,7 +443,7 @@ class Owners:
                         return flags
                     waiting = owner.queue.lines() or owner.unfanned or app in self.unread
                     pushed[app] = ([_claimed(d) for d in went],
-                                   now if waiting else self._due(owner, now), 0.0)  # fmt: skip
+                                   now if waiting else self._due(app, owner, now), 0.0)  # fmt: skip
                     return flags
                 except Fenced:  # taken over meanwhile: nothing of this flush landed
                     self.lost(app)

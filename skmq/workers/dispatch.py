@@ -35,6 +35,9 @@ POLL = 0.25
 # without recipients waits for one (a registration or a recipient back wakes it).
 IDLE_POLL = 5.0
 NO_RECIPIENT_POLL = 60.0
+# An app with no recipient alive still claims now and then, for nothing but what its owner
+# does on the way: delays and leases that ran out, and TTLs (skmq/queue/owners.py SWEEP_MS).
+SWEEP = 1.0
 
 
 class Plan(NamedTuple):
@@ -72,6 +75,7 @@ class Dispatcher:
     claiming: bool = field(init=False, default=False)
     carried: bool = field(init=False, default=False)
     missed: bool = field(init=False, default=False)  # woken while a store carried its claim
+    swept_at: float = field(init=False, default=float("-inf"))  # its last claim of none
 
     async def run(self) -> None:
         backoff = 0.05
@@ -106,6 +110,8 @@ class Dispatcher:
         if isinstance(plan, float):
             return plan
         n, alive, assignment, lost = plan
+        if n == 0 and (wait := self.swept_at + SWEEP - time.monotonic()) > 0:
+            return wait
         self.claiming = True
         try:
             async with self.claims:
@@ -115,15 +121,30 @@ class Dispatcher:
                 )
         finally:
             self.claiming = False
+        if n == 0:
+            return self._swept(result)
         return self._claimed(n, result)
+
+    def _swept(self, result: ClaimResult) -> float:
+        """A claim of none (no recipient alive) made: what expired meanwhile goes to the
+        pusher, which logs it; sleep until the next delay, lease or TTL runs out."""
+        claimed, next_due, _ = result
+        self.swept_at = time.monotonic()
+        if claimed:
+            self.deliver(self.app, claimed)
+        if next_due is None:
+            return NO_RECIPIENT_POLL
+        return min(NO_RECIPIENT_POLL, max(SWEEP, (next_due - now_ms()) / 1000))
 
     def _plan(self, at_least: int = 0) -> Plan | float:
         """How many to claim (the batch, or `at_least` up to CLAIM_BATCH), for which
         recipients; or how long to sleep (nothing to do)."""
-        registered = [] if self.paused else self.registered(self.app)
-        recipients = [r for r in registered if r.alive]
-        if not recipients:
+        if self.paused:
             return NO_RECIPIENT_POLL
+        registered = self.registered(self.app)
+        recipients = [r for r in registered if r.alive]
+        if not recipients:  # (a claim of none: see SWEEP)
+            return Plan(0, [], [], [r.id for r in registered])
         free = self.free_slots(self.app, recipients)
         n = min(sum(free.values()), max(self.batch, min(at_least, CLAIM_BATCH)))
         self.starved = n <= 0
@@ -169,7 +190,7 @@ class Dispatcher:
         if self.carried or self.claiming or self.paused or self.wake.is_set():
             return None
         plan = self._plan(at_least=stored + 1)
-        if isinstance(plan, float):
+        if isinstance(plan, float) or plan.n == 0:
             return None
         n, alive, assignment, lost = plan
         self.carried = True
