@@ -54,6 +54,7 @@ needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or
 import skmq.audit_job.inputs as inputs_module  # noqa: E402
 from py4j.protocol import Py4JError, Py4JNetworkError  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
 from skmq.audit_job.audit import (  # noqa: E402
     JVM_GONE,
@@ -81,6 +82,7 @@ from skmq.audit_job.inputs import (  # noqa: E402
     _simple,
     all_simple,
     check_files,
+    file_uri,
     read_events,
 )
 from skmq.audit_job.report import fill_buckets  # noqa: E402
@@ -1219,6 +1221,30 @@ def test_strict_makes_a_bad_line_an_error(spark: SparkSession, tmp_path: Path) -
     assert _audit(spark, tmp_path, tmp_path / "out")["input"]["bad_lines"]["total"] == 1
     with pytest.raises(BadLinesError, match=r"1 bad line\(s\) \(ts_not_an_integer: 1\)"):
         _audit(spark, tmp_path, tmp_path / "out2", strict=True)
+
+
+# Names Spark reads as they are (not "[", "{", "\\": glob characters to it; not ":",
+# which its checksum file's name cannot take): quoted, kept and %-quoted UTF-8.
+AWKWARD_NAMES = (
+    "a b%41%zz#frag?q;c,=+&$@!~*'().jsonl",
+    'quote"<>|^`\t\n\x7f.jsonl',
+    "é日本語😀-e\u0301\u200d\ufeff.jsonl",
+    "nbsp\u00a0emsp\u2003ls\u2028ctl\u0085.jsonl",
+)
+
+
+@needs_java
+def test_file_uri_is_sparks_input_file_name(spark: SparkSession, tmp_path: Path) -> None:
+    """--follow names a file as a batch audit's input_file_name() does, computed in
+    Python: a bad line's file is the same in both reports."""
+    directory = tmp_path / "dir é %25 #x"
+    directory.mkdir()
+    paths = [str(directory / name) for name in AWKWARD_NAMES]
+    for path in paths:
+        Path(path).write_text('{"x": 1}\n', encoding="utf-8")
+    names = spark.read.text(paths).select(F.input_file_name().alias("file")).collect()
+    assert sorted(row.file for row in names) == sorted(file_uri(path) for path in paths)
+    assert file_uri("/a b/é%#\u00a0") == "file:///a%20b/é%25%23%C2%A0"
 
 
 @needs_java
