@@ -1321,6 +1321,50 @@ def test_class_archive_of_the_driver_jvm(tmp_path: Path, monkeypatch: pytest.Mon
     assert cds_archive() is None and _cds_options(None) == []
 
 
+# Two sessions in one process, as the audit builds them for a small local input.
+_TWO_SESSIONS = """
+from skmq.audit_job.session import _pyspark_jvm, build_spark
+assert _pyspark_jvm() is None
+first = build_spark("local[1]", input_size=1)
+jvm = _pyspark_jvm()
+assert jvm is not None and "-XX:TieredStopAtLevel=1" in jvm.cmdline()
+print(*(o for o in jvm.cmdline() if o.startswith(("-XX:SharedArchive", "-XX:ArchiveClasses"))))
+first.stop()
+again = build_spark("local[1]", input_size=1)  # on the same JVM: its options are kept
+assert _pyspark_jvm().pid == jvm.pid
+assert "TieredStopAtLevel" not in again.conf.get("spark.driver.extraJavaOptions")
+print(*(m.path for m in jvm.memory_maps() if m.path.endswith(".jsa")))
+"""
+
+
+@needs_java
+@pytest.mark.timeout(600)
+def test_the_first_jvm_writes_the_class_archive_the_next_maps(tmp_path: Path) -> None:
+    """The first audit's JVM writes the archive as the audit exits (ended by it, waited
+    for, the archive moved into place whole); the next audit's JVM maps it.  A second
+    session in a process whose JVM runs already gets no options of a JVM start."""
+    env = {**os.environ, "SKMQ_AUDIT_CDS_DIR": str(tmp_path / "skmq")}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _TWO_SESSIONS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=280,
+            check=False,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (archive,) = (tmp_path / "skmq").iterdir()  # no partial archive left
+    assert re.fullmatch(r"spark-[0-9a-f]{16}\.jsa", archive.name)
+    first, second = (run.stdout.split("\n") for run in runs)
+    assert first[0].startswith(f"-XX:ArchiveClassesAtExit={archive}.")
+    assert str(archive) not in first[1].split()
+    assert second[0] == f"-XX:SharedArchiveFile={archive}" and str(archive) in second[1].split()
+
+
 def test_input_bytes_count_compressed_files_as_their_text(tmp_path: Path) -> None:
     """The size that decides a small audit (quick compiler, uncompressed cache)."""
     (tmp_path / "a.jsonl").write_bytes(b"x" * 100)
@@ -1509,14 +1553,18 @@ def test_cli_with_a_bad_java_home(
     assert "JAVA_HOME" in capsys.readouterr().err
 
 
-def test_cli_without_pyspark(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("missing", ["pyspark", "psutil"])
+def test_cli_without_the_audit_extra(
+    missing: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cli = _cli_module()
     real = importlib.util.find_spec
 
     def find_spec(name: str, package: str | None = None) -> Any:
-        return None if name == "pyspark" else real(name, package)
+        return None if name == missing else real(name, package)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert cli.run(_cli_args(tmp_path)) == 2
