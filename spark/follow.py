@@ -37,7 +37,7 @@ from skmq.events import LOG_FIELDS
 
 from .arguments import DEFAULT_INTERVAL_S
 from .deliveries import delivery_table
-from .inputs import KEPT_FIELDS, AuditInputError, parse_lines
+from .inputs import KEPT_FIELDS, AuditInputError, file_uri, parse_lines
 from .outputs import render_files, write_files
 from .report import REPORT_KEYS, STAGES, AuditResult, Options, Progress, compute_report
 from .report_html import render_html
@@ -155,7 +155,7 @@ class _Follower:
         if gone:
             frame = frame.where(~F.col(_SOURCE).isin(*gone))
         names = self.spark.createDataFrame(
-            [(n, self._uri(name)) for n, name in self.tail.names().items()],
+            [(n, file_uri(name)) for n, name in self.tail.names().items()],
             f"{_SOURCE} int, file string",
         )
         return frame.join(F.broadcast(names), _SOURCE, "left").select(
@@ -164,14 +164,6 @@ class _Follower:
             F.when(F.col("reason").isNotNull(), F.col("file")).alias("bad_file"),
             "bad_text",
         )
-
-    def _uri(self, path: str) -> str:
-        """The file's name as Spark's input_file_name() gives it in a batch audit."""
-        jvm = self.spark.sparkContext._jvm
-        assert jvm is not None
-        hadoop = jvm.org.apache.hadoop.fs.Path(path)
-        fs = hadoop.getFileSystem(self.spark.sparkContext._jsc.hadoopConfiguration())
-        return str(fs.makeQualified(hadoop).toUri().toString())
 
     def report(self, final: bool) -> dict[str, Any] | None:
         """Compute and write the report (None: no valid event yet)."""

@@ -15,12 +15,13 @@ import os
 import re
 import stat
 import time
+import unicodedata
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import BinaryIO
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -44,6 +45,7 @@ __all__ = [
     "VanishedFile",
     "all_simple",
     "check_files",
+    "file_uri",
     "is_remote",
     "parse_lines",
     "read_events",
@@ -138,6 +140,25 @@ class BadFile:
 
 def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
+
+
+# A path in a URI as Hadoop's Path makes it (java.net.URI's multi-argument constructors):
+# these ASCII characters as they are (RFC 2396's unreserved and punctuation characters,
+# "/" and "@"), the other ASCII ones %-quoted, and of the rest only the control and
+# space characters (Java's isISOControl, isSpaceChar), as %-quoted UTF-8.
+_URI_PATH_CHARS = "/@,;:$&+=-_.!~*'()"
+_QUOTED_CATEGORIES = frozenset({"Cc", "Zs", "Zl", "Zp"})
+
+
+def file_uri(path: str) -> str:
+    """Spark's name of the local file ``path`` (absolute, normalised), as its
+    ``input_file_name()`` gives it: Hadoop's qualified path, ``toUri().toString()``."""
+    return "file://" + "".join(
+        quote(char, safe=_URI_PATH_CHARS)
+        if char.isascii() or unicodedata.category(char) in _QUOTED_CATEGORIES
+        else char
+        for char in path
+    )
 
 
 def same_file(named: str, path: str) -> bool:

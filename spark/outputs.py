@@ -86,7 +86,15 @@ def check_out(out: str) -> str | None:
 
 
 def _write_hadoop(spark: SparkSession, files: dict[str, str], out: str) -> list[str]:
-    """Each file written as ``.<name>.tmp`` and renamed over the old one when all are."""
+    """Each file written as ``.<name>.tmp`` and renamed over the old one when all are.
+
+    Through py4j and PySpark's private ``_jvm`` and ``_jsc`` (the audit's only use of
+    them): PySpark has no public way to the driver's Hadoop FileSystem.  Its writers
+    (DataFrameWriter, RDD.saveAs*File) write a directory of part files through an output
+    committer, never one named file, and rename nothing; pyarrow's or fsspec's file
+    systems would not take the session's Hadoop settings (``--conf spark.hadoop.*``,
+    credentials) nor know ``s3a://`` or ``abfs://``.
+    """
     jvm = spark.sparkContext._jvm
     assert jvm is not None
     conf = spark.sparkContext._jsc.hadoopConfiguration()

@@ -19,13 +19,12 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from pyspark import SparkContext
+import psutil
 from pyspark.sql import SparkSession
 
 LOCAL_DRIVER_MEMORY = "2g"
@@ -173,19 +172,31 @@ def _cds_options(archive: str | None) -> list[str]:
     return [f"-XX:ArchiveClassesAtExit={partial}", _CDS_QUIET]
 
 
+def _pyspark_jvm() -> psutil.Process | None:
+    """The JVM PySpark started for this process, None if none runs (yet).  PySpark
+    starts it as a child process (spark-submit, which execs java) for the application
+    ``pyspark-shell`` (which PYSPARK_SUBMIT_ARGS must name too), and keeps it, a stopped
+    session's too, until this process exits."""
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile, a zombie
+            command = child.cmdline()
+            if "org.apache.spark.deploy.SparkSubmit" in command and "pyspark-shell" in command:
+                return child
+    return None
+
+
 def _finish_cds_dump(partial: str, archive: str) -> None:
-    """At Python's exit: end the JVM (it exits when its stdin closes), wait for it to
-    write the archive, and move the archive into place."""
-    gateway = SparkContext._gateway
-    proc = getattr(gateway, "proc", None) if gateway is not None else None
+    """At Python's exit: end the JVM (SIGTERM: it runs its shutdown hooks and exits, as
+    when its stdin closes), wait for it to write the archive, and move the archive into
+    place."""
+    jvm = _pyspark_jvm()
     try:
-        if proc is not None:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.wait(timeout=_CDS_DUMP_WAIT_S)
-        if proc is not None and os.path.getsize(partial) > 0:
-            os.replace(partial, archive)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
+        if jvm is not None:
+            jvm.terminate()
+            jvm.wait(timeout=_CDS_DUMP_WAIT_S)
+            if os.path.getsize(partial) > 0:
+                os.replace(partial, archive)
+    except (OSError, psutil.Error):  # psutil.TimeoutExpired: no archive this time
         pass
     finally:
         _remove(partial)
@@ -309,7 +320,7 @@ def build_spark(
         if address is not None:
             os.environ["SPARK_LOCAL_IP"] = address
             settings["spark.driver.host"] = address
-    starts_jvm = not under_submit and SparkContext._gateway is None
+    starts_jvm = not under_submit and _pyspark_jvm() is None
     quick = starts_jvm and cores is not None and small
     if not under_submit:
         settings["spark.driver.extraJavaOptions"] = " ".join(

@@ -54,6 +54,7 @@ needs_java = pytest.mark.skipif(not _have_java(), reason="Spark needs Java 17 or
 import skmq.audit_job.inputs as inputs_module  # noqa: E402
 from py4j.protocol import Py4JError, Py4JNetworkError  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 from skmq.audit_job.arguments import add_arguments, check_arguments  # noqa: E402
 from skmq.audit_job.audit import (  # noqa: E402
     JVM_GONE,
@@ -81,6 +82,7 @@ from skmq.audit_job.inputs import (  # noqa: E402
     _simple,
     all_simple,
     check_files,
+    file_uri,
     read_events,
 )
 from skmq.audit_job.report import fill_buckets  # noqa: E402
@@ -1221,6 +1223,30 @@ def test_strict_makes_a_bad_line_an_error(spark: SparkSession, tmp_path: Path) -
         _audit(spark, tmp_path, tmp_path / "out2", strict=True)
 
 
+# Names Spark reads as they are (not "[", "{", "\\": glob characters to it; not ":",
+# which its checksum file's name cannot take): quoted, kept and %-quoted UTF-8.
+AWKWARD_NAMES = (
+    "a b%41%zz#frag?q;c,=+&$@!~*'().jsonl",
+    'quote"<>|^`\t\n\x7f.jsonl',
+    "é日本語😀-e\u0301\u200d\ufeff.jsonl",
+    "nbsp\u00a0emsp\u2003ls\u2028ctl\u0085.jsonl",
+)
+
+
+@needs_java
+def test_file_uri_is_sparks_input_file_name(spark: SparkSession, tmp_path: Path) -> None:
+    """--follow names a file as a batch audit's input_file_name() does, computed in
+    Python: a bad line's file is the same in both reports."""
+    directory = tmp_path / "dir é %25 #x"
+    directory.mkdir()
+    paths = [str(directory / name) for name in AWKWARD_NAMES]
+    for path in paths:
+        Path(path).write_text('{"x": 1}\n', encoding="utf-8")
+    names = spark.read.text(paths).select(F.input_file_name().alias("file")).collect()
+    assert sorted(row.file for row in names) == sorted(file_uri(path) for path in paths)
+    assert file_uri("/a b/é%#\u00a0") == "file:///a%20b/é%25%23%C2%A0"
+
+
 @needs_java
 def test_output_to_a_uri(spark: SparkSession, tmp_path: Path) -> None:
     _log_file(tmp_path / "logs" / "delivery-a-0.jsonl")
@@ -1293,6 +1319,50 @@ def test_class_archive_of_the_driver_jvm(tmp_path: Path, monkeypatch: pytest.Mon
     assert _cds_options(archive)[0] == f"-XX:SharedArchiveFile={archive}"
     monkeypatch.setenv(CDS_ENV, "off")
     assert cds_archive() is None and _cds_options(None) == []
+
+
+# Two sessions in one process, as the audit builds them for a small local input.
+_TWO_SESSIONS = """
+from skmq.audit_job.session import _pyspark_jvm, build_spark
+assert _pyspark_jvm() is None
+first = build_spark("local[1]", input_size=1)
+jvm = _pyspark_jvm()
+assert jvm is not None and "-XX:TieredStopAtLevel=1" in jvm.cmdline()
+print(*(o for o in jvm.cmdline() if o.startswith(("-XX:SharedArchive", "-XX:ArchiveClasses"))))
+first.stop()
+again = build_spark("local[1]", input_size=1)  # on the same JVM: its options are kept
+assert _pyspark_jvm().pid == jvm.pid
+assert "TieredStopAtLevel" not in again.conf.get("spark.driver.extraJavaOptions")
+print(*(m.path for m in jvm.memory_maps() if m.path.endswith(".jsa")))
+"""
+
+
+@needs_java
+@pytest.mark.timeout(600)
+def test_the_first_jvm_writes_the_class_archive_the_next_maps(tmp_path: Path) -> None:
+    """The first audit's JVM writes the archive as the audit exits (ended by it, waited
+    for, the archive moved into place whole); the next audit's JVM maps it.  A second
+    session in a process whose JVM runs already gets no options of a JVM start."""
+    env = {**os.environ, "SKMQ_AUDIT_CDS_DIR": str(tmp_path / "skmq")}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _TWO_SESSIONS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=280,
+            check=False,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (archive,) = (tmp_path / "skmq").iterdir()  # no partial archive left
+    assert re.fullmatch(r"spark-[0-9a-f]{16}\.jsa", archive.name)
+    first, second = (run.stdout.split("\n") for run in runs)
+    assert first[0].startswith(f"-XX:ArchiveClassesAtExit={archive}.")
+    assert str(archive) not in first[1].split()
+    assert second[0] == f"-XX:SharedArchiveFile={archive}" and str(archive) in second[1].split()
 
 
 def test_input_bytes_count_compressed_files_as_their_text(tmp_path: Path) -> None:
@@ -1483,14 +1553,18 @@ def test_cli_with_a_bad_java_home(
     assert "JAVA_HOME" in capsys.readouterr().err
 
 
-def test_cli_without_pyspark(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("missing", ["pyspark", "psutil"])
+def test_cli_without_the_audit_extra(
+    missing: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cli = _cli_module()
     real = importlib.util.find_spec
 
     def find_spec(name: str, package: str | None = None) -> Any:
-        return None if name == "pyspark" else real(name, package)
+        return None if name == missing else real(name, package)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert cli.run(_cli_args(tmp_path)) == 2

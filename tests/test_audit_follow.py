@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from skmq.audit_job.audit import Options, run_audit
+from skmq.audit_job.inputs import file_uri
 from skmq.audit_job.tail import CHUNK_NAME, LogTail
 
 from tests.conftest import BrokerFactory, eventually
@@ -114,7 +115,7 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     answered, one with no recipient) rotating and compressing small files; `skmq audit
     --follow` watches it in a subprocess, reports as traffic goes on, prints the stuck
     delivery once; after SIGTERM its final report equals a batch audit of the same
-    directory."""
+    directory (and of a file of awkward name with a bad line, named alike in both)."""
     # (a lease longer than the test: the unanswered push stays in flight, stuck)
     broker = await make_broker(data_dir=tmp_path / "data", log_rotate_bytes=4096, ack_timeout=600.0)
     log_dir = broker.settings.delivery_log_dir
@@ -123,12 +124,17 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     silent = await FakeRecipient("hold", "r5", lambda frame: "silent").start()
     for rec in (good, bad, silent):
         assert (await rec.register(broker.server.port))["status"] == "ack"
+    more = tmp_path / "more é %41 #x"
+    more.mkdir()
+    awkward = more / "delivery-z a%20b#?é\u00a0.jsonl"
+    awkward.write_text("not an event\n", encoding="utf-8")
+    logs = [str(log_dir), str(more)]
     out = tmp_path / "follow"
     stdout, stderr = tmp_path / "follow.out", tmp_path / "follow.err"
     with stdout.open("wb") as so, stderr.open("wb") as se:
         proc = await asyncio.create_subprocess_exec(
             *[sys.executable, "-m", "skmq.cli", "audit", "--follow"],
-            *["--logs", str(log_dir), "--out", str(out), "--master", "local[2]"],
+            *["--logs", *logs, "--out", str(out), "--master", "local[2]"],
             *["--interval", "1", "--stuck-after", "1", "--driver-memory", "700m"],
             stdout=so,
             stderr=se,
@@ -179,10 +185,10 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
     assert not (out / ".follow").exists()  # the staging directory is removed
 
     same = Options(stuck_after_ms=1000)  # as --stuck-after 1
-    batch = run_audit(
-        str(log_dir), str(tmp_path / "batch"), spark=spark, options=same, progress=False
-    )
+    batch = run_audit(logs, str(tmp_path / "batch"), spark=spark, options=same, progress=False)
     assert _without_follow(final) == json.loads(json.dumps(batch))
+    (sample,) = final["input"]["bad_lines"]["samples"]
+    assert sample["file"] == file_uri(str(awkward))
     totals = final["totals"]
     assert (totals["acked"], totals["dead_lettered"]) == (60, 3)
     assert final["unresolved"]["stuck"] >= 1
