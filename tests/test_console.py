@@ -243,6 +243,22 @@ async def test_peek_and_purge_from_another_process(
     assert got == {"e2", "e3", "e4"}
 
 
+async def test_an_app_that_does_not_exist_has_nothing_waiting(
+    make_broker: BrokerFactory, cli: Cli, http: aiohttp.ClientSession
+) -> None:
+    """A mistyped app name is answered at once with nothing, not as a store to try
+    again (no broker owns an app that was never stored), from the CLI and over HTTP."""
+    broker = await make_broker(http_port=free_port())
+    assert (await cli_json(cli, "peek", "--app", "typo"))["messages"] == []
+    dry = await cli_json(cli, "purge", "--app", "typo", "--dry-run")
+    assert dry == {"app": "typo", "purged": 0, "dry_run": True, "msgids": []}
+    base = f"http://127.0.0.1:{broker.gateway.port}/v1/apps/typo"
+    async with http.get(f"{base}/messages") as response:
+        assert (response.status, await response.json()) == (200, {"messages": []})
+    async with http.post(f"{base}/purge", json={}) as response:
+        assert response.status == 200 and (await response.json())["purged"] == 0
+
+
 # -- skmq purge ----------------------------------------------------------------------
 async def test_purge_removes_exactly_what_waits_and_logs_each(
     store: OwnedStore, cli: Cli, tmp_path: Path

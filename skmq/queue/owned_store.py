@@ -311,6 +311,8 @@ class OwnedStore(Store):
         owner = self._owned(app)
         if owner is not None:
             return await answer_request(owner, request, now_ms())
+        if not await self.directory.holds(app):  # (no such app: nothing waits in it, and
+            return []  # no owner to ask: a name mistyped is no "try again")
         return await ask_owner(self.redis, self.prefix, app, request)
 
     async def peek(self, app: str, limit: int, now: int) -> list[Waiting]:

@@ -70,6 +70,10 @@ class AppDirectory:
                 pipe.execute_command(command, key, *members)
             await pipe.execute()
 
+    async def holds(self, app: str) -> bool:
+        """Whether `app` is listed."""
+        return bool(await self.redis.sismember(self.key_of(app), app))
+
     async def members(self) -> list[str]:
         pipe = self.redis.pipeline(transaction=False)
         for key in self.keys:
