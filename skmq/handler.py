@@ -125,7 +125,8 @@ def bad_timing(
     (MAX_DELAY, MAX_TTL): a delay of 310 digits was once stored, and Redis then read its
     due time as infinity in every claim of its app."""
     if delay > settings.max_delay or deliver_at > now + settings.max_delay:
-        return f"delay and deliver_at reach at most {settings.max_delay} ms ahead (MAX_DELAY)"
+        field = "delay and deliver_at reach" if deliver_at else "delay reaches"
+        return f"{field} at most {settings.max_delay} ms ahead (MAX_DELAY)"
     if ttl is not None and ttl > settings.max_ttl:
         return f"ttl is at most {settings.max_ttl} ms (MAX_TTL)"
     return None
