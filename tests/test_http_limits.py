@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import socket
 import time
+import zlib
 from typing import Any
 
 import aiohttp
@@ -95,6 +97,26 @@ async def test_app_ids_that_are_not_unicode_text_are_refused(
     assert sorted(await broker.store.apps()) == ["a%FF", "é"]
     async with http.get(f"{base}/metrics") as response:
         assert response.status == 200
+
+
+async def test_a_body_in_an_encoding_not_decoded_here_is_415(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """gzip and deflate are decoded; an encoding aiohttp would take for none (or
+    needs a package this install lacks) is refused as JSON, not read as plain JSON."""
+    _, base = await gateway(make_broker)
+    url = f"{base}/v1/apps/enc/messages"
+    body = json.dumps({"content": "x"}).encode()
+    headers = {"Content-Type": "application/json"}
+    for encoding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        async with http.post(url, data=data, headers={**headers, "Content-Encoding": encoding}
+                             ) as response:  # fmt: skip
+            assert response.status == 200, encoding
+    for encoding in ("foo", "compress"):
+        async with http.post(url, data=body, headers={**headers, "Content-Encoding": encoding}
+                             ) as response:  # fmt: skip
+            assert response.status == 415, encoding
+            assert "Content-Encoding" in (await response.json())["error"]
 
 
 # -- bodies and headers that never finish -------------------------------------------

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import unquote_to_bytes
 
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Tokens
@@ -84,6 +84,8 @@ def field_errors(exc: ValidationError) -> str:
 
 #: Seconds a request's body may take to arrive once its handler reads it (FRAME_TIMEOUT).
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
+#: The Content-Encodings of a body that aiohttp decodes without an optional package.
+BODY_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
 
 
 async def read_json(request: web.Request) -> Any:
@@ -92,6 +94,9 @@ async def read_json(request: web.Request) -> Any:
     FRAME_TIMEOUT; HTTP_MAX_BODY_BYTES (413) is aiohttp's client_max_size."""
     if request.content_type != "application/json":
         raise ApiError(415, "send Content-Type: application/json")
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding not in BODY_ENCODINGS:  # (aiohttp would read an unknown one as none)
+        raise ApiError(415, "Content-Encoding: send gzip, deflate or none")
     timeout = request.app[BODY_TIMEOUT]
     try:
         async with asyncio.timeout(timeout):
