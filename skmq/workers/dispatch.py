@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from skmq.clock import now_ms
 from skmq.queue.owned_store import OwnedStore
+from skmq.queue.owners import SWEEP_MS
 from skmq.registry.balance import Balancer
 from skmq.registry.recipients import Recipient
 from skmq.store import AliveRecipient, ClaimArgs, Claimed, ClaimResult
@@ -36,8 +37,8 @@ POLL = 0.25
 IDLE_POLL = 5.0
 NO_RECIPIENT_POLL = 60.0
 # An app with no recipient alive still claims now and then, for nothing but what its owner
-# does on the way: delays and leases that ran out, and TTLs (skmq/queue/owners.py SWEEP_MS).
-SWEEP = 1.0
+# does on the way: delays and leases that ran out, and TTLs (at most this often).
+SWEEP = SWEEP_MS / 1000
 
 
 class Plan(NamedTuple):
