@@ -56,7 +56,7 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 20
 BROKER_TIMEOUT = 10.0
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 #: What our Consumer handles on a push connection (declared in its registration).
-CONSUMER_CAPS = ("pipeline", "length", "token")
+CONSUMER_CAPS = ("pipeline", "length", "token", "identity")
 #: How a broker's `error` answer to a message starts when the message may be stored all
 #: the same (docs/PROTOCOL.md, section 3): sent again with the same msgid, it is stored
 #: once (a duplicate is answered `ack`).
@@ -644,7 +644,12 @@ class _PushProtocol(FrameProtocol):
             elif frame.type == "push":
                 self._on_push(frame)
             elif frame.type == "ping":
-                self._write(PONG)
+                if self._consumer.is_named(frame):
+                    self._write(PONG)
+                else:  # (another registration's address, this port's before us)
+                    log.warning("ping for %s of app %s, not this consumer: not answered",
+                                frame.get("recipient"), frame.get("appid"))  # fmt: skip
+                    self.close()
             elif frame.type == "resp":
                 if self._unanswered:
                     self._unanswered.popleft()
@@ -675,6 +680,11 @@ class _PushProtocol(FrameProtocol):
         msgid = frame.get("msgid") or ""
         appid = frame.get("appid") or consumer.app
         msg = Message(appid, msgid, frame.content or b"", frame.fields)
+        if appid != consumer.app:  # (another registration's address, this port's before us)
+            log.warning("refusing push %s: for app %s, not this consumer's", msgid, appid)
+            consumer.stats["errored"] += 1
+            self._answer(msg, "error", f"not a recipient of app {appid}")
+            return
         verifier = consumer.verifier
         if verifier is not None and (why := verifier.refusal(frame.fields, msg.content)):
             log.warning("refusing push %s: %s", msgid, why)
@@ -830,6 +840,12 @@ class Consumer(_Scoped):
         self.verifier = (
             PushVerifier(signing_secret, signing_tolerance) if signing_secret is not None else None
         )
+
+    def is_named(self, ping: Frame) -> bool:
+        """Whether a `ping` is for this consumer: one that names a registration
+        (capability `identity`) names this one's app and id."""
+        app, rid = ping.get("appid"), ping.get("recipient")
+        return (app is None or app == self.app) and (rid is None or rid == self.id)
 
     #: After `register`: the address the broker said this registration took the id over
     #: from (another consumer was running with it), else None.

@@ -330,7 +330,7 @@ async def test_register_sends_where_we_listen(fake_broker: FakeBroker) -> None:
         "host": "127.0.0.1",
         "port": str(consumer.port),
         "weight": 3,
-        "caps": ["pipeline", "length", "token"],
+        "caps": ["pipeline", "length", "token", "identity"],
     }
     assert consumer.port != 0
     resp = await within(consumer.unregister())

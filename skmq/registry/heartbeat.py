@@ -11,14 +11,18 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from skmq.codec import PING, CodecError, Decoder, Frame
+from skmq.codec import PING, CodecError, Decoder, Frame, encode_frame
 from skmq.stall import STALL
 
 log = structlog.get_logger("skmq.heartbeat")
 
 
-async def ping(host: str, port: int, timeout: float, again: bool = True) -> bool:
-    """True when host:port answers `pong` within timeout.
+async def ping(
+    host: str, port: int, timeout: float, again: bool = True, names: tuple[str, str] | None = None
+) -> bool:
+    """True when host:port answers `pong` within timeout. `names`: the (app, recipient)
+    the ping is for, said in it to a recipient of capability `identity`, which answers
+    only a ping of its own registration (not another's that listened on its port).
 
     A broker woken from a stall (GC, SIGSTOP) meets the timers that ran out meanwhile
     before the sockets they were waiting on. A timeout that fired late by STALL or more
@@ -31,13 +35,14 @@ async def ping(host: str, port: int, timeout: float, again: bool = True) -> bool
     try:
         async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(host, port)
-            writer.write(PING)
+            frame = PING if names is None else encode_frame("ping", _named(*names))
+            writer.write(frame)
             return await _pong(reader, received)
     except TimeoutError:
         if loop.time() - deadline < STALL:
             return False  # the recipient's silence
         if writer is None:
-            return again and await ping(host, port, timeout, again=False)
+            return again and await ping(host, port, timeout, again=False, names=names)
         try:
             async with asyncio.timeout(STALL):
                 return await _pong(reader, received)
@@ -63,7 +68,12 @@ async def _pong(reader: asyncio.StreamReader, received: bytearray) -> bool:
     return bool(frames) and isinstance(frames[0], Frame) and frames[0].type == "pong"
 
 
-Target = tuple[str, str, str, int]  # app, recipient id, host, port
+def _named(app: str, recipient: str) -> tuple[tuple[str, str], ...]:
+    return (("appid", app), ("recipient", recipient))
+
+
+# app, recipient id, host, port, whether the ping names them (capability `identity`)
+Target = tuple[str, str, str, int, bool]
 
 
 async def heartbeat_round(
@@ -78,7 +88,7 @@ async def heartbeat_round(
 
     async def one(t: Target) -> None:
         async with slots:
-            alive = await ping(t[2], t[3], timeout)
+            alive = await ping(t[2], t[3], timeout, names=(t[0], t[1]) if t[4] else None)
         await report(t[0], t[1], alive)
 
     await asyncio.gather(*(one(t) for t in targets))

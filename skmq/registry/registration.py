@@ -13,7 +13,7 @@ from skmq.jsonbody import parse_json
 MAX_ID = 256
 # What a recipient may declare it supports (extensions). One that declares none is an
 # original SKMQ peer and gets the original broker's discipline (docs/PROTOCOL.md).
-KNOWN_CAPS = frozenset(("pipeline", "length", "token"))
+KNOWN_CAPS = frozenset(("pipeline", "length", "token", "identity"))
 MAX_CAPS = 16
 MAX_WEIGHT = 1_000_000
 

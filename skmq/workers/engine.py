@@ -218,7 +218,7 @@ class Engine:
         if not await self.store.take_turn("heartbeat", self.broker_id, ttl):
             return
         targets = [
-            (app, r.id, r.host, r.port)
+            (app, r.id, r.host, r.port, "identity" in r.caps)
             for app in self.registry.apps()
             for r in self.registry.all(app)
         ]
