@@ -116,6 +116,9 @@ async def test_apps_shows_depths_recipients_and_the_rates_of_the_last_minute(
     )  # fmt: skip
     assert code == 0, err
     assert "shop" in out and "1/0" in out
+    # piped, the table is as wide as it needs: no column cut to fit 80 characters
+    assert all(col in out for col in ("pending", "delayed", "in flight", "unroutable")), out
+    assert "…" not in out, out
 
 
 def test_throughput_counts_only_the_last_window() -> None:

@@ -8,10 +8,9 @@ import argparse
 import asyncio
 import json
 
-from rich.console import Console
 from rich.table import Table
 
-from skmq.cli.common import open_store
+from skmq.cli.common import open_store, table_console
 from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
 from skmq.config import settings_from_args
@@ -45,7 +44,7 @@ async def _run(args: argparse.Namespace) -> int:
             "-" if age is None else f"{age:.1f}s", f"{who['alive']}/{who['lost']}",
             str(a["groups"]), f"{a['rate_in']:.2f}", f"{a['rate_out']:.2f}", str(a["unroutable"]),
         )  # fmt: skip
-    Console().print(table)
+    table_console().print(table)
     return 0
 
 

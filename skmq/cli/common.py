@@ -8,11 +8,13 @@ import contextlib
 import getpass
 import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from redis.exceptions import BusyLoadingError
+from rich.console import Console
 
 from skmq.broker import make_store
 from skmq.config import Settings
@@ -107,3 +109,14 @@ def operator() -> str:
         return getpass.getuser()
     except (OSError, KeyError):
         return str(os.getuid())
+
+
+# The width of a table written to a pipe or a file: rich would cut its columns to 80
+# characters there (`pen…` for `pending`); as wide as the table needs, up to this.
+PIPED_WIDTH = 1_000
+
+
+def table_console() -> Console:
+    """rich's console for the operator commands' tables: a terminal's own width, and
+    when piped the width the table needs (a script greps whole words)."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)

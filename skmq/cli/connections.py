@@ -9,10 +9,9 @@ import argparse
 import asyncio
 import json
 
-from rich.console import Console
 from rich.table import Table
 
-from skmq.cli.common import open_store
+from skmq.cli.common import open_store, table_console
 from skmq.cli.dlq import printable
 from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
@@ -40,7 +39,7 @@ async def _run(args: argparse.Namespace) -> int:
     for r in rows:
         apps = printable(", ".join(r["apps"]), 80)
         table.add_row(r["broker"], r["peer"], r["role"], apps, f"{r['since_s']:.1f}s ago")
-    Console().print(table)
+    table_console().print(table)
     if truncated:
         print(f"{truncated} more connection(s) not listed (each broker lists 1000 at most)")
     return 0

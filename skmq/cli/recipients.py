@@ -15,10 +15,9 @@ import argparse
 import asyncio
 import json
 
-from rich.console import Console
 from rich.table import Table
 
-from skmq.cli.common import admin_app, open_store, operator, operator_log
+from skmq.cli.common import admin_app, open_store, operator, operator_log, table_console
 from skmq.cli.dlq import printable
 from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
@@ -61,7 +60,7 @@ async def _list(args: argparse.Namespace, settings: Settings, only: frozenset[st
             r["state"],
             "never" if age is None else f"{age:.1f}s ago",
         )
-    Console().print(table)
+    table_console().print(table)
     return 0
 
 

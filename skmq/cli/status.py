@@ -9,13 +9,13 @@ import json
 import time
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from skmq.cli import seconds
-from skmq.cli.common import open_store
+from skmq.cli.common import open_store, table_console
 from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
 from skmq.config import settings_from_args
@@ -164,7 +164,7 @@ async def _run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(snap, indent=2))
             else:
-                Console().print(render(snap))
+                table_console().print(render(snap))
             return 0
         previous: dict[str, int] = {}
         stamp = time.monotonic()
