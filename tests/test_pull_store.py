@@ -194,6 +194,10 @@ async def test_pull_nack_waits_then_redelivers_and_dead_letters_after_retry_time
     (first,) = await received(groups, "g")
     assert await groups.nack(APP, "g", [(*receipt(first), 5_000)], NOW) == [(1, NOW + 5_000, 1)]
     assert await groups.nack(APP, "g", [(*receipt(first), 0)], NOW) == [(0, 0, 0)]  # stale
+    (waiting,) = await groups.describe(APP, NOW + 4_999)
+    assert (waiting.delayed, waiting.backlog) == (1, 0)
+    (due,) = await groups.describe(APP, NOW + 5_000)  # (its wait ran out: a receive takes it)
+    assert (due.delayed, due.backlog) == (0, 1)
     assert await received(groups, "g", NOW + 4_999) == []
     (second,) = await received(groups, "g", NOW + 5_000)
     assert second.attempt == 2

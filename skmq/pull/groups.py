@@ -196,11 +196,14 @@ class Groups:
         counts = await pipe.execute()
         return {app: await self.describe(app) for app, n in zip(apps, counts, strict=True) if n}
 
-    async def describe(self, app: str) -> list[GroupInfo]:
+    async def describe(self, app: str, now: int | None = None) -> list[GroupInfo]:
         """The app's groups, in two round trips whatever their backlogs: a backlog is
         the entries ever added to the log (`gadded`) less those up to the group's
-        cursor (gstate's r, group_position.lua), as no entry after a cursor is trimmed.
+        cursor (gstate's r, group_position.lua), as no entry after a cursor is trimmed,
+        and those due again by `now` (a retry whose wait ran out, a replayed dead letter:
+        a receive takes them at once); delayed, those due later.
         The log's count is read last: a message stored meanwhile counts in."""
+        now = now_ms() if now is None else now
         redis, base = self.store.redis, self.store.base(app)
         cursors = await redis.hgetall(base + "groups")
         names = sorted(k.decode() for k in cursors)
@@ -209,6 +212,7 @@ class Groups:
             inflight, delayed, _, gstate, dead, _ = (base + k for k in self._group_keys(name))
             pipe.zcard(inflight)
             pipe.zcard(delayed)
+            pipe.zcount(delayed, "-inf", now)
             pipe.zcard(dead)
             pipe.hget(gstate, "\x1fr")
         pipe.get(base + "gadded")
@@ -216,12 +220,15 @@ class Groups:
         out = []
         for i, name in enumerate(names):
             cursor = cursors[name.encode()].decode()
-            in_flight, delayed, dead, read = res[4 * i : 4 * i + 4]
+            in_flight, delayed, due, dead, read = res[5 * i : 5 * i + 5]
             if read is None:  # a group made before the count: read what is after it
                 backlog = await self._count_after(app, cursor)
             else:
                 backlog = max(0, int(added or 0) - int(read))
-            out.append(GroupInfo(name, cursor, int(in_flight), int(delayed), int(dead), backlog))
+            later = int(delayed) - int(due)
+            out.append(
+                GroupInfo(name, cursor, int(in_flight), later, int(dead), backlog + int(due))
+            )
         await self._oldest(app, out)
         return out
 
