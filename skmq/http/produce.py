@@ -84,8 +84,9 @@ def field_errors(exc: ValidationError) -> str:
 
 #: Seconds a request's body may take to arrive once its handler reads it (FRAME_TIMEOUT).
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
-#: The Content-Encodings of a body that aiohttp decodes without an optional package.
-BODY_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
+#: The Content-Encodings of a body that aiohttp decodes without an optional package
+#: (it reads any other it does not know, `x-gzip` too, as none).
+BODY_ENCODINGS = ("identity", "gzip", "deflate")
 
 
 async def read_json(request: web.Request) -> Any:
