@@ -35,8 +35,8 @@ async def ping(
     try:
         async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(host, port)
-            frame = PING if names is None else encode_frame("ping", _named(*names))
-            writer.write(frame)
+            named = names and {"appid": names[0], "recipient": names[1]}
+            writer.write(encode_frame("ping", named) if named else PING)
             return await _pong(reader, received)
     except TimeoutError:
         if loop.time() - deadline < STALL:
@@ -66,10 +66,6 @@ async def _pong(reader: asyncio.StreamReader, received: bytearray) -> bool:
         received += chunk
     frames = Decoder(max_frame_bytes=len(received) + 1).feed(bytes(received))
     return bool(frames) and isinstance(frames[0], Frame) and frames[0].type == "pong"
-
-
-def _named(app: str, recipient: str) -> tuple[tuple[str, str], ...]:
-    return (("appid", app), ("recipient", recipient))
 
 
 # app, recipient id, host, port, whether the ping names them (capability `identity`)
