@@ -51,7 +51,7 @@ def _q(value: str | None) -> str:
 
 # An event's field and the start of the next, formatted once (not by Enum.__format__).
 _EVENTS = {e: f',"event":"{e.value}","msgid":' for e in Event}
-# Quoted names remembered by a log (app ids are bounded by the store, not here).
+# The (app, kind, recipient) parts of lines a log remembers.
 MAX_NAMES = 4096
 
 
@@ -64,7 +64,7 @@ class DeliveryLog:
         backlog_bytes: int = 64 << 20,
     ) -> None:
         self.dir = log_dir
-        self.broker = _q(broker_id)
+        self._tail = f',"broker":{_q(broker_id)},"detail":'  # (a line's last fields)
         self.rotate_bytes = rotate_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
         self._prefix = f"delivery-{broker_id}-"
@@ -83,7 +83,7 @@ class DeliveryLog:
         self._counted = 0
         self.dropped = 0
         self.listener: Callable[[str, str], None] | None = None
-        self._names: dict[str | None, str] = {}
+        self._middles: dict[tuple[str, str | None, str | None], str] = {}
         # Called when a file is closed for good (skmq/logarchive.py compresses it).
         self.on_rotate: Callable[[], None] | None = None
         # A broker with a fixed BROKER_ID goes on with its last file (rotating as usual).
@@ -140,14 +140,11 @@ class DeliveryLog:
         detail: str | None = None,
         ts: int | None = None,
     ) -> None:
-        names = self._names
+        middle = self._middles.get((appid, kind, recipient)) or self._middle(appid, kind, recipient)
         self._lines.add(
-            f'{{"ts":{ts if ts is not None else now_ms()}{_EVENTS[event]}{_q(msgid)},'
-            f'"appid":{names.get(appid) or self._name(appid)},'
-            f'"kind":{names.get(kind) or self._name(kind)},'
-            f'"recipient":{names.get(recipient) or self._name(recipient)},'
-            f'"attempt":{"null" if attempt is None else attempt},"broker":{self.broker},'
-            f'"detail":{_q(detail)}}}\n'
+            f'{{"ts":{ts if ts is not None else now_ms()}{_EVENTS[event]}{_q(msgid)}{middle}'
+            f"{'null' if attempt is None else attempt}{self._tail}"
+            f"{'null' if detail is None else _q(detail)}}}\n"
         )
         if self.listener is not None:
             self.listener(event, appid)
@@ -164,12 +161,15 @@ class DeliveryLog:
             self.event(Event.DEAD_LETTERED, msgid, appid, kind, recipient, made, EXPIRED_REASON)
         return fate
 
-    def _name(self, value: str | None) -> str:
-        """`value` quoted, remembered: app ids, kinds and recipients recur in most lines."""
-        if len(self._names) >= MAX_NAMES:
-            self._names.clear()
-        quoted = self._names[value] = _q(value)
-        return quoted
+    def _middle(self, appid: str, kind: str | None, recipient: str | None) -> str:
+        """A line's fields from appid to the name of attempt, remembered: the same app,
+        kind and recipient recur in most lines."""
+        if len(self._middles) >= MAX_NAMES:
+            self._middles.clear()
+        middle = self._middles[appid, kind, recipient] = (
+            f',"appid":{_q(appid)},"kind":{_q(kind)},"recipient":{_q(recipient)},"attempt":'
+        )
+        return middle
 
     def flush(self) -> None:
         """Hand the buffered lines to the kernel. A write error (ENOSPC, EIO) never reaches

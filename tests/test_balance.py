@@ -59,3 +59,22 @@ def test_departed_recipients_are_forgotten() -> None:
     b.pick({"a": 0, "b": 0}, {"a": 5, "b": 5}, 3)
     picks = b.pick({"b": 0}, {"b": 5}, 3)
     assert picks == ["b", "b", "b"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 6),
+                          st.booleans()), min_size=1, max_size=30))  # fmt: skip
+def test_committing_every_pick_goes_on_as_picking_again(
+    rounds: list[tuple[int, int, int, bool]],
+) -> None:
+    """`commit` of all a pick returned keeps the state `pick` left; it must give the same
+    turns as restoring the state before the pick and picking exactly as many again."""
+    kept, again = Balancer(), Balancer()
+    weights = {"a": 0, "b": 2, "c": 1}
+    for free_a, free_b, n, use_all in rounds:
+        free = {"a": free_a, "b": free_b, "c": 2}
+        picks = kept.pick(weights, free, n)
+        assert again.pick(weights, free, n) == picks
+        used = len(picks) if use_all else len(picks) // 2
+        kept.commit(used)
+        again._picked = -1  # (the other path: restore and pick `used` again)
+        again.commit(used)

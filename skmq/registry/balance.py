@@ -19,6 +19,7 @@ class Balancer:
         self._owed: str | None = None
         self._saved: tuple[dict[str, int], str | None] = ({}, None)
         self._last: tuple[Mapping[str, int], Mapping[str, int]] = ({}, {})
+        self._picked = 0  # how many the last `pick` returned
 
     def _next(self, weights: Mapping[str, int]) -> str:
         current = self._current
@@ -52,10 +53,14 @@ class Balancer:
             self._owed = None
             slots[rid] -= 1
             out.append(rid)
+        self._picked = len(out)
         return out
 
     def commit(self, used: int) -> None:
-        """Keep only the first `used` picks of the last `pick` (the others go unused)."""
+        """Keep only the first `used` picks of the last `pick` (the others go unused).
+        All of them used (the common case): the state `pick` left is already that."""
+        if used == self._picked:
+            return
         self._current, self._owed = self._saved
         weights, free = self._last
         if used:
