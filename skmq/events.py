@@ -19,6 +19,7 @@ __all__ = [
     "MOVED_TO_APP",
     "PENDING_PURGED",
     "RECIPIENT_EVENTS",
+    "RECOVERED_ACK",
     "UNDELIVERABLE",
     "Event",
     "Kind",
@@ -98,3 +99,8 @@ DROPPED = "dropped"
 # purged by an operator.
 MOVED_TO_APP = "dead letter moved to app"
 PENDING_PURGED = "pending message purged"
+
+# The detail of an `acked` line a new owner writes for an ack it found in the journal's
+# tail (the old owner may have died before its own line): the audit counts the message
+# acked, but not acked twice where the old owner's line is there too.
+RECOVERED_ACK = "recovered from the journal by a new owner"

@@ -24,6 +24,7 @@ from skmq.events import (
     MOVED_TO_APP,
     PENDING_PURGED,
     RECIPIENT_EVENTS,
+    RECOVERED_ACK,
     UNDELIVERABLE,
     Event,
     Kind,
@@ -39,6 +40,7 @@ __all__ = [
     "ack_ts",
     "copy_key",
     "count_if",
+    "counted",
     "delivery_table",
     "is_event",
     "message_table",
@@ -118,6 +120,17 @@ def count_if(cond: Column) -> Column:
     return F.count(F.when(cond, F.lit(1)))
 
 
+def _recovered() -> Column:
+    return F.coalesce(F.col("detail").startswith(RECOVERED_ACK), F.lit(False))
+
+
+def counted(event: Event) -> Column:
+    """The lines of `event` that count as one each: an `acked` line a new owner wrote
+    again (RECOVERED_ACK, from the journal) is not another ack; it only stands in for
+    the old owner's line where a kill -9 took that line with it (`_units`)."""
+    return is_event(event) & ~_recovered() if event is Event.ACKED else is_event(event)
+
+
 def ack_key() -> Column:
     """``ts`` and ``attempt`` of an event in one long that orders as (ts, attempt).
 
@@ -173,6 +186,7 @@ _MESSAGE_FIELDS = ("n_stored", "stored_ts", "due_at")
 _WHOLE_MESSAGE = "pending_pg"
 _DELIVERY_FIELDS = (
     "n_acked",
+    "n_acked_again",
     "first_ack",
     "first_push",
     "last_push",
@@ -222,7 +236,8 @@ def _units(events: DataFrame) -> DataFrame:
         F.min(_when(Event.STORED, ts)).alias("stored_ts"),
         F.max(_when(Event.STORED, _number_in(_DELIVER_AT))).alias("due_at"),
         (count_if(F.col("kind") == Kind.TOPIC.value) > 0).alias("topic"),
-        count_if(is_event(Event.ACKED)).alias("n_acked"),
+        count_if(counted(Event.ACKED)).alias("n_acked"),
+        count_if(is_event(Event.ACKED) & _recovered()).alias("n_acked_again"),
         F.min(_when(Event.ACKED, ack_key())).alias("first_ack"),
         F.min(_when(Event.PUSHED, ts)).alias("first_push"),
         F.max(_when(Event.PUSHED, ts)).alias("last_push"),
@@ -278,7 +293,8 @@ def _joined_deliveries(units: DataFrame) -> DataFrame:
         of_message(_WHOLE_MESSAGE).alias("m_" + _WHOLE_MESSAGE),
         F.max(rkey.isNotNull()).over(whole_message).alias("copied"),
     )
-    pushed = c("first_push").isNotNull() | (c("n_acked") > 0) | (c("n_dl") > 0)
+    acks = c("n_acked") + c("n_acked_again")  # (an ack a new owner logged again: one)
+    pushed = c("first_push").isNotNull() | (acks > 0) | (c("n_dl") > 0)
     whole = F.greatest(c(_WHOLE_MESSAGE), c("m_" + _WHOLE_MESSAGE))
     kept = marked.where(rkey.isNotNull() | ~c("copied") | (~c("topic") & pushed))
     return kept.select(
@@ -305,7 +321,7 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
     waiting_for_recipient, in_flight, stuck.
     """
     c = F.col
-    acked = c("n_acked") > 0
+    acked = (c("n_acked") + c("n_acked_again")) > 0
     dead = ~acked & (c("n_dl") > 0) & (c("last_rp").isNull() | (c("last_dl") > c("last_rp")))
     # an operator removed the dead letter (or the whole message)
     purged = dead & (F.greatest(c("last_pg"), c(_WHOLE_MESSAGE)) >= c("last_dl"))

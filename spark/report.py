@@ -31,6 +31,7 @@ from .deliveries import (
     OUTCOMES,
     copy_key,
     count_if,
+    counted,
     delivery_table,
     is_event,
     message_table,
@@ -781,7 +782,7 @@ class _Job:
                     )
                     .agg(
                         *(
-                            count_if(is_event(e)).alias(name)
+                            count_if(counted(e)).alias(name)
                             for name, e in (_RECIPIENT_COLUMNS | _CHART_COLUMNS).items()
                         )
                     )

@@ -98,7 +98,7 @@ from skmq.audit_job.session import (  # noqa: E402
 )
 
 from skmq.clock import now_ms  # noqa: E402
-from skmq.events import Event  # noqa: E402
+from skmq.events import RECOVERED_ACK, Event  # noqa: E402
 from skmq.pull.consumer import PullConsumer  # noqa: E402
 from tests.conftest import BrokerFactory, eventually  # noqa: E402
 from tests.test_delivery import log_events, produce  # noqa: E402
@@ -741,6 +741,33 @@ async def test_a_pulled_lease_that_runs_out_on_its_last_attempt_is_dead_in_a_rea
     assert (entries["m1"]["reason"], entries["m1"]["attempts"]) == ("timeout", 2)
     assert entries["m1"]["last_recipient"].startswith("group:g/")  # the consumer named
     assert entries["old"]["reason"] == "expired"
+
+
+@needs_java
+def test_an_ack_logged_again_by_a_new_owner_counts_once(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """After a kill -9, the next owner logs again the acks of the journal's tail
+    (RECOVERED_ACK): m1's line died with the old owner, m2's did not. Both are acked,
+    neither twice, and the recipient is counted one ack each."""
+    t = BASE_TS
+    r = {"recipient": "r", "attempt": 1}
+    again = {**r, "broker": "b2", "detail": RECOVERED_ACK}
+    lines = [
+        _line(t, "stored", "m1", "a"),
+        _line(t + 10, "pushed", "m1", "a", **r),
+        _line(t, "stored", "m2", "a"),
+        _line(t + 10, "pushed", "m2", "a", **r),
+        _line(t + 20, "acked", "m2", "a", **r),
+        _line(t + 5_000, "acked", "m1", "a", **again),
+        _line(t + 5_000, "acked", "m2", "a", **again),
+    ]
+    (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    report = _audit(spark, tmp_path, tmp_path / "out")
+    assert (report["totals"]["acked"], report["totals"]["unresolved"]) == (2, 0)
+    assert report["anomalies"]["acked_more_than_once"] == 0
+    assert [(x["recipient"], x["acked"]) for x in report["by_recipient"]] == [("r", 1)]
+    assert report["latency_ms"]["max"] == 5_000  # (m1's: as of the line logged again)
 
 
 @needs_java

@@ -221,6 +221,28 @@ async def test_a_takeover_rebuilds_the_state_and_fences_the_old_owner(
     assert set(c.queue.deliveries) == set(b.queue.deliveries)
 
 
+async def test_a_new_owner_names_the_acks_of_the_journals_tail_to_log_again(
+    wire: Wire, keys: AppKeys
+) -> None:
+    """An owner killed after its write of an ack and before its `acked` line: the new
+    owner finds the ack in the journal's tail (AppOwner.recovered, logged again by the
+    reaper), and not one the checkpoint covers."""
+    a = await owner(wire, keys, "A", ["r1", "r2"])
+    await a.store(msgs("m1", "m2", "m3"), T)
+    for d, rid in zip(list(a.queue.take(3, T)), ("r1", "r2", "r1"), strict=True):
+        a.queue.push(d, rid, T)
+    a.queue.ack(b"m1", QUEUE, 1, T)
+    await a.checkpoint(T)  # (m1's ack is the checkpoint's: its line was written long since)
+    a.queue.ack(b"m2", QUEUE, 1, T + 1)
+    a.queue.fail(b"m3", QUEUE, 1, "error: x", T + 1)
+    await a.flush(T + 1)
+
+    await wire.call("DEL", keys.owner)  # A dies
+    b = await owner(wire, keys, "B", ["r1", "r2"])
+    await b.load(T + 2)
+    assert [(c.delivery.msgid, c.attempt, c.recipient) for c in b.recovered] == [(b"m2", 1, "r2")]
+
+
 async def test_pushes_made_while_a_checkpoint_is_written_are_replayed_once(
     wire: Wire, keys: AppKeys
 ) -> None:

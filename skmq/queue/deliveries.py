@@ -26,6 +26,7 @@ STATE_OF = {s.value: s for s in State}  # (a checkpoint's states: State(value) i
 QUEUE = ""  # the copy of a queue message: one delivery for all the app's recipients
 SEP = b"\x1f"  # between a record's fields
 END = b"\x1e"  # between records
+_KINDS = {kind: kind.value.encode() for kind in Record}  # a record's first field
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,13 +380,13 @@ class AppQueue:
     # -- a new owner -------------------------------------------------------------
     def apply(
         self, kind: Record, msgid: bytes, copy: str, attempt: int, extra: str, now: int
-    ) -> bool:
-        """Replay one journal record (False: its delivery is not held, e.g. over in an
+    ) -> Change | None:
+        """Replay one journal record (None: its delivery is not held, e.g. over in an
         earlier checkpoint): the derived transitions it needs, then its own, through the
-        same table as live; nothing is recorded again."""
+        same table as live; nothing is recorded again. Returns its own transition."""
         d = self.deliveries.get((msgid, copy))
         if d is None:
-            return False
+            return None
         trigger = TRIGGER_OF[kind]
         self.recording = False
         try:
@@ -401,10 +402,9 @@ class AppQueue:
                     d.error = rest
             elif kind is Record.DEAD or kind is Record.UNDELIVERABLE:
                 d.error = extra
-            self._move(d, trigger, now)
+            return self._move(d, trigger, now)
         finally:
             self.recording = True
-        return True
 
     def adopt(self, now: int) -> list[Change]:
         """After a takeover: what the old owner had in flight is pushed again now (its
@@ -520,9 +520,8 @@ def _note(d: Delivery, now: int, why: str) -> None:
 
 def _record(kind: Record, d: Delivery, extra: str) -> bytes:
     # (a msgid holds no \x1e nor \x1f: the protocol refuses control characters in one)
-    return SEP.join(
-        (kind.value.encode(), d.msgid, d.copy.encode(), b"%d" % d.attempt, extra.encode())
-    )
+    copy = d.copy.encode() if d.copy else b""
+    return SEP.join((_KINDS[kind], d.msgid, copy, b"%d" % d.attempt, extra.encode()))
 
 
 def parse_records(blob: bytes) -> Iterator[tuple[Record, bytes, str, int, str]]:

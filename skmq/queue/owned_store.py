@@ -205,6 +205,11 @@ class OwnedStore(Store):
     ) -> dict[str, list[Reaped]]:
         return await self._owners.reap(apps, now)
 
+    def recovered_acks(self, app: str) -> list[tuple[str, int, str]]:
+        """The acks this broker's new ownership of `app` found in the journal (Owners:
+        take_recovered), for the reaper to log again."""
+        return self._owners.take_recovered(app)
+
     async def in_flight(self, app: str) -> list[str]:
         return []  # an owner's in flight are its own: a new owner pushes them again
 

@@ -20,7 +20,7 @@ import structlog
 
 from skmq.clock import now_ms
 from skmq.jsonbody import dump_json, load_json
-from skmq.lifecycle import Refused, State
+from skmq.lifecycle import Refused, State, Trigger
 from skmq.queue.dead import flush_args
 from skmq.queue.deliveries import (
     END,
@@ -114,6 +114,9 @@ class AppOwner:
         self._last: asyncio.Future[None] | None = None  # done when the latest flush is
         self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
         self.adopted: list[Change] = []  # the old owner's in flight, failed by `load`
+        # The acks `load` replayed: logged again (Owners.recovered), since the old owner
+        # may have died between their write and their `acked` lines.
+        self.recovered: list[Change] = []
         self.unchecked = 0  # log entries and records written since the last checkpoint
         self.checked_at = clock()  # when the last checkpoint was written (or the start)
 
@@ -526,11 +529,14 @@ class AppOwner:
             self.log_cursor = self.log_last
         for record in parse_records(END.join(records)) if records else ():
             try:
-                self.queue.apply(*record, now)
+                change = self.queue.apply(*record, now)
             except Refused as exc:  # (its delivery is left as it stands: at least once)
                 log.error("a journal record its delivery cannot take, skipped",
                           app=self.journal.keys.app, record=record[0].name,
                           msgid=record[1].decode("utf-8", "replace"), error=str(exc))  # fmt: skip
+            else:
+                if change is not None and change.trigger is Trigger.ACK:
+                    self.recovered.append(change)
         self.unchecked = len(records) + len(entries) + tail  # (a long tail: checkpoint it soon)
         if adopt:
             self.adopted = self.queue.adopt(now)

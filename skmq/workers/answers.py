@@ -9,7 +9,7 @@ answer goes out, so an `ack` resp means the broker recorded it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from skmq.clock import now_ms
 from skmq.codec import Status
 from skmq.deliverylog import DeliveryLog
-from skmq.events import Event
+from skmq.events import RECOVERED_ACK, Event
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import Extended, Failed, split_delivery
 from skmq.workers.link import Verdict
@@ -157,6 +157,17 @@ class AnswerBatcher:
                                         a.attempt, ts=now)  # fmt: skip
         finally:
             self._reconciling = None
+
+    def log_recovered(self, app: str, acks: Sequence[tuple[str, int, str]]) -> None:
+        """Log again the acks a new owner found in the journal's tail, (delivery id,
+        attempt, recipient) each: the old owner may have died (kill -9) after their write
+        and before their `acked` lines, and the audit would find them in flight for ever.
+        Marked RECOVERED_ACK: the audit counts such a line only where no other says so."""
+        now = now_ms()
+        for delivery_id, attempt, rid in acks:
+            msgid = split_delivery(delivery_id)[0]
+            self.dlog.event(Event.ACKED, msgid, app, _kind(delivery_id), rid or None, attempt,
+                            RECOVERED_ACK, ts=now)  # fmt: skip
 
     @staticmethod
     def _unavailable(app: str, answers: list[Answer], exc: BaseException) -> None:

@@ -35,6 +35,7 @@ class Reaper:
         turn = set(self._turns.take(list(self.dispatchers)))
         turn.update(app for app, d in self.dispatchers.items() if d.last_claim > recent)
         for app, reaped in (await self.store.reap(sorted(turn), now_ms())).items():
+            self.answers.log_recovered(app, self.store.recovered_acks(app))
             for r in reaped:
                 if r.result.code == Failed.STALE:
                     continue
