@@ -75,6 +75,26 @@ async def test_async_for_with_ack_nack_and_a_lease_kept_while_handling(
         assert await third.ack()
 
 
+async def test_messages_buffered_when_a_loop_is_left_come_back_at_once(
+    make_broker: BrokerFactory, transport: str
+) -> None:
+    """A loop left after its first message: the batch's others, received and never
+    handed out, are nacked as the consumer closes (not held until their leases run out)."""
+    broker, url = await gateway(make_broker)
+    where = consumer_url(broker, url, transport)
+    async with PullConsumer(where, "shop", "g", wait=5, visibility=60, batch=10) as first:
+        await produce(url, "shop", "m1", "m2", "m3")
+        async for msg in first:
+            assert msg.msgid == "m1"
+            msg.ack()
+            break
+        assert first.buffered == 2
+    async with PullConsumer(where, "shop", "g", wait=5, visibility=60, batch=10) as other:
+        again = await other.receive()
+        assert sorted((m.msgid, m.attempt) for m in again) == [("m2", 2), ("m3", 2)]
+        assert await other.ack_all(again) == [True, True]
+
+
 async def test_refusals_are_pull_errors(make_broker: BrokerFactory, transport: str) -> None:
     broker, url = await gateway(make_broker)
     where = consumer_url(broker, url, transport)

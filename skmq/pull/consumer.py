@@ -21,7 +21,9 @@ consumer's `msg.ack()` does): `async for` hands out a received batch without a t
 the event loop, so a batch handled without awaiting is acked in one request. Each call
 returns its message's outcome, to await where it matters (`await msg.ack()`: True, or
 False for a stale receipt); an ack awaited before the next message is taken is a
-request of its own. Acks sent and not answered yet are awaited when the consumer closes.
+request of its own. Acks sent and not answered yet are awaited when the consumer closes;
+messages received and not handed out yet (a loop left early) are nacked then, with no
+delay, for the group to hand them out again at once.
 
 `PullConsumer("tcp://127.0.0.1:1734", ...)` does the same over TCP, on two connections
 of its own: receives on one (a long poll holds its answers), settles on the other (an
@@ -222,6 +224,11 @@ class PullConsumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keeper
             self._keeper = None
+        # Received and never handed out (a loop left early): nacked with no wait, for the
+        # group to hand them out again now rather than when their leases run out. The
+        # attempt counts either way, as a JetStream message fetched and not acked does.
+        while self._buffer:
+            self._buffer.popleft().nack(delay_ms=0)
         self._settles.flush()  # settles asked for just before: sent, and answered
         if self._settling:
             await asyncio.wait(self._settling, timeout=CLOSE_TIMEOUT)
