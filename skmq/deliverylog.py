@@ -144,7 +144,7 @@ class DeliveryLog:
         self._lines.add(
             f'{{"ts":{ts if ts is not None else now_ms()}{_EVENTS[event]}{_q(msgid)}{middle}'
             f"{'null' if attempt is None else attempt}{self._tail}"
-            f"{'null' if detail is None else _q(detail)}}}\n"
+            f"{_q(detail)}}}\n"
         )
         if self.listener is not None:
             self.listener(event, appid)

@@ -114,8 +114,8 @@ class AppOwner:
         self._last: asyncio.Future[None] | None = None  # done when the latest flush is
         self.questions: list[bytes] = []  # answers forwarded by other brokers, unanswered
         self.adopted: list[Change] = []  # the old owner's in flight, failed by `load`
-        # The acks `load` replayed: logged again (Owners.recovered), since the old owner
-        # may have died between their write and their `acked` lines.
+        # The acks `load` replayed: logged again (Owners.take_recovered), since the old
+        # owner may have died between their write and their `acked` lines.
         self.recovered: list[Change] = []
         self.unchecked = 0  # log entries and records written since the last checkpoint
         self.checked_at = clock()  # when the last checkpoint was written (or the start)

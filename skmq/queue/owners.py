@@ -115,8 +115,6 @@ class Owners:
     owned: dict[str, AppOwner] = field(default_factory=dict)
     unread: set[str] = field(default_factory=set)  # owned apps whose inbox has news
     timed_out: dict[str, list[Change]] = field(default_factory=dict)  # for the reaper
-    # the acks a new owner replayed (AppOwner.recovered), for the reaper to log again
-    recovered: dict[str, list[Change]] = field(default_factory=dict)
     buckets: dict[str, _Bucket] = field(default_factory=dict)
     # each app's last TTL sweep (ms) and the next expiry it found (AppQueue.expire_waiting)
     swept: dict[str, tuple[int, int | None]] = field(default_factory=dict)
@@ -147,14 +145,11 @@ class Owners:
         self.owned[app] = owner
         if owner.adopted:  # (for the reaper: logged as timeouts)
             self.timed_out.setdefault(app, []).extend(owner.adopted)
-        if owner.recovered:
-            self.recovered.setdefault(app, []).extend(owner.recovered)
         return owner
 
     def lost(self, app: str) -> None:
         self.owned.pop(app, None)
         self.timed_out.pop(app, None)
-        self.recovered.pop(app, None)
         self.swept.pop(app, None)
 
     def told(self, app: str) -> None:
@@ -368,11 +363,13 @@ class Owners:
         return out
 
     def take_recovered(self, app: str) -> list[tuple[str, int, str]]:
-        """The acks a new owner of `app` replayed since the last call: (delivery id,
-        attempt, recipient) each."""
-        return [
-            (delivery_id(c.delivery), c.attempt, c.recipient) for c in self.recovered.pop(app, [])
-        ]
+        """The acks this broker's owner of `app` replayed as it took the app over
+        (AppOwner.recovered), not taken yet: (delivery id, attempt, recipient) each."""
+        owner = self.owned.get(app)
+        if owner is None or not owner.recovered:
+            return []
+        acks, owner.recovered = owner.recovered, []
+        return [(delivery_id(c.delivery), c.attempt, c.recipient) for c in acks]
 
     async def release(
         self, app: str, deliveries: Sequence[tuple[str, int]], now: int
