@@ -206,6 +206,14 @@ class Ownership:
             raise
         return True
 
+    async def forget_the_dead(self, apps: Iterable[str]) -> None:
+        """This broker's Redis is its alone (the embedded one): every lease and live
+        broker in it is a dead process's, a kill -9's. Forgotten at start, its apps are
+        ours at once, not a lease later (or two, where rendezvous ranked it first)."""
+        for app in apps:
+            await (await self._wire(app)).call("DEL", self.keys(app).owner)
+        await (await self.wires.of(self.members_key)).call("DEL", self.members_key)
+
     async def release_all(self) -> None:
         """A broker stopping: its apps go to the others at once, not after the lease."""
         for app, lease in list(self.held.items()):

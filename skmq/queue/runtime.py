@@ -19,7 +19,7 @@ from skmq.config import Settings
 from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
-from skmq.queue.journal import AppKeys, Fenced, Lease
+from skmq.queue.journal import Fenced, Lease
 from skmq.queue.operator import answer_request, oldest_pending, request_of
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
@@ -117,10 +117,8 @@ class OwnerRuntime:
     ) -> OwnerRuntime:
         wires = Wires.beside(url, redis, settings.store_timeout)
         runtime = cls(settings, wires, store, broker_id, engine)
-        if orphans:  # this broker's Redis alone: every lease in it is a dead process's
-            for app in await store.apps():
-                owner = AppKeys.of(settings.key_prefix, app).owner
-                await (await wires.of(owner)).call("DEL", owner)
+        if orphans:
+            await runtime.ownership.forget_the_dead(await store.apps())
         await runtime.round()  # the apps that are ours, before the first push
         supervisor.start("owner-rounds", runtime.run)
         watch = InboxWatch(
