@@ -5,6 +5,7 @@ the same calls and the same JSON. A purge is written to the delivery log (event
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection
 from typing import Any
 
@@ -102,16 +103,20 @@ async def purge(
     store: OwnedStore,
     dlog: DeliveryLog,
     app: str,
-    older_than_ms: int | None,
+    older_than_s: float | None,
     limit: int | None,
     dry_run: bool,
     who: str,
     now: int,
 ) -> list[Purged]:
-    """Purge the messages of `app` waiting since `now` (stored `older_than_ms` before it, or
+    """Purge the messages of `app` waiting since `now` (stored `older_than_s` before it, or
     more), at most `limit`, oldest first, PURGE_CHUNK a script; each logged `purged`
-    naming `who` (the token or the user). A dry run changes and logs nothing."""
-    older = older_than_ms or 0  # (nothing stored after the purge began: it ends)
+    naming `who` (the token or the user). A dry run changes and logs nothing. An age or
+    a limit past any store's (1e308 s, 2**64) means none stored so long ago, or all."""
+    # (nothing stored after the purge began: it ends; older than 1970: nothing)
+    older = 0 if older_than_s is None else int(min(older_than_s * 1000, now + 1))
+    if limit is not None and limit >= sys.maxsize:
+        limit = None
     if dry_run:
         return await store.purge_waiting(app, older, limit, True, now)
     detail = f"{PENDING_PURGED} by an operator ({who})"

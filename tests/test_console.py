@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from skmq.clock import now_ms
 from skmq.console import PEEK_MAX, preview
 from skmq.events import PENDING_PURGED
+from skmq.queue.operator import OperatorFault, Request, ask_owner
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import AliveRecipient, NewMessage, Purged
 from skmq.store.wire import Wire
@@ -333,6 +334,38 @@ async def test_a_topic_copy_waiting_is_purged_alone(
 
 
 # -- HTTP ------------------------------------------------------------------------------
+async def test_an_age_or_a_limit_past_any_stores_means_none_or_all(
+    make_broker: BrokerFactory, cli: Cli, http: aiohttp.ClientSession, redis_url: str, prefix: str
+) -> None:
+    """A purge older than 1e308 s finds nothing and one of at most 2**64 or 10**30 finds
+    everything, from the CLI (another process: the owner asked through its inbox) and
+    over HTTP: no 500, no owner that never replies (an OverflowError, islice's
+    ValueError)."""
+    broker = await make_broker(http_port=free_port())
+    await stored(broker.store, "hx", "h1", "h2")
+    everything = {"app": "hx", "purged": 2, "dry_run": True, "msgids": ["h1", "h2"]}
+    nothing = {**everything, "purged": 0, "msgids": []}
+    huge = str(2**64)
+    assert await cli_json(cli, "purge", "--app", "hx", "--max", huge, "--dry-run") == everything
+    assert await cli_json(cli, "purge", "--app", "hx", "--older-than", "1e308", "--dry-run") == (
+        nothing
+    )
+    url = f"http://127.0.0.1:{broker.gateway.port}/v1/apps/hx/purge"
+    for body, expected in (
+        ({"older_than_s": 1e308, "dry_run": True}, nothing),
+        ({"max": 2**64, "dry_run": True}, everything),
+        ({"max": 10**30, "dry_run": True}, everything),
+        ({"older_than_s": 1e308}, {**nothing, "dry_run": False}),
+    ):
+        async with http.post(url, json=body) as response:
+            assert (response.status, await response.json()) == (200, expected), body
+    # a request the owner fails on (islice's ValueError) is answered with the fault, not
+    # left to the asker's timeout
+    async with aioredis.from_url(redis_url) as redis:
+        with pytest.raises(OperatorFault, match="the owner of app 'hx' failed: ValueError"):
+            await ask_owner(redis, prefix, "hx", Request("purge", -1, None, True), timeout=30)
+
+
 async def test_the_console_over_http_is_for_admins(
     make_broker: BrokerFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:

@@ -35,13 +35,12 @@ async def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
     app = admin_app(args.app, admin_apps(settings, args.token))
-    older = None if args.older_than is None else int(args.older_than * 1000)
     user = operator()
     async with open_store(settings) as store:
         dlog = operator_log(settings)
         try:
-            purged = await purge(store, dlog, app, older, args.max, args.dry_run, f"user {user}",
-                                 now_ms())  # fmt: skip
+            purged = await purge(store, dlog, app, args.older_than, args.max, args.dry_run,
+                                 f"user {user}", now_ms())  # fmt: skip
         finally:
             dlog.close()
     msgids = [p.msgid for p in purged]

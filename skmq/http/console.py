@@ -119,10 +119,9 @@ class ConsoleRoutes:
             body = PurgeRequest.model_validate(await read_json(request))
         except ValidationError as exc:
             raise ApiError(400, field_errors(exc)) from None
-        older = None if body.older_than_s is None else int(body.older_than_s * 1000)
         who = f"token {principal}" if principal else "http, auth off"
-        purged = await purge(self.store, self.dlog, app, older, body.max, body.dry_run, who,
-                             now_ms())  # fmt: skip
+        purged = await purge(self.store, self.dlog, app, body.older_than_s, body.max,
+                             body.dry_run, who, now_ms())  # fmt: skip
         if not body.dry_run:
             log.info("operator action", action="purge", via="http", principal=principal,
                      app=app, done=len(purged))  # fmt: skip

@@ -39,6 +39,13 @@ class NoOwner(RedisError):  # type: ignore[misc]
     owner did not reply in time. (A RedisError: the store's trouble, to the CLI and HTTP.)"""
 
 
+class OperatorFault(Exception):
+    """The owner met a fault doing an operator's request (its reply names it)."""
+
+
+FAULT = "fault"  # the key of a reply that is a fault, not a result
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     op: Literal["peek", "purge", "move"]
@@ -157,7 +164,9 @@ async def ask_owner(
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is not None and message["type"] == "message":
-                    reply: list[Any] = json.loads(message["data"])
+                    reply: list[Any] | dict[str, str] = json.loads(message["data"])
+                    if isinstance(reply, dict):
+                        raise OperatorFault(f"the owner of app {app!r} failed: {reply[FAULT]}")
                     return reply
     except TimeoutError:
         raise NoOwner(f"the owner of app {app!r} did not reply within {timeout} s") from None

@@ -20,7 +20,7 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import Fenced, Lease
-from skmq.queue.operator import answer_request, oldest_pending, request_of
+from skmq.queue.operator import FAULT, answer_request, oldest_pending, request_of
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
@@ -149,6 +149,13 @@ class OwnerRuntime:
                     await owner.wire.call("PUBLISH", request.reply, json.dumps(reply))
             except TROUBLE as exc:  # (its asker hears nothing and says `error`)
                 log.warning("a question went unanswered", app=app, error=repr(exc))
+            except Exception as exc:  # (a fault: its asker hears which, not a timeout)
+                log.exception("an operator's request failed", app=app)
+                if request is not None:
+                    fault = json.dumps({FAULT: repr(exc)})
+                    with contextlib.suppress(*TROUBLE):
+                        wire = await self.wires.of(request.reply)
+                        await wire.call("PUBLISH", request.reply, fault)
 
         spawn(answer(), self.tasks)
 
