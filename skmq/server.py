@@ -524,7 +524,9 @@ class Server:
 
     # -- timeouts -------------------------------------------------------------
     async def _sweep(self) -> None:
-        """Close connections silent for IDLE_TIMEOUT; refuse frames older than FRAME_TIMEOUT."""
+        """Close connections silent for IDLE_TIMEOUT; refuse frames older than FRAME_TIMEOUT.
+        A connection waiting for an answer of ours (a long poll's) is not silent: it is
+        timed from the answer's write."""
         s = self.settings
         period = min(5.0, max(0.05, min(s.idle_timeout, s.frame_timeout) / 4))
         while True:
@@ -533,7 +535,7 @@ class Server:
             for conn in list(self.connections):
                 if conn.broken:
                     continue
-                if conn.last_active < now - s.idle_timeout:
+                if not conn.replying and conn.last_active < now - s.idle_timeout:
                     log.info("closing idle connection", peer=conn.peer.host)
                     self._close(conn)
                 elif (

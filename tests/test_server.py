@@ -299,6 +299,20 @@ async def test_idle_connection_is_closed(make_broker: BrokerFactory) -> None:
     assert await client.closed(timeout=5)
 
 
+async def test_a_long_poll_longer_than_idle_timeout_is_answered_not_closed(
+    make_broker: BrokerFactory,
+) -> None:
+    """A connection waiting for the broker's answer (a `pull` receive's wait) is not
+    silent: the receive is answered at its wait's end, then the connection is idle."""
+    broker = await make_broker(idle_timeout=0.3)
+    client = await RawClient.connect(broker.server.port)
+    group = {"appid": "idle", "group": "g"}
+    assert (await client.request("pull", b"", op="create", **group))["status"] == "ack"
+    got = await client.request("pull", b'{"wait": 1.5}', op="receive", **group)
+    assert (got["status"], json.loads(got["content"])) == ("ack", {"messages": []})
+    assert await client.closed(timeout=5)
+
+
 async def test_ingest_rate_limit_slows_without_dropping(make_broker: BrokerFactory) -> None:
     broker = await make_broker(rate=200)
     client = await RawClient.connect(broker.server.port)
