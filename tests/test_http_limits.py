@@ -135,6 +135,29 @@ async def test_a_body_not_complete_within_frame_timeout_is_408(
     writer.close()
 
 
+async def test_a_body_announced_over_the_limit_is_413_before_it_is_sent(
+    make_broker: BrokerFactory,
+) -> None:
+    """Content-Length over HTTP_MAX_BODY_BYTES is answered at once on every route, with
+    `Expect: 100-continue` too, not once the body came (or FRAME_TIMEOUT ran out)."""
+    broker, _ = await gateway(make_broker, http_max_body_bytes=2048, frame_timeout=60)
+    cases = [(route, b"") for route in JSON_ROUTES]
+    for route, expect in [*cases, (JSON_ROUTES[0], b"Expect: 100-continue\r\n")]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", broker.gateway.port)
+        writer.write(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 9437184\r\n%s\r\n{}" % (route.encode(), expect)
+        )
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100"):  # (then the final answer)
+                head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(length)
+        assert json_error(head + body) == (413, "request entity too large"), route
+        writer.close()
+
+
 async def test_slow_headers_and_idle_keepalive_are_closed(make_broker: BrokerFactory) -> None:
     """A header line at a time, each well within FRAME_TIMEOUT: the connection is still
     closed FRAME_TIMEOUT after it opened; an idle connection too."""

@@ -21,7 +21,7 @@ from skmq.http.dlq import DlqRoutes
 from skmq.http.errors import json_errors
 from skmq.http.guard import CountedSite, ServerLog
 from skmq.http.openapi import document
-from skmq.http.produce import BODY_TIMEOUT, Producer
+from skmq.http.produce import BODY_TIMEOUT, MAX_BODY, Producer, refuse_oversized
 from skmq.http.pull import PullRoutes
 from skmq.metrics import Metrics
 from skmq.workers.enqueue import Enqueuer
@@ -75,10 +75,10 @@ class Gateway:
         return web.json_response(self._openapi)
 
     def _app(self, *, full: bool) -> web.Application:
-        app = web.Application(
-            middlewares=[json_errors], client_max_size=self.settings.http_max_body_bytes
-        )
+        max_body = self.settings.http_max_body_bytes
+        app = web.Application(middlewares=[json_errors, refuse_oversized], client_max_size=max_body)
         app[BODY_TIMEOUT] = self.settings.frame_timeout
+        app[MAX_BODY] = max_body
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         if full:

@@ -12,6 +12,7 @@ from urllib.parse import unquote_to_bytes
 
 import structlog
 from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skmq.auth import Tokens
@@ -87,6 +88,21 @@ BODY_TIMEOUT = web.AppKey("body_timeout", float)
 #: The Content-Encodings of a body that aiohttp decodes without an optional package
 #: (it reads any other it does not know, `x-gzip` too, as none).
 BODY_ENCODINGS = ("identity", "gzip", "deflate")
+
+
+#: HTTP_MAX_BODY_BYTES, for `refuse_oversized` (aiohttp's client_max_size applies it as
+#: a body is read).
+MAX_BODY = web.AppKey("max_body", int)
+
+
+@web.middleware
+async def refuse_oversized(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body announced (Content-Length) over HTTP_MAX_BODY_BYTES: 413 before a byte of
+    it is read, not once it has all come or FRAME_TIMEOUT has run out."""
+    limit = request.app[MAX_BODY]
+    if (size := request.content_length) is not None and size > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+    return await handler(request)
 
 
 async def read_json(request: web.Request) -> Any:
