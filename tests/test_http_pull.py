@@ -351,6 +351,26 @@ async def test_pull_limits_and_refusals(
     assert got[0] == status and got[1]["error"].startswith(error), got
 
 
+async def test_a_receive_with_no_body_takes_the_defaults(
+    make_broker: BrokerFactory, http: aiohttp.ClientSession
+) -> None:
+    """As a `pull` frame with no content: one message, the default lease, no wait; with
+    no Content-Type too (curl -X POST). Other verbs still need their body."""
+    _, base = await gateway(make_broker)
+    await call(http, "POST", f"{base}/nb/groups", {"group": "g"})
+    await produce(http, base, "nb", "m1", "m2")
+    url = f"{base}/nb/groups/g/receive"
+    for headers in ({}, {"Content-Type": "application/json"}):
+        async with http.post(url, headers=headers) as response:
+            assert response.status == 200
+            (got,) = (await response.json())["messages"]
+            assert got["msgid"] in ("m1", "m2")
+    async with http.post(f"{base}/nb/groups/g/ack") as response:
+        assert (response.status, await response.json()) == (
+            415, {"error": "send Content-Type: application/json"}
+        )  # fmt: skip
+
+
 async def test_long_polls_past_pull_max_waiting_are_refused(
     make_broker: BrokerFactory, http: aiohttp.ClientSession
 ) -> None:

@@ -146,6 +146,10 @@ def document() -> dict[str, Any]:
         "201": _json(_ref("GroupCreated"), "the group was created (created true)"),
         **create_group["responses"],
     }
+    receive = op("receive", "Up to max messages, each leased for visibility seconds; waits "
+                 "up to wait seconds for one", "ReceiveRequest", "ReceiveResult",
+                 "the messages (none when the wait ran out)", 404)  # fmt: skip
+    receive["requestBody"]["required"] = False  # (none: every field's default)
     on_group = {"parameters": [app_param, group_param]}
     pull_paths: dict[str, Any] = {
         "/v1/apps/{app}/groups": {
@@ -164,12 +168,7 @@ def document() -> dict[str, Any]:
             "post": op("resetGroup", "Move a group to latest, earliest or a time (admin role)",
                        "GroupReset", "GroupPosition", "where the group reads from now", 404),
         },
-        "/v1/apps/{app}/groups/{group}/receive": {
-            **on_group,
-            "post": op("receive", "Up to max messages, each leased for visibility seconds; "
-                       "waits up to wait seconds for one", "ReceiveRequest", "ReceiveResult",
-                       "the messages (none when the wait ran out)", 404),
-        },
+        "/v1/apps/{app}/groups/{group}/receive": {**on_group, "post": receive},
         "/v1/apps/{app}/groups/{group}/ack": {
             **on_group,
             "post": op("ack", "Settle received messages by receipt", "AckRequest",

@@ -105,10 +105,13 @@ async def refuse_oversized(request: web.Request, handler: Handler) -> web.Stream
     return await handler(request)
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request, optional: bool = False) -> Any:
     """The request's JSON body: 415 unless application/json, 400 unless valid JSON (or
     nested past the parser's recursion limit), 408 unless it all arrives within
-    FRAME_TIMEOUT; HTTP_MAX_BODY_BYTES (413) is aiohttp's client_max_size."""
+    FRAME_TIMEOUT; HTTP_MAX_BODY_BYTES (413) is aiohttp's client_max_size. `optional`:
+    no body at all is None (a receive's defaults, as for a `pull` frame with no content)."""
+    if optional and not request.body_exists:
+        return None
     if request.content_type != "application/json":
         raise ApiError(415, "send Content-Type: application/json")
     encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()

@@ -469,7 +469,7 @@ class PullRoutes:
         app, who = self._caller(request, "consume")
         group = self._group(request)
         verb = request.path.rsplit("/", 1)[1]
-        raw = await read_json(request)
+        raw = await read_json(request, optional=verb == "receive")
         if verb != "receive":
             answer = await self.api.call(verb, app, group, raw, who)
         else:
