@@ -3,6 +3,7 @@ out, compact (to a peer, or an owner's checkpoint), and read back."""
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -56,3 +57,12 @@ def load_json(data: bytes) -> Any:
         except ValueError:  # (orjson.JSONDecodeError)
             pass
     return json.loads(data)
+
+
+def content_json(content: bytes) -> tuple[str, str]:
+    """A message's content in a JSON answer, and its `encoding`: the text where it is
+    UTF-8, else base64 (so that no byte is lost)."""
+    try:
+        return content.decode("utf-8"), "text"
+    except UnicodeDecodeError:
+        return base64.b64encode(content).decode(), "base64"

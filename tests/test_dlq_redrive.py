@@ -76,11 +76,14 @@ async def owning(store: OwnedStore, app: str, now: int) -> AsyncIterator[None]:
         owners.lost(app)
 
 
-async def bury(store: OwnedStore, app: str, msgid: str, error: str, died: int) -> None:
+async def bury(
+    store: OwnedStore, app: str, msgid: str, error: str, died: int, content: bytes = b""
+) -> None:
     """A dead letter of `app` (dated by its owner's flush: now, not `died`), its last
-    error `error`."""
+    error `error`, its content `content` (or its msgid)."""
     async with owning(store, app, died):
-        assert (await store.store({app: [NewMessage(msgid, "queue", msgid.encode())]}, died))[app]
+        message = NewMessage(msgid, "queue", content or msgid.encode())
+        assert (await store.store({app: [message]}, died))[app]
         got, _, _ = await store.claim(app, died, 1, [_alive()], ["r"])
         assert [c.msgid for c in got] == [msgid]
         (f,) = await store.fail(app, [(msgid, "errored", error, "r", 1)], died)
@@ -153,6 +156,24 @@ async def test_dry_run_says_what_and_changes_nothing(store: OwnedStore, cli: Cli
     assert json.loads(out)["dry_run"] == "replay into e"
     assert await dead_ids(store, "d") == ["x1", "x2"]
     assert await waiting(store, "e") == []
+
+
+async def test_a_dead_letters_content_that_is_not_text_is_listed_in_base64(
+    store: OwnedStore, cli: Cli, make_broker: BrokerFactory
+) -> None:
+    """No byte lost: `content` in base64 where it is not UTF-8 (`encoding`, as a receive
+    says it), from the CLI (--json) and over HTTP."""
+    await bury(store, "d", "bin", "boom", T0, b"\xff\xfe\x00raw")
+    await bury(store, "d", "txt", "boom", T0, "café".encode())
+    expected = [("bin", "//4AcmF3", "base64"), ("txt", "café", "text")]
+    code, out, err = await cli("list", "--app", "d", "--json")
+    assert code == 0, err
+    assert [(d["msgid"], d["content"], d["encoding"]) for d in json.loads(out)] == expected
+    broker = await make_broker(http_port=free_port())
+    url = f"http://127.0.0.1:{broker.gateway.port}/v1/apps/d/dlq"
+    async with aiohttp.ClientSession() as http, http.get(url) as response:
+        listed = (await response.json())["dead_letters"]
+    assert [(d["msgid"], d["content"], d["encoding"]) for d in listed] == expected
 
 
 async def test_replay_to_another_app(store: OwnedStore, cli: Cli, tmp_path: Path) -> None:

@@ -64,12 +64,13 @@ class DeadLetterInfo(BaseModel):
     recipient: str | None = Field(
         description="the recipient of a topic copy; `group:<name>` for a group's"
     )
-    content: str = Field(description="as UTF-8 text (bytes that are not: U+FFFD)")
+    content: str = Field(description="the content: text, or base64 (encoding)")
     attempts: int
     last_error: str
     history: list[str]
     died_at: int = Field(description="unix ms")
     stored_at: int = Field(description="unix ms")
+    encoding: Literal["text", "base64"] = Field(description="base64 when not UTF-8 text")
 
 
 class DeadLetterList(BaseModel):

@@ -4,7 +4,6 @@ and delete groups; receive (with a long poll), ack, nack and extend by receipt."
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import field_errors, path_app, read_json
-from skmq.jsonbody import dump_json_text
+from skmq.jsonbody import content_json, dump_json_text
 from skmq.pull.groups import (
     Groups,
     NoSuchGroup,
@@ -166,11 +165,7 @@ def _pulled(p: Pulled) -> dict[str, Any]:
     """A PulledMessage as JSON. Built as a dict, not through the model (which documents
     it in the OpenAPI spec): every field comes from the store, valid by construction,
     and a model a message was a fifth of the broker's cost of a pulled message."""
-    encoding = "text"
-    try:
-        content = p.content.decode("utf-8")
-    except UnicodeDecodeError:
-        content, encoding = base64.b64encode(p.content).decode(), "base64"
+    content, encoding = content_json(p.content)
     out = {
         "receipt": p.receipt, "msgid": p.msgid, "kind": "topic" if p.kind == "topic" else "queue",
         "content": content, "encoding": encoding, "attempt": p.attempt,

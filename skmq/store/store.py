@@ -25,6 +25,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
+from skmq.jsonbody import content_json
 from skmq.store import scripts
 from skmq.store.client import (
     CLUSTER_SCHEME,
@@ -262,11 +263,12 @@ class DeadLetter:
     stored_at: int
 
     def as_json(self) -> dict[str, Any]:
-        """Every field but the delivery id, in order; the content as text."""
+        """Every field but the delivery id, in order; the content as text, or base64
+        where it is not UTF-8 (`encoding`)."""
         out = asdict(self)
         del out["delivery_id"]
-        out["content"] = self.content.decode("utf-8", "replace")
-        return out
+        out["content"], encoding = content_json(self.content)
+        return {**out, "encoding": encoding}
 
 
 @dataclass(frozen=True)
