@@ -24,7 +24,7 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import AliveRecipient, Claimed, Failed, NewMessage
 from skmq.store.wire import Wire
-from skmq.workers.answers import AnswerBatcher
+from skmq.workers.answers import Answer, AnswerBatcher
 from skmq.workers.dispatch import POLL, Dispatcher
 from tests.conftest import BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
@@ -78,6 +78,23 @@ async def test_an_ack_that_lets_the_next_of_its_key_go_wakes_the_dispatcher(
         await answers.drain()
     assert woken == [(APP, True), (APP, False)]
     assert await claim(store, NOW + 1) == ["a2"]
+
+
+async def test_an_uncertain_ack_acked_since_leaves_nothing_to_look_up(
+    store: OwnedStore, tmp_path: Path
+) -> None:
+    """An ack whose finish's answer was lost is remembered for a lookup; acked anew since
+    (a redelivery's ack), nothing is left to look up. It left an app with no ids, whose
+    lookup Redis refused (SMISMEMBER with no member) and that was put back for the next
+    flush: a warning every ack batch until a restart."""
+    await store.store({APP: [NewMessage("m1", "queue", b"x")]}, NOW)
+    assert await claim(store) == ["m1"]
+    answers = AnswerBatcher(store, DeliveryLog(tmp_path, "b1"), lambda *a: None)
+    answers._remember(APP, [Answer("m1", Event.ACKED, "", "r", 1, lambda verdict: None)])
+    answers.submit(APP, "m1", Event.ACKED, recipient="r", attempt=1)
+    await answers.drain()
+    assert (answers._uncertain, answers._reconciling) == ({}, None)
+    assert await store.acked_of(APP, [], now_ms()) == []
 
 
 async def test_a_claim_that_buried_one_claims_again_at_once(store: OwnedStore) -> None:

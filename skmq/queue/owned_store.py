@@ -267,6 +267,8 @@ class OwnedStore(Store):
         """For deliveries whose finish's answer was lost: whether each was acked, as far
         as the app's dedupe sets tell (its message completed within DEDUPE_WINDOW; a topic
         copy's message only once every copy is over)."""
+        if not delivery_ids:  # (SMISMEMBER takes one member at least)
+            return []
         keys = AppKeys.of(self.prefix, app)
         msgids = [split_delivery(d)[0].encode("utf-8", ENC) for d in delivery_ids]
         pipe = self.redis.pipeline(transaction=False)

@@ -110,6 +110,8 @@ class AnswerBatcher:
                     if f.ok:
                         uncertain.pop(a.delivery_id, None)  # (the lost one was not recorded)
                     self._finished(app, a, f.ok, f.attempt, f.stored_ts, f.recipient, now)
+                if not uncertain:  # (none left to look up: no lookup of nothing)
+                    self._uncertain.pop(app, None)
                 released = any(f.released for f in done)
                 if self._uncertain and self._reconciling is None:
                     self._reconciling = asyncio.get_running_loop().create_task(self._reconcile())
