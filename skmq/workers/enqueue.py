@@ -33,6 +33,7 @@ from skmq.clock import now_ms
 from skmq.codec import encode_resp
 from skmq.deliverylog import DeliveryLog
 from skmq.events import Event
+from skmq.logs import Throttled
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import ClaimArgs, NewMessage
 from skmq.store.disk import DiskSpace
@@ -178,6 +179,7 @@ class Enqueuer:
     _noted: set[str] = field(init=False, default_factory=set)  # apps noted by this process
     _noting: asyncio.Task[None] | None = field(init=False, default=None)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _faults: Throttled = field(init=False, default_factory=lambda: Throttled(log))
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
@@ -359,15 +361,15 @@ class Enqueuer:
         except WriteFailed as exc:  # (one Redis: the part as a whole)
             results = dict.fromkeys(messages, exc)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("store unavailable", error=str(exc) or repr(exc))
+            self._faults.warning("store unavailable", error=str(exc) or repr(exc))
             self._remember(batch, received, set(messages) - set(ran))
             batch.answer(dict.fromkeys(messages, UNAVAILABLE))
             return ran
         answers: dict[str, AppAnswer] = {app: self._answer(r) for app, r in results.items()}
         failed = {app: res for app, res in results.items() if isinstance(res, WriteFailed)}
         if failed:
-            log.warning("store failed", apps=len(failed), of=len(results),
-                        error=str(next(iter(failed.values()))))  # fmt: skip
+            error = str(next(iter(failed.values())))
+            self._faults.warning("store failed", apps=len(failed), of=len(results), error=error)
             maybe = [app for app, f in failed.items() if f.maybe_ran and app not in ran]
             self._remember(batch, received, maybe)
         # The log lines reach the kernel before any producer hears `ack`.
