@@ -50,7 +50,6 @@ from skmq.registry.own_addresses import OwnAddresses
 from skmq.server import Server
 from skmq.store import (
     EvictionWatch,
-    Retries,
     check_eviction_policy,
     check_listpack_sizes,
     connect_redis,
@@ -72,20 +71,6 @@ log = structlog.get_logger("skmq.broker")
 def make_broker_id() -> str:
     host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:32]
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def make_store(settings: Settings, redis: RedisClient) -> OwnedStore:
-    return OwnedStore(
-        redis,
-        settings.key_prefix,
-        retries=Retries(settings.retry_times, settings.retry_backoff, settings.retry_jitter),
-        ack_timeout=settings.ack_timeout,
-        dedupe_window=settings.dedupe_window,
-        replica_acks=settings.replica_acks,
-        replica_ack_timeout=settings.replica_ack_timeout,
-        expired_drop=settings.expired == "drop",
-        max_lease_extensions=settings.max_lease_extensions,
-    )
 
 
 async def wait_for_redis(redis: RedisClient, deadline: float, least: float) -> None:
@@ -201,7 +186,7 @@ class Broker:
         self.supervisor.start("store-clock", clock.run)
         self.eviction = EvictionWatch(self.redis, s.redis_check_interval, s.store_timeout)
         self.supervisor.start("eviction-watch", self.eviction.run)
-        self.store = make_store(s, self.redis)
+        self.store = OwnedStore.configured(s, self.redis)
         await convert_legacy(self.store, now_ms())  # (a store an earlier version wrote)
         await claim_store(self.redis, s.key_prefix)
         self.dlog = DeliveryLog(

@@ -38,13 +38,13 @@ from skmq.codec import (
 )
 from skmq.config import Settings
 from skmq.errors import ApiError
+from skmq.ids import bad_app, bad_id
 from skmq.jsonbody import dump_json, parse_json
 from skmq.peer import Peer
 from skmq.registry.registration import (
     CONTROL,
     RegistrationRefused,
     check_address,
-    is_text,
     parse_registration,
     parse_unregistration,
 )
@@ -55,7 +55,6 @@ from skmq.workers.routes import unroutable_reason
 
 log = structlog.get_logger("skmq.handler")
 
-MAX_ID_BYTES = 256
 #: The extensions this broker names in its answer to `hello` (docs/PROTOCOL.md).
 BROKER_CAPS = (
     *("auth", "delay", "extend", "hello", "key", "length", "mandatory", "pipeline", "pull"),
@@ -106,18 +105,6 @@ class Outcome:
 TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-def bad_id(value: str) -> str | None:
-    """Why msgid/appid `value` is refused, or None. CR/LF never reach here (the codec)."""
-    if (
-        len(value) * 4 > MAX_ID_BYTES
-        and len(value.encode("utf-8", "surrogateescape")) > MAX_ID_BYTES
-    ):
-        return f"longer than {MAX_ID_BYTES} bytes"
-    if CONTROL.search(value):
-        return "holds a control character"
-    return None
-
-
 def bad_timing(
     settings: Settings, now: int, delay: int, deliver_at: int, ttl: int | None
 ) -> str | None:
@@ -129,18 +116,6 @@ def bad_timing(
         return f"{field} at most {settings.max_delay} ms ahead (MAX_DELAY)"
     if ttl is not None and ttl > settings.max_ttl:
         return f"ttl is at most {settings.max_ttl} ms (MAX_TTL)"
-    return None
-
-
-def bad_app(value: str) -> str | None:
-    """Why appid `value` is refused, or None: required, as a msgid, and text besides (an
-    app names metrics, registrations and the status listing; a msgid may hold any bytes)."""
-    if not value:
-        return "required"
-    if (why := bad_id(value)) is not None:
-        return why
-    if not is_text(value):
-        return "is not UTF-8 text"
     return None
 
 

@@ -16,12 +16,11 @@ from pathlib import Path
 from redis.exceptions import BusyLoadingError
 from rich.console import Console
 
-from skmq.broker import make_store
 from skmq.config import Settings
 from skmq.deliverylog import DeliveryLog
 from skmq.embedded import SECRET_FILE, EmbeddedRedis, redis_url_for
 from skmq.errors import UsageError
-from skmq.handler import bad_app
+from skmq.ids import bad_app
 from skmq.queue.owned_store import OwnedStore
 from skmq.store import connect_redis
 from skmq.store.client import RedisClient
@@ -50,7 +49,7 @@ async def open_store(settings: Settings) -> AsyncIterator[OwnedStore]:
         try:
             await wait_loaded(redis, settings.redis_wait)
             await claim_store(redis, settings.key_prefix)  # (a new store: marked, as a broker does)
-            store = make_store(settings, redis)
+            store = OwnedStore.configured(settings, redis)
             # (an app no broker owns is read as its owner would)
             wires = store.wires = Wires.beside(url, redis, settings.store_timeout)
             try:

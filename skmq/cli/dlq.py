@@ -29,7 +29,7 @@ from skmq.config import settings_from_args
 from skmq.deliverylog import DeliveryLog
 from skmq.dlq import CHUNK, DeadLetters, Filters, Verb, choose, dead_letters_of, redrive
 from skmq.errors import UsageError
-from skmq.handler import bad_app
+from skmq.ids import bad_app
 from skmq.logs import configure_logging
 from skmq.pull.groups import bad_group
 from skmq.queue.owned_store import OwnedStore

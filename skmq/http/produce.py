@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skmq.auth import Tokens
 from skmq.clock import now_ms
 from skmq.config import Settings
-from skmq.handler import bad_app, bad_id, bad_timing
+from skmq.handler import bad_timing
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
+from skmq.ids import bad_app, bad_id
 from skmq.jsonbody import parse_json
 from skmq.registry.registration import is_text
 from skmq.store import NewMessage

@@ -20,10 +20,10 @@ from skmq.config import Settings
 from skmq.connections import Connections, peer_address
 from skmq.deliverylog import DeliveryLog
 from skmq.events import GROUP_PREFIX, Event
-from skmq.handler import bad_app
 from skmq.http.bearer import authorize
 from skmq.http.errors import ApiError
 from skmq.http.produce import field_errors, path_app, read_json
+from skmq.ids import bad_app
 from skmq.jsonbody import content_json, dump_json_text
 from skmq.pull.groups import (
     Groups,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skmq.clock import now_ms
 from skmq.queue.dead import letter, moved
@@ -44,6 +44,7 @@ from skmq.store.store import (
     NewMessage,
     Purged,
     Reaped,
+    Retries,
     Store,
     Waiting,
     hand_over,
@@ -51,6 +52,10 @@ from skmq.store.store import (
 )
 from skmq.store.wire import Wire
 from skmq.store.wires import TROUBLE, Wires
+
+if TYPE_CHECKING:
+    from skmq.config import Settings
+    from skmq.store.client import RedisClient
 
 STORED_LOOKBACK = 10_000
 # An app no broker owns read again at most this often while a move into it runs (each
@@ -70,6 +75,21 @@ class OwnedStore(Store):
         self._dead_out = self.redis.register_script(script_source("dead_out"))
         self._dead_purge = self.redis.register_script(script_source("dead_purge"))
         self._forget = self.redis.register_script(script_source("forget"))
+
+    @classmethod
+    def configured(cls, settings: Settings, redis: RedisClient) -> OwnedStore:
+        """The store as `settings` say, for a broker and an operator command alike."""
+        return cls(
+            redis,
+            settings.key_prefix,
+            retries=Retries(settings.retry_times, settings.retry_backoff, settings.retry_jitter),
+            ack_timeout=settings.ack_timeout,
+            dedupe_window=settings.dedupe_window,
+            replica_acks=settings.replica_acks,
+            replica_ack_timeout=settings.replica_ack_timeout,
+            expired_drop=settings.expired == "drop",
+            max_lease_extensions=settings.max_lease_extensions,
+        )
 
     async def list_app(self, app: str) -> None:
         """The app in the apps directory (a `Lister`: its mark in Redis was new)."""
