@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 
@@ -20,7 +21,7 @@ from skmq.queue.deliveries import Policy
 from skmq.queue.forward import Forwarder, answer_question
 from skmq.queue.inbox_watch import InboxWatch
 from skmq.queue.journal import Fenced, Lease
-from skmq.queue.operator import FAULT, answer_request, oldest_pending, request_of
+from skmq.queue.operator import FAULT, Request, answer_request, oldest_pending, request_of
 from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
@@ -141,23 +142,27 @@ class OwnerRuntime:
                 if request is None:
                     await answer_question(self.wires, self._answer, raw)
                 elif (owner := self.owners.owned.get(app)) is not None:
-                    if request.op == "move":
-                        source, ids = request.source, request.ids
-                        reply = await self.store.move_into(owner, app, source, ids, now_ms())
-                    else:
-                        reply = await answer_request(owner, request, now_ms())
+                    reply = await self._reply(owner, app, request)
                     await owner.wire.call("PUBLISH", request.reply, json.dumps(reply))
             except TROUBLE as exc:  # (its asker hears nothing and says `error`)
                 log.warning("a question went unanswered", app=app, error=repr(exc))
-            except Exception as exc:  # (a fault: its asker hears which, not a timeout)
-                log.exception("an operator's request failed", app=app)
-                if request is not None:
-                    fault = json.dumps({FAULT: repr(exc)})
-                    with contextlib.suppress(*TROUBLE):
-                        wire = await self.wires.of(request.reply)
-                        await wire.call("PUBLISH", request.reply, fault)
+            except Exception:  # (a forwarded answer's fault: logged, not left unobserved)
+                log.exception("a question failed", app=app)
 
         spawn(answer(), self.tasks)
+
+    async def _reply(self, owner: AppOwner, app: str, request: Request) -> Any:
+        """An operator's request done by the owner: its result, or the fault it met, which
+        its asker hears (OperatorFault) rather than wait for its timeout."""
+        try:
+            if request.op == "move":
+                return await self.store.move_into(owner, app, request.source, request.ids, now_ms())
+            return await answer_request(owner, request, now_ms())
+        except TROUBLE:
+            raise
+        except Exception as exc:
+            log.exception("an operator's request failed", app=app)
+            return {FAULT: repr(exc)}
 
     async def _forward(self, app: str, frame: Frame, vouched: Sequence[str] | None) -> Verdict:
         """An answer for an app this broker does not own: if the app is unowned and ours,
