@@ -259,7 +259,7 @@ class Broker:
             routes=self.engine.routes,
         )
         self.metrics.attach(self.engine, self.enqueuer)
-        self.groups = Groups(self.store)
+        self.groups = Groups(self.store, self.dlog)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         stalls = self.engine.stalls
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting, stalls.settled)

@@ -13,6 +13,7 @@ from enum import Enum
 __all__ = [
     "DROPPED",
     "EXPIRED_REASON",
+    "GROUP_FROM",
     "GROUP_PREFIX",
     "LOG_FIELDS",
     "MESSAGE_EVENTS",
@@ -83,6 +84,9 @@ MESSAGE_EVENTS = frozenset(Event) - RECIPIENT_EVENTS
 # The `recipient` of a delivery pulled by a consumer group: `group:<name>`. Each group
 # gets its own copy of every message, as each recipient of a topic message does.
 GROUP_PREFIX = "group:"
+# The detail of a group's `recipient_registered` (made or reset; `recipient_removed`:
+# deleted) says from when it gets the messages stored: `... stored from <unix ms>`.
+GROUP_FROM = "stored from "
 
 # The fields of one line, in the order the broker writes them.
 LOG_FIELDS = ("ts", "event", "msgid", "appid", "kind", "recipient", "attempt", "broker", "detail")

@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 from skmq.events import (
     DROPPED,
     EXPIRED_REASON,
+    GROUP_FROM,
     GROUP_PREFIX,
     MOVED_TO_APP,
     PENDING_PURGED,
@@ -42,6 +43,7 @@ __all__ = [
     "count_if",
     "counted",
     "delivery_table",
+    "group_change",
     "is_event",
     "message_table",
 ]
@@ -67,6 +69,7 @@ _DELIVER_AT = r"deliver_at=(\d+)"
 _NEXT_AT = r"next attempt at (\d+)"
 _LAST_FAILURE = r"last: (\w+)"
 _AFTER_ATTEMPTS = r"^after \d+ attempts"
+_GROUP_FROM = GROUP_FROM + r"(\d+)"
 
 # Every way a delivery (and a message) ends or waits, in the report's order, with the
 # group its message counts in (totals): docs/AUDIT.md defines each.
@@ -218,6 +221,46 @@ def copy_key() -> Column:
     return F.when(is_copy, recipient)
 
 
+def group_change(event: Event = Event.RECIPIENT_REGISTERED) -> Column:
+    """A consumer group's making or reset (`event`: its deletion, RECIPIENT_REMOVED)."""
+    return is_event(event) & F.col("recipient").startswith(GROUP_PREFIX)
+
+
+def _group_copies(events: DataFrame) -> DataFrame:
+    """A `stored` event for each consumer group's copy of each message stored from the
+    group's start (GROUP_FROM in the detail of its last making or reset), for the groups
+    not deleted since: a group's copy that it has not received yet is a delivery too
+    (waiting for it), as a topic recipient's copy is, though the group has no event of it.
+
+    The groups are few: their starts are broadcast, and the stored events are not
+    shuffled for it.
+    """
+    c = F.col
+    changes = events.where(group_change() | group_change(Event.RECIPIENT_REMOVED))
+    # A group's last change, ordered by ts (a making after a deletion in the same ms: the
+    # making is the last).
+    last = F.max_by(
+        F.struct(
+            is_event(Event.RECIPIENT_REGISTERED).alias("alive"),
+            _number_in(_GROUP_FROM).alias("start"),
+        ),
+        F.struct(c("ts"), is_event(Event.RECIPIENT_REGISTERED)),
+    )
+    starts = (
+        changes.groupBy(c("appid").alias("g_app"), c("recipient").alias("g_name"))
+        .agg(last.alias("last"))
+        .where(c("last.alive") & c("last.start").isNotNull())
+        .select("g_app", "g_name", c("last.start").alias("g_start"))
+    )
+    stored = events.where(is_event(Event.STORED))
+    joined = stored.join(
+        F.broadcast(starts), (c("appid") == c("g_app")) & (c("ts") >= c("g_start"))
+    )
+    return joined.select(
+        *(c("g_name").alias(f) if f == "recipient" else c(f) for f in events.columns)
+    )
+
+
 def _units(events: DataFrame) -> DataFrame:
     """One row per (appid, msgid, rkey): rkey is a copy's key (copy_key), else null.
 
@@ -310,8 +353,12 @@ def _joined_deliveries(units: DataFrame) -> DataFrame:
     )
 
 
-def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFrame:
+def delivery_table(
+    events: DataFrame, as_of: int, stuck_after_ms: int, groups: bool = True
+) -> DataFrame:
     """One row per delivery of the valid ``events``, with the columns the report uses.
+    ``groups``: the events may make or delete a consumer group (``group_change``; False
+    leaves out the query of their copies).
 
     ``as_of`` is the time the log ends (its last ts): open deliveries are split by it
     into not yet due, waiting for a recipient (never pushed), in flight and stuck (no
@@ -365,6 +412,8 @@ def delivery_table(events: DataFrame, as_of: int, stuck_after_ms: int) -> DataFr
         .when(outcome.isin("expired_dropped", "purged_pending"), F.lit("dropped"))
         .otherwise(outcome)
     )
+    if groups:
+        events = events.unionByName(_group_copies(events))
     return _joined_deliveries(_units(events)).select(
         "appid",
         "msgid",

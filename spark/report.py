@@ -33,6 +33,7 @@ from .deliveries import (
     count_if,
     counted,
     delivery_table,
+    group_change,
     is_event,
     message_table,
 )
@@ -335,6 +336,7 @@ def _line_stats() -> list[Column]:
         F.max("ts").alias("last_ts"),
         count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
         count_if(is_event(Event.PUSHED)).alias("pushes"),
+        count_if(group_change() | group_change(Event.RECIPIENT_REMOVED)).alias("group_changes"),
     ]
 
 
@@ -491,13 +493,15 @@ class _Job:
             "last_ts": int(good["last_ts"]),
             "duplicates": int(good["duplicates"]),
             "pushes": int(good["pushes"]),
+            "group_changes": int(good["group_changes"]),
         }
 
     # ---- 2. deliveries and messages
-    def group(self, as_of: int) -> None:
+    def group(self, as_of: int, groups: bool) -> None:
+        """``groups``: the logs make or delete a consumer group (its copies are counted)."""
         with self.prog.stage("grouping events by delivery and message") as notes:
             self.deliveries = self.keep(
-                delivery_table(self.events, as_of, self.options.stuck_after_ms)
+                delivery_table(self.events, as_of, self.options.stuck_after_ms, groups)
             )
             self.messages = message_table(self.deliveries)
             count = self.deliveries.count()
@@ -895,7 +899,7 @@ def compute_report(
     try:
         stats = job.read()
         job.count_events(stats)
-        job.group(stats["last_ts"])
+        job.group(stats["last_ts"], stats["group_changes"] > 0)
         outcomes = job.outcomes(stats)
         dead_letters = job.dead_letters(outcomes)
         by_recipient, recipient_extra, throughput = job.event_counts()

@@ -744,6 +744,94 @@ async def test_a_pulled_lease_that_runs_out_on_its_last_attempt_is_dead_in_a_rea
 
 
 @needs_java
+def test_a_group_that_has_not_received_yet_holds_its_copies(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A consumer group's making logs from when it gets the messages stored (`stored
+    from <ms>`): each message stored from then on has a copy for it, waiting for it until
+    it pulls, though the group has no event of it; not one stored before, nor one of a
+    group deleted since, nor one stored before its last reset's start."""
+    t = BASE_TS
+
+    def change(ts: int, group: str, start: int | None) -> str:
+        if start is None:
+            return _line(ts, "recipient_removed", "", "g", kind=None, recipient=f"group:{group}",
+                         detail="consumer group deleted")  # fmt: skip
+        return _line(ts, "recipient_registered", "", "g", kind=None, recipient=f"group:{group}",
+                     detail=f"consumer group made at latest; stored from {start}")  # fmt: skip
+
+    def acked(ts: int, msgid: str, *groups: str) -> list[str]:
+        lines = [_line(ts, "stored", msgid, "g")]
+        for i, group in enumerate(groups):
+            who = {"recipient": f"group:{group}", "attempt": 1}
+            lines += [_line(ts + 1 + i, "pushed", msgid, "g", detail="pulled", **who),
+                      _line(ts + 2 + i, "acked", msgid, "g", **who)]  # fmt: skip
+        return lines
+
+    lines = [
+        change(t, "a", t + 1), change(t, "b", t + 1), change(t, "d", t + 1),
+        change(t + 20, "c", t + 21), change(t + 30, "c", None),  # c: deleted
+        change(t + 40, "d", t + 45),  # d: reset, from t + 45
+        change(t + 55, "e", t + 56), change(t + 60, "e", None), change(t + 60, "e", t + 61),
+        # p0: stored before any group, pushed and acked
+        *acked(t - 5, "p0"),
+        _line(t - 4, "pushed", "p0", "g", recipient="r", attempt=1),
+        _line(t - 3, "acked", "p0", "g", recipient="r", attempt=1),
+        *acked(t + 10, "p1", "a"),  # b and d have not received it: waiting (d's: reset)
+        *acked(t + 10, "p2", "a", "b"),  # d reset past it before it received it
+        *acked(t + 25, "p3", "a", "b"),  # c, deleted, never received it
+        *acked(t + 41, "p4", "a", "b"),  # before d's new start
+        *acked(t + 50, "p5", "a", "b", "d"),
+        *acked(t + 50, "p6", "a", "b"),  # d has not received it
+        *acked(t + 70, "p7", "a", "b", "d"),  # e (made again) has not received it
+    ]  # fmt: skip
+    (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    report = _audit(spark, tmp_path, tmp_path / "out")
+    totals = report["totals"]
+    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (8, 5, 3)
+    assert _rows(report, "messages") == {"acked": 5, "waiting_for_recipient": 3}
+    # p0 1, p1 a b, p2 a b, p3 a b, p4 a b, p5 a b d, p6 a b d, p7 a b d e
+    assert _rows(report, "deliveries") == {"acked": 16, "waiting_for_recipient": 3}
+    assert report["unresolved"]["waiting_for_recipient"] == 3
+    assert report["outcomes"]["holds"] is True
+
+
+@needs_java
+async def test_a_real_brokers_group_that_has_not_received_is_waited_for(
+    make_broker: BrokerFactory, spark: SparkSession, tmp_path: Path
+) -> None:
+    """A real broker: groups a and b subscribe, a pulls and acks three messages, b has
+    not received yet: the audit of the broker's log has them waiting for b. Once b is
+    deleted, they are acked: b will never get them."""
+    broker = await make_broker(data_dir=tmp_path / "data")
+    where = f"tcp://127.0.0.1:{broker.server.port}"
+    async with (
+        PullConsumer(where, "subs", "a", wait=0, batch=10) as a,
+        PullConsumer(where, "subs", "b", wait=0) as b,
+    ):
+        assert await a.receive() == [] and await b.receive() == []  # (both made)
+        await produce(broker.server.port, "subs", ["m1", "m2", "m3"])
+        got: list[str] = []
+
+        async def all_acked() -> bool:
+            for msg in await a.receive():
+                assert await msg.ack()
+                got.append(msg.msgid)
+            return len(got) == 3
+
+        await eventually(all_acked)
+    logs = broker.settings.delivery_log_dir
+    broker.dlog.flush()
+    report = _audit(spark, logs, tmp_path / "out1")
+    assert _rows(report, "messages") == {"waiting_for_recipient": 3}
+    assert _rows(report, "deliveries") == {"acked": 3, "waiting_for_recipient": 3}
+    assert await broker.groups.delete("subs", "b")
+    broker.dlog.flush()
+    report = _audit(spark, logs, tmp_path / "out2")
+    assert _rows(report, "messages") == {"acked": 3}
+
+
+@needs_java
 def test_an_ack_logged_again_by_a_new_owner_counts_once(
     spark: SparkSession, tmp_path: Path
 ) -> None:

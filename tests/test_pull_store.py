@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from skmq.clock import now_ms
+from skmq.deliverylog import DeliveryLog
 from skmq.pull.groups import (
     GroupDeadLetters,
     Groups,
@@ -244,6 +247,7 @@ async def test_a_receipt_from_before_a_reset_or_a_delete_settles_nothing_after(
     groups: Groups,
 ) -> None:
     await groups.create(APP, "g")
+    await groups.create(APP, "other")  # (the log stays while the app has a group)
     await stored(groups, "a")
     (before,) = await received(groups, "g")
     assert await groups.reset(APP, "g", "earliest")
@@ -466,8 +470,9 @@ async def test_group_trim_drops_only_what_no_group_needs(groups: Groups) -> None
     assert await redis.hkeys(base + "gseen") == [b"b", b"c"]
     assert await stored(groups, "a") == [True]  # its msgid may be used again
     await groups.delete(APP, "fast")
-    await groups.delete(APP, "slow")
-    assert await groups.trim(APP) == 3  # no group: the whole log goes
+    assert await redis.xlen(base + "glog") == 3
+    await groups.delete(APP, "slow")  # the last group: the whole log goes with it
+    assert await groups.trim(APP) == 0
     assert await redis.exists(base + "glog", base + "gseen", base + "gadded") == 0
 
 
@@ -566,6 +571,51 @@ async def test_earliest_is_what_the_group_log_still_holds(groups: Groups) -> Non
     assert await backlogs(groups) == {"g": 1, "late": 1, "later": 1}
     assert ids(await received(groups, "later")) == ["c"]
     assert await backlogs(groups) == {"g": 1, "late": 1, "later": 0}
+
+
+async def test_a_groups_start_is_logged_and_its_last_deletion_drops_the_log(
+    groups: Groups, tmp_path: Path
+) -> None:
+    """A group's making and reset log from when it gets the messages stored (Redis's
+    clock, erring later: docs/AUDIT.md), its deletion is logged, and the app's last
+    group takes the group log with it: a group made later from `earliest` gets nothing
+    stored while the app had no group."""
+    dlog = DeliveryLog(tmp_path, "t")
+    logged = Groups(groups.store, dlog)
+    before = (await groups.store.redis.time())[0] * 1000
+    assert await logged.create(APP, "a")
+    await stored(groups, "m1", "m2")
+    ((first, _), *_) = await groups.store.redis.xrange(logged.log_key(APP))
+    assert await logged.create(APP, "e", "earliest")
+    assert await logged.reset(APP, "e", 0)
+    assert await logged.delete(APP, "a")
+    assert await groups.store.redis.xlen(logged.log_key(APP)) == 2  # e needs them
+    assert await logged.delete(APP, "e")
+    base = groups.store.base(APP)
+    assert (
+        await groups.store.redis.exists(logged.log_key(APP), base + "gseen", base + "gadded") == 0
+    )
+    await stored(groups, "gap")  # no group: never in a group log
+    assert await logged.create(APP, "late", "earliest")
+    assert await received(groups, "late") == []
+    dlog.close()
+    lines = [
+        json.loads(x) for f in sorted(tmp_path.glob("*.jsonl")) for x in f.read_text().splitlines()
+    ]
+    changes = [(e["event"], e["recipient"], e["detail"]) for e in lines]
+    first_ms = int(first.split(b"-")[0])
+    (_, _, made_a), *rest = changes
+    assert made_a.startswith("consumer group made at latest; stored from ")
+    assert before < int(made_a.rsplit(" ", 1)[1]) <= now_ms() + 1
+    late = int(rest[-1][2].rsplit(" ", 1)[1])
+    since = f"stored from {first_ms + 1}"
+    assert rest[:-1] == [
+        ("recipient_registered", "group:e", f"consumer group made at earliest; {since}"),
+        ("recipient_registered", "group:e", f"consumer group reset at 0; {since}"),
+        ("recipient_removed", "group:a", "consumer group deleted"),
+        ("recipient_removed", "group:e", "consumer group deleted"),
+    ]  # fmt: skip
+    assert rest[-1][:2] == ("recipient_registered", "group:late") and late > first_ms
 
 
 async def test_a_time_after_the_stores_clock_is_refused(groups: Groups) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from skmq.cli import group_position
-from skmq.cli.common import open_store
+from skmq.cli.common import open_store, operator_log
 from skmq.cli.tokens import add_operator_flags, admin_apps
 from skmq.clock import now_ms
 from skmq.config import settings_from_args
@@ -51,9 +51,8 @@ async def _run(args: argparse.Namespace) -> int:
     if group is not None and (why := bad_group(group)) is not None:
         raise UsageError(f"group {why}")
     async with open_store(settings) as store:
-        groups = Groups(store)
         if args.verb == "list":
-            infos = await groups.describe(args.app)
+            infos = await Groups(store).describe(args.app)
             now = now_ms()
             rows = [
                 {"group": i.name, "backlog": i.backlog, "in_flight": i.in_flight,
@@ -68,18 +67,23 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"{len(rows)} group(s) of app {args.app!r}")
             return 0
         assert group is not None
-        if args.verb in ("create", "reset"):
-            start = groups.create if args.verb == "create" else groups.reset
-            try:
-                done = await start(args.app, group, args.position)
-            except BadPosition as exc:  # (a time after the store's clock)
-                raise UsageError(f"position: {exc}") from None
-            said = f"reset to {args.position}"
-            if args.verb == "create":
-                said = "created" if done else "exists already"
-        else:
-            done = await groups.delete(args.app, group)
-            said = "deleted"
+        dlog = operator_log(settings)
+        groups = Groups(store, dlog)
+        try:
+            if args.verb in ("create", "reset"):
+                start = groups.create if args.verb == "create" else groups.reset
+                try:
+                    done = await start(args.app, group, args.position)
+                except BadPosition as exc:  # (a time after the store's clock)
+                    raise UsageError(f"position: {exc}") from None
+                said = f"reset to {args.position}"
+                if args.verb == "create":
+                    said = "created" if done else "exists already"
+            else:
+                done = await groups.delete(args.app, group)
+                said = "deleted"
+        finally:
+            dlog.close()
         if not done and args.verb != "create":
             raise NoSuchGroup(f"no group {group!r} for app {args.app!r}: nothing done")
         print(json.dumps({"group": group, "result": said}) if args.json else f"{group}: {said}")

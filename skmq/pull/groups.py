@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skmq.clock import now_ms
-from skmq.events import GROUP_PREFIX
+from skmq.deliverylog import DeliveryLog
+from skmq.events import GROUP_FROM, GROUP_PREFIX, Event
 from skmq.pull.position import FuturePosition, Position, position_arg
 from skmq.store import DeadLetter, Store
 from skmq.store.msgids import unpack
@@ -120,8 +121,13 @@ class GroupInfo:
 
 
 class Groups:
-    def __init__(self, store: Store, handed_max: int = HANDED_MAX) -> None:
+    def __init__(
+        self, store: Store, dlog: DeliveryLog | None = None, handed_max: int = HANDED_MAX
+    ) -> None:
+        """`dlog`: where a group's making, reset and deletion are logged (the audit counts
+        a group's copy of each message stored from its start: docs/AUDIT.md)."""
         self.store = store
+        self.dlog = dlog
         # (app, group, entry) -> (msgid, kind) of what this broker's receives handed out
         # and no settle has asked for yet, oldest first: a settled batch's delivery-log
         # lines need its msgids, which would otherwise be read back from the log (an
@@ -147,16 +153,22 @@ class Groups:
         return await self.store._call(name, app, [now, *self._retry_args(), *args], *keys)
 
     async def _start(self, script: str, app: str, group: str, position: Position) -> bool:
-        """group_create or group_reset (group_position.lua); FuturePosition for a time
-        after Redis's clock."""
+        """group_create or group_reset (group_position.lua), logged with the time the
+        group gets the messages stored from; FuturePosition for a time after Redis's
+        clock."""
         keys = (*self._group_keys(group), "gadded")
-        done = int(await self.store._call(script, app, [group, position_arg(position)], *keys))
-        if done < 0:
+        start = int(await self.store._call(script, app, [group, position_arg(position)], *keys))
+        if start < 0:
             raise FuturePosition(
                 f"{position} (unix ms) is after the store's clock; "
                 "latest is what is stored from now on"
             )
-        return bool(done)
+        if start and self.dlog is not None:
+            done = "made" if script == "group_create" else "reset"
+            detail = f"consumer group {done} at {position}; {GROUP_FROM}{start}"
+            self.dlog.event(Event.RECIPIENT_REGISTERED, "", app, None, GROUP_PREFIX + group,
+                            detail=detail)  # fmt: skip
+        return bool(start)
 
     # -- groups -------------------------------------------------------------
     async def create(self, app: str, group: str, position: Position = "latest") -> bool:
@@ -170,8 +182,12 @@ class Groups:
         return await self._start("group_reset", app, group, position)
 
     async def delete(self, app: str, group: str) -> bool:
-        keys = self._group_keys(group)
-        return bool(await self.store._call("group_delete", app, [group], *keys))
+        keys = (*self._group_keys(group), "gseen", "gadded")
+        deleted = bool(await self.store._call("group_delete", app, [group], *keys))
+        if deleted and self.dlog is not None:
+            self.dlog.event(Event.RECIPIENT_REMOVED, "", app, None, GROUP_PREFIX + group,
+                            detail="consumer group deleted")  # fmt: skip
+        return deleted
 
     async def trim(self, app: str, limit: int = 1000) -> int:
         """Drop the group-log entries no group of `app` needs any more; how many went."""

@@ -2,9 +2,10 @@
 -- (group_position.lua; latest: it gets every message stored after this step); its
 -- generation starts (pull_lib.lua). A group that exists already is left as it is.
 -- KEYS: as pull_lib.lua, then gadded. ARGV: group, position.
--- Returns 1 (created), 0 (it exists already) or -1 (a time after Redis's clock).
+-- Returns `from` (created: group_position.lua), 0 (it exists already) or -1 (a time
+-- after Redis's clock).
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-local cursor, r = start_at(ARGV[2])
+local cursor, r, from = start_at(ARGV[2])
 if not cursor then return -1 end
 start_group(ARGV[1], cursor, r, nil)
-return 1
+return from

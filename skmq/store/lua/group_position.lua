@@ -5,6 +5,10 @@
 -- with the cursor.
 -- KEYS: as pull_lib.lua, then gadded. Position (skmq/pull/position.py): latest, earliest
 -- or a time in unix ms (the entries stored at or after it: their ids' ms).
+-- The start is also told as a time (`from`, unix ms, Redis's clock) for the delivery
+-- log: the group gets the messages stored from then on (docs/AUDIT.md). It errs towards
+-- later: a message stored in the same ms as the start, or as the first entry held, is
+-- not counted the group's (no message it never gets is counted its).
 local gadded = KEYS[9]
 local READ = '\31r'
 
@@ -17,26 +21,33 @@ local function entry_n(e)
   return nil
 end
 
--- cursor, r (nil: not known, for an entry from before entries had n), for `position`;
--- nil when the time is after Redis's clock (the log cannot skip what comes before it).
+local function ms_of(id)
+  return tonumber(string.match(id, '^(%d+)'))
+end
+
+-- cursor, r (nil: not known, for an entry from before entries had n), from, for
+-- `position`; nil when the time is after Redis's clock (the log cannot skip what comes
+-- before it).
 local function start_at(position)
   local total = log_added(gadded, KEYS[2])
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   if position == 'latest' then
     local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
-    return last and last[1] or '0-0', total
+    return last and last[1] or '0-0', total, now + 1
   end
+  local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)[1]
+  local from = first and ms_of(first[1]) + 1 or now + 1  -- (the log holds nothing older)
   local before = nil
   if position ~= 'earliest' then
-    local t = redis.call('TIME')
-    if tonumber(position) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then
-      return nil
-    end
+    if tonumber(position) > now then return nil end
+    from = math.max(from, tonumber(position))
     if position ~= '0' then  -- the last entry before the time
       before = redis.call('XREVRANGE', KEYS[2], '(' .. position .. '-0', '-', 'COUNT', 1)[1]
     end
   end
-  if before then return before[1], entry_n(before) end
-  return '0-0', total - redis.call('XLEN', KEYS[2])
+  if before then return before[1], entry_n(before), from end
+  return '0-0', total - redis.call('XLEN', KEYS[2]), from
 end
 
 -- The group (gstate cleared) starts at `cursor`, with r (nil: not known) and a new
