@@ -327,8 +327,10 @@ def follow_audit(
     stream = sys.stderr if progress else None
     if stream is not None:
         stream.write(f"starting Spark ({master or 'local[*]'}) ...\n")
-    with StopSignals() as stop:
+    signals = StopSignals()
+    with signals as stop:
         session = build_spark(master, conf=conf, driver_memory=driver_memory, debug=debug)
+        signals.again()
         for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
             session.conf.set(f"spark.sql.files.{key}", "false")
         try:

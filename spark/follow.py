@@ -246,7 +246,10 @@ class _Follower:
 
 class StopSignals:
     """SIGINT and SIGTERM set the event (the handlers before restored on exit); entered
-    before Spark starts, so that a signal meanwhile still ends with a final report."""
+    before Spark starts, so that a signal meanwhile still ends with a final report, and
+    taken back (``again``) once it started: PySpark's SparkContext sets a SIGINT handler
+    of its own (cancel every job, raise KeyboardInterrupt), which would end a follow with
+    no final report."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -259,6 +262,11 @@ class StopSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self.saved[signum] = signal.signal(signum, self._handle)
         return self.event
+
+    def again(self) -> None:
+        """Take the signals back (from a SparkContext started meanwhile)."""
+        for signum in self.saved:
+            signal.signal(signum, self._handle)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.saved.items():

@@ -217,3 +217,44 @@ def test_follow_bad_arguments_are_one_line(tmp_path: Path) -> None:
         )
         assert done.returncode == 2, done.stderr
         assert told in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+@needs_java
+@pytest.mark.timeout(600)
+async def test_follow_ends_on_sigint_with_a_final_report(tmp_path: Path) -> None:
+    """Ctrl-C ends a follow as SIGTERM does: a final report, status 0, the staging
+    directory gone (PySpark's own SIGINT handler, set as Spark starts, is taken back)."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    logs.mkdir()
+    event = {"ts": 1_760_000_000_000, "event": "stored", "msgid": "m1", "appid": "a"}
+    event |= {"kind": "queue", "recipient": None, "attempt": None, "broker": "b", "detail": None}
+    (logs / "delivery-b-000000.jsonl").write_text(json.dumps(event) + "\n", encoding="utf-8")
+    stderr = tmp_path / "follow.err"
+    with stderr.open("wb") as se:
+        proc = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "skmq.cli", "audit", "--follow", "--logs", str(logs)],
+            *["--out", str(out), "--master", "local[1]", "--interval", "1"],
+            *["--driver-memory", "600m"],
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=se,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+    try:
+
+        async def reported() -> bool:
+            assert proc.returncode is None, stderr.read_text()[-2000:]
+            return _read_report(out) is not None
+
+        await eventually(reported, 400)
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(300):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 0, stderr.read_text()[-3000:]
+    final = _read_report(out)
+    assert final is not None and final["follow"]["final"] is True
+    assert final["totals"]["messages"] == 1
+    assert not (out / ".follow").exists()
