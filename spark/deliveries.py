@@ -338,7 +338,10 @@ def _joined_deliveries(units: DataFrame) -> DataFrame:
     )
     acks = c("n_acked") + c("n_acked_again")  # (an ack a new owner logged again: one)
     pushed = c("first_push").isNotNull() | (acks > 0) | (c("n_dl") > 0)
-    whole = F.greatest(c(_WHOLE_MESSAGE), c("m_" + _WHOLE_MESSAGE))
+    # (a consumer group's copy is in the group log, which a pending purge leaves)
+    whole = F.when(rkey.startswith(GROUP_PREFIX), c(_WHOLE_MESSAGE)).otherwise(
+        F.greatest(c(_WHOLE_MESSAGE), c("m_" + _WHOLE_MESSAGE))
+    )
     kept = marked.where(rkey.isNotNull() | ~c("copied") | (~c("topic") & pushed))
     return kept.select(
         "appid",

@@ -750,7 +750,8 @@ def test_a_group_that_has_not_received_yet_holds_its_copies(
     """A consumer group's making logs from when it gets the messages stored (`stored
     from <ms>`): each message stored from then on has a copy for it, waiting for it until
     it pulls, though the group has no event of it; not one stored before, nor one of a
-    group deleted since, nor one stored before its last reset's start."""
+    group deleted since, nor one stored before its last reset's start. A pending purge
+    (the push queue's) leaves the groups' copies waiting."""
     t = BASE_TS
 
     def change(ts: int, group: str, start: int | None) -> str:
@@ -784,15 +785,18 @@ def test_a_group_that_has_not_received_yet_holds_its_copies(
         *acked(t + 50, "p5", "a", "b", "d"),
         *acked(t + 50, "p6", "a", "b"),  # d has not received it
         *acked(t + 70, "p7", "a", "b", "d"),  # e (made again) has not received it
+        # p8: a pending purge (of the push queue) leaves the group log: b, d, e wait
+        *acked(t + 75, "p8", "a"),
+        _line(t + 80, "purged", "p8", "g", detail="pending message purged by an operator"),
     ]  # fmt: skip
     (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
     report = _audit(spark, tmp_path, tmp_path / "out")
     totals = report["totals"]
-    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (8, 5, 3)
-    assert _rows(report, "messages") == {"acked": 5, "waiting_for_recipient": 3}
-    # p0 1, p1 a b, p2 a b, p3 a b, p4 a b, p5 a b d, p6 a b d, p7 a b d e
-    assert _rows(report, "deliveries") == {"acked": 16, "waiting_for_recipient": 3}
-    assert report["unresolved"]["waiting_for_recipient"] == 3
+    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (9, 5, 4)
+    assert _rows(report, "messages") == {"acked": 5, "waiting_for_recipient": 4}
+    # p0 1, p1 a b, p2 a b, p3 a b, p4 a b, p5 a b d, p6 a b d, p7 a b d e, p8 a b d e
+    assert _rows(report, "deliveries") == {"acked": 17, "waiting_for_recipient": 6}
+    assert report["unresolved"]["waiting_for_recipient"] == 6
     assert report["outcomes"]["holds"] is True
 
 

@@ -606,9 +606,10 @@ async def test_a_groups_start_is_logged_and_its_last_deletion_drops_the_log(
     first_ms = int(first.split(b"-")[0])
     (_, _, made_a), *rest = changes
     assert made_a.startswith("consumer group made at latest; stored from ")
-    assert before < int(made_a.rsplit(" ", 1)[1]) <= now_ms() + 1
+    a_from = int(made_a.rsplit(" ", 1)[1])
+    assert before < a_from <= first_ms  # (m1's entry: stored after)
     late = int(rest[-1][2].rsplit(" ", 1)[1])
-    since = f"stored from {first_ms + 1}"
+    since = f"stored from {a_from}"  # earliest, nothing trimmed: from the app's first group
     assert rest[:-1] == [
         ("recipient_registered", "group:e", f"consumer group made at earliest; {since}"),
         ("recipient_registered", "group:e", f"consumer group reset at 0; {since}"),
@@ -616,6 +617,26 @@ async def test_a_groups_start_is_logged_and_its_last_deletion_drops_the_log(
         ("recipient_removed", "group:e", "consumer group deleted"),
     ]  # fmt: skip
     assert rest[-1][:2] == ("recipient_registered", "group:late") and late > first_ms
+
+
+async def test_earliest_after_a_trim_is_logged_from_the_first_entry_held(
+    groups: Groups, tmp_path: Path
+) -> None:
+    """Once the log was trimmed, `earliest` starts at its first entry held: the start
+    logged is the ms after that entry's (erring later: docs/AUDIT.md)."""
+    dlog = DeliveryLog(tmp_path, "t")
+    logged = Groups(groups.store, dlog)
+    await logged.create(APP, "a")
+    await stored(groups, "m1")
+    await stored(groups, "m2")
+    (m1,) = await received(groups, "a", n=1)
+    assert await groups.ack(APP, "a", [receipt(m1)], NOW) == [True]
+    assert await groups.trim(APP) == 1
+    ((held, _),) = await groups.store.redis.xrange(logged.log_key(APP))
+    assert await logged.create(APP, "e", "earliest")
+    dlog.close()
+    (line,) = [x for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()][-1:]
+    assert json.loads(line)["detail"].endswith(f"stored from {int(held.split(b'-')[0]) + 1}")
 
 
 async def test_a_time_after_the_stores_clock_is_refused(groups: Groups) -> None:

@@ -156,7 +156,7 @@ class Groups:
         """group_create or group_reset (group_position.lua), logged with the time the
         group gets the messages stored from; FuturePosition for a time after Redis's
         clock."""
-        keys = (*self._group_keys(group), "gadded")
+        keys = (*self._group_keys(group), "gadded", "gsince")
         start = int(await self.store._call(script, app, [group, position_arg(position)], *keys))
         if start < 0:
             raise FuturePosition(
@@ -182,7 +182,7 @@ class Groups:
         return await self._start("group_reset", app, group, position)
 
     async def delete(self, app: str, group: str) -> bool:
-        keys = (*self._group_keys(group), "gseen", "gadded")
+        keys = (*self._group_keys(group), "gseen", "gadded", "gsince")
         deleted = bool(await self.store._call("group_delete", app, [group], *keys))
         if deleted and self.dlog is not None:
             self.dlog.event(Event.RECIPIENT_REMOVED, "", app, None, GROUP_PREFIX + group,

@@ -22,7 +22,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "register": ("recipients", "rstate", "rbeat", "listed", "tally"),
     "unregister": ("recipients", "rstate", "rbeat"),
     # Consumer groups (skmq/pull/): + the group's inflight, delayed, held, gstate, dead, kq.
-    # group_create and group_reset: + gadded, after them; group_delete: + gseen, gadded.
+    # group_create and group_reset: + gadded, gsince, after them; group_delete: + gseen,
+    # gadded, gsince.
     "group_create": ("groups", "glog"),
     "group_reset": ("groups", "glog"),
     "group_delete": ("groups", "glog"),

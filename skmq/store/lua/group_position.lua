@@ -3,13 +3,14 @@
 -- ever added to the log up to its cursor. Entries after a cursor are never trimmed, so
 -- the group's backlog is `gadded` - r (skmq/pull/groups.py); pull_receive.lua moves r on
 -- with the cursor.
--- KEYS: as pull_lib.lua, then gadded. Position (skmq/pull/position.py): latest, earliest
--- or a time in unix ms (the entries stored at or after it: their ids' ms).
+-- KEYS: as pull_lib.lua, then gadded, gsince. Position (skmq/pull/position.py): latest,
+-- earliest or a time in unix ms (the entries stored at or after it: their ids' ms).
 -- The start is also told as a time (`from`, unix ms, Redis's clock) for the delivery
 -- log: the group gets the messages stored from then on (docs/AUDIT.md). It errs towards
--- later: a message stored in the same ms as the start, or as the first entry held, is
--- not counted the group's (no message it never gets is counted its).
-local gadded = KEYS[9]
+-- later, so that no message the group never gets is counted its: latest is the ms after
+-- now; earliest, while the log holds every entry it ever had, the ms after the app's
+-- first group was made (`gsince`, kept with the log), else the ms after its first entry.
+local gadded, gsince = KEYS[9], KEYS[10]
 local READ = '\31r'
 
 -- The n of a log entry (XRANGE's form), nil for one from before entries had it.
@@ -37,7 +38,12 @@ local function start_at(position)
     return last and last[1] or '0-0', total, now + 1
   end
   local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)[1]
-  local from = first and ms_of(first[1]) + 1 or now + 1  -- (the log holds nothing older)
+  local since = tonumber(redis.call('GET', gsince))
+  local from = now + 1  -- (the log holds nothing older)
+  if first then from = ms_of(first[1]) + 1 end
+  if since and (first and entry_n(first) == 1 or not first and total == 0) then
+    from = since  -- (nothing trimmed: every message stored since the first group)
+  end
   local before = nil
   if position ~= 'earliest' then
     if tonumber(position) > now then return nil end

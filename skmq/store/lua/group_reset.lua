@@ -2,7 +2,7 @@
 -- is stored from now on; earliest, everything still in the group log; or a time); its
 -- leases, waits and dead letters go, and a new generation starts: no receipt handed out
 -- before settles anything after. Waiting receives of the app wake.
--- KEYS: as pull_lib.lua, then gadded. ARGV: group, position.
+-- KEYS: as pull_lib.lua, then gadded, gsince. ARGV: group, position.
 -- Returns `from` (group_position.lua), 0 (no such group) or -1 (a time after Redis's
 -- clock: nothing done).
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
