@@ -226,43 +226,66 @@ def group_change(event: Event = Event.RECIPIENT_REGISTERED) -> Column:
     return is_event(event) & F.col("recipient").startswith(GROUP_PREFIX)
 
 
-def _group_copies(events: DataFrame) -> DataFrame:
-    """A `stored` event for each consumer group's copy of each message stored from the
-    group's start (GROUP_FROM in the detail of its last making or reset), for the groups
-    not deleted since: a group's copy that it has not received yet is a delivery too
-    (waiting for it), as a topic recipient's copy is, though the group has no event of it.
+# The rkey suffix of a consumer group's copy as it was before the group's last change
+# (a reset or its deletion); no group name has a '#'.
+_BEFORE = "#before"
+_GROUP_FIELDS = ("g_alive", "g_start", "g_at")
 
-    The groups are few: their starts are broadcast, and the stored events are not
-    shuffled for it.
-    """
+
+def _group_starts(events: DataFrame) -> DataFrame:
+    """Each consumer group's last change (ordered by ts; a making after a deletion in the
+    same ms is the last): ``g_alive`` (a making or reset, not a deletion), ``g_start``
+    (from when it gets the messages stored: GROUP_FROM in its detail) and ``g_at`` (its
+    ts). The groups are few: the caller broadcasts them."""
     c = F.col
     changes = events.where(group_change() | group_change(Event.RECIPIENT_REMOVED))
-    # A group's last change, ordered by ts (a making after a deletion in the same ms: the
-    # making is the last).
+    made = is_event(Event.RECIPIENT_REGISTERED)
     last = F.max_by(
-        F.struct(
-            is_event(Event.RECIPIENT_REGISTERED).alias("alive"),
-            _number_in(_GROUP_FROM).alias("start"),
-        ),
-        F.struct(c("ts"), is_event(Event.RECIPIENT_REGISTERED)),
+        F.struct(made.alias("alive"), _number_in(_GROUP_FROM).alias("start"), c("ts").alias("at")),
+        F.struct(c("ts"), made),
     )
-    starts = (
+    return (
         changes.groupBy(c("appid").alias("g_app"), c("recipient").alias("g_name"))
         .agg(last.alias("last"))
-        .where(c("last.alive") & c("last.start").isNotNull())
-        .select("g_app", "g_name", c("last.start").alias("g_start"))
+        .select(
+            "g_app",
+            "g_name",
+            c("last.alive").alias("g_alive"),
+            c("last.start").alias("g_start"),
+            c("last.at").alias("g_at"),
+        )
+    )
+
+
+def _with_group_copies(events: DataFrame) -> DataFrame:
+    """The events, a group's before its last change marked (rkey `<group>#before`, with
+    the change: _GROUP_FIELDS), and a `stored` event for each live group's copy of each
+    message stored from its start: a copy that the group has not received yet is a
+    delivery too (waiting for it), as a topic recipient's copy is, though the group has
+    no event of it. _joined_deliveries says what a copy before a change becomes."""
+    c = F.col
+    starts = F.broadcast(_group_starts(events))
+    marked = events.join(
+        starts, (c("appid") == c("g_app")) & (c("recipient") == c("g_name")), "left"
+    )
+    before = c("ts") < c("g_at")  # (null: no change known of the recipient's)
+    renamed = F.when(before, F.concat(c("recipient"), F.lit(_BEFORE))).otherwise(c("recipient"))
+    old = marked.select(
+        *(renamed.alias(f) if f == "recipient" else c(f) for f in events.columns),
+        *(F.when(before, c(f)).alias(f) for f in _GROUP_FIELDS),
     )
     stored = events.where(is_event(Event.STORED))
-    joined = stored.join(
-        F.broadcast(starts), (c("appid") == c("g_app")) & (c("ts") >= c("g_start"))
+    live = starts.where(c("g_alive") & c("g_start").isNotNull())
+    copies = stored.join(live, (c("appid") == c("g_app")) & (c("ts") >= c("g_start"))).select(
+        *(c("g_name").alias(f) if f == "recipient" else c(f) for f in events.columns),
+        *(F.lit(None).alias(f) for f in _GROUP_FIELDS),
     )
-    return joined.select(
-        *(c("g_name").alias(f) if f == "recipient" else c(f) for f in events.columns)
-    )
+    return old.unionByName(copies)
 
 
-def _units(events: DataFrame) -> DataFrame:
-    """One row per (appid, msgid, rkey): rkey is a copy's key (copy_key), else null.
+def _units(events: DataFrame, groups: bool) -> DataFrame:
+    """One row per (appid, msgid, rkey): rkey is a copy's key (copy_key), else null;
+    ``groups``: with _GROUP_FIELDS (_with_group_copies).
 
     The events are partitioned by message first: a message's events come from several
     files (and brokers), so a map-side partial aggregation would merge few of them and
@@ -308,13 +331,19 @@ def _units(events: DataFrame) -> DataFrame:
         F.max_by(
             _when(Event.RETRY_SCHEDULED, _number_in(_NEXT_AT)), _when(Event.RETRY_SCHEDULED, ts)
         ).alias("next_at"),
+        *(F.max(f).alias(f) for f in _GROUP_FIELDS if groups),
     )
 
 
-def _joined_deliveries(units: DataFrame) -> DataFrame:
+def _joined_deliveries(units: DataFrame, groups: bool) -> DataFrame:
     """Deliveries with their message's fields: every copy (a topic message's recipient, a
     consumer group) with its message's row's fields; a message's own row is a delivery
     when it has no copy, or, for a queue message, when it was pushed too.
+
+    ``groups``: a group's copy before its last change (_with_group_copies) is no delivery
+    where a reset takes the message again (the group's copy since is); else it is the
+    group's, ended by the change where it had not ended (a reset or a deletion drops the
+    group's leases, waits and dead letters): purged.
 
     The message's fields reach its copies through a window over (appid, msgid), not a
     join: one shuffle of the units, no second computation of them (a join reads them
@@ -343,10 +372,18 @@ def _joined_deliveries(units: DataFrame) -> DataFrame:
         F.greatest(c(_WHOLE_MESSAGE), c("m_" + _WHOLE_MESSAGE))
     )
     kept = marked.where(rkey.isNotNull() | ~c("copied") | (~c("topic") & pushed))
+    recipient = rkey
+    if groups:
+        before = rkey.endswith(_BEFORE)
+        again = before & c("g_alive") & (c("m_stored_ts") >= c("g_start"))
+        kept = kept.where(~F.coalesce(again, F.lit(False)))
+        recipient = F.when(before, F.expr(f"left(rkey, length(rkey) - {len(_BEFORE)})"))
+        recipient = recipient.otherwise(rkey)
+        whole = F.when(before, F.greatest(whole, c("g_at"))).otherwise(whole)
     return kept.select(
         "appid",
         "msgid",
-        rkey.alias("recipient"),
+        recipient.alias("recipient"),
         F.when(own, c("topic")).otherwise(F.coalesce(c("m_topic"), c("topic"))).alias("topic"),
         *(F.when(own, c(f)).otherwise(c("m_" + f)).alias(f) for f in _MESSAGE_FIELDS),
         *(
@@ -416,8 +453,8 @@ def delivery_table(
         .otherwise(outcome)
     )
     if groups:
-        events = events.unionByName(_group_copies(events))
-    return _joined_deliveries(_units(events)).select(
+        events = _with_group_copies(events)
+    return _joined_deliveries(_units(events, groups), groups).select(
         "appid",
         "msgid",
         "recipient",

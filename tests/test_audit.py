@@ -801,6 +801,60 @@ def test_a_group_that_has_not_received_yet_holds_its_copies(
 
 
 @needs_java
+def test_a_groups_reset_or_deletion_starts_or_ends_its_copies(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A group reset to a start before a message takes it again (waiting for the group,
+    whatever its copy was before); one reset past a message, or deleted, ends its copy
+    where it had not ended: a lease or a wait dropped (purged_pending), a dead letter
+    dropped (dead_letter_purged); an ack stays. One group an app."""
+    t = BASE_TS
+
+    def change(ts: int, group: str, start: int | None) -> str:
+        who = {"kind": None, "recipient": f"group:{group}"}
+        if start is None:
+            return _line(ts, "recipient_removed", "", group, detail="consumer group deleted",
+                         **who)  # fmt: skip
+        return _line(ts, "recipient_registered", "", group,
+                     detail=f"consumer group made at x; stored from {start}", **who)  # fmt: skip
+
+    def took(msgid: str, group: str, end: str | None) -> list[str]:
+        """Stored at t + 10 in app `group`, pulled by `group`, then acked, dead, or left
+        in flight."""
+        who = {"recipient": f"group:{group}", "attempt": 1}
+        lines = [_line(t + 10, "stored", msgid, group),
+                 _line(t + 11, "pushed", msgid, group, detail="pulled", **who)]  # fmt: skip
+        if end == "acked":
+            lines.append(_line(t + 12, "acked", msgid, group, **who))
+        elif end == "dead":
+            lines.append(_line(t + 12, "dead_lettered", msgid, group,
+                               detail="after 1 attempts; last: errored", **who))  # fmt: skip
+        return lines
+
+    lines = [
+        change(t, "r", t + 1), change(t, "u", t + 1), change(t, "w", t + 1),
+        *took("q1", "r", "acked"), *took("q2", "r", None), *took("q3", "r", "dead"),
+        change(t + 20, "r", t + 1),  # r reset to earliest: it gets q1, q2, q3 again
+        *took("v1", "u", "acked"), *took("v2", "u", None), *took("v3", "u", "dead"),
+        change(t + 30, "u", t + 31),  # u reset to latest: v1-v3 are over for it
+        _line(t + 40, "stored", "v4", "u"),  # u's: waiting
+        *took("x1", "w", None),
+        change(t + 50, "w", None),  # w deleted: x1's lease with it
+    ]  # fmt: skip
+    (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    report = _audit(spark, tmp_path, tmp_path / "out")
+    want = {
+        "waiting_for_recipient": 4,  # q1, q2, q3 (r again), v4 (u)
+        "acked": 1,  # v1
+        "purged_pending": 2,  # v2, x1
+        "dead_letter_purged": 1,  # v3
+    }
+    assert _rows(report, "messages") == _rows(report, "deliveries") == want
+    assert report["outcomes"]["holds"] is True
+    assert report["dead_letters"]["oldest"] == []  # (v3's: the reset took it)
+
+
+@needs_java
 async def test_a_real_brokers_group_that_has_not_received_is_waited_for(
     make_broker: BrokerFactory, spark: SparkSession, tmp_path: Path
 ) -> None:
