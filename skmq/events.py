@@ -13,6 +13,7 @@ from enum import Enum
 __all__ = [
     "DROPPED",
     "EXPIRED_REASON",
+    "GENERATION",
     "GROUP_FROM",
     "GROUP_PREFIX",
     "LOG_FIELDS",
@@ -85,8 +86,11 @@ MESSAGE_EVENTS = frozenset(Event) - RECIPIENT_EVENTS
 # gets its own copy of every message, as each recipient of a topic message does.
 GROUP_PREFIX = "group:"
 # The detail of a group's `recipient_registered` (made or reset; `recipient_removed`:
-# deleted) says from when it gets the messages stored: `... stored from <unix ms>`.
+# deleted) says from when it gets the messages stored, and its generation (the last part
+# of the receipts it hands out since, in its pulls' details: `receipt <id>.<n>.<gen>`):
+# `...; stored from <unix ms>; generation <gen>`.
 GROUP_FROM = "stored from "
+GENERATION = "generation "
 
 # The fields of one line, in the order the broker writes them.
 LOG_FIELDS = ("ts", "event", "msgid", "appid", "kind", "recipient", "attempt", "broker", "detail")

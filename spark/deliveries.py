@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 from skmq.events import (
     DROPPED,
     EXPIRED_REASON,
+    GENERATION,
     GROUP_FROM,
     GROUP_PREFIX,
     MOVED_TO_APP,
@@ -70,6 +71,9 @@ _NEXT_AT = r"next attempt at (\d+)"
 _LAST_FAILURE = r"last: (\w+)"
 _AFTER_ATTEMPTS = r"^after \d+ attempts"
 _GROUP_FROM = GROUP_FROM + r"(\d+)"
+_GENERATION = GENERATION + r"(\d+)"
+# A pull's receipt (skmq/pull/groups.py): its generation, where it has one.
+_RECEIPT_GENERATION = r"receipt \d+-\d+\.\d+\.(\d+)"
 
 # Every way a delivery (and a message) ends or waits, in the report's order, with the
 # group its message counts in (totals): docs/AUDIT.md defines each.
@@ -235,13 +239,19 @@ _GROUP_FIELDS = ("g_alive", "g_start", "g_at")
 def _group_starts(events: DataFrame) -> DataFrame:
     """Each consumer group's last change (ordered by ts; a making after a deletion in the
     same ms is the last): ``g_alive`` (a making or reset, not a deletion), ``g_start``
-    (from when it gets the messages stored: GROUP_FROM in its detail) and ``g_at`` (its
-    ts). The groups are few: the caller broadcasts them."""
+    (from when it gets the messages stored: GROUP_FROM in its detail), ``g_at`` (its
+    ts) and ``g_gen`` (its generation: GENERATION). The groups are few: the caller
+    broadcasts them."""
     c = F.col
     changes = events.where(group_change() | group_change(Event.RECIPIENT_REMOVED))
     made = is_event(Event.RECIPIENT_REGISTERED)
     last = F.max_by(
-        F.struct(made.alias("alive"), _number_in(_GROUP_FROM).alias("start"), c("ts").alias("at")),
+        F.struct(
+            made.alias("alive"),
+            _number_in(_GROUP_FROM).alias("start"),
+            c("ts").alias("at"),
+            F.regexp_extract(c("detail"), _GENERATION, 1).alias("gen"),
+        ),
         F.struct(c("ts"), made),
     )
     return (
@@ -253,6 +263,7 @@ def _group_starts(events: DataFrame) -> DataFrame:
             c("last.alive").alias("g_alive"),
             c("last.start").alias("g_start"),
             c("last.at").alias("g_at"),
+            c("last.gen").alias("g_gen"),
         )
     )
 
@@ -268,7 +279,11 @@ def _with_group_copies(events: DataFrame) -> DataFrame:
     marked = events.join(
         starts, (c("appid") == c("g_app")) & (c("recipient") == c("g_name")), "left"
     )
-    before = c("ts") < c("g_at")  # (null: no change known of the recipient's)
+    # Before the change: a pull of another generation (its receipt's), else an event
+    # before it (null: no change known of the recipient's)
+    generation = F.regexp_extract(c("detail"), _RECEIPT_GENERATION, 1)
+    by_receipt = (generation != "") & (c("g_gen") != "")
+    before = F.when(by_receipt, generation != c("g_gen")).otherwise(c("ts") < c("g_at"))
     renamed = F.when(before, F.concat(c("recipient"), F.lit(_BEFORE))).otherwise(c("recipient"))
     old = marked.select(
         *(renamed.alias(f) if f == "recipient" else c(f) for f in events.columns),
@@ -371,7 +386,9 @@ def _joined_deliveries(units: DataFrame, groups: bool) -> DataFrame:
     whole = F.when(rkey.startswith(GROUP_PREFIX), c(_WHOLE_MESSAGE)).otherwise(
         F.greatest(c(_WHOLE_MESSAGE), c("m_" + _WHOLE_MESSAGE))
     )
-    kept = marked.where(rkey.isNotNull() | ~c("copied") | (~c("topic") & pushed))
+    # (a queue message purged pending was in the push queue: a delivery, pushed or not)
+    in_queue = pushed | c(_WHOLE_MESSAGE).isNotNull()
+    kept = marked.where(rkey.isNotNull() | ~c("copied") | (~c("topic") & in_queue))
     recipient = rkey
     if groups:
         before = rkey.endswith(_BEFORE)

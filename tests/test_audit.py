@@ -792,10 +792,15 @@ def test_a_group_that_has_not_received_yet_holds_its_copies(
     (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
     report = _audit(spark, tmp_path, tmp_path / "out")
     totals = report["totals"]
-    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (9, 5, 4)
-    assert _rows(report, "messages") == {"acked": 5, "waiting_for_recipient": 4}
-    # p0 1, p1 a b, p2 a b, p3 a b, p4 a b, p5 a b d, p6 a b d, p7 a b d e, p8 a b d e
-    assert _rows(report, "deliveries") == {"acked": 17, "waiting_for_recipient": 6}
+    assert (totals["messages"], totals["acked"], totals["unresolved"]) == (9, 5, 3)
+    # p8: its push queue's copy purged (dropped outranks waiting)
+    assert _rows(report, "messages") == {
+        "acked": 5, "waiting_for_recipient": 3, "purged_pending": 1
+    }  # fmt: skip
+    # p0 1, p1 a b, p2 a b, p3 a b, p4 a b, p5 a b d, p6 a b d, p7 a b d e, p8 own a b d e
+    assert _rows(report, "deliveries") == {
+        "acked": 17, "waiting_for_recipient": 6, "purged_pending": 1
+    }  # fmt: skip
     assert report["unresolved"]["waiting_for_recipient"] == 6
     assert report["outcomes"]["holds"] is True
 
@@ -810,13 +815,13 @@ def test_a_groups_reset_or_deletion_starts_or_ends_its_copies(
     dropped (dead_letter_purged); an ack stays. One group an app."""
     t = BASE_TS
 
-    def change(ts: int, group: str, start: int | None) -> str:
+    def change(ts: int, group: str, start: int | None, gen: str = "") -> str:
         who = {"kind": None, "recipient": f"group:{group}"}
         if start is None:
             return _line(ts, "recipient_removed", "", group, detail="consumer group deleted",
                          **who)  # fmt: skip
-        return _line(ts, "recipient_registered", "", group,
-                     detail=f"consumer group made at x; stored from {start}", **who)  # fmt: skip
+        detail = f"consumer group made at x; stored from {start}" + gen
+        return _line(ts, "recipient_registered", "", group, detail=detail, **who)
 
     def took(msgid: str, group: str, end: str | None) -> list[str]:
         """Stored at t + 10 in app `group`, pulled by `group`, then acked, dead, or left
@@ -840,12 +845,20 @@ def test_a_groups_reset_or_deletion_starts_or_ends_its_copies(
         _line(t + 40, "stored", "v4", "u"),  # u's: waiting
         *took("x1", "w", None),
         change(t + 50, "w", None),  # w deleted: x1's lease with it
+        # y1: its ack logged in the ms of y's reset, of the generation before (receipts)
+        change(t, "y", t + 1, "; generation 100"),
+        _line(t + 10, "stored", "y1", "y"),
+        _line(t + 11, "pushed", "y1", "y", recipient="group:y", attempt=1,
+              detail="pulled by c; receipt 1-0.1.100"),
+        _line(t + 60, "acked", "y1", "y", recipient="group:y", attempt=1,
+              detail="receipt 1-0.1.100"),
+        change(t + 60, "y", t + 61, "; generation 200"),
     ]  # fmt: skip
     (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
     report = _audit(spark, tmp_path, tmp_path / "out")
     want = {
         "waiting_for_recipient": 4,  # q1, q2, q3 (r again), v4 (u)
-        "acked": 1,  # v1
+        "acked": 2,  # v1, y1
         "purged_pending": 2,  # v2, x1
         "dead_letter_purged": 1,  # v3
     }

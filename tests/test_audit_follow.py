@@ -106,6 +106,21 @@ def _read_report(out: Path) -> dict[str, Any] | None:
     return found
 
 
+async def _final_report(
+    proc: asyncio.subprocess.Process, signum: int, out: Path, stderr: Path
+) -> dict[str, Any]:
+    """Stop a follow with `signum`: its final report (status 0, its staging directory
+    removed)."""
+    proc.send_signal(signum)
+    async with asyncio.timeout(300):
+        code = await proc.wait()
+    assert code == 0, stderr.read_text()[-3000:]
+    final = _read_report(out)
+    assert final is not None and final["follow"]["final"] is True
+    assert not (out / ".follow").exists()
+    return final
+
+
 @needs_java
 @pytest.mark.timeout(900)
 async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
@@ -172,17 +187,11 @@ async def test_follow_a_real_broker_then_sigterm_equals_a_batch_audit(
         await broker.stop()  # flushes and compresses the log
         await silent.stop()  # (after the broker: a connection lost would be an answer)
         assert any(p.name.endswith(".jsonl.gz") for p in log_dir.iterdir())
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(300):
-            code = await proc.wait()
+        final = await _final_report(proc, signal.SIGTERM, out, stderr)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    assert code == 0, stderr.read_text()[-3000:]
-    final = _read_report(out)
-    assert final is not None and final["follow"]["final"] is True
-    assert not (out / ".follow").exists()  # the staging directory is removed
 
     same = Options(stuck_after_ms=1000)  # as --stuck-after 1
     batch = run_audit(logs, str(tmp_path / "batch"), spark=spark, options=same, progress=False)
@@ -246,15 +255,9 @@ async def test_follow_ends_on_sigint_with_a_final_report(tmp_path: Path) -> None
             return _read_report(out) is not None
 
         await eventually(reported, 400)
-        proc.send_signal(signal.SIGINT)
-        async with asyncio.timeout(300):
-            code = await proc.wait()
+        final = await _final_report(proc, signal.SIGINT, out, stderr)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    assert code == 0, stderr.read_text()[-3000:]
-    final = _read_report(out)
-    assert final is not None and final["follow"]["final"] is True
     assert final["totals"]["messages"] == 1
-    assert not (out / ".follow").exists()

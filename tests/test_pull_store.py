@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -573,6 +574,13 @@ async def test_earliest_is_what_the_group_log_still_holds(groups: Groups) -> Non
     assert await backlogs(groups) == {"g": 1, "late": 1, "later": 0}
 
 
+def started(detail: str) -> int:
+    """The start a group change's detail logs (`stored from <ms>`)."""
+    found = re.search(r"stored from (\d+)", detail)
+    assert found is not None, detail
+    return int(found[1])
+
+
 async def test_a_groups_start_is_logged_and_its_last_deletion_drops_the_log(
     groups: Groups, tmp_path: Path
 ) -> None:
@@ -606,23 +614,30 @@ async def test_a_groups_start_is_logged_and_its_last_deletion_drops_the_log(
     first_ms = int(first.split(b"-")[0])
     (_, _, made_a), *rest = changes
     assert made_a.startswith("consumer group made at latest; stored from ")
-    a_from = int(made_a.rsplit(" ", 1)[1])
-    assert before < a_from <= first_ms  # (m1's entry: stored after)
-    late = int(rest[-1][2].rsplit(" ", 1)[1])
-    since = f"stored from {a_from}"  # earliest, nothing trimmed: from the app's first group
-    assert rest[:-1] == [
-        ("recipient_registered", "group:e", f"consumer group made at earliest; {since}"),
-        ("recipient_registered", "group:e", f"consumer group reset at 0; {since}"),
-        ("recipient_removed", "group:a", "consumer group deleted"),
-        ("recipient_removed", "group:e", "consumer group deleted"),
+    a_from = started(made_a)
+    assert before < a_from <= first_ms + 1  # (m1's entry: stored after, perhaps in that ms)
+    late = started(rest[-1][2])
+    # earliest, nothing trimmed: from the app's first group; each start a new generation
+    assert [started(detail) for _, _, detail in rest[:2]] == [a_from, a_from]
+    assert [detail.split(";")[0] for _, _, detail in rest[:2]] == [
+        "consumer group made at earliest", "consumer group reset at 0"
     ]  # fmt: skip
+    gens = [re.search(r"; generation (\d+)$", detail) for _, _, detail in rest[:2]]
+    assert all(gens) and len({g[1] for g in gens if g}) == 2
+    assert [(event, who) for event, who, _ in rest[:-1]] == [
+        ("recipient_registered", "group:e"),
+        ("recipient_registered", "group:e"),
+        ("recipient_removed", "group:a"),
+        ("recipient_removed", "group:e"),
+    ]
+    assert rest[2][2] == rest[3][2] == "consumer group deleted"
     assert rest[-1][:2] == ("recipient_registered", "group:late") and late > first_ms
 
 
-async def test_earliest_after_a_trim_is_logged_from_the_first_entry_held(
+async def test_earliest_after_a_trim_is_logged_past_the_last_entry_trimmed(
     groups: Groups, tmp_path: Path
 ) -> None:
-    """Once the log was trimmed, `earliest` starts at its first entry held: the start
+    """Once the log was trimmed, `earliest` starts past the last entry trimmed: the start
     logged is the ms after that entry's (erring later: docs/AUDIT.md)."""
     dlog = DeliveryLog(tmp_path, "t")
     logged = Groups(groups.store, dlog)
@@ -631,12 +646,12 @@ async def test_earliest_after_a_trim_is_logged_from_the_first_entry_held(
     await stored(groups, "m2")
     (m1,) = await received(groups, "a", n=1)
     assert await groups.ack(APP, "a", [receipt(m1)], NOW) == [True]
+    (trimmed, _), _ = await groups.store.redis.xrange(logged.log_key(APP))
     assert await groups.trim(APP) == 1
-    ((held, _),) = await groups.store.redis.xrange(logged.log_key(APP))
     assert await logged.create(APP, "e", "earliest")
     dlog.close()
     (line,) = [x for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()][-1:]
-    assert json.loads(line)["detail"].endswith(f"stored from {int(held.split(b'-')[0]) + 1}")
+    assert started(json.loads(line)["detail"]) == int(trimmed.split(b"-")[0]) + 1
 
 
 async def test_a_time_after_the_stores_clock_is_refused(groups: Groups) -> None:

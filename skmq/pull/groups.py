@@ -31,7 +31,7 @@ from typing import Any
 
 from skmq.clock import now_ms
 from skmq.deliverylog import DeliveryLog
-from skmq.events import GROUP_FROM, GROUP_PREFIX, Event
+from skmq.events import GENERATION, GROUP_FROM, GROUP_PREFIX, Event
 from skmq.pull.position import FuturePosition, Position, position_arg
 from skmq.store import DeadLetter, Store
 from skmq.store.msgids import unpack
@@ -157,18 +157,21 @@ class Groups:
         group gets the messages stored from; FuturePosition for a time after Redis's
         clock."""
         keys = (*self._group_keys(group), "gadded", "gsince")
-        start = int(await self.store._call(script, app, [group, position_arg(position)], *keys))
-        if start < 0:
+        done = await self.store._call(script, app, [group, position_arg(position)], *keys)
+        if done == -1:
             raise FuturePosition(
                 f"{position} (unix ms) is after the store's clock; "
                 "latest is what is stored from now on"
             )
-        if start and self.dlog is not None:
-            done = "made" if script == "group_create" else "reset"
-            detail = f"consumer group {done} at {position}; {GROUP_FROM}{start}"
+        if not done:
+            return False
+        start, generation = int(done[0]), done[1].decode()
+        if self.dlog is not None:
+            verb = "made" if script == "group_create" else "reset"
+            detail = f"consumer group {verb} at {position}; {GROUP_FROM}{start}; "
             self.dlog.event(Event.RECIPIENT_REGISTERED, "", app, None, GROUP_PREFIX + group,
-                            detail=detail)  # fmt: skip
-        return bool(start)
+                            detail=detail + GENERATION + generation)  # fmt: skip
+        return True
 
     # -- groups -------------------------------------------------------------
     async def create(self, app: str, group: str, position: Position = "latest") -> bool:

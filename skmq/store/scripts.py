@@ -27,7 +27,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "group_create": ("groups", "glog"),
     "group_reset": ("groups", "glog"),
     "group_delete": ("groups", "glog"),
-    "group_trim": ("groups", "glog", "gseen", "gadded"),  # + each group's held
+    "group_trim": ("groups", "glog", "gseen", "gadded", "gsince"),  # + each group's held
     "pull_receive": ("groups", "glog"),
     "pull_ack": ("groups", "glog"),
     "pull_nack": ("groups", "glog"),

@@ -2,8 +2,8 @@
 -- (group_position.lua; latest: it gets every message stored after this step); its
 -- generation starts (pull_lib.lua). A group that exists already is left as it is.
 -- KEYS: as pull_lib.lua, then gadded, gsince. ARGV: group, position.
--- Returns `from` (created: group_position.lua), 0 (it exists already) or -1 (a time
--- after Redis's clock).
+-- Returns {from, generation} (created: group_position.lua), 0 (it exists already) or -1
+-- (a time after Redis's clock).
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 if redis.call('HLEN', KEYS[1]) == 0 then  -- the app's first group: its log begins
   local t = redis.call('TIME')
@@ -11,5 +11,4 @@ if redis.call('HLEN', KEYS[1]) == 0 then  -- the app's first group: its log begi
 end
 local cursor, r, from = start_at(ARGV[2])
 if not cursor then return -1 end
-start_group(ARGV[1], cursor, r, nil)
-return from
+return {from, start_group(ARGV[1], cursor, r, nil)}

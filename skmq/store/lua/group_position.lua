@@ -8,8 +8,9 @@
 -- The start is also told as a time (`from`, unix ms, Redis's clock) for the delivery
 -- log: the group gets the messages stored from then on (docs/AUDIT.md). It errs towards
 -- later, so that no message the group never gets is counted its: latest is the ms after
--- now; earliest, while the log holds every entry it ever had, the ms after the app's
--- first group was made (`gsince`, kept with the log), else the ms after its first entry.
+-- now; earliest `gsince`, from when the log holds every message stored (the ms after the
+-- app's first group was made, moved on past each entry trimmed: group_trim.lua), else
+-- (a log from before it) the ms after its first entry.
 local gadded, gsince = KEYS[9], KEYS[10]
 local READ = '\31r'
 
@@ -38,12 +39,8 @@ local function start_at(position)
     return last and last[1] or '0-0', total, now + 1
   end
   local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)[1]
-  local since = tonumber(redis.call('GET', gsince))
-  local from = now + 1  -- (the log holds nothing older)
-  if first then from = ms_of(first[1]) + 1 end
-  if since and (first and entry_n(first) == 1 or not first and total == 0) then
-    from = since  -- (nothing trimmed: every message stored since the first group)
-  end
+  local from = tonumber(redis.call('GET', gsince))
+  if not from then from = first and ms_of(first[1]) + 1 or now + 1 end
   local before = nil
   if position ~= 'earliest' then
     if tonumber(position) > now then return nil end

@@ -3,11 +3,13 @@
 -- be used again). Without groups, the whole log goes (its key and its count `gadded`
 -- too, once empty). Entries after a group's cursor never go: its backlog is counted as
 -- the entries added after it (skmq/pull/groups.py).
--- KEYS: groups, glog, gseen, gadded, then each group's held (the groups listed in ARGV,
--- in order; a group made or deleted since: this round drops nothing, as a group made
--- from `earliest` or a time reads entries no group listed needs).
+-- The start `gsince` (group_position.lua) moves past the last entry dropped: the log
+-- holds every message stored from then on.
+-- KEYS: groups, glog, gseen, gadded, gsince, then each group's held (the groups listed
+-- in ARGV, in order; a group made or deleted since: this round drops nothing, as a group
+-- made from `earliest` or a time reads entries no group listed needs).
 -- ARGV: limit (entries at most), then the group names. Returns the entries dropped.
-local groups, glog, gseen, gadded = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local groups, glog, gseen, gadded, gsince = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local limit = tonumber(ARGV[1])
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -28,9 +30,9 @@ for i = 2, #ARGV do
     local ms, seq = parse(cursor)
     local keep = ms .. '-' .. (seq + 1)
     -- held is scored by ms: of the entries of the oldest ms, the lowest id
-    local oldest = redis.call('ZRANGE', KEYS[3 + i], 0, 0, 'WITHSCORES')
+    local oldest = redis.call('ZRANGE', KEYS[4 + i], 0, 0, 'WITHSCORES')
     if oldest[2] then
-      for _, held in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3 + i], oldest[2], oldest[2])) do
+      for _, held in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4 + i], oldest[2], oldest[2])) do
         if less(held, keep) then keep = held end
       end
     end
@@ -52,5 +54,8 @@ for _, e in ipairs(entries) do
   end
   redis.call('XDEL', glog, e[1])
 end
-if bound == nil and redis.call('XLEN', glog) == 0 then redis.call('DEL', glog, gadded) end
+if #entries > 0 then
+  redis.call('SET', gsince, tonumber(string.match(entries[#entries][1], '^(%d+)')) + 1)
+end
+if bound == nil and redis.call('XLEN', glog) == 0 then redis.call('DEL', glog, gadded, gsince) end
 return #entries
