@@ -225,9 +225,12 @@ def copy_key() -> Column:
     return F.when(is_copy, recipient)
 
 
-def group_change(event: Event = Event.RECIPIENT_REGISTERED) -> Column:
-    """A consumer group's making or reset (`event`: its deletion, RECIPIENT_REMOVED)."""
-    return is_event(event) & F.col("recipient").startswith(GROUP_PREFIX)
+def group_change() -> Column:
+    """A consumer group's making, reset or deletion."""
+    made_or_deleted = F.col("event").isin(
+        Event.RECIPIENT_REGISTERED.value, Event.RECIPIENT_REMOVED.value
+    )
+    return made_or_deleted & F.col("recipient").startswith(GROUP_PREFIX)
 
 
 # The rkey suffix of a consumer group's copy as it was before the group's last change
@@ -243,7 +246,7 @@ def _group_starts(events: DataFrame) -> DataFrame:
     ts) and ``g_gen`` (its generation: GENERATION). The groups are few: the caller
     broadcasts them."""
     c = F.col
-    changes = events.where(group_change() | group_change(Event.RECIPIENT_REMOVED))
+    changes = events.where(group_change())
     made = is_event(Event.RECIPIENT_REGISTERED)
     last = F.max_by(
         F.struct(

@@ -336,7 +336,7 @@ def _line_stats() -> list[Column]:
         F.max("ts").alias("last_ts"),
         count_if(is_event(Event.DUPLICATE)).alias("duplicates"),
         count_if(is_event(Event.PUSHED)).alias("pushes"),
-        count_if(group_change() | group_change(Event.RECIPIENT_REMOVED)).alias("group_changes"),
+        count_if(group_change()).alias("group_changes"),
     ]
 
 

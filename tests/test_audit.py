@@ -402,6 +402,18 @@ def _line(ts: int, event: str, msgid: str, appid: str, **more: Any) -> str:
     return json.dumps(record)
 
 
+def _group_change(ts: int, app: str, group: str, start: int | None, generation: str = "") -> str:
+    """A line of a consumer group's making or reset, getting the messages stored from
+    `start` (None: its deletion), as the broker logs it (skmq/pull/groups.py)."""
+    who = {"kind": None, "recipient": f"group:{group}"}
+    if start is None:
+        return _line(ts, "recipient_removed", "", app, detail="consumer group deleted", **who)
+    detail = f"consumer group made at latest; stored from {start}"
+    if generation:
+        detail += f"; generation {generation}"
+    return _line(ts, "recipient_registered", "", app, detail=detail, **who)
+
+
 def _audit(spark: SparkSession, logs: Path, out: Path, **options: Any) -> dict[str, Any]:
     return run_audit(str(logs), str(out), spark=spark, options=Options(**options), progress=False)
 
@@ -755,11 +767,7 @@ def test_a_group_that_has_not_received_yet_holds_its_copies(
     t = BASE_TS
 
     def change(ts: int, group: str, start: int | None) -> str:
-        if start is None:
-            return _line(ts, "recipient_removed", "", "g", kind=None, recipient=f"group:{group}",
-                         detail="consumer group deleted")  # fmt: skip
-        return _line(ts, "recipient_registered", "", "g", kind=None, recipient=f"group:{group}",
-                     detail=f"consumer group made at latest; stored from {start}")  # fmt: skip
+        return _group_change(ts, "g", group, start)
 
     def acked(ts: int, msgid: str, *groups: str) -> list[str]:
         lines = [_line(ts, "stored", msgid, "g")]
@@ -815,13 +823,8 @@ def test_a_groups_reset_or_deletion_starts_or_ends_its_copies(
     dropped (dead_letter_purged); an ack stays. One group an app."""
     t = BASE_TS
 
-    def change(ts: int, group: str, start: int | None, gen: str = "") -> str:
-        who = {"kind": None, "recipient": f"group:{group}"}
-        if start is None:
-            return _line(ts, "recipient_removed", "", group, detail="consumer group deleted",
-                         **who)  # fmt: skip
-        detail = f"consumer group made at x; stored from {start}" + gen
-        return _line(ts, "recipient_registered", "", group, detail=detail, **who)
+    def change(ts: int, group: str, start: int | None, generation: str = "") -> str:
+        return _group_change(ts, group, group, start, generation)
 
     def took(msgid: str, group: str, end: str | None) -> list[str]:
         """Stored at t + 10 in app `group`, pulled by `group`, then acked, dead, or left
@@ -846,13 +849,13 @@ def test_a_groups_reset_or_deletion_starts_or_ends_its_copies(
         *took("x1", "w", None),
         change(t + 50, "w", None),  # w deleted: x1's lease with it
         # y1: its ack logged in the ms of y's reset, of the generation before (receipts)
-        change(t, "y", t + 1, "; generation 100"),
+        change(t, "y", t + 1, "100"),
         _line(t + 10, "stored", "y1", "y"),
         _line(t + 11, "pushed", "y1", "y", recipient="group:y", attempt=1,
               detail="pulled by c; receipt 1-0.1.100"),
         _line(t + 60, "acked", "y1", "y", recipient="group:y", attempt=1,
               detail="receipt 1-0.1.100"),
-        change(t + 60, "y", t + 61, "; generation 200"),
+        change(t + 60, "y", t + 61, "200"),
     ]  # fmt: skip
     (tmp_path / "delivery-b1-0.jsonl").write_text("\n".join(lines), encoding="utf-8")
     report = _audit(spark, tmp_path, tmp_path / "out")

@@ -6,8 +6,7 @@
 -- (a time after Redis's clock).
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 if redis.call('HLEN', KEYS[1]) == 0 then  -- the app's first group: its log begins
-  local t = redis.call('TIME')
-  redis.call('SET', KEYS[10], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + 1)
+  redis.call('SET', KEYS[10], clock_ms() + 1)
 end
 local cursor, r, from = start_at(ARGV[2])
 if not cursor then return -1 end

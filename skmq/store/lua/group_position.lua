@@ -32,8 +32,7 @@ end
 -- before it).
 local function start_at(position)
   local total = log_added(gadded, KEYS[2])
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local now = clock_ms()
   if position == 'latest' then
     local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
     return last and last[1] or '0-0', total, now + 1

@@ -55,7 +55,7 @@ for _, e in ipairs(entries) do
   redis.call('XDEL', glog, e[1])
 end
 if #entries > 0 then
-  redis.call('SET', gsince, tonumber(string.match(entries[#entries][1], '^(%d+)')) + 1)
+  redis.call('SET', gsince, (parse(entries[#entries][1])) + 1)
 end
 if bound == nil and redis.call('XLEN', glog) == 0 then redis.call('DEL', glog, gadded, gsince) end
 return #entries

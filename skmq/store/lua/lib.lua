@@ -43,6 +43,12 @@ local function clock_us()
   return t[1] .. string.format('%06d', tonumber(t[2]))
 end
 
+-- Redis's clock in unix ms: where a consumer group starts (group_position.lua).
+local function clock_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
 -- How many entries were ever added to an app's group log `glog`: its count `gadded`
 -- (kept by feed.lua, each entry's `n` its own count); a log from before the count
 -- starts it at its length now (set here, so that every script counts from the same).
