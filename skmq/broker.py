@@ -257,6 +257,7 @@ class Broker:
             ),
             refusal=lambda: self.eviction.refusal,
             routes=self.engine.routes,
+            hold=self.engine.store_hold,
         )
         self.metrics.attach(self.engine, self.enqueuer)
         self.groups = Groups(self.store, self.dlog)

@@ -272,6 +272,19 @@ class Settings(BaseSettings):
         description="Bytes of producer content waiting for Redis; past it the broker reads no "
         "more frames until Redis catches up",
     )
+    store_hold_backlog: NonNegativeInt = Field(
+        768,
+        description="Queue messages of one app due and not pushed, its recipients ready for "
+        "more, past which new producer frames wait (0.5 s at most) while the broker's CPU is "
+        "full (STORE_HOLD_CPU): deliveries before stores; 0: never",
+    )
+    store_hold_cpu: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="Share (0-1) of one core the broker used over the last 0.1 s for which "
+        "its CPU counts as full (STORE_HOLD_BACKLOG)",
+    )
     max_unanswered_frames: Count = Field(
         4096,
         description="Frames of one connection read but not answered yet; past it the broker "
@@ -749,6 +762,7 @@ METAVARS = {
     "redis_url": "URL",
     "retry_backoff": "SECONDS,...",
     "retry_jitter": "FRACTION",
+    "store_hold_cpu": "FRACTION",
     "recipient_networks": "CIDR,...",
     "ttl_by_app": "APP:MS,...",
     "rate": "PER_SECOND",

@@ -194,6 +194,9 @@ class Metrics(Collector):
                     family.add_metric([_label(app), _label(info.name)], getattr(info, attr))
             yield family
 
+    def _held(self) -> int:
+        return self._engine.store_hold.held if self._engine is not None else 0
+
     def _ops(self) -> Iterator[Metric]:
         """The broker's own health: restarts, delivery-log trouble, Redis round trips."""
         restarts = CounterMetricFamily(
@@ -211,6 +214,9 @@ class Metrics(Collector):
              "Delivery-log lines dropped (backlog full while writes failed)", self.dlog.dropped),
             ("skmq_delivery_log_files_compressed",
              "Closed delivery-log files compressed (by this broker)", self.archive.compressed),
+            ("skmq_stores_held",
+             "Batches of producer frames held for deliveries: the CPU full and an app's "
+             "pushes behind (STORE_HOLD_BACKLOG)", self._held()),
             ("skmq_delivery_log_files_pruned",
              "Delivery-log files removed by LOG_RETENTION_BYTES or LOG_RETENTION_AGE",
              self.archive.pruned),

@@ -9,7 +9,7 @@ read what the owners write, or ask an app's owner through its inbox; everything 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from skmq.clock import now_ms
@@ -103,6 +103,11 @@ class OwnedStore(Store):
     def _owned(self, app: str) -> AppOwner | None:
         """The app's owner when it is this process (None in an operator's command)."""
         return self.owners.owned.get(app) if self.owners is not None else None
+
+    def unpushed(self) -> Iterator[tuple[str, int]]:
+        """The apps this process owns, each with its queue messages due and not pushed."""
+        for app, owner in self.owners.owned.items() if self.owners is not None else ():
+            yield app, owner.unpushed()
 
     @property
     def carries_claims(self) -> bool:

@@ -226,6 +226,11 @@ class AppOwner:
         line = self.queue.pending.get(QUEUE)
         return len(line) if line else 0
 
+    def unpushed(self) -> int:
+        """Queue messages due and not pushed: the pending line, and the backlog the log
+        holds (an upper bound, as `_waiting`)."""
+        return self._waiting() + self.backlog
+
     async def refill(self, now: int, want: int | None = 0) -> None:
         """Read back the backlog the log holds (`backlog`), in stored order, until the
         pending line is `held` + `want` long (None: all of it); nothing while it is at

@@ -65,6 +65,9 @@ class Dispatcher:
     paused: bool = field(init=False, default=False)
     # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
     starved: bool = field(init=False, default=False)
+    # Its last plan found recipients alive with free window slots, and no delivery rate
+    # held it back: what is due and not pushed waits for the broker alone (store_hold.py).
+    ready: bool = field(init=False, default=False)
     # Claims start small and double while they come back full: a lone message does
     # not pay for a batch of 512 picks and arguments.
     batch: int = field(init=False, default=FIRST_CLAIM)
@@ -140,6 +143,7 @@ class Dispatcher:
     def _plan(self, at_least: int = 0) -> Plan | float:
         """How many to claim (the batch, or `at_least` up to CLAIM_BATCH), for which
         recipients; or how long to sleep (nothing to do)."""
+        self.ready = False
         if self.paused:
             return NO_RECIPIENT_POLL
         registered = self.registered(self.app)
@@ -158,6 +162,7 @@ class Dispatcher:
             self.starved = True
             return POLL
         alive = [AliveRecipient(r.id, free.get(r.id, 0), "length" in r.caps) for r in recipients]
+        self.ready = True
         return Plan(n, alive, assignment, [r.id for r in registered if not r.alive])
 
     def _claimed(self, n: int, result: ClaimResult) -> float:
@@ -169,6 +174,7 @@ class Dispatcher:
             self.idle_wait = POLL
             self.deliver(self.app, claimed)
         if rate_wait > 0:
+            self.ready = False
             return rate_wait
         if len(claimed) >= n:
             self.batch = min(CLAIM_BATCH, self.batch * 2)

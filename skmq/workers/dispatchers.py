@@ -64,6 +64,14 @@ class Dispatchers:
             self._tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
 
+    def behind(self, limit: int) -> bool:
+        """Whether an app this broker owns has more than `limit` messages due and not
+        pushed while its recipients have free window slots (skmq/workers/store_hold.py)."""
+        for app, due in self.store.unpushed():
+            if due > limit and (d := self.by_app.get(app)) is not None and d.ready:
+                return True
+        return False
+
     def carry_claims(self, stored: Mapping[str, Sized], now: int) -> list[ClaimArgs]:
         """The claims of the idle dispatchers of the apps of `stored` (each app's new
         messages), for a store's round trip to carry (skmq/workers/enqueue.py); the

@@ -46,6 +46,7 @@ from skmq.workers.link import RecipientLink, Verdict
 from skmq.workers.pusher import Pusher
 from skmq.workers.reaper import Reaper
 from skmq.workers.routes import Routes
+from skmq.workers.store_hold import StoreHold
 from skmq.workers.tokens import DeliveryTokens
 
 log = structlog.get_logger("skmq.engine")
@@ -88,6 +89,10 @@ class Engine:
             self.pusher.deliver,
             settings.delivery_rate,
             settings.redis_pool_size // 2,
+        )
+        # deliveries before stores on a full CPU (skmq/workers/store_hold.py)
+        self.store_hold = StoreHold(
+            self.apps.behind, settings.store_hold_backlog, settings.store_hold_cpu
         )
         self.router = AnswerRouter(
             store,
@@ -135,6 +140,7 @@ class Engine:
         """`orphans`: every lease in Redis is a dead process's (this broker owns its Redis
         alone, as with the embedded one): hand them back now rather than at expiry."""
         self.stalls.start()
+        self.store_hold.start()
         await self.store.load_scripts()
         self.pusher.tokens = DeliveryTokens(await self.store.delivery_secret())
         if orphans:
@@ -196,6 +202,7 @@ class Engine:
                 )
         self.pusher.close()
         self.stalls.stop()
+        self.store_hold.stop()
         await cancel_and_wait(self.pusher.tasks)
 
     # -- background steps -----------------------------------------------------

@@ -40,6 +40,7 @@ from skmq.store.disk import DiskSpace
 from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import AppStored
 from skmq.workers.routes import Routes
+from skmq.workers.store_hold import StoreHold
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -169,6 +170,8 @@ class Enqueuer:
     refusal: Callable[[], str | None] = lambda: None
     # Which apps have a recipient or a group: messages stored for others are counted.
     routes: Routes | None = None
+    # Deliveries first: new stores wait while the CPU is full and pushes fall behind.
+    hold: StoreHold | None = None
     pending_bytes: int = field(init=False, default=0)
     disk_low: bool = field(init=False, default=False)
     # app -> msgid -> (message, received ms): stored or not, nobody knows yet
@@ -189,12 +192,16 @@ class Enqueuer:
 
     async def room(self) -> None:
         """Return once less than MAX_STORE_PENDING_BYTES of content waits for the store
-        (at most STORE_TIMEOUT: every waiting batch is stored or failed by then)."""
+        (at most STORE_TIMEOUT: every waiting batch is stored or failed by then), and no
+        store is held for deliveries (MAX_HOLD at most)."""
         await self._room.wait()
+        if self.hold is not None:
+            await self.hold.wait()
 
     def has_room(self) -> bool:
-        """Whether less than MAX_STORE_PENDING_BYTES of content waits for the store now."""
-        return self._room.is_set()
+        """Whether less than MAX_STORE_PENDING_BYTES of content waits for the store now,
+        and no store is held for deliveries (skmq/workers/store_hold.py)."""
+        return self._room.is_set() and not (self.hold is not None and self.hold.holding())
 
     @property
     def refusing(self) -> str | None:

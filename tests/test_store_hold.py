@@ -1,0 +1,80 @@
+"""STORE_HOLD_BACKLOG and STORE_HOLD_CPU (skmq/workers/store_hold.py), over real TCP
+against a real broker: new producer frames wait while an owned app's line of due
+messages is long and its recipients have room for more, never for a recipient that is
+slow (its window full). STORE_HOLD_CPU=0 counts the CPU as full whatever it is, so that
+the tests need not load the machine."""
+
+from __future__ import annotations
+
+from skmq.broker import Broker
+from skmq.clock import now_ms
+from tests.conftest import BrokerFactory, eventually
+from tests.peers import FakeRecipient, RawClient
+
+
+async def _held_broker(make_broker: BrokerFactory, **settings: int) -> Broker:
+    broker = await make_broker(store_hold_cpu=0.0, **settings)
+
+    async def busy() -> bool:
+        return broker.engine.store_hold.busy
+
+    await eventually(busy)
+    return broker
+
+
+async def _produce(port: int, app: str, msgids: list[str], **fields: str) -> None:
+    """Queue messages pipelined on one connection; every one acknowledged."""
+    client = await RawClient.connect(port)
+    try:
+        for msgid in msgids:
+            client.send("queue", b"x", appid=app, msgid=msgid, **fields)
+        answers = [await client.resp() for _ in msgids]
+    finally:
+        await client.close()
+    assert {a["status"] for a in answers} == {"ack"}
+
+
+async def test_stores_wait_while_an_apps_deliveries_fall_behind(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await _held_broker(make_broker, store_hold_backlog=64, push_window=100_000)
+    rec = await FakeRecipient("behind", "r1").start()
+    try:
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+        # Due a ms after they are stored: all of them through the dispatcher's claims
+        # (4, 8, ... 512 a claim), which a window of 100,000 never holds back.
+        first = [f"d{i}" for i in range(10_000)]
+        await _produce(broker.server.port, "behind", first, delay="1")
+        then = [f"n{i}" for i in range(500)]
+        await _produce(broker.server.port, "behind", then)
+        assert broker.engine.store_hold.held > 0
+
+        async def all_delivered() -> bool:
+            return len({f.fields["msgid"] for f in rec.received}) == len(first) + len(then)
+
+        await eventually(all_delivered, timeout=60)
+        assert len(rec.received) == len(first) + len(then)  # (none twice)
+    finally:
+        await rec.stop()
+
+
+async def test_a_slow_recipient_never_holds_a_store(make_broker: BrokerFactory) -> None:
+    broker = await _held_broker(make_broker, store_hold_backlog=8, push_window=4)
+    rec = await FakeRecipient("slow", "r1", lambda frame: "silent").start()
+    try:
+        assert (await rec.register(broker.server.port))["status"] == "ack"
+        await _produce(broker.server.port, "slow", [f"a{i}" for i in range(100)])
+
+        async def window_full() -> bool:
+            d = broker.engine.dispatchers.get("slow")
+            return len(rec.received) == 4 and d is not None and d.starved
+
+        await eventually(window_full)
+        held = broker.engine.store_hold.held
+        await _produce(broker.server.port, "slow", [f"b{i}" for i in range(2_000)])
+        assert broker.engine.store_hold.held == held
+        assert len(rec.received) == 4
+        waiting = await broker.store.counts(["slow"], now_ms())
+        assert waiting["slow"].pending == 2_100 - 4
+    finally:
+        await rec.stop()
