@@ -64,13 +64,15 @@ class Dispatchers:
             self._tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
 
-    def behind(self, limit: int) -> bool:
-        """Whether an app this broker owns has more than `limit` messages due and not
-        pushed while its recipients have free window slots (skmq/workers/store_hold.py)."""
+    def behind(self, limit: int) -> int:
+        """The messages due and not pushed of the apps this broker owns that have more
+        than `limit` while their recipients have free window slots, summed; 0: none
+        (skmq/workers/store_hold.py)."""
+        line = 0
         for app, due in self.store.unpushed():
             if due > limit and (d := self.by_app.get(app)) is not None and d.ready:
-                return True
-        return False
+                line += due
+        return line
 
     def carry_claims(self, stored: Mapping[str, Sized], now: int) -> list[ClaimArgs]:
         """The claims of the idle dispatchers of the apps of `stored` (each app's new

@@ -13,7 +13,8 @@ MAX_STORE_PENDING_BYTES: backpressure down to TCP), up to MAX_HOLD at a time.
 Slow recipients (their windows full), a delivery rate (DELIVERY_RATE), an app with no
 recipient, or a CPU with room never hold a store: then the line is what a broker is for.
 A hold ends as soon as the line is down to a quarter of STORE_HOLD_BACKLOG, or the
-recipients' windows are full (looked at every POLL).
+recipients' windows are full (looked at every POLL), or the line got no shorter for
+PROGRESS.
 
 bench/'s e2e run (4 producers, 4 recipients, 100,000 messages; 6 runs each way,
 alternating, on a loaded 2-core machine): p50 0.48-0.67 s against 4.2-5.6 s with the
@@ -31,14 +32,20 @@ from collections.abc import Callable
 
 LOOK = 0.1  # s: how often the process's CPU is read
 POLL = 0.005  # s: how often a held store looks again
+PROGRESS = 0.05  # s: a hold in which the line did not get shorter in this long ends
 MAX_HOLD = 0.5  # s: a store is held this long at most, whatever the signal says
 
 
 class StoreHold:
     """`holding()`: new stores should wait now; `wait()`: until they need not (MAX_HOLD
-    at most). `behind(limit)` says whether an owned app's deliveries fall behind."""
+    at most). `behind(limit)`: the messages due and not pushed of the apps this broker
+    owns whose line is longer than `limit` while their recipients have room (0: none).
 
-    def __init__(self, behind: Callable[[int], bool], backlog: int, cpu: float) -> None:
+    A hold helps only while the deliveries go on: one in which the line did not get
+    shorter for PROGRESS (a recipient whose pushes fail, say) ends, and none starts
+    again until the line is shorter than it was then."""
+
+    def __init__(self, behind: Callable[[int], int], backlog: int, cpu: float) -> None:
         self.behind = behind
         self.backlog = backlog  # 0: never hold
         self.cpu = cpu  # of one core, 0..1
@@ -47,7 +54,8 @@ class StoreHold:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._at = (0.0, 0.0)  # (loop time, process CPU s) at the last look
-        self._behind = (float("-inf"), False)  # (loop time) `behind` asked last, its answer
+        self._behind = (float("-inf"), 0)  # (loop time) `behind` asked last, its answer
+        self._stuck: int | None = None  # the line when a hold saw it get no shorter
 
     def start(self) -> None:
         if not self.backlog:
@@ -70,23 +78,39 @@ class StoreHold:
         self._at = (now, cpu)
         self._timer = self._loop.call_later(LOOK, self._look)
 
-    def holding(self) -> bool:
-        """Whether new stores should wait now (`behind` asked once in POLL at most: it
-        looks at every app this broker owns)."""
+    def _line(self) -> int:
+        """The line behind now, 0 if none (`behind` asked once in POLL at most: it looks
+        at every app this broker owns). Once holding, until it is down to a quarter."""
         if not self.busy or self._loop is None:
-            return False
+            return 0
         now = self._loop.time()
-        asked, answer = self._behind
-        if now - asked >= POLL:  # (once holding, until the line is down to a quarter)
-            answer = self.behind(self.backlog // 4 if answer else self.backlog)
-            self._behind = (now, answer)
-        return answer
+        asked, line = self._behind
+        if now - asked >= POLL:
+            line = self.behind(self.backlog // 4 if line else self.backlog)
+            self._behind = (now, line)
+            if self._stuck is not None and line < self._stuck:
+                self._stuck = None  # (the deliveries go on again)
+        return 0 if self._stuck is not None else line
+
+    def holding(self) -> bool:
+        """Whether new stores should wait now."""
+        return self._line() > 0
 
     async def wait(self) -> None:
-        if not self.holding():
+        line = self._line()
+        if not line:
             return
         self.held += 1
         loop = asyncio.get_running_loop()
         give_up = loop.time() + MAX_HOLD
-        while self.holding() and loop.time() < give_up:
+        mark = (loop.time(), line)  # (when) the line at the last look at its progress
+        while loop.time() < give_up:
             await asyncio.sleep(POLL)
+            line = self._line()
+            if not line:
+                return
+            if loop.time() - mark[0] >= PROGRESS:
+                if line >= mark[1]:
+                    self._stuck = line
+                    return
+                mark = (loop.time(), line)
