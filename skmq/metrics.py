@@ -147,6 +147,16 @@ class Metrics(Collector):
             for app, value in sorted(self._engine.routes.total.items()):
                 unroutable.add_metric([_label(app)], value)
         yield unroutable
+        held = CounterMetricFamily(
+            "skmq_stores_held_total",
+            "Batches of an app's new messages held for its deliveries: the broker's CPU "
+            "full and its line of due messages past STORE_HOLD_BACKLOG",
+            labels=["app"],
+        )
+        if self._engine is not None:
+            for app, value in sorted(self._engine.store_hold.held.items()):
+                held.add_metric([_label(app)], value)
+        yield held
         hist = HistogramMetricFamily(
             "skmq_delivery_latency_seconds", "Time from stored to acked", labels=["app"]
         )
@@ -194,9 +204,6 @@ class Metrics(Collector):
                     family.add_metric([_label(app), _label(info.name)], getattr(info, attr))
             yield family
 
-    def _held(self) -> int:
-        return self._engine.store_hold.held if self._engine is not None else 0
-
     def _ops(self) -> Iterator[Metric]:
         """The broker's own health: restarts, delivery-log trouble, Redis round trips."""
         restarts = CounterMetricFamily(
@@ -214,9 +221,6 @@ class Metrics(Collector):
              "Delivery-log lines dropped (backlog full while writes failed)", self.dlog.dropped),
             ("skmq_delivery_log_files_compressed",
              "Closed delivery-log files compressed (by this broker)", self.archive.compressed),
-            ("skmq_stores_held",
-             "Batches of producer frames held for deliveries: the CPU full and an app's "
-             "pushes behind (STORE_HOLD_BACKLOG)", self._held()),
             ("skmq_delivery_log_files_pruned",
              "Delivery-log files removed by LOG_RETENTION_BYTES or LOG_RETENTION_AGE",
              self.archive.pruned),

@@ -719,7 +719,6 @@ async def test_metrics_users_expect(make_broker: BrokerFactory) -> None:
         "skmq_redis_roundtrip_seconds",
         "skmq_delivery_log_errors_total",
         "skmq_embedded_redis_restarts_total",
-        "skmq_stores_held_total",
     ):
         assert metric(text, name) is not None, name
     assert "# TYPE skmq_task_restarts_total counter" in text

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import generate_latest
+
 from skmq.broker import Broker
 from skmq.clock import now_ms
 from skmq.workers.store_hold import PAUSE, StoreHold
@@ -49,8 +51,14 @@ async def test_stores_wait_while_an_apps_deliveries_fall_behind(
         first = [f"d{i}" for i in range(10_000)]
         await _produce(broker.server.port, "behind", first, delay="1")
         then = [f"n{i}" for i in range(500)]
-        await _produce(broker.server.port, "behind", then)
-        assert broker.engine.store_hold.held > 0
+        await asyncio.gather(
+            _produce(broker.server.port, "behind", then),
+            _produce(broker.server.port, "other", [f"o{i}" for i in range(500)]),
+        )
+        held = broker.engine.store_hold.held
+        assert held["behind"] > 0 and held["other"] == 0  # (no recipient: never held)
+        scraped = generate_latest(broker.metrics.registry).decode()
+        assert f'skmq_stores_held_total{{app="behind"}} {held["behind"]:.1f}' in scraped
 
         async def all_delivered() -> bool:
             return len({f.fields["msgid"] for f in rec.received}) == len(first) + len(then)
@@ -73,9 +81,8 @@ async def test_a_slow_recipient_never_holds_a_store(make_broker: BrokerFactory) 
             return len(rec.received) == 4 and d is not None and d.starved
 
         await eventually(window_full)
-        held = broker.engine.store_hold.held
         await _produce(broker.server.port, "slow", [f"b{i}" for i in range(2_000)])
-        assert broker.engine.store_hold.held == held
+        assert broker.engine.store_hold.held["slow"] == 0
         assert len(rec.received) == 4
         waiting = await broker.store.counts(["slow"], now_ms())
         assert waiting["slow"].pending == 2_100 - 4
@@ -86,25 +93,25 @@ async def test_a_slow_recipient_never_holds_a_store(make_broker: BrokerFactory) 
 async def test_a_hold_in_which_the_line_gets_no_shorter_ends_for_a_while() -> None:
     """A line that does not move (pushes that fail, say) is not helped by holding stores:
     after a hold of MAX_HOLD in which it got no shorter, none starts for PAUSE."""
-    line = [1_000]
-    hold = StoreHold(lambda limit: line[0] if line[0] > limit else 0, backlog=10, cpu=0.0)
+    lines = {"stuck": 1_000, "other": 0}
+    hold = StoreHold(lambda app, limit: lines[app] if lines[app] > limit else 0, 10, 0.0)
     hold.start()
     try:
 
-        async def holding() -> bool:
-            return hold.holding()
+        async def stuck_held() -> bool:
+            return hold.holding(lines) == {"stuck"}
 
-        await eventually(holding)
+        await eventually(stuck_held)
         loop = asyncio.get_running_loop()
-        await hold.wait()
+        await hold.wait({"stuck", "other"})
         paused_at = loop.time()
-        assert (hold.held, hold.holding()) == (1, False)
-        await hold.wait()  # (no hold)
-        assert hold.held == 1
-        await eventually(holding)  # (PAUSE after)
+        assert (hold.held["stuck"], hold.holding(lines)) == (1, set())
+        await hold.wait({"stuck"})  # (no hold)
+        assert hold.held == {"stuck": 1}
+        await eventually(stuck_held)  # (PAUSE after)
         assert loop.time() - paused_at >= PAUSE
-        line[0] = 0
-        await hold.wait()
-        assert not hold.holding()
+        lines["stuck"] = 0
+        await hold.wait({"stuck"})
+        assert hold.holding(lines) == set()
     finally:
         hold.stop()

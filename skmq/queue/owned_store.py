@@ -9,7 +9,7 @@ read what the owners write, or ask an app's owner through its inbox; everything 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from skmq.clock import now_ms
@@ -104,10 +104,10 @@ class OwnedStore(Store):
         """The app's owner when it is this process (None in an operator's command)."""
         return self.owners.owned.get(app) if self.owners is not None else None
 
-    def unpushed(self) -> Iterator[tuple[str, int]]:
-        """The apps this process owns, each with its queue messages due and not pushed."""
-        for app, owner in self.owners.owned.items() if self.owners is not None else ():
-            yield app, owner.unpushed()
+    def unpushed(self, app: str) -> int:
+        """The app's queue messages due and not pushed, if this process owns it; else 0."""
+        owner = self._owned(app)
+        return owner.unpushed() if owner is not None else 0
 
     @property
     def carries_claims(self) -> bool:

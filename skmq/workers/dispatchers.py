@@ -64,15 +64,13 @@ class Dispatchers:
             self._tasks[app] = self.supervisor.start("dispatch", d.run, app=app)
         d.wake.set()
 
-    def behind(self, limit: int) -> int:
-        """The messages due and not pushed of the apps this broker owns that have more
-        than `limit` while their recipients have free window slots, summed; 0: none
-        (skmq/workers/store_hold.py)."""
-        line = 0
-        for app, due in self.store.unpushed():
-            if due > limit and (d := self.by_app.get(app)) is not None and d.ready:
-                line += due
-        return line
+    def behind(self, app: str, limit: int) -> int:
+        """The app's messages due and not pushed if this broker owns it, they are more
+        than `limit` and its recipients had free window slots at the dispatcher's last
+        look (skmq/workers/store_hold.py); else 0."""
+        due = self.store.unpushed(app)
+        d = self.by_app.get(app)
+        return due if due > limit and d is not None and d.ready else 0
 
     def carry_claims(self, stored: Mapping[str, Sized], now: int) -> list[ClaimArgs]:
         """The claims of the idle dispatchers of the apps of `stored` (each app's new

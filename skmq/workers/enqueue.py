@@ -170,7 +170,8 @@ class Enqueuer:
     refusal: Callable[[], str | None] = lambda: None
     # Which apps have a recipient or a group: messages stored for others are counted.
     routes: Routes | None = None
-    # Deliveries first: new stores wait while the CPU is full and pushes fall behind.
+    # Deliveries first: an app's new messages wait while the CPU is full and its pushes
+    # fall behind (skmq/workers/store_hold.py).
     hold: StoreHold | None = None
     pending_bytes: int = field(init=False, default=0)
     disk_low: bool = field(init=False, default=False)
@@ -182,6 +183,8 @@ class Enqueuer:
     _noted: set[str] = field(init=False, default_factory=set)  # apps noted by this process
     _noting: asyncio.Task[None] | None = field(init=False, default=None)
     _room: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    # app -> the end of the wait of its last held batch (_store_held)
+    _held: dict[str, asyncio.Future[None]] = field(init=False, default_factory=dict)
     _faults: Throttled = field(init=False, default_factory=lambda: Throttled(log))
     _tasks: set[asyncio.Task[None]] = field(init=False, default_factory=set)
 
@@ -192,16 +195,12 @@ class Enqueuer:
 
     async def room(self) -> None:
         """Return once less than MAX_STORE_PENDING_BYTES of content waits for the store
-        (at most STORE_TIMEOUT: every waiting batch is stored or failed by then), and no
-        store is held for deliveries (MAX_HOLD at most)."""
+        (at most STORE_TIMEOUT: every waiting batch is stored or failed by then)."""
         await self._room.wait()
-        if self.hold is not None:
-            await self.hold.wait()
 
     def has_room(self) -> bool:
-        """Whether less than MAX_STORE_PENDING_BYTES of content waits for the store now,
-        and no store is held for deliveries (skmq/workers/store_hold.py)."""
-        return self._room.is_set() and not (self.hold is not None and self.hold.holding())
+        """Whether less than MAX_STORE_PENDING_BYTES of content waits for the store now."""
+        return self._room.is_set()
 
     @property
     def refusing(self) -> str | None:
@@ -330,12 +329,43 @@ class Enqueuer:
         if refused is not None or self._disk_is_low():
             batch.answer_rest(refused or DISK_LOW)
             return
+        held = self.hold.holding(batch.messages) if self.hold is not None else set()
+        held |= self._held.keys() & batch.messages.keys()  # (never before one held)
+        if not held:
+            await self._store_apps(batch, batch.messages)
+            return
+        now = {app: msgs for app, msgs in batch.messages.items() if app not in held}
+        later = {app: msgs for app, msgs in batch.messages.items() if app in held}
+        await asyncio.gather(self._store_apps(batch, now), self._store_held(batch, later))
+
+    async def _store_held(self, batch: EnqueueBatch, messages: dict[str, list[NewMessage]]) -> None:
+        """The apps whose deliveries fall behind: stored once they need not wait, and
+        after the batches of theirs held before (a producer's messages to an app are
+        stored in the order sent: its keys' order is theirs)."""
+        assert self.hold is not None
+        before = {self._held[app] for app in messages if app in self._held}
+        turn = asyncio.get_running_loop().create_future()
+        self._held.update(dict.fromkeys(messages, turn))
+        try:
+            if before:
+                await asyncio.wait(before)
+            await self.hold.wait(set(messages))
+        finally:
+            for app in messages:
+                if self._held.get(app) is turn:
+                    del self._held[app]
+            turn.set_result(None)
+        await self._store_apps(batch, messages)  # (before the next held batch goes on)
+
+    async def _store_apps(self, batch: EnqueueBatch, messages: dict[str, list[NewMessage]]) -> None:
+        if not messages:
+            return
         received = now_ms()
         deadline = asyncio.get_running_loop().time() + self.timeout
-        self._note(set(batch.messages))
+        self._note(set(messages))
         # Stored a master at a time (one Redis: the batch at once), each answered as soon
         # as it is: a master in trouble holds up only its own apps' producers.
-        parts = self.store.by_master(batch.messages)
+        parts = self.store.by_master(messages)
         if len(parts) == 1:
             ran = await self._store_part(batch, parts[0], received, deadline)
         else:

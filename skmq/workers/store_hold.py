@@ -1,4 +1,5 @@
-"""New stores wait while the broker's CPU is full and its deliveries fall behind.
+"""An app's new messages wait while the broker's CPU is full and its deliveries fall
+behind.
 
 A broker with no CPU to spare splits its loop between storing what producers send and
 pushing what is stored. Storing is the cheaper of the two, so left alone it wins: under
@@ -6,59 +7,66 @@ a load beyond the broker's CPU the line of messages stored and not pushed yet gr
 thousands a second, and every message waits behind it (4 to 7 s at the median in
 bench/'s e2e run, for the same throughput). So while the process used at least
 STORE_HOLD_CPU of a core over the last look, and an app this broker owns has more than
-STORE_HOLD_BACKLOG messages due while its recipients have free window slots, new
-producer frames wait before they are stored (in the handle stage, as for
-MAX_STORE_PENDING_BYTES: backpressure down to TCP), up to MAX_HOLD at a time.
+STORE_HOLD_BACKLOG messages due while its recipients took more at the dispatcher's last
+look, the app's new messages wait before they are stored, up to MAX_HOLD at a time
+(skmq/workers/enqueue.py); their producers' frames wait unanswered, and a connection
+with its share of unanswered frames is read no more (backpressure down to TCP). Other
+apps' messages are stored meanwhile.
 
-Slow recipients (their windows full), a delivery rate (DELIVERY_RATE), an app with no
-recipient, or a CPU with room never hold a store: then the line is what a broker is for.
-A hold ends as soon as the line is down to a quarter of STORE_HOLD_BACKLOG, or the
-recipients' windows are full (looked at every POLL).
+An app with no recipient, a delivery rate (DELIVERY_RATE) holding the dispatcher back,
+recipients whose windows stay full, or a CPU with room never hold a store: then the
+line is what a broker is for. A hold ends as soon as the line is down to a quarter of
+STORE_HOLD_BACKLOG, or the dispatcher found the recipients' windows full (looked at
+every POLL). Slow recipients whose windows free now and then, while the CPU is full,
+hold their app's producers to about their pace (there is no telling them from a broker
+that answers late), as a RabbitMQ queue's credit flow does; other apps go on.
 
-bench/'s e2e run (4 producers, 4 recipients, 100,000 messages; 6 runs each way,
-alternating, on a loaded 2-core machine): p50 0.48-0.67 s against 4.2-5.6 s with the
-hold off, p99 0.8-1.5 s against 4.5-6.7 s, and the same throughput (medians 11,650 and
-10,840 msg/s). The default, 768, is under half of BACKLOG_HELD (skmq/queue/owner.py):
-at 1,536 the held line reached it, new stores went to the log to be read back later,
-and the throughput fell by 15-20%.
+bench/'s e2e run (4 producers, 4 recipients, 100,000 messages; 4 runs each way,
+alternating, on a loaded 2-core machine): p50 0.34-0.41 s against 3.0-4.5 s with the
+hold off, p99 0.57-0.63 s against 4.8-5.9 s, and the same throughput (medians 12,150
+and 11,730 msg/s). The default, 768, is under half of BACKLOG_HELD
+(skmq/queue/owner.py): at 1,536 the held line reached it, new stores went to the log to
+be read back later, and the throughput fell by 15-20%.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 LOOK = 0.1  # s: how often the process's CPU is read
 POLL = 0.005  # s: how often a held store looks again
+MAX_HOLD = 0.5  # s: a store is held this long at most, whatever the signal says
 # s: after a hold that ran out MAX_HOLD with the line no shorter, none starts for this
 # long (a line that does not move, a recipient whose pushes fail, is not helped by it)
 PAUSE = 2.0
-MAX_HOLD = 0.5  # s: a store is held this long at most, whatever the signal says
 
 
 class StoreHold:
-    """`holding()`: new stores should wait now; `wait()`: until they need not (MAX_HOLD
-    at most). `behind(limit)`: the messages due and not pushed of the apps this broker
-    owns whose line is longer than `limit` while their recipients have room (0: none).
+    """`holding(apps)`: the apps whose new messages should wait now; `wait(apps)`: until
+    they need not (MAX_HOLD at most). `behind(app, limit)`: the app's messages due and not
+    pushed if this broker owns it, they are more than `limit` and its recipients took more
+    at the dispatcher's last look; else 0.
 
     A hold helps only while the deliveries go on: after one that ran out MAX_HOLD with
     the line no shorter than at its start, none starts for PAUSE, so that a line that
-    does not move costs producers a fifth of their time at most. (A shorter window of
-    progress, 50 or 200 ms, misjudged bench/'s e2e run: under full load a claim's flush
-    may take that long, and the line does not move meanwhile.)"""
+    does not move costs its producers a fifth of their time at most. (A shorter window
+    of progress, 50 or 200 ms, misjudged bench/'s e2e run: under full load a claim's
+    flush may take that long, and the line does not move meanwhile.)"""
 
-    def __init__(self, behind: Callable[[int], int], backlog: int, cpu: float) -> None:
+    def __init__(self, behind: Callable[[str, int], int], backlog: int, cpu: float) -> None:
         self.behind = behind
         self.backlog = backlog  # 0: never hold
         self.cpu = cpu  # of one core, 0..1
         self.busy = False  # the process used at least `cpu` over the last look
-        self.held = 0  # batches held (skmq_stores_held_total)
+        self.held: Counter[str] = Counter()  # stores held, by app (skmq_stores_held_total)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._at = (0.0, 0.0)  # (loop time, process CPU s) at the last look
-        self._behind = (float("-inf"), 0)  # (loop time) `behind` asked last, its answer
-        self._paused_until = float("-inf")  # (loop time) after a hold that did not help
+        self._holding: set[str] = set()  # apps held now: until their line is a quarter
+        self._paused: dict[str, float] = {}  # (loop time) until which an app is not held
 
     def start(self) -> None:
         if not self.backlog:
@@ -79,35 +87,40 @@ class StoreHold:
         then, cpu_then = self._at
         self.busy = now > then and (cpu - cpu_then) / (now - then) >= self.cpu
         self._at = (now, cpu)
+        self._paused = {app: t for app, t in self._paused.items() if t > now}
         self._timer = self._loop.call_later(LOOK, self._look)
 
-    def _line(self) -> int:
-        """The line behind now, 0 if none (`behind` asked once in POLL at most: it looks
-        at every app this broker owns). Once holding, until it is down to a quarter."""
-        if not self.busy or self._loop is None:
+    def _line(self, app: str) -> int:
+        """The app's line if it is held now, else 0."""
+        assert self._loop is not None
+        if self._paused.get(app, float("-inf")) > self._loop.time():
             return 0
-        now = self._loop.time()
-        asked, line = self._behind
-        if now < self._paused_until:
-            return 0
-        if now - asked >= POLL:
-            line = self.behind(self.backlog // 4 if line else self.backlog)
-            self._behind = (now, line)
+        held = app in self._holding
+        line = self.behind(app, self.backlog // 4 if held else self.backlog)
+        if held and not line:
+            self._holding.discard(app)
         return line
 
-    def holding(self) -> bool:
-        """Whether new stores should wait now."""
-        return self._line() > 0
+    def holding(self, apps: Iterable[str]) -> set[str]:
+        """Those of `apps` whose new messages should wait now."""
+        if not self.busy or self._loop is None:
+            return set()
+        return {app for app in apps if self._line(app)}
 
-    async def wait(self) -> None:
-        first = line = self._line()
-        if not line:
+    async def wait(self, apps: set[str]) -> None:
+        """Until no app of `apps` is held (MAX_HOLD at most)."""
+        if not self.busy or self._loop is None:
             return
-        self.held += 1
+        first = {app: line for app in apps if (line := self._line(app))}
+        self._holding.update(first)
+        self.held.update(first.keys())
         loop = asyncio.get_running_loop()
         give_up = loop.time() + MAX_HOLD
-        while line and loop.time() < give_up:
+        lines = first
+        while lines and loop.time() < give_up:
             await asyncio.sleep(POLL)
-            line = self._line()
-        if line >= first:
-            self._paused_until = loop.time() + PAUSE
+            lines = {app: line for app in lines if self.busy and (line := self._line(app))}
+        for app, line in lines.items():  # (ran out MAX_HOLD)
+            self._holding.discard(app)
+            if line >= first[app]:
+                self._paused[app] = loop.time() + PAUSE
