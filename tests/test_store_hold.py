@@ -44,17 +44,37 @@ async def test_stores_wait_while_an_apps_deliveries_fall_behind(
 ) -> None:
     broker = await _held_broker(make_broker, store_hold_backlog=64, push_window=100_000)
     rec = await FakeRecipient("behind", "r1").start()
+    port = broker.server.port
     try:
-        assert (await rec.register(broker.server.port))["status"] == "ack"
+        assert (await rec.register(port))["status"] == "ack"
         # Due a ms after they are stored: all of them through the dispatcher's claims
         # (4, 8, ... 512 a claim), which a window of 100,000 never holds back.
         first = [f"d{i}" for i in range(10_000)]
-        await _produce(broker.server.port, "behind", first, delay="1")
-        then = [f"n{i}" for i in range(500)]
-        await asyncio.gather(
-            _produce(broker.server.port, "behind", then),
-            _produce(broker.server.port, "other", [f"o{i}" for i in range(500)]),
-        )
+        # Then one key, in batches on another connection, each sent once the one before
+        # waits (held, or behind one held): stored, and delivered, in the order sent.
+        then = [f"n{i:03d}" for i in range(200)]
+        bulk, keyed = await RawClient.connect(port), await RawClient.connect(port)
+        try:
+            for msgid in first:
+                bulk.send("queue", b"x", appid="behind", msgid=msgid, delay="1")
+            waits: list[object] = [None]
+            for chunk in range(0, len(then), 20):
+                for msgid in then[chunk : chunk + 20]:
+                    keyed.send("queue", b"x", appid="behind", msgid=msgid, key="k")
+
+                async def held_anew() -> bool:
+                    wait = broker.enqueuer.held("behind")
+                    return wait is not None and wait not in waits
+
+                await eventually(held_anew)
+                waits.append(broker.enqueuer.held("behind"))
+            others = asyncio.create_task(_produce(port, "other", [f"o{i}" for i in range(500)]))
+            answers = [await bulk.resp() for _ in first] + [await keyed.resp() for _ in then]
+            await others
+        finally:
+            await bulk.close()
+            await keyed.close()
+        assert {a["status"] for a in answers} == {"ack"}
         held = broker.engine.store_hold.held
         assert held["behind"] > 0 and held["other"] == 0  # (no recipient: never held)
         scraped = generate_latest(broker.metrics.registry).decode()
@@ -65,6 +85,8 @@ async def test_stores_wait_while_an_apps_deliveries_fall_behind(
 
         await eventually(all_delivered, timeout=60)
         assert len(rec.received) == len(first) + len(then)  # (none twice)
+        in_key = [f.fields["msgid"] for f in rec.received if f.fields["msgid"] in then]
+        assert in_key == then
     finally:
         await rec.stop()
 

@@ -198,6 +198,10 @@ class Enqueuer:
         (at most STORE_TIMEOUT: every waiting batch is stored or failed by then)."""
         await self._room.wait()
 
+    def held(self, app: str) -> asyncio.Future[None] | None:
+        """The wait of the app's last batch held for its deliveries, while it waits."""
+        return self._held.get(app)
+
     def has_room(self) -> bool:
         """Whether less than MAX_STORE_PENDING_BYTES of content waits for the store now."""
         return self._room.is_set()
