@@ -274,9 +274,10 @@ class Settings(BaseSettings):
     )
     store_hold_backlog: NonNegativeInt = Field(
         768,
-        description="Queue messages of one app due and not pushed, its recipients taking more, "
-        "past which the app's new messages wait (0.5 s at most) before they are stored while "
-        "the broker's CPU is full (STORE_HOLD_CPU): deliveries first; 0: never",
+        description="Queue messages of one app due and not pushed (those behind their key "
+        "included), its recipients taking more, past which the app's new messages wait (0.5 s "
+        "at most) before they are stored while the broker's CPU is full (STORE_HOLD_CPU): "
+        "deliveries first; 0: never",
     )
     store_hold_cpu: float = Field(
         0.9,

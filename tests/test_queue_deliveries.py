@@ -113,12 +113,14 @@ def test_one_message_of_a_key_at_a_time_in_stored_order() -> None:
     q.add(message(4, key="other"), T)
     assert [d.msgid for d in pushed(q)] == [b"m1", b"m4"]
     assert q.deliveries[(b"m2", QUEUE)].state is State.WAITING_KEY
+    assert q.behind_keys == 2
     q.ack(b"m1", QUEUE, 1, T)
+    assert q.behind_keys == 1
     assert [d.msgid for d in pushed(q)] == [b"m2"]
     q.fail(b"m2", QUEUE, 1, "error", T)  # dead (retry_times 1): the next goes too
     assert [d.msgid for d in pushed(q)] == [b"m3"]
     q.ack(b"m3", QUEUE, 1, T)
-    assert not q.keys.get("k")
+    assert not q.keys.get("k") and q.behind_keys == 0
 
 
 def test_a_message_purged_behind_its_key_lets_the_head_be_acked() -> None:
@@ -127,6 +129,7 @@ def test_a_message_purged_behind_its_key_lets_the_head_be_acked() -> None:
         q.add(message(n, key="k"), T)
     pushed(q, n=1)
     assert q.purge(b"m2", QUEUE, T).delivery.state is State.PURGED  # behind m1
+    assert q.behind_keys == 1
     assert q.ack(b"m1", QUEUE, 1, T).delivery.state is State.ACKED
     assert [d.msgid for d in pushed(q)] == [b"m3"]
     q.ack(b"m3", QUEUE, 1, T)
@@ -318,6 +321,7 @@ def test_a_checkpoint_restores_every_delivery_held() -> None:
         k: fields(d) for k, d in q.deliveries.items()
     }
     assert [d.msgid for d in new.take(10, T)] == [b"m3"]  # 4 waits for its key
+    assert new.behind_keys == q.behind_keys == 1
     assert new.next_due() == T + 100  # m1's retry before m2's lease and m5's delay
 
 

@@ -110,6 +110,7 @@ class AppQueue:
     dead: list[Delivery] = field(default_factory=list)  # for the app's dead letters
     expired: list[Change] = field(default_factory=list)  # met by `take`, for the caller
     recording: bool = True  # False while a new owner replays the journal
+    behind_keys: int = 0  # deliveries WAITING_KEY (an earlier one of their key not over)
     _seq: int = 0
 
     # -- the table ---------------------------------------------------------
@@ -121,6 +122,8 @@ class AppQueue:
         source = d.state
         rule = step(source, trigger)
         d.state = rule.target
+        if source is State.WAITING_KEY:
+            self.behind_keys -= 1
         if rule.record is not None and self.recording:
             self.records.append(_record(rule.record, d, extra))
         target = rule.target
@@ -191,6 +194,7 @@ class AppQueue:
             waiting.append(d)
             if len(waiting) > 1:
                 d.state = State.WAITING_KEY
+                self.behind_keys += 1
                 return
         if d.due <= now:
             self._move(d, Trigger.DUE, now)
@@ -483,6 +487,8 @@ class AppQueue:
                 self.copies[d.msgid] = self.copies.get(d.msgid, 0) + 1
             if d.key and d.copy == QUEUE:
                 self.keys.setdefault(d.key, collections.deque()).append(d)
+            if d.state is State.WAITING_KEY:
+                self.behind_keys += 1
             if d.state is State.PENDING:
                 self._line(d.copy).append(d)
                 d.in_line = True

@@ -227,9 +227,9 @@ class AppOwner:
         return len(line) if line else 0
 
     def unpushed(self) -> int:
-        """Queue messages due and not pushed: the pending line, and the backlog the log
-        holds (an upper bound, as `_waiting`)."""
-        return self._waiting() + self.backlog
+        """Queue messages due and not pushed: the pending line, the backlog the log holds
+        and those waiting behind their key (an upper bound, as `_waiting`)."""
+        return self._waiting() + self.backlog + self.queue.behind_keys
 
     async def refill(self, now: int, want: int | None = 0) -> None:
         """Read back the backlog the log holds (`backlog`), in stored order, until the
