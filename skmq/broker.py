@@ -261,6 +261,7 @@ class Broker:
         )
         self.metrics.attach(self.engine, self.enqueuer)
         self.groups = Groups(self.store, self.dlog)
+        self.engine.store_hold.lines.append(self.groups.pace.behind)
         self.wakeups = Wakeups(self.redis, s.key_prefix)
         stalls = self.engine.stalls
         longpoll = LongPoll(self.groups, self.wakeups, s.pull_max_waiting, stalls.settled)

@@ -274,10 +274,11 @@ class Settings(BaseSettings):
     )
     store_hold_backlog: NonNegativeInt = Field(
         768,
-        description="Queue messages of one app due and not pushed (those behind their key "
-        "included), its recipients taking more, past which the app's new messages wait (0.5 s "
-        "at most) before they are stored while the broker's CPU is full (STORE_HOLD_CPU): "
-        "deliveries first; 0: never",
+        description="Messages of one app due and not pushed (those behind their key "
+        "included) while its recipients take more, or not read yet by one of its consumer "
+        "groups while they receive, past which the app's new messages wait (0.5 s at most) "
+        "before they are stored while the broker's CPU is full (STORE_HOLD_CPU): deliveries "
+        "first; 0: never",
     )
     store_hold_cpu: float = Field(
         0.9,

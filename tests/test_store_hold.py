@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from skmq.broker import Broker
 from skmq.clock import now_ms
+from skmq.pull.consumer import PullConsumer
 from skmq.workers.store_hold import PAUSE, StoreHold
 from tests.conftest import BrokerFactory, eventually
 from tests.peers import FakeRecipient, RawClient
@@ -116,7 +117,7 @@ async def test_a_hold_in_which_the_line_gets_no_shorter_ends_for_a_while() -> No
     """A line that does not move (pushes that fail, say) is not helped by holding stores:
     after a hold of MAX_HOLD in which it got no shorter, none starts for PAUSE."""
     lines = {"stuck": 1_000, "other": 0}
-    hold = StoreHold(lambda app, limit: lines[app] if lines[app] > limit else 0, 10, 0.0)
+    hold = StoreHold([lambda app, limit: lines[app] if lines[app] > limit else 0], 10, 0.0)
     hold.start()
     try:
 
@@ -137,3 +138,32 @@ async def test_a_hold_in_which_the_line_gets_no_shorter_ends_for_a_while() -> No
         assert hold.holding(lines) == set()
     finally:
         hold.stop()
+
+
+async def test_stores_wait_while_a_consumer_groups_line_is_long(
+    make_broker: BrokerFactory,
+) -> None:
+    """A pull app: while its consumers go on receiving and a group had more than the
+    limit left to read, the app's producers wait; every message is received once."""
+    broker = await _held_broker(make_broker, store_hold_backlog=64)
+    port = broker.server.port
+    async with PullConsumer(f"tcp://127.0.0.1:{port}", "pulled", "g", wait=0, batch=10) as g:
+        assert await g.receive() == []  # (the group made: it gets what is stored now)
+        first, then = [f"f{i}" for i in range(1_000)], [f"t{i}" for i in range(200)]
+        await _produce(port, "pulled", first)
+        got: list[str] = []
+        received = asyncio.Event()
+
+        async def consume() -> None:
+            while len(got) < len(first) + len(then):
+                msgs = await g.receive()
+                got.extend(m.msgid for m in msgs)
+                await g.ack_all(msgs)
+                received.set()
+
+        consuming = asyncio.create_task(consume())
+        await received.wait()  # (a receive found the line: more than the limit left)
+        await _produce(port, "pulled", then)
+        await asyncio.wait_for(consuming, 60)
+    assert broker.engine.store_hold.held["pulled"] > 0
+    assert sorted(got) == sorted(first + then)

@@ -24,6 +24,7 @@ no third part."""
 from __future__ import annotations
 
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,40 @@ class Received:
     # Leases that ran out (a failed attempt, the broker logs it): receipt: the attempt's,
     # content b"dead" (it was the last attempt) or the ms its retry falls due
     ran_out: list[Pulled] = field(default_factory=list)
+    unread: int = -1  # log entries the group has not read yet (-1: not known)
+
+
+# s: a group received from within this long is being consumed (ReceivePace)
+ACTIVE = 0.25
+
+
+class ReceivePace:
+    """What each consumer group of an app had not read yet at its last receive, while
+    its consumers go on receiving: a line the store hold looks at
+    (skmq/workers/store_hold.py), as it looks at a push app's due messages."""
+
+    def __init__(self) -> None:
+        self._unread: dict[str, dict[str, tuple[float, int]]] = {}
+
+    def received(self, app: str, group: str, unread: int) -> None:
+        self._unread.setdefault(app, {})[group] = (time.monotonic(), unread)
+
+    def behind(self, app: str, limit: int) -> int:
+        """The most a group of the app received from within ACTIVE had not read, if
+        more than `limit`; else 0."""
+        groups = self._unread.get(app)
+        if not groups:
+            return 0
+        now = time.monotonic()
+        recent = [unread for at, unread in groups.values() if now - at < ACTIVE]
+        if len(recent) < len(groups):  # (groups no longer received from: forgotten)
+            fresh = {g: v for g, v in groups.items() if now - v[0] < ACTIVE}
+            if fresh:
+                self._unread[app] = fresh
+            else:
+                del self._unread[app]
+        line = max(recent, default=0)
+        return line if line > limit else 0
 
 
 OLDEST_LOOK = 100  # held entries a group's oldest is looked for among
@@ -128,6 +163,7 @@ class Groups:
         a group's copy of each message stored from its start: docs/AUDIT.md)."""
         self.store = store
         self.dlog = dlog
+        self.pace = ReceivePace()
         # (app, group, entry) -> (msgid, kind) of what this broker's receives handed out
         # and no settle has asked for yet, oldest first: a settled batch's delivery-log
         # lines need its msgids, which would otherwise be read back from the log (an
@@ -298,9 +334,10 @@ class Groups:
             raise NoSuchGroup(group)
         generation = res[-3].decode()
         nxt = int(res[-2])
-        got = Received([], None if nxt < 0 else nxt, res[-1] == 1)
+        got = Received([], None if nxt < 0 else nxt, res[-1] == 1, unread=int(res[-4]))
+        self.pace.received(app, group, got.unread)
         lists = {b"x": got.expired, b"r": got.ran_out}
-        for i in range(0, len(res) - 3, 7):
+        for i in range(0, len(res) - 4, 7):
             entry, msgid, kind, content, n, attempt, trace = res[i : i + 7]
             expired = kind[:1] == b"x"
             receipt = "" if expired else make_receipt(entry.decode(), int(n), generation)

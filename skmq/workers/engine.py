@@ -92,7 +92,7 @@ class Engine:
         )
         # deliveries before stores on a full CPU (skmq/workers/store_hold.py)
         self.store_hold = StoreHold(
-            self.apps.behind, settings.store_hold_backlog, settings.store_hold_cpu
+            [self.apps.behind], settings.store_hold_backlog, settings.store_hold_cpu
         )
         self.router = AnswerRouter(
             store,

@@ -8,10 +8,12 @@ thousands a second, and every message waits behind it (4 to 7 s at the median in
 bench/'s e2e run, for the same throughput). So while the process used at least
 STORE_HOLD_CPU of a core over the last look, and an app this broker owns has more than
 STORE_HOLD_BACKLOG messages due (waiting behind their key included) while its
-recipients took more at the dispatcher's last look, the app's new messages wait before
-they are stored, up to MAX_HOLD at a time (skmq/workers/enqueue.py); their producers'
-frames wait unanswered, and a connection with its share of unanswered frames is read no
-more (backpressure down to TCP). Other apps' messages are stored meanwhile.
+recipients took more at the dispatcher's last look, or one of its consumer groups had
+that many left to read at a receive in the last ACTIVE (skmq/pull/groups.py), the app's
+new messages wait before they are stored, up to MAX_HOLD at a time
+(skmq/workers/enqueue.py); their producers' frames wait unanswered, and a connection
+with its share of unanswered frames is read no more (backpressure down to TCP). Other
+apps' messages are stored meanwhile.
 
 An app with no recipient, a delivery rate (DELIVERY_RATE) holding the dispatcher back,
 recipients whose windows stay full, or a CPU with room never hold a store: then the
@@ -28,7 +30,9 @@ and 11,730 msg/s). The default, 768, is under half of BACKLOG_HELD
 (skmq/queue/owner.py): at 1,536 the held line reached it, new stores went to the log to
 be read back later, and the throughput fell by 15-20%. The ordered run (1,000 keys; 3
 runs each way): p50 0.41-0.51 s against 3.5-5.9 s, the same throughput (medians 9,870
-and 9,190 msg/s).
+and 9,190 msg/s). bench.pull_drain's e2e (4 consumers of one group, a producer at full
+speed; 2 runs each way): p50 over TCP 0.28-0.54 s against 1.9-2.1 s, over HTTP 1.07-1.13
+s against 1.85-1.97 s, msg/s 10,800-12,800 against 9,600-11,200.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ PAUSE = 2.0
 
 class StoreHold:
     """`holding(apps)`: the apps whose new messages should wait now; `wait(apps)`: until
-    they need not (MAX_HOLD at most). `behind(app, limit)`: the app's messages due and not
-    pushed if this broker owns it, they are more than `limit` and its recipients took more
-    at the dispatcher's last look; else 0.
+    they need not (MAX_HOLD at most). Each of `lines` tells an app's line if it is longer
+    than a limit, else 0: its messages due and not pushed, if this broker owns it and its
+    recipients took more at the dispatcher's last look (Dispatchers.behind); what its
+    consumer groups had not read at their last receives, while they receive
+    (ReceivePace.behind).
 
     A hold helps only while the deliveries go on: after one that ran out MAX_HOLD with
     the line no shorter than at its start, none starts for PAUSE, so that a line that
@@ -58,8 +64,8 @@ class StoreHold:
     of progress, 50 or 200 ms, misjudged bench/'s e2e run: under full load a claim's
     flush may take that long, and the line does not move meanwhile.)"""
 
-    def __init__(self, behind: Callable[[str, int], int], backlog: int, cpu: float) -> None:
-        self.behind = behind
+    def __init__(self, lines: list[Callable[[str, int], int]], backlog: int, cpu: float) -> None:
+        self.lines = lines
         self.backlog = backlog  # 0: never hold
         self.cpu = cpu  # of one core, 0..1
         self.busy = False  # the process used at least `cpu` over the last look
@@ -98,7 +104,8 @@ class StoreHold:
         if self._paused.get(app, float("-inf")) > self._loop.time():
             return 0
         held = app in self._holding
-        line = self.behind(app, self.backlog // 4 if held else self.backlog)
+        limit = self.backlog // 4 if held else self.backlog
+        line = max(behind(app, limit) for behind in self.lines)
         if held and not line:
             self._holding.discard(app)
         return line

@@ -10,7 +10,8 @@
 -- replay, traceparent ('': none))*, an expired entry with kind xq|xt and content `dead` or `drop` (attempts:
 -- those before), a lease that ran out with kind rq|rt and content `dead` or the ms its
 -- retry falls due (n and attempt: the attempt that failed; logged by the broker, as a
--- timed-out push is), then the group's generation,
+-- timed-out push is), then the log entries the group has not read yet (-1: not known, a
+-- group or entries from before the counts), the group's generation,
 -- the ms at which the next delayed entry falls due or a lease runs out (-1: none) and
 -- `more` (1|0); {'no group'}: no such group.
 local group, max, vis = ARGV[rest], tonumber(ARGV[rest + 1]), tonumber(ARGV[rest + 2])
@@ -147,6 +148,17 @@ local d = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
 if d[2] then nxt = tonumber(d[2]) end
 local l = redis.call('ZRANGE', inflight, 0, 0, 'WITHSCORES')
 if l[2] and (nxt < 0 or tonumber(l[2]) + 1 < nxt) then nxt = tonumber(l[2]) + 1 end
+local unread = -1
+local last = redis.call('XREVRANGE', glog, '+', '-', 'COUNT', 1)[1]
+if not last then
+  unread = 0
+elseif last[1] == cursor then
+  unread = 0
+elseif read then
+  local n = fields(last[2]).n
+  if n then unread = math.max(0, tonumber(n) - read) end
+end
+out[#out + 1] = unread
 out[#out + 1] = generation()
 out[#out + 1] = nxt
 out[#out + 1] = more
