@@ -13,7 +13,7 @@ import bisect
 import platform
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -80,6 +80,14 @@ PROBE_TIMEOUT = 0.5
 PROBE_INTERVAL = 1.0
 
 
+def _by_app(name: str, documentation: str, values: Mapping[str, int]) -> Metric:
+    """A counter with an `app` label, a sample an app."""
+    family = CounterMetricFamily(name, documentation, labels=["app"])
+    for app, value in sorted(values.items()):
+        family.add_metric([_label(app)], value)
+    return family
+
+
 def _label(value: str) -> str:
     """A label value the exposition can encode: an app stored before app ids had to be
     text (bytes of the wire that were not UTF-8) shows with those bytes escaped."""
@@ -138,25 +146,18 @@ class Metrics(Collector):
                 if ev == event and app:
                     counter.add_metric([_label(app)], value)
             yield counter
-        unroutable = CounterMetricFamily(
+        engine = self._engine
+        yield _by_app(
             "skmq_unroutable_total",
             "Messages stored for an app with no recipient and no consumer group",
-            labels=["app"],
+            engine.routes.total if engine is not None else {},
         )
-        if self._engine is not None:
-            for app, value in sorted(self._engine.routes.total.items()):
-                unroutable.add_metric([_label(app)], value)
-        yield unroutable
-        held = CounterMetricFamily(
+        yield _by_app(
             "skmq_stores_held_total",
             "Batches of an app's new messages held for its deliveries: the broker's CPU "
             "full and its line of due messages past STORE_HOLD_BACKLOG",
-            labels=["app"],
+            engine.store_hold.held if engine is not None else {},
         )
-        if self._engine is not None:
-            for app, value in sorted(self._engine.store_hold.held.items()):
-                held.add_metric([_label(app)], value)
-        yield held
         hist = HistogramMetricFamily(
             "skmq_delivery_latency_seconds", "Time from stored to acked", labels=["app"]
         )

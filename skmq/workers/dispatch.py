@@ -66,7 +66,7 @@ class Dispatcher:
     # Waiting for window slots: then (only) a finished delivery is worth a wake-up.
     starved: bool = field(init=False, default=False)
     # Its last plan found recipients alive with free window slots, and no delivery rate
-    # held it back: what is due and not pushed waits for the broker alone (store_hold.py).
+    # held it back: what is due and not pushed waits for the broker (store_hold.py).
     ready: bool = field(init=False, default=False)
     # Claims start small and double while they come back full: a lone message does
     # not pay for a batch of 512 picks and arguments.

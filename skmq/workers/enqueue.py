@@ -14,7 +14,9 @@ Redis connection included) gives up after STORE_TIMEOUT, its producers then hear
 `error` "outcome unknown: store unavailable"; and while MAX_STORE_PENDING_BYTES of
 content wait for the store, `room()` holds the handle stage back (backpressure down
 to TCP). While the embedded Redis's disk is nearly full nothing is stored or
-acknowledged (skmq/store/disk.py).
+acknowledged (skmq/store/disk.py). While the broker's CPU is full and an app's
+deliveries fall behind, the app's messages wait before they are stored, other apps'
+are stored meanwhile (skmq/workers/store_hold.py).
 """
 
 from __future__ import annotations
@@ -333,13 +335,13 @@ class Enqueuer:
         if refused is not None or self._disk_is_low():
             batch.answer_rest(refused or DISK_LOW)
             return
-        held = self.hold.holding(batch.messages) if self.hold is not None else set()
-        held |= self._held.keys() & batch.messages.keys()  # (never before one held)
-        if not held:
+        wait = self.hold.holding(batch.messages) if self.hold is not None else set()
+        wait |= self._held.keys() & batch.messages.keys()  # (never before one held)
+        if not wait:
             await self._store_apps(batch, batch.messages)
             return
-        now = {app: msgs for app, msgs in batch.messages.items() if app not in held}
-        later = {app: msgs for app, msgs in batch.messages.items() if app in held}
+        now = {app: msgs for app, msgs in batch.messages.items() if app not in wait}
+        later = {app: msgs for app, msgs in batch.messages.items() if app in wait}
         await asyncio.gather(self._store_apps(batch, now), self._store_held(batch, later))
 
     async def _store_held(self, batch: EnqueueBatch, messages: dict[str, list[NewMessage]]) -> None:
