@@ -355,7 +355,7 @@ class Enqueuer:
         try:
             if before:
                 await asyncio.wait(before)
-            await self.hold.wait(set(messages))
+            await self.hold.wait({app: len(msgs) for app, msgs in messages.items()})
         finally:
             for app in messages:
                 if self._held.get(app) is turn:
