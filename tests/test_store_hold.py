@@ -126,15 +126,15 @@ async def test_a_hold_in_which_the_line_gets_no_shorter_ends_for_a_while() -> No
 
         await eventually(stuck_held)
         loop = asyncio.get_running_loop()
-        await hold.wait({"stuck": 1, "other": 1})
+        await hold.wait("stuck", 1)
         paused_at = loop.time()
         assert (hold.held["stuck"], hold.holding(lines)) == (1, set())
-        await hold.wait({"stuck": 1})  # (no hold)
+        await hold.wait("stuck", 1)  # (no hold)
         assert hold.held == {"stuck": 1}
         await eventually(stuck_held)  # (PAUSE after)
         assert loop.time() - paused_at >= PAUSE
         lines["stuck"] = 0
-        await hold.wait({"stuck": 1})
+        await hold.wait("stuck", 1)
         assert hold.holding(lines) == set()
     finally:
         hold.stop()

@@ -341,27 +341,29 @@ class Enqueuer:
             await self._store_apps(batch, batch.messages)
             return
         now = {app: msgs for app, msgs in batch.messages.items() if app not in wait}
-        later = {app: msgs for app, msgs in batch.messages.items() if app in wait}
-        await asyncio.gather(self._store_apps(batch, now), self._store_held(batch, later))
+        await asyncio.gather(
+            self._store_apps(batch, now),
+            *(self._store_held(batch, app) for app in batch.messages if app in wait),
+        )
 
-    async def _store_held(self, batch: EnqueueBatch, messages: dict[str, list[NewMessage]]) -> None:
-        """The apps whose deliveries fall behind: stored once they need not wait, and
-        after the batches of theirs held before (a producer's messages to an app are
-        stored in the order sent: its keys' order is theirs)."""
+    async def _store_held(self, batch: EnqueueBatch, app: str) -> None:
+        """An app whose deliveries fall behind, each on its own (one app's hold must not
+        hold another's messages of the same batch): stored once it need not wait, and
+        after its batches held before (a producer's messages to an app are stored in the
+        order sent: its keys' order is theirs)."""
         assert self.hold is not None
-        before = {self._held[app] for app in messages if app in self._held}
-        turn = asyncio.get_running_loop().create_future()
-        self._held.update(dict.fromkeys(messages, turn))
+        messages = batch.messages[app]
+        before = self._held.get(app)
+        turn = self._held[app] = asyncio.get_running_loop().create_future()
         try:
-            if before:
-                await asyncio.wait(before)
-            await self.hold.wait({app: len(msgs) for app, msgs in messages.items()})
+            if before is not None:
+                await asyncio.wait((before,))
+            await self.hold.wait(app, len(messages))
         finally:
-            for app in messages:
-                if self._held.get(app) is turn:
-                    del self._held[app]
+            if self._held.get(app) is turn:
+                del self._held[app]
             turn.set_result(None)
-        await self._store_apps(batch, messages)  # (before the next held batch goes on)
+        await self._store_apps(batch, {app: messages})  # (before the next held one goes on)
 
     async def _store_apps(self, batch: EnqueueBatch, messages: dict[str, list[NewMessage]]) -> None:
         if not messages:

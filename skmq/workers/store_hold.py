@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 LOOK = 0.1  # s: how often the process's CPU is read
 POLL = 0.005  # s: how often a held store looks again
@@ -53,8 +53,8 @@ PAUSE = 2.0
 
 
 class StoreHold:
-    """`holding(apps)`: the apps whose new messages should wait now; `wait(apps)`: until
-    they need not (MAX_HOLD at most). Each of `lines` tells an app's line if it is longer
+    """`holding(apps)`: the apps whose new messages should wait now; `wait(app, n)`:
+    until it need not (MAX_HOLD at most). Each of `lines` tells an app's line if it is longer
     than a limit, else 0: its messages due and not pushed, if this broker owns it and its
     recipients took more at the dispatcher's last look (Dispatchers.behind); what its
     consumer groups had not read at their last receives, while they receive
@@ -118,26 +118,25 @@ class StoreHold:
             return set()
         return {app for app in apps if self._line(app)}
 
-    async def wait(self, apps: Mapping[str, int]) -> None:
-        """Until no app of `apps` (each with the messages to store) is held: its line is
-        down to a quarter of the limit, or shorter by those messages than when the wait
-        began (its stores go no faster than its deliveries), or MAX_HOLD ran out."""
+    async def wait(self, app: str, messages: int) -> None:
+        """Until the app is not held, with `messages` to store: its line is down to a
+        quarter of the limit, or shorter by those messages than when the wait began (its
+        stores go no faster than its deliveries), or MAX_HOLD ran out."""
         if not self.busy or self._loop is None:
             return
-        first = {app: line for app in apps if (line := self._line(app))}
-        self._holding.update(first)
-        self.held.update(first.keys())
+        first = line = self._line(app)
+        if not line:
+            return
+        self._holding.add(app)
+        self.held[app] += 1
         loop = asyncio.get_running_loop()
         give_up = loop.time() + MAX_HOLD
-        lines = first
-        while lines and loop.time() < give_up:
+        while line and loop.time() < give_up:
             await asyncio.sleep(POLL)
-            lines = {
-                app: line
-                for app in lines
-                if self.busy and (line := self._line(app)) and line > first[app] - apps[app]
-            }
-        for app, line in lines.items():  # (ran out MAX_HOLD)
+            line = self._line(app) if self.busy else 0
+            if line <= first - messages:
+                return
+        if line:  # (ran out MAX_HOLD)
             self._holding.discard(app)
-            if line >= first[app]:
+            if line >= first:
                 self._paused[app] = loop.time() + PAUSE
