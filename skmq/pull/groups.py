@@ -125,14 +125,13 @@ class ReceivePace:
         if not groups:
             return 0
         now = time.monotonic()
-        recent = [unread for at, unread in groups.values() if now - at < ACTIVE]
+        recent = {g: v for g, v in groups.items() if now - v[0] < ACTIVE}
         if len(recent) < len(groups):  # (groups no longer received from: forgotten)
-            fresh = {g: v for g, v in groups.items() if now - v[0] < ACTIVE}
-            if fresh:
-                self._unread[app] = fresh
+            if recent:
+                self._unread[app] = recent
             else:
                 del self._unread[app]
-        line = max(recent, default=0)
+        line = max((unread for _, unread in recent.values()), default=0)
         return line if line > limit else 0
 
 

@@ -54,10 +54,10 @@ PAUSE = 2.0
 
 class StoreHold:
     """`holding(apps)`: the apps whose new messages should wait now; `wait(app, n)`:
-    until it need not (MAX_HOLD at most). Each of `lines` tells an app's line if it is longer
-    than a limit, else 0: its messages due and not pushed, if this broker owns it and its
-    recipients took more at the dispatcher's last look (Dispatchers.behind); what its
-    consumer groups had not read at their last receives, while they receive
+    until it need not (MAX_HOLD at most). Each of `lines` tells an app's line if it is
+    longer than a limit, else 0: its messages due and not pushed, if this broker owns it
+    and its recipients took more at the dispatcher's last look (Dispatchers.behind);
+    what its consumer groups had not read at their last receives, while they receive
     (ReceivePace.behind).
 
     A hold helps only while the deliveries go on: after one that ran out MAX_HOLD with
