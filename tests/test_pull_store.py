@@ -400,6 +400,45 @@ async def test_a_receipt_from_before_a_replay_settles_nothing_after_it(groups: G
     assert await groups.ack(APP, "g", [receipt(replayed)], NOW) == [1]
 
 
+async def entry_fields(groups: Groups, group: str) -> list[bytes]:
+    """The fields of a group's gstate that belong to entries (not the group's own)."""
+    gstate = groups.store.base(APP) + f"g:{group}:gstate"
+    return sorted(f for f in await groups.store.redis.hkeys(gstate) if not f.startswith(b"\x1f"))
+
+
+@pytest.mark.parametrize("made_before_plain", [False, True])
+async def test_an_ack_leaves_none_of_an_entrys_fields_plain_group_or_not(
+    groups: Groups, made_before_plain: bool
+) -> None:
+    """A plain group (no entry with a last error, a lifted TTL or replayed attempts:
+    pull_lib.lua's \x1fp) acks by an entry's attempts alone; a nack or a replay ends
+    that, and a group made before the flag never had it."""
+    await groups.create(APP, "g")
+    gstate = groups.store.base(APP) + "g:g:gstate"
+    if made_before_plain:
+        await groups.store.redis.hdel(gstate, "\x1fp")
+    await stored(groups, "a", "b")
+    got = await received(groups, "g")
+    assert await groups.ack(APP, "g", [receipt(got[0])], NOW) == [1]
+    assert await groups.nack(APP, "g", [(*receipt(got[1]), 0)], NOW) == [(1, NOW, 1)]
+    assert await groups.store.redis.hexists(gstate, "\x1fp") is False
+    (again,) = await received(groups, "g")
+    assert await groups.nack(APP, "g", [(*receipt(again), 0)], NOW) == [(2, NOW, 2)]  # dead
+    (dead,) = await GroupDeadLetters(groups, "g").dead_letters(APP)
+    assert await groups.replay(APP, "g", [dead.delivery_id], NOW) == [True]
+    (replayed,) = await received(groups, "g")
+    assert await entry_fields(groups, "g") != []
+    assert await groups.ack(APP, "g", [receipt(replayed)], NOW) == [1]  # since the replay
+    assert await entry_fields(groups, "g") == []
+    await groups.reset(APP, "g", "latest")  # plain again
+    assert await groups.store.redis.hexists(gstate, "\x1fp") is True
+    await stored(groups, "c")
+    (c,) = await received(groups, "g")
+    assert await entry_fields(groups, "g") == [f"{receipt(c)[0]}\x1fn".encode()]
+    assert await groups.ack(APP, "g", [receipt(c)], NOW) == [1]
+    assert await entry_fields(groups, "g") == []
+
+
 async def test_a_receive_cancelled_mid_call_lets_what_it_leased_go(
     groups: Groups, redis: aioredis.Redis, prefix: str
 ) -> None:

@@ -57,7 +57,7 @@ end
 local function start_group(group, cursor, r, old)
   local gen = clock_us()
   if gen == old then gen = gen .. '1' end
-  redis.call('HSET', KEYS[6], '\31g', gen)
+  redis.call('HSET', KEYS[6], '\31g', gen, '\31p', 1)  -- (\31p: pull_lib.lua)
   if r then redis.call('HSET', KEYS[6], READ, r) end
   redis.call('HSET', KEYS[1], group, cursor)
   return gen

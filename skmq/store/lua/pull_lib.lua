@@ -16,7 +16,10 @@
 --                     group's generation: Redis's clock_us() when it was made or reset
 --                     (none: '0', a group made before generations), and \31r how
 --                     many entries were ever added to the log up to the group's cursor
---                     (group_position.lua; none: not known, a group made before it)
+--                     (group_position.lua; none: not known, a group made before it),
+--                     and \31p while no entry has an e, t or b field (set as the group
+--                     is made or reset, gone with the first: an ack then reads and
+--                     deletes an entry's n alone; none: not known, a group made before)
 --   dead      ZSET    entry id -> ms it died (the group's dead letters)
 --   kq        ZSET    entries with an ordering key not over yet, all scored 0, member
 --                     <key>\31<entry id, sortable>\31<entry id>: the first of a key is
@@ -49,6 +52,9 @@ local function since_replay(id, n)
   return n - tonumber(redis.call('HGET', gstate, bfield(id)) or '0')
 end
 local GEN = '\31g'
+local PLAIN = '\31p'
+-- An entry of the group gets an e, t or b field: acks look for them from now on.
+local function not_plain() redis.call('HDEL', gstate, PLAIN) end
 local gen  -- read once a call: no script of this group changes it
 local function generation()
   if gen == nil then gen = redis.call('HGET', gstate, GEN) or '0' end
@@ -101,6 +107,7 @@ local function fail_attempt(id, why, wait, since)
   redis.call('ZREM', inflight, id)
   local n = since_replay(id, tonumber(redis.call('HGET', gstate, nfield(id)) or '0'))
   redis.call('HSET', gstate, efield(id), why)
+  not_plain()
   if n >= retry_times then
     redis.call('ZADD', dead, now, id)
     release(id)

@@ -67,30 +67,37 @@ local function expire(id, f)
     redis.call('ZADD', dead, now, id)
     redis.call('ZADD', held, ms(id), id)
     redis.call('HSET', gstate, efield(id), 'expired: its ttl ran out before it was pulled')
+    not_plain()
   end
   release(id)
   emit(id, f, 'x' .. f.k, drop and 'drop' or 'dead', n)
 end
 -- The entries this call hands out: leased at its end, in one call a key (not a few a
--- message), and returned in the order they were taken.
-local leasing = {}
-local function lease(id, f)
+-- message), and returned in the order they were taken. An entry read from the log for
+-- the first time (`fresh`) has no attempts yet: the group's cursor only moves on, and a
+-- reset or a new group starts with no entry's fields. Only the others' are read.
+local leasing, again = {}, {}
+local function lease(id, f, fresh)
   local x = expires(id, f)
   if x > 0 and now >= x then return expire(id, f) end
   leasing[#leasing + 1] = {id, f}
+  if not fresh then again[#again + 1] = #leasing end
   taken = taken + 1
 end
 local function lease_all()
   if #leasing == 0 then return end
-  local nf, bf = {}, {}
-  for j, l in ipairs(leasing) do nf[j] = nfield(l[1]); bf[j] = bfield(l[1]) end
-  local ns = call_all('HMGET', gstate, nf)
-  local bs = call_all('HMGET', gstate, bf)
+  local ns, bs = {}, {}
+  if #again > 0 then
+    local nf, bf = {}, {}
+    for j, at in ipairs(again) do nf[j] = nfield(leasing[at][1]); bf[j] = bfield(leasing[at][1]) end
+    local n_again, b_again = call_all('HMGET', gstate, nf), call_all('HMGET', gstate, bf)
+    for j, at in ipairs(again) do ns[at] = n_again[j]; bs[at] = b_again[j] end
+  end
   local counts, leases, needed = {}, {}, {}
   for j, l in ipairs(leasing) do
     local id, f = l[1], l[2]
     local n = tonumber(ns[j] or '0') + 1
-    counts[#counts + 1] = nf[j]; counts[#counts + 1] = n
+    counts[#counts + 1] = nfield(id); counts[#counts + 1] = n
     leases[#leases + 1] = now + vis; leases[#leases + 1] = id
     needed[#needed + 1] = ms(id); needed[#needed + 1] = id
     emit(id, f, f.k, f.c, n, n - tonumber(bs[j] or '0'))
@@ -110,7 +117,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0
   else
     local f = fields(e[1][2])
     local due = due_of(id, f)  -- (an entry let go by its key: due now, or at its own delay)
-    if due > now then redis.call('ZADD', delayed, due, id) else lease(id, f) end
+    if due > now then redis.call('ZADD', delayed, due, id) else lease(id, f, false) end
   end
 end
 local scanned = 0
@@ -135,7 +142,7 @@ while taken < max do
       redis.call('ZADD', delayed, due, cursor)
       redis.call('ZADD', held, ms(cursor), cursor)
     else
-      lease(cursor, f)
+      lease(cursor, f, true)
     end
   end
 end
