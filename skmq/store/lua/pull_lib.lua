@@ -70,9 +70,11 @@ local function live(id, n, g)
   return generation() == g
 end
 
--- A log entry's fields by name (from XRANGE's flat list).
+-- A log entry's fields by name (from XRANGE's flat list; false: none). The table is
+-- made with room for every field the log has: filled, it is not grown field by field.
 local function fields(flat)
-  local f = {}
+  local f = {m = false, k = false, c = false, d = false, n = false, x = false, o = false,
+             t = false}
   for j = 1, #flat, 2 do f[flat[j]] = flat[j + 1] end
   return f
 end

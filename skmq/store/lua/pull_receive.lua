@@ -21,7 +21,7 @@ local cursor = redis.call('HGET', groups, group)
 if not cursor then return {'no group'} end
 local out = {}
 local taken = 0
-local function ms(id) return tonumber(string.match(id, '^(%d+)')) end
+local function ms(id) return string.match(id, '^(%d+)') end  -- (as text: a score)
 -- When an entry falls due: its delay, or its expiry if that comes first.
 local function due_of(id, f)
   local due, x = tonumber(f.d or '0'), expires(id, f)
@@ -42,8 +42,9 @@ local function admitted(id, f)
 end
 -- (attempt: since its last replay; read here unless the caller read it with others)
 local function emit(id, f, kind, content, n, attempt)
-  out[#out + 1] = id; out[#out + 1] = f.m; out[#out + 1] = kind; out[#out + 1] = content
-  out[#out + 1] = n; out[#out + 1] = attempt or since_replay(id, n); out[#out + 1] = f.t or ''
+  local i = #out
+  out[i + 1] = id; out[i + 2] = f.m; out[i + 3] = kind; out[i + 4] = content
+  out[i + 5] = n; out[i + 6] = attempt or since_replay(id, n); out[i + 7] = f.t or ''
 end
 -- The group's leases that ran out: each a failed attempt (retried, or dead on its last).
 local ran_out = redis.call('ZRANGEBYSCORE', inflight, '-inf', '(' .. now, 'WITHSCORES',
@@ -93,13 +94,16 @@ local function lease_all()
     local n_again, b_again = call_all('HMGET', gstate, nf), call_all('HMGET', gstate, bf)
     for j, at in ipairs(again) do ns[at] = n_again[j]; bs[at] = b_again[j] end
   end
+  -- (the commands' arguments as text: Redis formats a Lua number with sprintf)
   local counts, leases, needed = {}, {}, {}
+  local deadline = string.format('%d', now + vis)
   for j, l in ipairs(leasing) do
     local id, f = l[1], l[2]
     local n = tonumber(ns[j] or '0') + 1
-    counts[#counts + 1] = nfield(id); counts[#counts + 1] = n
-    leases[#leases + 1] = now + vis; leases[#leases + 1] = id
-    needed[#needed + 1] = ms(id); needed[#needed + 1] = id
+    local i = 2 * j
+    counts[i - 1] = nfield(id); counts[i] = n == 1 and '1' or string.format('%d', n)
+    leases[i - 1] = deadline; leases[i] = id
+    needed[i - 1] = ms(id); needed[i] = id
     emit(id, f, f.k, f.c, n, n - tonumber(bs[j] or '0'))
   end
   call_all('HSET', gstate, counts)
