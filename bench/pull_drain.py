@@ -11,6 +11,9 @@ Scenarios, each system in turn (a fresh `skmq serve`, or a fresh NATS stream, ea
   receive: SKMQ with `consumer.receive()` then `consumer.ack_all(msgs)` (one ack
   request a batch), NATS with one durable pull consumer shared by the processes,
   `fetch(batch)` then `msg.ack()` each. msg/s from the first receive to the last ack.
+- drain-sent (SKMQ only): the same, the batch's `consumer.ack_all(msgs)` not awaited (it
+  is sent at the end of the event-loop turn, as `msg.ack()` is): the ack goes with the
+  next receive.
 - drain-each (SKMQ only): the same through the README's loop: `async for msg in
   consumer`, each handled in `async with msg.leased()`, then `msg.ack()` (sent without
   waiting, with the other acks of the event-loop turn: one ack request a batch).
@@ -59,7 +62,7 @@ from bench.systems import NATS_URL, NatsSystem, SkmqBroker, free_port, port_open
 APP = "bench"
 GROUP = "drain"
 BACKLOG_PRODUCERS = 4
-SCENARIOS = ("drain", "drain-gather", "drain-each", "drain-each-wait", "e2e")
+SCENARIOS = ("drain", "drain-sent", "drain-gather", "drain-each", "drain-each-wait", "e2e")
 
 
 class SkmqPull(SkmqBroker):
@@ -372,8 +375,8 @@ def time_went(rows: list[Row]) -> list[str]:
 
 
 def ratios(rows: list[Row]) -> list[str]:
-    """SKMQ's rows against NATS's of the same scenario (drain-gather, drain-each and
-    drain-each-wait: NATS's drain)."""
+    """SKMQ's rows against NATS's of the same scenario (drain-sent, drain-gather,
+    drain-each and drain-each-wait: NATS's drain)."""
     nats = {r.scenario: r for r in rows if r.system == "nats" and not r.error}
     lines = []
     for r in rows:
@@ -460,7 +463,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=100, help="most messages a receive or fetch")
     p.add_argument("--producers", type=int, default=1, help="e2e: producers at full speed")
     p.add_argument("--systems", default="skmq-tcp,skmq-http,nats")
-    p.add_argument("--scenarios", default="drain,drain-gather,drain-each,e2e")
+    p.add_argument("--scenarios", default="drain,drain-sent,drain-gather,drain-each,e2e")
     p.add_argument("--nats-url", default=NATS_URL)
     p.add_argument("--broker-cmd", default=f"{sys.executable} -m skmq.cli serve")
     p.add_argument(

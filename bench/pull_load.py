@@ -7,10 +7,12 @@ Run as `python -m bench.pull_load skmq|nats ...`. Unlike the other load processe
 user gets. Every message's content is `<send time.time_ns()>|...` (bench.confirmed), so
 the send-to-receipt latency is known when a producer runs beside the consumers.
 
-`--ack batch` settles each received batch in one request (`consumer.ack_all(msgs)`, the
-documented fast way). The client gathers the `msg.ack()` calls made in one event-loop
-turn into one request: `--ack gather` handles a received batch's messages concurrently,
-each awaiting its own `msg.ack()` (`asyncio.gather`), one request a batch again;
+`--ack batch` settles each received batch in one request (`await
+consumer.ack_all(msgs)`), `--ack sent` the same without awaiting it: sent at the end of
+the event-loop turn, it goes with the next receive. The client gathers the `msg.ack()`
+calls made in one event-loop turn into one request: `--ack gather` handles a received
+batch's messages concurrently, each awaiting its own `msg.ack()` (`asyncio.gather`), one
+request a batch again;
 `--ack each` is the README's loop: `async for msg in consumer`, the message handled in
 `async with msg.leased()`, then `msg.ack()` not awaited (it sends without waiting), one
 request a batch; `--ack each-wait` awaits each `msg.ack()` before taking the next
@@ -109,6 +111,20 @@ async def skmq_main(args: argparse.Namespace) -> None:
                 await consumer.ack_all(msgs)
                 tally.settled(len(msgs))
 
+    async def sent(tally: PullTally) -> None:
+        def settled(acked: asyncio.Future[list[bool]]) -> None:
+            if not acked.cancelled() and acked.exception() is None:
+                tally.settled(len(acked.result()))
+
+        while True:
+            started = time.time_ns()
+            msgs = await consumer.receive()
+            tally.received(started)
+            for m in msgs:
+                tally.note(m.msgid, m.content)
+            if msgs:
+                consumer.ack_all(msgs).add_done_callback(settled)
+
     async def gathered(tally: PullTally) -> None:
         async def handle(m: PulledMessage) -> None:
             tally.note(m.msgid, m.content)
@@ -137,7 +153,13 @@ async def skmq_main(args: argparse.Namespace) -> None:
             await m.ack()
             tally.settled(1)
 
-    modes = {"batch": by_batch, "gather": gathered, "each": each, "each-wait": each_wait}
+    modes = {
+        "batch": by_batch,
+        "sent": sent,
+        "gather": gathered,
+        "each": each,
+        "each-wait": each_wait,
+    }
     await serve(args, modes[args.ack], consumer.__aexit__)
 
 
@@ -179,7 +201,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway", help="tcp://HOST:PORT or http://HOST:PORT")
     p.add_argument("--app", default="bench")
     p.add_argument("--group", default="drain")
-    p.add_argument("--ack", choices=["batch", "gather", "each", "each-wait"], default="batch")
+    p.add_argument(
+        "--ack", choices=["batch", "sent", "gather", "each", "each-wait"], default="batch"
+    )
     # NATS
     p.add_argument("--url", default="nats://127.0.0.1:4222")
     p.add_argument("--subject")

@@ -17,7 +17,7 @@ import pytest
 from skmq.broker import Broker
 from skmq.config import Settings
 from skmq.pull.consumer import DEFAULT_BATCH, PullConsumer, PullError
-from tests.conftest import BrokerFactory, free_port
+from tests.conftest import BrokerFactory, eventually, free_port
 from tests.test_pull_client import consumer_url, gateway, produce
 from tests.test_smoke import SERVER_MODULES
 
@@ -149,6 +149,29 @@ async def test_messages_held_at_once_have_their_leases_extended_in_one_request(
         assert await asyncio.gather(*handlers) == [True, True]
     assert len(extends) >= 2
     assert all(sorted(b["receipts"]) == sorted(m.receipt for m in msgs) for b in extends)
+
+
+async def test_ack_all_is_sent_whether_or_not_it_is_awaited(
+    make_broker: BrokerFactory, transport: str
+) -> None:
+    """As msg.ack(): sent at the end of the turn, so a batch loop need not wait for its
+    answer before it receives again (the ack and the next receive go together)."""
+    broker, url = await gateway(make_broker)
+    acks = requests_of(broker, "ack")
+
+    async def settled() -> bool:
+        (info,) = await broker.groups.describe("shop")
+        return info.in_flight == 0
+
+    async with PullConsumer(consumer_url(broker, url, transport), "shop", "g", wait=5) as c:
+        await produce(url, "shop", *(f"m{i}" for i in range(30)))
+        first = await c.receive()
+        acked = c.ack_all(first)  # not awaited
+        await eventually(settled)
+        await produce(url, "shop", "late")
+        assert [m.msgid for m in await c.receive()] == ["late"]
+        assert await acked == [True] * 30
+    assert [len(b["receipts"]) for b in acks] == [30]
 
 
 async def test_ack_all_and_nack_all_settle_a_batch_in_one_request(

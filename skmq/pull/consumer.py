@@ -12,12 +12,13 @@ or a batch at a time, settled in one request:
         while True:
             msgs = await consumer.receive()   # up to `batch` (default 100, the broker's cap)
             ...
-            await consumer.ack_all(msgs)      # or consumer.nack_all(msgs, delay_ms=5000)
+            consumer.ack_all(msgs)            # or consumer.nack_all(msgs, delay_ms=5000)
 
 Settling is batched either way: the broker takes 1 to 1,000 receipts an ack, nack or
 extend, and the acks (nacks with one delay) made in one event-loop turn go in one
-request. `msg.ack()` and `msg.nack()` send without waiting (as a NATS JetStream
-consumer's `msg.ack()` does): `async for` hands out a received batch without a turn of
+request. `msg.ack()`, `msg.nack()` and their `_all` forms send without waiting (as a
+NATS JetStream consumer's `msg.ack()` does; a batch's ack then goes with the next
+receive): `async for` hands out a received batch without a turn of
 the event loop, so a batch handled without awaiting is acked in one request. Each call
 returns its message's outcome, to await where it matters (`await msg.ack()`: True, or
 False for a stale receipt); an ack awaited before the next message is taken is a
@@ -38,9 +39,9 @@ import contextlib
 import json
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 from skmq import tracing
@@ -50,6 +51,9 @@ from skmq.pull.position import parse_position
 
 if TYPE_CHECKING:
     import aiohttp
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 # Connecting and creating the group, at most (a gateway that accepts and never answers).
 START_TIMEOUT = 10.0
@@ -94,7 +98,7 @@ class PulledMessage:
         """Settle it, sent with the other settles of this event-loop turn whether or not
         it is awaited; the outcome: True when settled, False for a stale receipt (the
         lease ran out)."""
-        return self.consumer._outcome(self.consumer._settle_soon("ack", self.receipt, {}))
+        return _then(self.consumer._settle_soon("ack", self.receipt, {}), _acked)
 
     def nack(self, delay_ms: int | None = None) -> asyncio.Future[str]:
         """A failed attempt, sent as ack() is (with the nacks of the same delay); the
@@ -116,6 +120,10 @@ class PulledMessage:
             self.consumer._held.discard(self)
 
 
+def _acked(status: str) -> bool:
+    return status == "acked"
+
+
 def _nack_args(delay_ms: int | None) -> dict[str, Any]:
     return {} if delay_ms is None else {"delay": delay_ms}
 
@@ -123,6 +131,26 @@ def _nack_args(delay_ms: int | None) -> dict[str, Any]:
 def _retrieved(outcome: asyncio.Future[Any]) -> None:
     if not outcome.cancelled():
         outcome.exception()
+
+
+def _then(first: asyncio.Future[T], fn: Callable[[T], U]) -> asyncio.Future[U]:
+    """fn of `first`'s result, once it has one (its failure or cancellation as it is). A
+    failure nobody awaits is not reported, as a settle's is not (_settle_soon)."""
+    then: asyncio.Future[U] = asyncio.get_running_loop().create_future()
+    then.add_done_callback(_retrieved)
+
+    def done(_: asyncio.Future[T]) -> None:
+        if then.done():
+            return
+        if first.cancelled():
+            then.cancel()
+        elif (exc := first.exception()) is not None:
+            then.set_exception(exc)
+        else:
+            then.set_result(fn(first.result()))
+
+    first.add_done_callback(done)
+    return then
 
 
 class _Settle(NamedTuple):
@@ -290,25 +318,6 @@ class PullConsumer:
         self._settles.add(_Settle(verb, tuple(sorted(extra.items())), receipt, outcome))
         return outcome
 
-    @staticmethod
-    def _outcome(status: asyncio.Future[str]) -> asyncio.Future[bool]:
-        """An ack's status as its outcome: True for `acked`."""
-        acked: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        acked.add_done_callback(_retrieved)
-
-        def settled(done: asyncio.Future[str]) -> None:
-            if acked.done():
-                return
-            if done.cancelled():
-                acked.cancel()
-            elif (exc := done.exception()) is not None:
-                acked.set_exception(exc)
-            else:
-                acked.set_result(done.result() == "acked")
-
-        status.add_done_callback(settled)
-        return acked
-
     # -- leases kept while messages are handled (PulledMessage.leased) ---------------
     def _hold(self, msg: PulledMessage) -> None:
         self._held.add(msg)
@@ -380,39 +389,48 @@ class PullConsumer:
             if not s.outcome.done():
                 s.outcome.set_result(status)
 
-    async def _settle_all(
+    def _settle_all(
         self, verb: str, messages: Iterable[PulledMessage], **extra: Any
-    ) -> list[str]:
+    ) -> asyncio.Future[list[str]]:
+        """Each message's settle, sent with the other settles of this event-loop turn
+        (as msg.ack() is); their statuses, in order, or the first failure."""
         outcomes = [m.consumer._settle_soon(verb, m.receipt, extra) for m in messages]
         if not outcomes:
-            return []
-        statuses = await asyncio.gather(*outcomes, return_exceptions=True)
-        for status in statuses:
-            if isinstance(status, BaseException):
-                raise status
-        return [str(status) for status in statuses]
+            nothing: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+            nothing.set_result([])
+            return nothing
+        return _then(asyncio.gather(*outcomes), lambda statuses: [str(s) for s in statuses])
 
-    async def ack_all(self, messages: Iterable[PulledMessage]) -> list[bool]:
-        """Ack these messages in one request (a request a MAX_RECEIPTS); for each, in
-        order, True when settled, False for a stale receipt. A refusal (PullError) or a
-        lost broker raises, as ack() does."""
-        return [status == "acked" for status in await self._settle_all("ack", messages)]
+    def ack_all(self, messages: Iterable[PulledMessage]) -> asyncio.Future[list[bool]]:
+        """Ack these messages in one request (a request a MAX_RECEIPTS), sent at the end
+        of this event-loop turn whether or not it is awaited, as msg.ack() is: not
+        awaited, a batch's ack goes with the next receive. The outcome: for each message,
+        in order, True when settled, False for a stale receipt; a refusal (PullError) or
+        a lost broker raises, as ack() does."""
+        return _then(self._settle_all("ack", messages), lambda ss: [_acked(s) for s in ss])
 
-    async def nack_all(
+    def nack_all(
         self, messages: Iterable[PulledMessage], delay_ms: int | None = None
-    ) -> list[str]:
-        """nack() for each message, in one request: `retry`, `dead` or `stale` each."""
-        return await self._settle_all("nack", messages, **_nack_args(delay_ms))
+    ) -> asyncio.Future[list[str]]:
+        """nack() for each message, in one request sent as ack_all's is: `retry`, `dead`
+        or `stale` each."""
+        return self._settle_all("nack", messages, **_nack_args(delay_ms))
 
-    async def extend_all(self, messages: Iterable[PulledMessage], seconds: float) -> list[bool]:
-        """Lease each message for `seconds` from now, in one request; False: stale."""
+    def extend_all(
+        self, messages: Iterable[PulledMessage], seconds: float
+    ) -> asyncio.Future[list[bool]]:
+        """Lease each message for `seconds` from now, in one request sent as ack_all's
+        is; False: stale."""
         held = list(messages)
         ends = asyncio.get_running_loop().time() + seconds  # (before asking: on the safe side)
-        statuses = await self._settle_all("extend", held, visibility=seconds)
-        for msg, status in zip(held, statuses, strict=True):
-            if status == "extended":
-                msg.lease_ends = ends
-        return [status == "extended" for status in statuses]
+
+        def extended(statuses: list[str]) -> list[bool]:
+            for msg, status in zip(held, statuses, strict=True):
+                if status == "extended":
+                    msg.lease_ends = ends
+            return [status == "extended" for status in statuses]
+
+        return _then(self._settle_all("extend", held, visibility=seconds), extended)
 
     async def receive(self) -> list[PulledMessage]:
         """One receive: up to `batch` messages, waiting up to `wait` seconds."""
