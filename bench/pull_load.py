@@ -100,30 +100,30 @@ async def skmq_main(args: argparse.Namespace) -> None:
     )
     await consumer.__aenter__()
 
-    async def by_batch(tally: PullTally) -> None:
-        while True:
-            started = time.time_ns()
-            msgs = await consumer.receive()
-            tally.received(started)
-            for m in msgs:
-                tally.note(m.msgid, m.content)
-            if msgs:
-                await consumer.ack_all(msgs)
-                tally.settled(len(msgs))
+    def by_batch(awaited: bool) -> Consume:
+        """receive, then ack_all: awaited before the next receive, or sent with it."""
 
-    async def sent(tally: PullTally) -> None:
-        def settled(acked: asyncio.Future[list[bool]]) -> None:
-            if not acked.cancelled() and acked.exception() is None:
-                tally.settled(len(acked.result()))
+        async def consume(tally: PullTally) -> None:
+            def settled(acked: asyncio.Future[list[bool]]) -> None:
+                if not acked.cancelled() and acked.exception() is None:
+                    tally.settled(len(acked.result()))
 
-        while True:
-            started = time.time_ns()
-            msgs = await consumer.receive()
-            tally.received(started)
-            for m in msgs:
-                tally.note(m.msgid, m.content)
-            if msgs:
-                consumer.ack_all(msgs).add_done_callback(settled)
+            while True:
+                started = time.time_ns()
+                msgs = await consumer.receive()
+                tally.received(started)
+                for m in msgs:
+                    tally.note(m.msgid, m.content)
+                if not msgs:
+                    continue
+                acked = consumer.ack_all(msgs)
+                if awaited:
+                    await acked
+                    tally.settled(len(msgs))
+                else:
+                    acked.add_done_callback(settled)
+
+        return consume
 
     async def gathered(tally: PullTally) -> None:
         async def handle(m: PulledMessage) -> None:
@@ -154,8 +154,8 @@ async def skmq_main(args: argparse.Namespace) -> None:
             tally.settled(1)
 
     modes = {
-        "batch": by_batch,
-        "sent": sent,
+        "batch": by_batch(awaited=True),
+        "sent": by_batch(awaited=False),
         "gather": gathered,
         "each": each,
         "each-wait": each_wait,
