@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 import pytest
@@ -35,6 +38,66 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Every async test runs on uvloop, the loop the broker runs on."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+# -- a worker that dies says where ----------------------------------------------------
+# xdist reports a worker killed by a signal (a crash in a C extension) or by
+# pytest-timeout's last resort only as "worker 'gw0' crashed": each worker writes its
+# threads' stacks to a file of its own, on a fatal signal and shortly before
+# pytest-timeout would end it, and the run's report of the crash carries that file.
+STACKS_KEY = "skmq_stacks_file"  # workerinput: the file's path
+STACKS = pytest.StashKey[TextIO]()  # a worker's config.stash: the file, open
+
+
+def stacks_directory() -> Path:
+    """The controller's folder of its workers' stack files."""
+    return Path(tempfile.gettempdir()) / f"skmq-pytest-{os.getpid()}"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Controller: the file a worker writes its stacks to."""
+    stacks_directory().mkdir(exist_ok=True)
+    node.workerinput[STACKS_KEY] = str(stacks_directory() / f"{node.gateway.id}.txt")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(stacks_directory(), ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Worker: fatal signals dump every thread's stack to that file (after pytest's own
+    faulthandler, whose stderr an xdist worker does not show)."""
+    path = getattr(config, "workerinput", {}).get(STACKS_KEY)
+    if path is not None:
+        config.stash[STACKS] = stacks = open(path, "w")  # open for the worker's life
+        faulthandler.enable(file=stacks, all_threads=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Any:
+    """Worker: the stacks too if the test is still running just before pytest-timeout
+    ends the worker (it dumps them to a terminal nobody sees)."""
+    stacks = item.config.stash.get(STACKS, None)
+    if stacks is None:
+        return (yield)
+    stacks.write(f"running {item.nodeid}\n")
+    stacks.flush()
+    faulthandler.dump_traceback_later(0.95 * test_timeout(item), file=stacks)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """Controller: the crashed worker's stacks, in the report of its test."""
+    path = report.node.workerinput.get(STACKS_KEY)  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):
+        report.longrepr = f"{report.longrepr}\n{Path(path).read_text()[-20_000:]}"
 
 
 def test_timeout(item: pytest.Item) -> float:
