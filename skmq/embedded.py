@@ -191,7 +191,7 @@ class EmbeddedRedis:
     @property
     def redis_dir(self) -> Path:
         """Where the server keeps its AOF, config and log."""
-        return self.data_dir / "redis"
+        return redis_dir_of(self.data_dir)
 
     @property
     def socket_path(self) -> Path | None:
@@ -370,8 +370,8 @@ class EmbeddedRedis:
 
     def _stop_leftover(self) -> None:
         """A server left by an earlier broker on this DATA_DIR must be gone before ours starts."""
-        info = read_info(self.data_dir)
-        if info is None or not _pid_alive(int(info["pid"])):
+        info = running_server(self.data_dir)
+        if info is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(info["pid"]), signal.SIGTERM)
@@ -441,9 +441,26 @@ def read_info(data_dir: Path) -> dict[str, str | int] | None:
     return info
 
 
+def redis_dir_of(data_dir: Path) -> Path:
+    return data_dir / "redis"
+
+
+def running_server(data_dir: Path) -> dict[str, str | int] | None:
+    """What INFO_FILE says of the embedded server of this DATA_DIR, if that server still
+    runs. Its pid alone does not tell: after the server died (with a broker killed by
+    kill -9), the kernel can give the pid to any other process, which must never be
+    signalled. The server runs in its --dir (Redis changes to it), which its cwd shows."""
+    info = read_info(data_dir)
+    if info is None:
+        return None
+    try:
+        cwd = os.readlink(f"/proc/{int(info['pid'])}/cwd")
+    except OSError:  # gone, or not ours to read
+        return None
+    return info if cwd == str(redis_dir_of(data_dir).resolve()) else None
+
+
 def redis_url_for(data_dir: Path) -> str | None:
     """The URL of the embedded server a broker with this DATA_DIR runs, if one runs."""
-    info = read_info(data_dir)
-    if info is None or not _pid_alive(int(info["pid"])):
-        return None
-    return str(info["url"])
+    info = running_server(data_dir)
+    return None if info is None else str(info["url"])

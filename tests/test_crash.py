@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 from skmq.embedded import read_info
@@ -74,6 +75,39 @@ async def test_a_broker_starts_again_after_kill_9_while_its_redis_was_stopped(
     assert (await rec.next_push(timeout=10)).fields["msgid"] == "kept"
     assert broker_process.terminate() == 0
     await rec.stop()
+
+
+async def test_a_restart_never_signals_a_process_that_took_the_dead_servers_pid(
+    broker_process: BrokerProcess,
+) -> None:
+    """After kill -9 the embedded Redis dies too, and the kernel can give its pid (still
+    in redis.json) to any process: the next start must leave that process alone."""
+    broker_process.start()
+    data = Path(broker_process.env["SKMQ_DATA_DIR"])
+    info = read_info(data)
+    assert info is not None
+    broker_process.kill()
+    await eventually(lambda: dead(int(info["pid"])))
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        (data / "redis.json").write_text(json.dumps({**info, "pid": bystander.pid}))
+        await asyncio.get_running_loop().run_in_executor(None, broker_process.start)
+        client = await RawClient.connect(broker_process.port)
+        assert (await client.request("queue", b"x", appid="pid", msgid="m"))["status"] == "ack"
+        await client.close()
+        assert bystander.poll() is None
+        assert broker_process.terminate() == 0
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+async def dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def _acked_lines(data_dir: Path) -> list[dict[str, object]]:
