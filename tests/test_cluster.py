@@ -427,6 +427,44 @@ async def test_replica_acks_on_a_redis_without_replicas_refuses(
     await client.close()
 
 
+async def test_a_wait_for_missing_replicas_holds_up_no_lease_renewal(
+    make_broker: BrokerFactory,
+) -> None:
+    """REPLICA_ACKS=1 on a Redis without replicas (a promoted master before its replica
+    is back), REPLICA_ACK_TIMEOUT longer than the lease (1.5 s): each store's WAIT holds
+    its connection for 2 s. The owner's renewals do not wait behind it (they did: its
+    lease ran out, and the other broker or itself took the app again at a new epoch)."""
+    a = await make_broker(replica_acks=1, replica_ack_timeout=3.0)
+    b = await make_broker(replica_acks=1, replica_ack_timeout=3.0)
+    client = await RawClient.connect(a.server.port)
+    assert (await client.request("queue", b"x", appid="w", msgid="m0"))["status"] == "error"
+
+    def holders() -> dict[str, int]:
+        return {
+            x.broker_id: x.owned.ownership.held["w"].epoch
+            for x in (a, b)
+            if x.owned is not None and "w" in x.owned.ownership.held
+        }
+
+    async def held() -> bool:
+        return bool(holders())
+
+    await eventually(held)
+    before = holders()
+    owner = a if a.broker_id in before else b
+    producers = [await RawClient.connect(owner.server.port) for _ in range(4)]
+
+    async def produce_two(producer: RawClient, k: int) -> None:
+        for i in range(2):  # (two rounds of WAITs: more than two leases)
+            resp = await producer.request("queue", b"x", appid="w", msgid=f"m{k}-{i}")
+            assert resp["status"] == "error" and "not confirmed" in resp["content"], resp
+        await producer.close()
+
+    await asyncio.gather(*(produce_two(p, k) for k, p in enumerate(producers)))
+    assert holders() == before
+    await client.close()
+
+
 async def test_the_client_sends_an_unknown_outcome_again_with_the_same_msgid(
     make_broker: BrokerFactory,
 ) -> None:

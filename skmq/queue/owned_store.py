@@ -70,6 +70,8 @@ class OwnedStore(Store):
         self.owners: Owners | None = None  # set by the broker once its wire is up
         # an operator command's connections to the owners' Redis (a broker's: its owners')
         self.wires: Wires | None = None
+        # a broker's connections for REPLICA_ACKS's WAITs (`_unconfirmed`)
+        self.confirms: Wires | None = None
         # an app's dispatcher told of new messages not stored through the enqueuer (a move)
         self.notify: Callable[[str], None] = lambda app: None
         self._dead_out = self.redis.register_script(script_source("dead_out"))
@@ -159,13 +161,17 @@ class OwnedStore(Store):
     async def _unconfirmed(
         self, outcome: dict[str, AppStored], deadline: float | None
     ) -> dict[str, WriteFailed]:
-        """REPLICA_ACKS: on each master's connection that stored, a write that changes
-        nothing (`SET listed 1 XX`) then WAIT. WAIT counts the replicas holding the
-        connection's last write, and so every write the master made before it (a
-        duplicate's first store through another connection included). The apps of a
-        master with fewer replicas acknowledging within REPLICA_ACK_TIMEOUT: stored on it,
-        not confirmed (ReplicasMissing)."""
-        wires = self._owners.wires
+        """REPLICA_ACKS: on a connection to each master that stored (`confirms`, not the
+        owners' own: a WAIT holds its connection until the replicas answer, up to
+        REPLICA_ACK_TIMEOUT, and the owners' flushes must not wait behind it), a write
+        that changes nothing (`SET listed 1 XX`) then WAIT. WAIT counts the replicas
+        holding the connection's last write, made after the store's reply, and so every
+        write the master made before it (a duplicate's first store through another
+        connection included); a SET that wrote nothing (the mark gone meanwhile) confirms
+        nothing. The apps of a master with fewer replicas acknowledging within
+        REPLICA_ACK_TIMEOUT: stored on it, not confirmed (ReplicasMissing)."""
+        wires = self.confirms
+        assert wires is not None, "the owners start with the broker"
         by_wire: dict[Wire, list[str]] = {}
         missing: dict[str, WriteFailed] = {}
         for app, result in outcome.items():
@@ -181,10 +187,10 @@ class OwnedStore(Store):
             touch = ("SET", AppKeys.of(self.prefix, apps[0]).listed, 1, "XX")
             try:
                 async with asyncio.timeout_at(deadline):
-                    _, acked = await wire.call_many(
+                    touched, acked = await wire.call_many(
                         [touch, ("WAIT", self.replica_acks, self.replica_ack_ms)]
                     )
-                acked = 0 if isinstance(acked, Exception) else int(acked)
+                acked = 0 if touched is None or isinstance(acked, Exception) else int(acked)
             except TROUBLE:
                 acked = 0
             if acked < self.replica_acks:

@@ -134,7 +134,7 @@ class Owners:
     # -- ownership -----------------------------------------------------------------
     async def gained(self, app: str, lease: Lease, now: int) -> AppOwner:
         keys = AppKeys.of(self.prefix, app)
-        wire = await self.wires.of(keys.epoch)  # (its master: the app's writes, its WAIT)
+        wire = await self.wires.of(keys.epoch)  # (its master: the app's writes)
         owner = AppOwner(
             Journal(wire, keys, lease, self.dedupe_ms, self.lister),
             self.policy,

@@ -59,9 +59,11 @@ class OwnerRuntime:
         store: OwnedStore,
         broker_id: str,
         engine: Engine,
+        leases: Wires,
     ) -> None:
         self.settings = settings
         self.wires = wires
+        self.leases = leases
         self.store = store
         self.notify = engine.notify
         registry = engine.registry
@@ -82,7 +84,7 @@ class OwnerRuntime:
             broker_id,
             settings.key_prefix,
             self.lease_ms,
-            wires,
+            leases,
             self._gained,
             self._lost,
         )
@@ -116,8 +118,15 @@ class OwnerRuntime:
         supervisor: Supervisor,
         orphans: bool = False,
     ) -> OwnerRuntime:
-        wires = Wires.beside(url, redis, settings.store_timeout)
-        runtime = cls(settings, wires, store, broker_id, engine)
+        # The leases and REPLICA_ACKS's WAITs go on connections of their own: a WAIT
+        # holds its connection until the replicas answer (REPLICA_ACK_TIMEOUT at most: a
+        # master with no replica yet, after a failover), and the flushes, checkpoints and
+        # renewals behind it waited for it (renewals timed out every round).
+        wires, leases, confirms = (
+            Wires.beside(url, redis, settings.store_timeout) for _ in range(3)
+        )
+        store.confirms = confirms
+        runtime = cls(settings, wires, store, broker_id, engine, leases)
         if orphans:
             await runtime.ownership.forget_the_dead(await store.apps())
         await runtime.round()  # the apps that are ours, before the first push
@@ -343,4 +352,6 @@ class OwnerRuntime:
                     await owner.checkpoint(now_ms())
                 await self.ownership.release_all()
         await cancel_and_wait(self.tasks)
-        self.wires.close()
+        for wires in (self.wires, self.leases, self.store.confirms):
+            if wires is not None:
+                wires.close()

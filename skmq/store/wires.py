@@ -3,11 +3,13 @@ Cluster one Wire to each master, chosen by the slot of a key (every key of an ap
 queue shares the app's hash tag, so an app's writes all go to its master).
 
 An owner binds its app to the Wire it was gained on (`of` at the acquire): its fenced
-flushes, and a `WAIT` after them, go on that one connection to the master that holds
-the app, never to another node. When that connection closes, or the slot map names
-another master (a failover), the Wire no longer `serves` the app: the ownership round
-drops it and takes it again through its master now, its state rebuilt from what that
-master holds (issue 42: one master's trouble is only its own apps').
+flushes go on that one connection to the master that holds the app, never to another
+node. When that connection closes, or the slot map names another master (a failover),
+the Wire no longer `serves` the app: the ownership round drops it and takes it again
+through its master now, its state rebuilt from what that master holds (issue 42: one
+master's trouble is only its own apps'). A broker keeps two more Wires (two more
+connections a master): its leases', and one for REPLICA_ACKS's WAITs, which hold their
+connection until the replicas answer.
 
 The slot map is the broker's redis-py cluster client's (its public `get_node_from_key`),
 refreshed in the background after trouble (skmq/store/shards.py's SlotMap).
