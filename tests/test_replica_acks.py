@@ -14,6 +14,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from skmq.embedded import EmbeddedRedis
+from skmq.queue.journal import AppKeys
+from skmq.queue.owned_store import OwnedStore
+from skmq.store.shards import ReplicasMissing
+from skmq.store.store import AppStored
+from skmq.store.wire import Wire
 from tests.conftest import BrokerFactory
 from tests.peers import RawClient
 
@@ -64,3 +69,35 @@ async def test_an_ack_waits_for_the_replica_and_a_stalled_replica_is_said(
         assert resp["status"] == "ack", resp
     finally:
         await client.close()
+
+
+async def test_the_wait_asks_the_server_that_stored(
+    replicated: tuple[EmbeddedRedis, EmbeddedRedis],
+    make_broker: BrokerFactory,
+    redis_url: str,
+) -> None:
+    """REPLICA_ACKS's WAIT goes to the server the store was written on (a second
+    connection to it), not to the master of the app's keys now: after a failover that
+    is another server, whose replicas may lack the write. Here the broker's Redis has a
+    replica and the server the messages were written on (the session's) has none."""
+    master, _ = replicated
+    broker = await make_broker(redis_url=master.tcp_url, replica_acks=1, replica_ack_timeout=0.3)
+    store = broker.store
+    assert isinstance(store, OwnedStore)
+    listed = AppKeys.of(store.prefix, "r").listed
+    elsewhere, here = await Wire.connect(redis_url), await Wire.connect(master.tcp_url)
+    try:
+        for wire in (elsewhere, here):
+            await wire.call("SET", listed, 1)
+        outcome: dict[str, AppStored] = {"r": [True]}
+        missing = await store._unconfirmed(outcome, {"r": elsewhere}, None)
+        assert isinstance(missing.get("r"), ReplicasMissing), missing
+        assert await store._unconfirmed(outcome, {"r": here}, None) == {}
+        # A mark gone meanwhile: the SET wrote nothing, so the WAIT confirms nothing.
+        await here.call("DEL", listed)
+        missing = await store._unconfirmed(outcome, {"r": here}, None)
+        assert isinstance(missing.get("r"), ReplicasMissing), missing
+    finally:
+        for wire in (elsewhere, here):
+            await wire.call("DEL", listed)
+            wire.close()

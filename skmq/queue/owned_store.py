@@ -51,7 +51,7 @@ from skmq.store.store import (
     split_delivery,
 )
 from skmq.store.wire import Wire
-from skmq.store.wires import TROUBLE, Wires
+from skmq.store.wires import TROUBLE, Siblings, Wires
 
 if TYPE_CHECKING:
     from skmq.config import Settings
@@ -71,7 +71,7 @@ class OwnedStore(Store):
         # an operator command's connections to the owners' Redis (a broker's: its owners')
         self.wires: Wires | None = None
         # a broker's connections for REPLICA_ACKS's WAITs (`_unconfirmed`)
-        self.confirms: Wires | None = None
+        self.confirms: Siblings | None = None
         # an app's dispatcher told of new messages not stored through the enqueuer (a move)
         self.notify: Callable[[str], None] = lambda app: None
         self._dead_out = self.redis.register_script(script_source("dead_out"))
@@ -147,51 +147,49 @@ class OwnedStore(Store):
         (the event loop's time) bounds the call."""
         plans = {c.app: c.args for c in claims}
         pushed: dict[str, ClaimResult] = {}
+        on: dict[str, Wire] = {}
         try:
-            outcome = await self._owners.store(batches, now, deadline, plans, pushed)
+            outcome = await self._owners.store(batches, now, deadline, plans, pushed, on)
             if stored is not None:
                 stored({app: r for app, r in outcome.items() if not isinstance(r, WriteFailed)})
         finally:  # every claim hears its end, whatever happens (none pushed: claim again)
             for c in claims:
                 hand_over(c, pushed.get(c.app) or ([], now, 0.0))
         if self.replica_acks:
-            outcome.update(await self._unconfirmed(outcome, deadline))
+            outcome.update(await self._unconfirmed(outcome, on, deadline))
         return outcome
 
     async def _unconfirmed(
-        self, outcome: dict[str, AppStored], deadline: float | None
+        self, outcome: dict[str, AppStored], on: dict[str, Wire], deadline: float | None
     ) -> dict[str, WriteFailed]:
-        """REPLICA_ACKS: on a connection to each master that stored (`confirms`, not the
-        owners' own: a WAIT holds its connection until the replicas answer, up to
-        REPLICA_ACK_TIMEOUT, and the owners' flushes must not wait behind it), a write
-        that changes nothing (`SET listed 1 XX`) then WAIT. WAIT counts the replicas
-        holding the connection's last write, made after the store's reply, and so every
-        write the master made before it (a duplicate's first store through another
-        connection included); a SET that wrote nothing (the mark gone meanwhile) confirms
-        nothing. The apps of a master with fewer replicas acknowledging within
+        """REPLICA_ACKS: for each server that stored (`on`: the connection each app was
+        written on), on a second connection to that very server (`confirms`: a WAIT holds
+        its connection until the replicas answer, up to REPLICA_ACK_TIMEOUT, and the
+        owners' flushes must not wait behind it; and after a failover the master of the
+        app's keys is another server, whose replicas may lack the write), a write that
+        changes nothing (`SET listed 1 XX`) then WAIT. WAIT counts the replicas holding
+        the connection's last write, made after the store's reply, and so every write the
+        server made before it (a duplicate's first store through another connection
+        included); a SET that wrote nothing (the mark gone meanwhile) confirms nothing.
+        The apps of a server with fewer replicas acknowledging within
         REPLICA_ACK_TIMEOUT: stored on it, not confirmed (ReplicasMissing)."""
-        wires = self.confirms
-        assert wires is not None, "the owners start with the broker"
         by_wire: dict[Wire, list[str]] = {}
-        missing: dict[str, WriteFailed] = {}
         for app, result in outcome.items():
             if not isinstance(result, WriteFailed):
-                try:
-                    wire = await wires.of(AppKeys.of(self.prefix, app).epoch)
-                except TROUBLE as exc:  # (its master gone since it stored)
-                    missing[app] = ReplicasMissing(f"not confirmed: {exc}")
-                    continue
-                by_wire.setdefault(wire, []).append(app)
+                by_wire.setdefault(on[app], []).append(app)
+        missing: dict[str, WriteFailed] = {}
 
-        async def confirm(wire: Wire, apps: list[str]) -> None:
+        async def confirm(stored_on: Wire, apps: list[str]) -> None:
+            assert self.confirms is not None, "the owners start with the broker"
             touch = ("SET", AppKeys.of(self.prefix, apps[0]).listed, 1, "XX")
             try:
                 async with asyncio.timeout_at(deadline):
+                    wire = await self.confirms.of(stored_on)
                     touched, acked = await wire.call_many(
                         [touch, ("WAIT", self.replica_acks, self.replica_ack_ms)]
                     )
                 acked = 0 if touched is None or isinstance(acked, Exception) else int(acked)
-            except TROUBLE:
+            except TROUBLE:  # (the server that stored gone, or a replica now)
                 acked = 0
             if acked < self.replica_acks:
                 reason = f"{acked} of {self.replica_acks} replicas acknowledged"

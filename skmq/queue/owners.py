@@ -36,6 +36,7 @@ from skmq.store.store import (
     Reaped,
     split_delivery,
 )
+from skmq.store.wire import Wire
 from skmq.store.wires import TROUBLE, Wires, refused_here
 
 UNDELIVERABLE = (
@@ -417,6 +418,7 @@ class Owners:
         deadline: float | None = None,
         plans: Mapping[str, Sequence[str]] | None = None,
         pushed: dict[str, ClaimResult] | None = None,
+        on: dict[str, Wire] | None = None,
     ) -> dict[str, list[bool] | WriteFailed]:
         """Each message stored (True) or a duplicate (False): through the owner where
         this broker owns the app, else appended to the app's inbox. Each app is answered
@@ -425,7 +427,10 @@ class Owners:
         cluster, one master's trouble is its apps' alone). An app of `plans` (its
         dispatcher's free slots, by recipient: a claim the store carries) has its new
         messages pushed with their store where they can be (AppOwner.store_and_push):
-        in `pushed`, as a claim of its own would give them (the rest wait for one)."""
+        in `pushed`, as a claim of its own would give them (the rest wait for one).
+        `on`: each app's connection its messages were written on (REPLICA_ACKS's WAIT
+        asks that server)."""
+        written_on = on if on is not None else {}
 
         waited: set[str] = set()  # the apps whose caller still waits for their store
 
@@ -442,6 +447,7 @@ class Owners:
             if owner is None and self.take is not None and await self.take(app, now):
                 owner = self.owned.get(app)
             if owner is not None:
+                written_on[app] = owner.wire
                 try:
                     if plans is None or pushed is None or app not in plans:
                         return await owner.store(stored, now)
@@ -458,7 +464,7 @@ class Owners:
                     self.lost(app)
             appended = [Appended(s.msgid, s.content, encode_header(s.meta)) for s in stored]
             keys = AppKeys.of(self.prefix, app)
-            wire = await self.wires.of(keys.inbox)
+            wire = written_on[app] = await self.wires.of(keys.inbox)
             ids = await append(wire, keys, now, self.dedupe_ms, appended, self.lister)
             return [i is not None for i in ids]
 

@@ -27,7 +27,7 @@ from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
 from skmq.store.client import RedisClient
-from skmq.store.wires import TROUBLE, Wires
+from skmq.store.wires import TROUBLE, Siblings, Wires
 from skmq.supervisor import Supervisor
 from skmq.workers.answering import Vouched
 from skmq.workers.engine import Engine
@@ -122,10 +122,8 @@ class OwnerRuntime:
         # holds its connection until the replicas answer (REPLICA_ACK_TIMEOUT at most: a
         # master with no replica yet, after a failover), and the flushes, checkpoints and
         # renewals behind it waited for it (renewals timed out every round).
-        wires, leases, confirms = (
-            Wires.beside(url, redis, settings.store_timeout) for _ in range(3)
-        )
-        store.confirms = confirms
+        wires, leases = (Wires.beside(url, redis, settings.store_timeout) for _ in range(2))
+        store.confirms = Siblings(settings.store_timeout)
         runtime = cls(settings, wires, store, broker_id, engine, leases)
         if orphans:
             await runtime.ownership.forget_the_dead(await store.apps())

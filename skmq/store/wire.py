@@ -87,9 +87,10 @@ class Wire:
     """One connection to one Redis server. `await call(...)` returns the reply (an error
     reply is raised as ReplyError); `call_many` sends several commands in one write."""
 
-    def __init__(self, protocol: _Protocol, address: str) -> None:
+    def __init__(self, protocol: _Protocol, address: str, url: str = "") -> None:
         self._protocol = protocol
         self.address = address
+        self.url = url  # (what `connect` was given: another connection to this server)
 
     @classmethod
     async def connect(cls, url: str, timeout: float = 2.0) -> Wire:
@@ -109,7 +110,7 @@ class Wire:
                     _Protocol, host, port, ssl=tls, server_hostname=host if tls else None
                 )
                 address = f"{host}:{port}"
-            wire = cls(protocol, address)
+            wire = cls(protocol, address, url)
             try:
                 password = options.get("password")
                 if password:

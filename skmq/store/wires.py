@@ -7,9 +7,9 @@ flushes go on that one connection to the master that holds the app, never to ano
 node. When that connection closes, or the slot map names another master (a failover),
 the Wire no longer `serves` the app: the ownership round drops it and takes it again
 through its master now, its state rebuilt from what that master holds (issue 42: one
-master's trouble is only its own apps'). A broker keeps two more Wires (two more
-connections a master): its leases', and one for REPLICA_ACKS's WAITs, which hold their
-connection until the replicas answer.
+master's trouble is only its own apps'). A broker keeps another Wires for its leases,
+and Siblings for REPLICA_ACKS's WAITs, which hold their connection until the replicas
+answer.
 
 The slot map is the broker's redis-py cluster client's (its public `get_node_from_key`),
 refreshed in the background after trouble (skmq/store/shards.py's SlotMap).
@@ -139,6 +139,36 @@ class Wires:
         """Ask the cluster for its slot map again (in the background; none on one Redis)."""
         if self.slots is not None:
             self.slots.refresh()
+
+    def close(self) -> None:
+        for wire in self._open.values():
+            wire.close()
+        self._open.clear()
+
+
+class Siblings:
+    """A second connection to the very server each of some Wires is connected to, by the
+    URL it was connected with: not to the master of a key now, which after a failover is
+    another server (REPLICA_ACKS's WAIT must ask the server that stored)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._open: dict[str, Wire] = {}
+        self._connecting: dict[str, asyncio.Future[Wire]] = {}
+
+    async def of(self, wire: Wire) -> Wire:
+        """The open sibling of `wire`, connected (again) if needed, one at a time."""
+        url = wire.url
+        sibling = self._open.get(url)
+        if sibling is not None and not sibling.closed:
+            return sibling
+        pending = self._connecting.get(url)
+        if pending is None:
+            pending = asyncio.ensure_future(Wire.connect(url, self.timeout))
+            self._connecting[url] = pending
+            pending.add_done_callback(lambda _: self._connecting.pop(url, None))
+        sibling = self._open[url] = await asyncio.shield(pending)
+        return sibling
 
     def close(self) -> None:
         for wire in self._open.values():
