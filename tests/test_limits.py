@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,7 @@ from skmq.clock import now_ms
 from skmq.codec import Decoder, Frame, encode_frame
 from skmq.embedded import EmbeddedRedis
 from skmq.workers.rotation import Rotation
-from tests.conftest import BrokerFactory, BrokerProcess, eventually
+from tests.conftest import FAST, BrokerFactory, BrokerProcess, eventually
 from tests.peers import FakeRecipient, RawClient
 
 
@@ -603,3 +604,46 @@ async def test_the_largest_content_accepted_fits_in_a_push_every_recipient_can_r
         msg = await asyncio.wait_for(got.get(), 10)
         assert (msg.msgid, msg.content) == (msgid, content)
         await client.close()
+
+
+async def test_a_redis_refusing_writes_answers_acks_and_fails_no_task(
+    make_broker: BrokerFactory, own_redis: EmbeddedRedis
+) -> None:
+    """Redis at its maxmemory with noeviction refuses every write with an error reply
+    (`-OOM ...`), as a master demoted by a failover does (`-MOVED`, `-READONLY`). A
+    recipient's ack then is answered `store unavailable` (it was answered nothing: the
+    task settling the app's answers died on the reply, and the push stayed in flight
+    until ACK_TIMEOUT), no task fails, and once Redis takes writes again the message
+    goes out again and is acked."""
+    broker = await make_broker(redis_url=own_redis.url)
+    sync_admin = redis.Redis.from_url(own_redis.url)
+    full = {"now": True}
+
+    def fill_then_ack(frame: Frame) -> str:
+        if full["now"]:
+            full["now"] = False
+            sync_admin.config_set("maxmemory", 1)  # (the ack below meets a full Redis)
+        return "ack"
+
+    recipient = await FakeRecipient("full", "r1", fill_then_ack).start()
+    try:
+        assert (await recipient.register(broker.server.port))["status"] == "ack"
+        client = await RawClient.connect(broker.server.port)
+        assert (await client.request("queue", b"x", appid="full", msgid="f1"))["status"] == "ack"
+        await client.close()
+        assert (await recipient.next_push()).fields["msgid"] == "f1"
+
+        async def answered() -> bool:
+            return bool(recipient.resps)
+
+        await eventually(answered)
+        answer = json.loads(recipient.resps[0].content or b"{}")
+        assert answer["status"] == "error" and "store unavailable" in answer["content"], answer
+        sync_admin.config_set("maxmemory", 0)
+        again = await recipient.next_push(timeout=8 * FAST["ack_timeout"])
+        assert again.fields["msgid"] == "f1"
+        assert sum(broker.supervisor.restarts.values()) == 0, broker.supervisor.restarts
+    finally:
+        sync_admin.config_set("maxmemory", 0)
+        sync_admin.close()
+        await recipient.stop()

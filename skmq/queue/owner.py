@@ -85,6 +85,11 @@ class AppOwner:
         self.queue = AppQueue(policy)
         self.recipients = recipients
         self.live: set[bytes] = set()  # msgids stored and not over (dedupe)
+        # A flush failed: the records it took are not in the journal, so this memory is
+        # ahead of it (an ack applied here, not written). The runtime drops the owner and
+        # takes the app again, its state rebuilt from the journal (what was in flight is
+        # pushed again), as after a lost connection.
+        self.diverged = False
         # msgids whose store's flush is on its way, and its end: a second store of one
         # waits for it (live, or not, once it is done), as one script a msgid would
         self._storing: dict[bytes, asyncio.Future[None]] = {}
@@ -335,6 +340,7 @@ class AppOwner:
                 now, appended, records, settled, flush_args(dead, now), after
             )
         except BaseException as exc:
+            self.diverged = True
             _fail(done, exc)
             raise
         if not done.done():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from skmq.logs import Throttled
 from skmq.queue.journal import AppKeys, HeldBy, Lease, release, renew, try_acquire
 from skmq.store.wire import Wire
 from skmq.store.wires import TROUBLE, Wires
@@ -57,6 +58,7 @@ class Ownership:
     # last refused acquire said
     lapsing: dict[str, tuple[str, int]] = field(default_factory=dict)
     lapse_seen: asyncio.Event = field(default_factory=asyncio.Event)  # (one added since)
+    _faults: Throttled = field(init=False, default_factory=lambda: Throttled(log))
 
     @property
     def members_key(self) -> str:
@@ -175,8 +177,10 @@ class Ownership:
         if self.taking.get(app) is attempt:
             del self.taking[app]
         if not attempt.cancelled() and (exc := attempt.exception()) is not None:
-            level = log.warning if isinstance(exc, TROUBLE) else log.error
-            level("taking an app failed", app=app, error=repr(exc))
+            if isinstance(exc, TROUBLE):  # (a failover: every produce tries, for a while)
+                self._faults.warning("taking an app failed", app=app, error=repr(exc))
+            else:
+                log.error("taking an app failed", app=app, error=repr(exc))
 
     async def _take(self, app: str, now: int) -> bool:
         brokers = self.brokers or [self.broker]

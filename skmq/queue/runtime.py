@@ -268,20 +268,22 @@ class OwnerRuntime:
             log.warning("checkpoint failed", app=app, error=repr(exc))
 
     def _unbind(self) -> None:
-        """Owned apps whose connection closed (Redis restarted, a master died) or whose
-        master is another now (a failover): dropped from memory, and taken again on the
+        """Owned apps whose connection closed (Redis restarted, a master died), whose
+        master is another now (a failover) or whose owner's write failed (`diverged`: an
+        error reply, as a full Redis's OOM): dropped from memory, and taken again on the
         connection to their master now, with a new epoch, their state rebuilt from what
         it holds as a new owner's would be (what was in flight is pushed again)."""
         unbound = [
             app
             for app, owner in self.owners.owned.items()
-            if not self.wires.serves(owner.wire, owner.journal.keys.epoch)
+            if owner.diverged or not self.wires.serves(owner.wire, owner.journal.keys.epoch)
         ]
         for app in unbound:
             self.owners.lost(app)
             self.ownership.held.pop(app, None)
         if unbound:
-            log.warning("owned apps' connection lost: taken again", apps=len(unbound))
+            log.warning("owned apps' connection lost or write failed: taken again",
+                        apps=len(unbound))  # fmt: skip
             self.wires.refresh()
 
     async def run(self) -> None:

@@ -21,12 +21,16 @@ from typing import Any, cast
 
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.exceptions import RedisError
 
 Command = Sequence[bytes | str | int | float]
 
 
-class ReplyError(Exception):
-    """An error reply of Redis (`-ERR ...`, `-NOSCRIPT ...`), as a value or raised."""
+class ReplyError(RedisError):  # type: ignore[misc]
+    """An error reply of Redis (`-ERR ...`, `-NOSCRIPT ...`, `-MOVED ...`, `-OOM ...`),
+    as a value or raised. A RedisError, as redis-py's own error replies are: whatever
+    handles the store's trouble handles it (a MOVED after a failover, an OOM of a full
+    Redis killed the task settling an app's answers, which then went unanswered)."""
 
     @property
     def code(self) -> str:
