@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 from pathlib import Path
 
@@ -74,6 +75,30 @@ async def test_a_lost_connection_fails_every_waiting_call() -> None:
         await asyncio.wait_for(pending, 5)
     with pytest.raises(WireClosed):
         await wire.call("PING")
+
+
+async def test_a_lost_connection_fails_every_reply_of_a_pipeline_read() -> None:
+    """A pipeline of three waiting when the connection closes (here, by us): the call
+    raises WireClosed, and no reply's failure is left unread (asyncio said "Future
+    exception was never retrieved" for the second and third)."""
+    loop = asyncio.get_running_loop()
+    unread: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: unread.append(context))
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    wire = await Wire.connect(f"redis://127.0.0.1:{server.getsockname()[1]}")
+    conn, _ = await loop.sock_accept(server)
+    pending = asyncio.ensure_future(wire.call_many([("PING",), ("PING",), ("PING",)]))
+    await asyncio.sleep(0)
+    wire.close()
+    with pytest.raises(WireClosed, match="closed here"):
+        await asyncio.wait_for(pending, 5)
+    conn.close()
+    server.close()
+    del pending
+    gc.collect()  # (a future's unread failure is reported as it is collected)
+    assert unread == []
 
 
 async def test_a_server_that_breaks_the_protocol_closes_the_connection() -> None:

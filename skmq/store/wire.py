@@ -147,14 +147,17 @@ class Wire:
         return _raised(await future)
 
     async def call_many(self, commands: Sequence[Command]) -> list[Any]:
-        """Every command's reply, in order; an error reply stays a ReplyError value."""
+        """Every command's reply, in order; an error reply stays a ReplyError value.
+        (gather: when the connection is lost, each reply's failure is read, not only the
+        first; else asyncio logs the others as never retrieved.)"""
         payload = b"".join(_pack(c) for c in commands)
         futures = self._send(payload, len(commands))
-        return [await f for f in futures]
+        return list(await asyncio.gather(*futures))
 
     def close(self) -> None:
         transport = self._protocol.transport
         if transport is not None:
+            self._protocol.lost = self._protocol.lost or WireClosed("connection closed here")
             transport.close()
 
 
