@@ -42,7 +42,7 @@ from skmq.queue.entries import (
     parse_entry,
 )
 from skmq.queue.journal import GROUPS_ONLY, Appended, Flushed, Journal
-from skmq.store.wire import Wire
+from skmq.store.wire import ReplyError, Wire
 
 log = structlog.get_logger("skmq.owner")
 
@@ -85,10 +85,10 @@ class AppOwner:
         self.queue = AppQueue(policy)
         self.recipients = recipients
         self.live: set[bytes] = set()  # msgids stored and not over (dedupe)
-        # A flush failed: the records it took are not in the journal, so this memory is
-        # ahead of it (an ack applied here, not written). The runtime drops the owner and
-        # takes the app again, its state rebuilt from the journal (what was in flight is
-        # pushed again), as after a lost connection.
+        # A flush refused (an error reply): the records it took are not in the journal,
+        # so this memory is ahead of it (an ack applied here, not written). The runtime
+        # drops the owner and takes the app again, its state rebuilt from the journal
+        # (what was in flight is pushed again), as after a lost connection.
         self.diverged = False
         # msgids whose store's flush is on its way, and its end: a second store of one
         # waits for it (live, or not, once it is done), as one script a msgid would
@@ -340,7 +340,9 @@ class AppOwner:
                 now, appended, records, settled, flush_args(dead, now), after
             )
         except BaseException as exc:
-            self.diverged = True
+            # (Refused by an error reply: not written. A flush cancelled or timed out is
+            # still on its way, in order on the connection; a lost one, the runtime sees.)
+            self.diverged = isinstance(exc, ReplyError)
             _fail(done, exc)
             raise
         if not done.done():
