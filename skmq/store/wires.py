@@ -100,15 +100,7 @@ class Wires:
         """The open Wire to the master of `key`, connected (again) if needed: one
         connection at a time to each address."""
         address = self.address_of(key)
-        wire = self._open.get(address)
-        if wire is not None and not wire.closed:
-            return wire
-        pending = self._connecting.get(address)
-        if pending is None:
-            pending = asyncio.ensure_future(self._connect(address))
-            self._connecting[address] = pending
-            pending.add_done_callback(lambda _: self._connecting.pop(address, None))
-        return await asyncio.shield(pending)
+        return await _shared(self._open, self._connecting, address, self._connect)
 
     async def any(self) -> Wire:
         """An open Wire to some node (a PUBLISH reaches every node of a cluster)."""
@@ -123,7 +115,6 @@ class Wires:
         except (OSError, TimeoutError, RedisError, ReplyError) as exc:
             self.refresh()
             raise WriteFailed(f"could not reach {address or self.url}: {exc!r}", False) from exc
-        self._open[address] = wire
         return wire
 
     async def _url_of(self, address: str) -> str:
@@ -158,22 +149,40 @@ class Siblings:
 
     async def of(self, wire: Wire) -> Wire:
         """The open sibling of `wire`, connected (again) if needed, one at a time."""
-        url = wire.url
-        sibling = self._open.get(url)
-        if sibling is not None and not sibling.closed:
-            return sibling
-        pending = self._connecting.get(url)
-        if pending is None:
-            pending = asyncio.ensure_future(Wire.connect(url, self.timeout))
-            self._connecting[url] = pending
-            pending.add_done_callback(lambda _: self._connecting.pop(url, None))
-        sibling = self._open[url] = await asyncio.shield(pending)
-        return sibling
+        return await _shared(self._open, self._connecting, wire.url, self._connect)
+
+    async def _connect(self, url: str) -> Wire:
+        return await Wire.connect(url, self.timeout)
 
     def close(self) -> None:
         for wire in self._open.values():
             wire.close()
         self._open.clear()
+
+
+async def _shared(
+    opened: dict[str, Wire],
+    connecting: dict[str, asyncio.Future[Wire]],
+    key: str,
+    connect: Callable[[str], Awaitable[Wire]],
+) -> Wire:
+    """The open Wire under `key`, else one `connect(key)` makes: one connection at a time
+    a key, its callers meanwhile waiting for the same, and kept once made even if they
+    all stopped waiting."""
+    wire = opened.get(key)
+    if wire is not None and not wire.closed:
+        return wire
+    pending = connecting.get(key)
+    if pending is None:
+        pending = connecting[key] = asyncio.ensure_future(connect(key))
+
+        def made(done: asyncio.Future[Wire]) -> None:
+            connecting.pop(key, None)
+            if not done.cancelled() and done.exception() is None:
+                opened[key] = done.result()
+
+        pending.add_done_callback(made)
+    return await asyncio.shield(pending)
 
 
 def sentinel_master(pool: SentinelConnectionPool) -> Callable[[], Awaitable[str]]:
