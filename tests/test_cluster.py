@@ -431,8 +431,8 @@ async def test_a_wait_for_missing_replicas_holds_up_no_lease_renewal(
     make_broker: BrokerFactory,
 ) -> None:
     """REPLICA_ACKS=1 on a Redis without replicas (a promoted master before its replica
-    is back), REPLICA_ACK_TIMEOUT longer than the lease (1.5 s): each store's WAIT holds
-    its connection for 2 s. The owner's renewals do not wait behind it (they did: its
+    is back), REPLICA_ACK_TIMEOUT twice the lease (1.5 s): each store's WAIT holds its
+    connection for 3 s. The owner's renewals do not wait behind it (they did: its
     lease ran out, and the other broker or itself took the app again at a new epoch)."""
     a = await make_broker(replica_acks=1, replica_ack_timeout=3.0)
     b = await make_broker(replica_acks=1, replica_ack_timeout=3.0)
