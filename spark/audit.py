@@ -25,6 +25,7 @@ if __name__ == "__main__" and not __package__:
     # spark-submit spark/audit.py: run the installed package (relative imports below).
     sys.exit(importlib.import_module("skmq.audit_job.audit").main())
 
+import pyarrow as pa
 from py4j.protocol import Py4JNetworkError
 from pyspark.sql import SparkSession
 
@@ -36,6 +37,7 @@ from .inputs import (
     BadLinesError,
     VanishedFile,
     all_simple,
+    arrow_lines,
     check_files,
     is_remote,
     resolve_log_paths,
@@ -51,7 +53,7 @@ from .report import (
     compute_report,
 )
 from .report_html import render_html
-from .session import build_spark, input_bytes, local_cores, parse_conf
+from .session import build_spark, input_bytes, is_small, local_cores, parse_conf
 
 # timezone.utc, not datetime.UTC: the official Spark images run Python 3.10.
 UTC = timezone.utc  # noqa: UP017
@@ -123,6 +125,14 @@ def _failed_file(exc: BaseException, paths: Sequence[str]) -> BadFile | None:
     return BadFile(path, f"Spark cannot read it ({problem})")
 
 
+def _inspect(paths: list[str], parse: bool) -> tuple[bool, pa.Table | None]:
+    """Whether every file is simple (``inputs.all_simple``) and, if ``parse``, the
+    lines parsed by Arrow (``inputs.arrow_lines``): a cold audit of 1M events spends
+    about 2 CPU s there against 10 in Spark's JSON reader on a JVM not yet warm."""
+    simple = all_simple(paths)
+    return simple, arrow_lines(paths) if simple and parse else None
+
+
 def _compute(
     session: SparkSession,
     paths: list[str],
@@ -131,15 +141,19 @@ def _compute(
     options: Options | None,
     prog: Progress,
     simple: bool | None = None,
+    parsed: pa.Table | None = None,
 ) -> AuditResult:
     """The report; a file Spark fails on (that the checks let pass: a cut .zst, a remote
     file, one gone since it was listed) stops the audit, or with ``skip_bad_files`` is
     skipped and the audit run again. A log file its broker compressed meanwhile is read
-    compressed. ``simple``: ``inputs.all_simple(paths)``, None to ask it."""
+    compressed. ``simple``: ``inputs.all_simple(paths)``, None to ask it; ``parsed``:
+    ``inputs.arrow_lines(paths)``."""
     while True:
         cause: Exception
         try:
-            return compute_report(session, paths, options=options, progress=prog, simple=simple)
+            return compute_report(
+                session, paths, options=options, progress=prog, simple=simple, parsed=parsed
+            )
         except VanishedFile as exc:
             path = next((p for p in paths if same_file(exc.named, p)), None)
             if path is None:
@@ -147,7 +161,7 @@ def _compute(
             if path.endswith(".jsonl") and os.path.exists(path + ".gz"):
                 # Its broker compressed it meanwhile (skmq/logarchive.py): the same lines.
                 paths[paths.index(path)] = path + ".gz"
-                simple = False  # a compressed file: read as text
+                simple, parsed = False, None  # a compressed file: read as text
                 prog.note(f"{path} was compressed meanwhile: reading {path}.gz")
                 prog.index = 0
                 continue
@@ -165,6 +179,7 @@ def _compute(
             ) from cause
         skipped.append(bad)
         paths.remove(bad.path)
+        parsed = None
         prog.note(f"skipping {bad.line()}; reading the others again")
         if not paths:
             raise AuditInputError(
@@ -208,10 +223,10 @@ def run_audit(
         raise AuditInputError(unusable)
     for bad in skipped:
         prog.note(f"skipping {bad.line()}")
-    # Whether Spark's JSON reader can read the files (every line simple): found while
-    # the JVM starts.
+    # Whether Spark's JSON reader can read the files (every line simple), and for a
+    # small local input the lines parsed by Arrow: found while the JVM starts.
     checker = ThreadPoolExecutor(1, thread_name_prefix="audit-check")
-    simple = checker.submit(all_simple, list(paths))
+    inspected = checker.submit(_inspect, list(paths), local_mode and is_small(input_bytes(paths)))
     checker.shutdown(wait=False)
     session = spark
     if session is None:
@@ -235,7 +250,8 @@ def run_audit(
     for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
         session.conf.set(f"spark.sql.files.{key}", "false")
     try:
-        result = _compute(session, paths, skipped, skip_bad_files, options, prog, simple.result())
+        simple, parsed = inspected.result()
+        result = _compute(session, paths, skipped, skip_bad_files, options, prog, simple, parsed)
         result.report["input"]["skipped_files"] = [
             {"path": b.path, "problem": b.problem} for b in skipped
         ]

@@ -315,6 +315,10 @@ def _units(events: DataFrame, groups: bool) -> DataFrame:
     messages = events.where(~F.col("event").isin(*[e.value for e in RECIPIENT_EVENTS])).repartition(
         "appid", "msgid"
     )
+    # The last dead letter and retry by (ts, attempt): of equal ts, the later attempt's,
+    # whatever order their lines come in (files, brokers, read paths).
+    last_dl = _when(Event.DEAD_LETTERED, ack_key())
+    last_retry = _when(Event.RETRY_SCHEDULED, ack_key())
     return messages.groupBy("appid", "msgid", rkey.alias("rkey")).agg(
         count_if(is_event(Event.STORED)).alias("n_stored"),
         F.min(_when(Event.STORED, ts)).alias("stored_ts"),
@@ -329,12 +333,8 @@ def _units(events: DataFrame, groups: bool) -> DataFrame:
         F.max(_when(Event.DEAD_LETTERED, ts)).alias("last_dl"),
         F.sum(_when(Event.DEAD_LETTERED, ts)).alias("sum_dl"),
         F.sum(_when(Event.DEAD_LETTERED, F.col("attempt"))).alias("dl_attempts"),
-        F.max_by(
-            _when(Event.DEAD_LETTERED, F.col("attempt")), _when(Event.DEAD_LETTERED, ts)
-        ).alias("last_dl_attempts"),
-        F.max_by(_when(Event.DEAD_LETTERED, _failure_code()), _when(Event.DEAD_LETTERED, ts)).alias(
-            "failure"
-        ),
+        F.max_by(_when(Event.DEAD_LETTERED, F.col("attempt")), last_dl).alias("last_dl_attempts"),
+        F.max_by(_when(Event.DEAD_LETTERED, _failure_code()), last_dl).alias("failure"),
         count_if(is_event(Event.REPLAYED)).alias("n_rp"),
         F.max(_when(Event.REPLAYED, ts)).alias("last_rp"),
         F.sum(_when(Event.REPLAYED, ts)).alias("sum_rp"),
@@ -346,9 +346,7 @@ def _units(events: DataFrame, groups: bool) -> DataFrame:
         F.max(F.when(is_event(Event.EXPIRED) & _detail_starts(DROPPED), ts)).alias("last_drop"),
         F.max(ts).alias("last_ts"),
         F.max(_when(Event.RETRY_SCHEDULED, ts)).alias("last_retry"),
-        F.max_by(
-            _when(Event.RETRY_SCHEDULED, _number_in(_NEXT_AT)), _when(Event.RETRY_SCHEDULED, ts)
-        ).alias("next_at"),
+        F.max_by(_when(Event.RETRY_SCHEDULED, _number_in(_NEXT_AT)), last_retry).alias("next_at"),
         *(F.max(f).alias(f) for f in _GROUP_FIELDS if groups),
     )
 

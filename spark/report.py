@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TextIO, TypeVar
 
+import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -42,6 +43,7 @@ from .inputs import (
     AuditInputError,
     BadLinesError,
     all_simple,
+    read_arrow_lines,
     read_events,
     same_file,
 )
@@ -340,6 +342,15 @@ def _line_stats() -> list[Column]:
     ]
 
 
+def _history_order() -> list[Column]:
+    """A delivery's events in time, and those of the same millisecond (a broker logs
+    several a millisecond) by attempt, then in the lifecycle's order (``Event``'s), then
+    by their fields: the same order whatever order the lines were read in."""
+    lifecycle = F.array_position(F.array(*(F.lit(e.value) for e in Event)), F.col("event"))
+    order = [F.col("ts"), F.col("attempt"), lifecycle, F.col("recipient"), F.col("detail")]
+    return [column.asc_nulls_first() for column in order]
+
+
 def _has_repeats(events: DataFrame) -> bool:
     """Some valid events have every field equal (a hash of the fields seen twice: one
     shuffle of longs, not of the events).  The hashes are partitioned by their value
@@ -372,11 +383,13 @@ class _Job:
         pool: ThreadPoolExecutor,
         lines: DataFrame | None = None,
         simple: bool | None = None,
+        parsed: pa.Table | None = None,
     ) -> None:
         self.spark = spark
         self.paths = paths
         self.lines = lines
         self.simple = simple
+        self.parsed = parsed
         self.options = options
         self.prog = prog
         self.pool = pool
@@ -414,7 +427,9 @@ class _Job:
     def read(self) -> dict[str, Any]:
         paths = self.paths
         with self.prog.stage(f"reading logs ({len(paths)} path{'s' * (len(paths) != 1)})") as notes:
-            if self.lines is None:
+            if self.parsed is not None:
+                lines = read_arrow_lines(self.spark, self.parsed, paths)
+            elif self.lines is None:
                 simple = all_simple(paths) if self.simple is None else self.simple
                 lines = self.keep_rows(read_events(self.spark, paths, simple))
             else:
@@ -747,7 +762,7 @@ class _Job:
         found: dict[_Ref, list[Any]] = {}
         last_to: dict[_Ref, str] = {}
         consumer: dict[_Ref, str] = {}
-        for r in joined.orderBy("ts").collect():
+        for r in joined.orderBy(*_history_order()).collect():
             key = (r["k_appid"], r["k_msgid"], r["k_recipient"])
             history = found.setdefault(key, [])
             if r["recipient"] is not None:
@@ -886,16 +901,18 @@ def compute_report(
     progress: Progress | None = None,
     lines: DataFrame | None = None,
     simple: bool | None = None,
+    parsed: pa.Table | None = None,
 ) -> AuditResult:
     """Run the Spark job over ``paths`` (already resolved) and collect the report.
 
     ``lines``: the lines of ``paths`` already parsed (``inputs.read_events``'s columns,
     as ``skmq audit --follow`` keeps them), instead of reading the files.  ``simple``:
-    whether ``inputs.all_simple(paths)`` holds (None: it is asked here)."""
+    whether ``inputs.all_simple(paths)`` holds (None: it is asked here).  ``parsed``: the
+    lines of ``paths`` as ``inputs.arrow_lines`` parsed them, read from there."""
     opts = options or Options()
     prog = progress if progress is not None else Progress(STAGES, None)
     pool = ThreadPoolExecutor(CONCURRENT_QUERIES, thread_name_prefix="audit-query")
-    job = _Job(spark, paths, opts, prog, pool, lines, simple)
+    job = _Job(spark, paths, opts, prog, pool, lines, simple, parsed)
     try:
         stats = job.read()
         job.count_events(stats)

@@ -11,6 +11,7 @@ import csv
 import gzip
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -81,8 +82,10 @@ from skmq.audit_job.inputs import (  # noqa: E402
     BadLinesError,
     _simple,
     all_simple,
+    arrow_lines,
     check_files,
     file_uri,
+    read_arrow_lines,
     read_events,
 )
 from skmq.audit_job.report import fill_buckets  # noqa: E402
@@ -1140,10 +1143,11 @@ def test_simple_files_are_one_object_a_line(
 
 @needs_java
 def test_the_json_reader_reads_as_the_text_path(spark: SparkSession, tmp_path: Path) -> None:
-    """Files whose lines are all simple are read by Spark's JSON reader, others as text
-    with from_json: the same report either way, the bad lines' samples included (a
-    valid JSON line that is bad has no text in the JSON reader's rows: its file is read
-    again as text for them). One file that is not simple: all read as text."""
+    """Files whose lines are all simple are read by Arrow's JSON reader or Spark's,
+    others as text with from_json: the same report each way, the bad lines' samples
+    included (a valid JSON line that is bad has no text in the JSON readers' rows: its
+    file is read again as text for them). One file that is not simple: all read as
+    text."""
     builder = LogBuilder(SEED)
     builder.generate(300)
     flat = {
@@ -1151,18 +1155,25 @@ def test_the_json_reader_reads_as_the_text_path(spark: SparkSession, tmp_path: P
         for reason, lines in BAD_LINES.items()
     }
     assert sum(map(len, flat.values())) > 20
-    buckets: list[list[str]] = [[] for _ in range(5)]
-    for i, event in enumerate(builder.events):
-        buckets[i % 5].append(json.dumps(event))
-    for i, line in enumerate(line for lines in flat.values() for line in lines):
-        buckets[i % 3].append(line)  # files 0-2; files 3 and 4 have no bad line
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    for i, lines in enumerate(buckets):
-        (logs / f"delivery-b1-{i}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    paths = resolve_log_paths(str(logs))
-    assert all_simple(paths)
     options = Options(stuck_after_ms=STUCK_AFTER_MS)
+
+    def write(logs: Path, bad: list[str]) -> list[str]:
+        buckets: list[list[str]] = [[] for _ in range(5)]
+        for i, event in enumerate(builder.events):
+            buckets[i % 5].append(json.dumps(event))
+        for i, line in enumerate(bad):
+            buckets[i % 3].append(line)  # files 0-2; files 3 and 4 have no bad line
+        logs.mkdir()
+        for i, lines in enumerate(buckets):
+            text = "\n".join(lines) + "\n"
+            (logs / f"delivery-b1-{i}.jsonl").write_text(text, encoding="utf-8")
+        (logs / "delivery-b1-5.jsonl").touch()  # a broker's new file
+        paths = resolve_log_paths(str(logs))
+        assert all_simple(paths)
+        return paths
+
+    logs = tmp_path / "logs"
+    paths = write(logs, [line for lines in flat.values() for line in lines])
     fast = compute_report(spark, paths, options=options, simple=True)
     text = compute_report(spark, paths, options=options, simple=False)
     assert fast.report == text.report
@@ -1172,8 +1183,71 @@ def test_the_json_reader_reads_as_the_text_path(spark: SparkSession, tmp_path: P
     assert len({s["file"] for s in bad_lines["samples"]}) == 3
     assert all(s["line"] for s in bad_lines["samples"])
     assert fast.report["input"]["events"] == len(builder.events)
+    assert arrow_lines(paths) is None  # lines Arrow refuses: Spark reads them
+
+    # The bad lines Arrow reads (a missing field, an unknown event, a ts out of range...).
+    taken: dict[str, list[str]] = {}
+    for i, (reason, line) in enumerate((r, ln) for r, lines in flat.items() for ln in lines):
+        alone = tmp_path / f"alone-{i}.jsonl"
+        alone.write_text(line + "\n", encoding="utf-8")
+        if arrow_lines([str(alone)]) is not None:
+            taken.setdefault(reason, []).append(line)
+    assert len(taken) > 5
+    paths = write(tmp_path / "arrow", [line for lines in taken.values() for line in lines])
+    parsed = arrow_lines(paths)
+    assert parsed is not None
+    arrow = compute_report(spark, paths, options=options, parsed=parsed)
+    text = compute_report(spark, paths, options=options, simple=False)
+    assert arrow.report == text.report
+    assert arrow.extras == text.extras
+    bad_lines = arrow.report["input"]["bad_lines"]
+    assert bad_lines["by_reason"] == {k: len(v) for k, v in sorted(taken.items())}
+    assert all(s["line"] for s in bad_lines["samples"])
     (logs / "delivery-b1-9.jsonl").write_text("[]\n", encoding="utf-8")
     assert not all_simple(resolve_log_paths(str(logs)))
+
+
+@needs_java
+def test_the_report_is_the_same_whatever_order_the_lines_come_in(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The same lines in one file, the other way round, and in three files: the same
+    report, the dead-letter histories' events of one millisecond included (a broker
+    logs several a millisecond), as the last dead letter's attempts and failure of a
+    delivery that has two in one millisecond."""
+    builder = LogBuilder(SEED)
+    builder.generate(300)
+    lines = [json.dumps(event) for event in builder.events]
+    t = BASE_TS
+    for attempt, failure in ((40, "timeout"), (41, "rejected")):
+        dead = {
+            "recipient": "r",
+            "attempt": attempt,
+            "detail": f"after {attempt} attempts; last: {failure}",
+        }
+        lines.append(_line(t, "dead_lettered", "twice", "a", **dead))
+    lines.insert(0, _line(t - 1, "stored", "twice", "a"))
+    reports = []
+    for name, ordered, files in (("a", lines, 1), ("b", lines[::-1], 1), ("c", lines, 3)):
+        logs = tmp_path / name
+        logs.mkdir()
+        for i in range(files):
+            text = "\n".join(ordered[i::files]) + "\n"
+            (logs / f"delivery-{name}-{i}.jsonl").write_text(text, encoding="utf-8")
+        paths = resolve_log_paths(str(logs))
+        report = compute_report(spark, paths, options=Options(stuck_after_ms=STUCK_AFTER_MS))
+        reports.append(report.report | {"input": report.report["input"] | {"files": None}})
+    listed = [*reports[0]["dead_letters"]["oldest"], *reports[0]["dead_letters"]["most_tried"]]
+    same_ms = [
+        (a, b)
+        for entry in listed
+        for a, b in itertools.pairwise(entry["history"])
+        if a["ts"] == b["ts"]
+    ]
+    assert same_ms  # the histories have events of one millisecond to order
+    assert reports[0] == reports[1] == reports[2]
+    twice = [e for e in reports[0]["dead_letters"]["most_tried"] if e["msgid"] == "twice"]
+    assert twice and twice[0]["reason"] == "rejected"  # of the later attempt
 
 
 @needs_java
@@ -1202,6 +1276,7 @@ def test_the_json_reader_reads_each_simple_line_as_from_json(
             for value in ("12.50", "1E2", "-0", "1.0e+3", "false", "null", '"\\u00e9\\"x"')
         ),
         '{"ts": 1760000000000, ' + event + ', "detail": "é 漢字 😀\\ud800"}',
+        '{"ts": 1760000000000, ' + event + ', "x": 1.5, "y": true}',
         "{}",
     ]
     path = tmp_path / "delivery-a-0.jsonl"
@@ -1213,6 +1288,21 @@ def test_the_json_reader_reads_each_simple_line_as_from_json(
     for a, b in zip(fast, text, strict=True):
         untold = a["bad_text"] is None and a["reason"] is not None and a["reason"] != "not_json"
         assert a.asDict() == b.asDict() | ({"bad_text": None} if untold else {})
+    # Arrow refuses a file with any line it would read otherwise (then Spark reads it):
+    # each line alone, it reads those it takes as Spark does.
+    taken = 0
+    for i, (line, row) in enumerate(zip(lines, text, strict=True)):
+        alone = tmp_path / f"delivery-b-{i}.jsonl"
+        alone.write_text(line + "\n", encoding="utf-8")
+        parsed = arrow_lines([str(alone)])
+        if parsed is None:
+            continue
+        taken += 1
+        (arrow,) = read_arrow_lines(spark, parsed, [str(alone)]).collect()
+        expected = row.asDict() | {"bad_file": row["bad_file"] and file_uri(str(alone))}
+        assert arrow.asDict() == expected | ({"bad_text": None} if row["reason"] else {})
+    assert taken == 4  # the valid line, "TS", an unknown field and {}
+    assert arrow_lines([str(path)]) is None
 
 
 @needs_java
@@ -1742,7 +1832,7 @@ def test_cli_with_a_bad_java_home(
     assert "JAVA_HOME" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("missing", ["pyspark", "psutil"])
+@pytest.mark.parametrize("missing", ["pyspark", "psutil", "pyarrow"])
 def test_cli_without_the_audit_extra(
     missing: str,
     tmp_path: Path,

@@ -6,8 +6,8 @@ every figure.  With ``--follow`` it watches a live log directory, rewrites the r
 every ``--interval`` seconds and prints each stuck delivery once, until SIGINT or
 SIGTERM, then writes the final report (local mode only).  Exit status: 0 done, 1
 Spark or storage failed (one line; the trace with ``--debug``), 2 bad arguments or
-unreadable input, 3 bad lines under ``--strict``.  It needs PySpark and psutil
-(``pip install 'skmq[audit]'``) and Java 17 or 21 (``JAVA_HOME`` or ``java`` on the
+unreadable input, 3 bad lines under ``--strict``.  It needs PySpark, psutil and
+PyArrow (``pip install 'skmq[audit]'``) and Java 17 or 21 (``JAVA_HOME`` or ``java`` on the
 PATH); without either it says what to install and exits with status 2.
 """
 
@@ -33,7 +33,8 @@ JAVA_HELP = (
     "  macOS:          brew install openjdk@17\n"
     "then set JAVA_HOME to its directory or put its `java` on the PATH."
 )
-PYSPARK_HELP = "skmq audit needs PySpark and psutil: pip install 'skmq[audit]'"
+AUDIT_PACKAGES = ("pyspark", "psutil", "pyarrow")
+PYSPARK_HELP = "skmq audit needs PySpark, psutil and PyArrow: pip install 'skmq[audit]'"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +86,7 @@ def find_java() -> tuple[str | None, int | None, str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the audit; 0 on success, 2 when PySpark, Java or the logs are missing."""
-    if any(importlib.util.find_spec(name) is None for name in ("pyspark", "psutil")):
+    if any(importlib.util.find_spec(name) is None for name in AUDIT_PACKAGES):
         print(PYSPARK_HELP, file=sys.stderr)
         return 2
     java, version, problem = find_java()
