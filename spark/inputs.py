@@ -569,7 +569,7 @@ def arrow_lines(paths: Sequence[str]) -> pa.Table | None:
             if os.path.getsize(local) == 0:  # a broker's new file (Arrow refuses it)
                 continue
             table = pa_json.read_json(local, parse_options=_ARROW_OPTIONS)
-        except (pa.ArrowInvalid, OSError):
+        except (pa.ArrowException, OSError):
             return None
         files = pa.repeat(pa.scalar(index, pa.int32()), table.num_rows)
         tables.append(table.append_column(_FILE, files))
@@ -582,7 +582,9 @@ def read_arrow_lines(spark: SparkSession, lines: pa.Table, paths: Sequence[str])
     DataFrame of Arrow's batches, held in the JVM (a query decodes them, which costs
     less than keeping them as rows); a bad line has no ``bad_text`` (its file is read
     again as text for the sample, as with Spark's JSON reader)."""
-    # A partition a core: one batch each (PySpark sends a batch a partition).
+    # Two partitions a core (PySpark sends a batch a partition, of at most this many
+    # rows; the session's setting, used for nothing else here): fewer tasks to start
+    # than one a block of Arrow's reader, and an idle core takes a second's work.
     per_batch = max(1, -(-lines.num_rows // (2 * spark.sparkContext.defaultParallelism)))
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(per_batch))
     frame = spark.createDataFrame(lines)
