@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import pytest
@@ -16,10 +16,10 @@ import redis.asyncio as aioredis
 from skmq.embedded import EmbeddedRedis
 from skmq.queue.journal import AppKeys
 from skmq.queue.owned_store import OwnedStore
-from skmq.store.shards import ReplicasMissing
+from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import AppStored
 from skmq.store.wire import Wire
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, eventually
 from tests.peers import RawClient
 
 
@@ -101,3 +101,52 @@ async def test_the_wait_asks_the_server_that_stored(
         for wire in (elsewhere, here):
             await wire.call("DEL", listed)
             wire.close()
+
+
+async def _waits(url: str) -> int:
+    """The WAITs the server at `url` has run (INFO commandstats)."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return int(stats.get("cmdstat_wait", {}).get("calls", 0))
+
+
+async def test_the_stores_meanwhile_share_a_wait(
+    make_broker: BrokerFactory, redis_url: str
+) -> None:
+    """A burst of stores on a server whose replicas are gone, asking while a WAIT runs:
+    each answered within two WAITs (the one running when it asked, and the next, which
+    covers every store that asked meanwhile), not behind the WAIT of every store before
+    it (6 WAITs, one after the other, before)."""
+    broker = await make_broker(redis_url=redis_url, replica_acks=1, replica_ack_timeout=1.0)
+    store = broker.store
+    assert isinstance(store, OwnedStore)
+    apps = [f"burst{i}" for i in range(6)]
+    wire = await Wire.connect(redis_url)
+    client = aioredis.Redis.from_url(redis_url)
+
+    async def waiting() -> bool:  # a WAIT runs (its connection blocked in it)
+        return "cmd=wait" in str(await client.execute_command("CLIENT", "LIST"))
+
+    def unconfirmed(app: str) -> Awaitable[dict[str, WriteFailed]]:
+        return store._unconfirmed({app: [True]}, {app: wire}, None)
+
+    try:
+        for app in apps:
+            await wire.call("SET", AppKeys.of(store.prefix, app).listed, 1)
+        before = await _waits(redis_url)
+        first = asyncio.ensure_future(unconfirmed(apps[0]))
+        await eventually(waiting)
+        missing = [*await asyncio.gather(*map(unconfirmed, apps[1:])), await first]
+        assert all(
+            isinstance(m.get(a), ReplicasMissing)
+            for m, a in zip(missing, [*apps[1:], apps[0]], strict=True)
+        )
+        assert await _waits(redis_url) - before == 2  # one for the first, one for the 5 after
+    finally:
+        for app in apps:
+            await wire.call("DEL", AppKeys.of(store.prefix, app).listed)
+        wire.close()
+        await client.aclose()

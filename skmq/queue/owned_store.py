@@ -29,6 +29,7 @@ from skmq.queue.operator import NoOwner, Request, answer_request, ask_owner, old
 from skmq.queue.owner import AppOwner
 from skmq.queue.owner import NewMessage as NewLetter
 from skmq.queue.owners import Owners
+from skmq.queue.replica_waits import ReplicaWaits
 from skmq.store.client import ENC
 from skmq.store.shards import ReplicasMissing, WriteFailed
 from skmq.store.store import (
@@ -51,7 +52,7 @@ from skmq.store.store import (
     split_delivery,
 )
 from skmq.store.wire import Wire
-from skmq.store.wires import TROUBLE, Siblings, Wires
+from skmq.store.wires import Wires
 
 if TYPE_CHECKING:
     from skmq.config import Settings
@@ -70,8 +71,8 @@ class OwnedStore(Store):
         self.owners: Owners | None = None  # set by the broker once its wire is up
         # an operator command's connections to the owners' Redis (a broker's: its owners')
         self.wires: Wires | None = None
-        # a broker's connections for REPLICA_ACKS's WAITs (`_unconfirmed`)
-        self.confirms: Siblings | None = None
+        # a broker's REPLICA_ACKS's WAITs (`_unconfirmed`)
+        self.confirms: ReplicaWaits | None = None
         # an app's dispatcher told of new messages not stored through the enqueuer (a move)
         self.notify: Callable[[str], None] = lambda app: None
         self._dead_out = self.redis.register_script(script_source("dead_out"))
@@ -163,37 +164,31 @@ class OwnedStore(Store):
         self, outcome: dict[str, AppStored], on: dict[str, Wire], deadline: float | None
     ) -> dict[str, WriteFailed]:
         """REPLICA_ACKS: for each server that stored (`on`: the connection each app was
-        written on), on a second connection to that very server (`confirms`: a WAIT holds
-        its connection until the replicas answer, up to REPLICA_ACK_TIMEOUT, and the
-        owners' flushes must not wait behind it; and after a failover the master of the
-        app's keys is another server, whose replicas may lack the write), a write that
-        changes nothing (`SET listed 1 XX`) then WAIT. WAIT counts the replicas holding
-        the connection's last write, made after the store's reply, and so every write the
-        server made before it (a duplicate's first store through another connection
-        included); a SET that wrote nothing (the mark gone meanwhile) confirms nothing.
-        The apps of a server with fewer replicas acknowledging within
-        REPLICA_ACK_TIMEOUT: stored on it, not confirmed (ReplicasMissing)."""
-        by_wire: dict[Wire, list[str]] = {}
+        written on), the replicas holding each app's mark touched after the store was
+        answered (`confirms`: a WAIT on a second connection to that very server, shared
+        by the stores meanwhile, ReplicaWaits). WAIT counts the replicas holding the
+        connection's last write, and so every write the server made before it (a
+        duplicate's first store through another connection included). The apps with
+        fewer replicas acknowledging within REPLICA_ACK_TIMEOUT, or `deadline`: stored,
+        not confirmed (ReplicasMissing)."""
+        assert self.confirms is not None, "the owners start with the broker"
+        by_wire: dict[Wire, dict[str, str]] = {}
         for app, result in outcome.items():
             if not isinstance(result, WriteFailed):
-                by_wire.setdefault(on[app], []).append(app)
+                by_wire.setdefault(on[app], {})[AppKeys.of(self.prefix, app).listed] = app
         missing: dict[str, WriteFailed] = {}
 
-        async def confirm(stored_on: Wire, apps: list[str]) -> None:
-            assert self.confirms is not None, "the owners start with the broker"
-            touch = ("SET", AppKeys.of(self.prefix, apps[0]).listed, 1, "XX")
+        async def confirm(stored_on: Wire, apps: dict[str, str]) -> None:
+            assert self.confirms is not None
             try:
                 async with asyncio.timeout_at(deadline):
-                    wire = await self.confirms.of(stored_on)
-                    touched, acked = await wire.call_many(
-                        [touch, ("WAIT", self.replica_acks, self.replica_ack_ms)]
-                    )
-                acked = 0 if touched is None or isinstance(acked, Exception) else int(acked)
-            except TROUBLE:  # (the server that stored gone, or a replica now)
-                acked = 0
-            if acked < self.replica_acks:
-                reason = f"{acked} of {self.replica_acks} replicas acknowledged"
-                missing.update((app, ReplicasMissing(reason)) for app in apps)
+                    acked = await self.confirms.acked(stored_on, list(apps))
+            except TimeoutError:
+                acked = {}
+            for mark, app in apps.items():
+                if (replicas := acked.get(mark, 0)) < self.replica_acks:
+                    reason = f"{replicas} of {self.replica_acks} replicas acknowledged"
+                    missing[app] = ReplicasMissing(reason)
 
         await asyncio.gather(*(confirm(wire, apps) for wire, apps in by_wire.items()))
         return missing

@@ -26,6 +26,7 @@ from skmq.queue.owned_store import OwnedStore
 from skmq.queue.owner import AppOwner
 from skmq.queue.owners import Owners
 from skmq.queue.ownership import Ownership
+from skmq.queue.replica_waits import ReplicaWaits
 from skmq.store.client import RedisClient
 from skmq.store.wires import TROUBLE, Siblings, Wires
 from skmq.supervisor import Supervisor
@@ -123,7 +124,9 @@ class OwnerRuntime:
         # master with no replica yet, after a failover), and the flushes, checkpoints and
         # renewals behind it waited for it (renewals timed out every round).
         wires, leases = (Wires.beside(url, redis, settings.store_timeout) for _ in range(2))
-        store.confirms = Siblings(settings.store_timeout)
+        store.confirms = ReplicaWaits(
+            Siblings(settings.store_timeout), settings.replica_acks, store.replica_ack_ms
+        )
         runtime = cls(settings, wires, store, broker_id, engine, leases)
         if orphans:
             await runtime.ownership.forget_the_dead(await store.apps())
