@@ -70,7 +70,7 @@ class ReplicaWaits:
                 del self._joining[url]
             marks = sorted(this.marks)
             touches = [("SET", mark, 1, "XX") for mark in marks]
-            # the WAIT's own timeout, and as long again for the server to answer
+            # twice the WAIT's own timeout, and the connection's (a server gone still)
             async with asyncio.timeout(2 * self.timeout_ms / 1000 + self.siblings.timeout):
                 wire = await self.siblings.of(stored_on)
                 *touched, acked = await wire.call_many(
