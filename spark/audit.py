@@ -225,8 +225,9 @@ def run_audit(
         prog.note(f"skipping {bad.line()}")
     # Whether Spark's JSON reader can read the files (every line simple), and for a
     # small local input the lines parsed by Arrow: found while the JVM starts.
+    size = input_bytes(paths)
     checker = ThreadPoolExecutor(1, thread_name_prefix="audit-check")
-    inspected = checker.submit(_inspect, list(paths), local_mode and is_small(input_bytes(paths)))
+    inspected = checker.submit(_inspect, list(paths), local_mode and is_small(size))
     checker.shutdown(wait=False)
     session = spark
     if session is None:
@@ -236,7 +237,7 @@ def run_audit(
             conf=conf,
             driver_memory=driver_memory,
             debug=debug,
-            input_size=input_bytes(paths),
+            input_size=size,
         )
         if submitted:
             prog.note(f"Spark master: {session.sparkContext.master}")

@@ -589,19 +589,16 @@ def read_arrow_lines(spark: SparkSession, lines: pa.Table, paths: Sequence[str])
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(per_batch))
     frame = spark.createDataFrame(lines)
     names = F.array(*(F.lit(file_uri(path)) for path in paths))
-    fields = [F.col(name) for name in LOG_FIELDS]
-    checked = frame.select(
-        *LOG_FIELDS,
-        F.lit(None).cast("string").alias("line"),
-        F.struct(*fields, F.lit(None).cast("string").alias(_CORRUPT)).alias("parsed"),
-        F.lit(True).alias("one_object"),
-        F.lit(False).alias("suspect"),
-        F.lit(None).cast("variant").alias("recheck"),
-        F.element_at(names, F.col(_FILE) + 1).alias(_FILE),
+    # Arrow read every line with the schema: no corrupt record, none suspect.
+    return parse_simple(
+        frame.withColumns(
+            {
+                _CORRUPT: F.lit(None).cast("string"),
+                _FILE: F.element_at(names, F.col(_FILE) + 1),
+            }
+        ),
+        file=_FILE,
     )
-    judged = _judged(checked, [F.col(name) for name in LOG_FIELDS], _FILE)
-    bad_file = F.when(F.col("reason").isNotNull(), F.col(_FILE))
-    return judged.withColumn("bad_file", bad_file).drop(_FILE)
 
 
 def read_events(spark: SparkSession, paths: Sequence[str], simple: bool = False) -> DataFrame:
@@ -633,11 +630,12 @@ def read_events(spark: SparkSession, paths: Sequence[str], simple: bool = False)
         raise AuditInputError(first) from exc
 
 
-def parse_simple(parsed: DataFrame) -> DataFrame:
-    """:func:`parse_lines` of simple lines already read by Spark's JSON reader (the
-    fields of ``_PARSE_SCHEMA``): a line is one object (``one_object``), suspect when
-    Spark could not read it with the schema, and its text is known then only (the
-    corrupt record)."""
+def parse_simple(parsed: DataFrame, file: str | None = None) -> DataFrame:
+    """:func:`parse_lines` of simple lines already read by Spark's JSON reader, or by
+    Arrow's (the fields of ``_PARSE_SCHEMA``): a line is one object (``one_object``),
+    suspect when it could not be read with the schema, and its text is known then only
+    (the corrupt record).  ``file``: the column naming each line's file, where Spark's
+    ``input_file_name()`` cannot (Arrow's lines)."""
     line = F.col(_CORRUPT)
     fields = [F.col(f.name) for f in _PARSE_SCHEMA.fields]
     checked = parsed.select(
@@ -647,28 +645,35 @@ def parse_simple(parsed: DataFrame) -> DataFrame:
         F.lit(True).alias("one_object"),
         line.isNotNull().alias("suspect"),
         F.when(line.isNotNull(), F.try_parse_json(line)).alias("recheck"),
+        *([file] if file is not None else []),
     )
-    return _judged(checked, [F.col(name) for name in LOG_FIELDS])
+    return _judged(checked, [F.col(name) for name in LOG_FIELDS], file=file)
 
 
-def _judged(checked: DataFrame, fields: Sequence[Column], *keep: str) -> DataFrame:
+def _judged(
+    checked: DataFrame, fields: Sequence[Column], *keep: str, file: str | None = None
+) -> DataFrame:
     """The lines of ``checked`` (``line``, ``parsed``, ``one_object``, ``suspect``,
-    ``recheck`` and ``keep``) with their event's ``fields``, their ``reason`` and, for
-    bad lines, ``bad_file`` and ``bad_text``: the last steps of both read paths."""
+    ``recheck``, ``keep`` and ``file``) with their event's ``fields``, their ``reason``
+    and, for bad lines, ``bad_file`` (the column ``file``, else Spark's file of the line)
+    and ``bad_text``: the last steps of every read path."""
     names = ("line", "parsed", "suspect", "one_object", "recheck", "types")
     reason = F.col("reason")
+    carried = [file] if file is not None else []
+    in_file = F.col(file) if file is not None else F.input_file_name()
     return (
         checked.select("*", _field_types(F.col("recheck")).alias("types"))
         .select(
             "line",
             *keep,
+            *carried,
             *fields,
             _reason({name: F.col(name) for name in names}, int(time.time() * 1000)).alias("reason"),
         )
         .select(
             *LOG_FIELDS,
             reason,
-            F.when(reason.isNotNull(), F.input_file_name()).alias("bad_file"),
+            F.when(reason.isNotNull(), in_file).alias("bad_file"),
             F.when(reason.isNotNull(), F.substring("line", 1, SAMPLE_CHARS)).alias("bad_text"),
             *keep,
         )

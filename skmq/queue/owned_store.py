@@ -171,7 +171,8 @@ class OwnedStore(Store):
         duplicate's first store through another connection included). The apps with
         fewer replicas acknowledging within REPLICA_ACK_TIMEOUT, or `deadline`: stored,
         not confirmed (ReplicasMissing)."""
-        assert self.confirms is not None, "the owners start with the broker"
+        confirms = self.confirms
+        assert confirms is not None, "the owners start with the broker"
         by_wire: dict[Wire, dict[str, str]] = {}
         for app, result in outcome.items():
             if not isinstance(result, WriteFailed):
@@ -179,10 +180,9 @@ class OwnedStore(Store):
         missing: dict[str, WriteFailed] = {}
 
         async def confirm(stored_on: Wire, apps: dict[str, str]) -> None:
-            assert self.confirms is not None
             try:
                 async with asyncio.timeout_at(deadline):
-                    acked = await self.confirms.acked(stored_on, list(apps))
+                    acked = await confirms.acked(stored_on, list(apps))
             except TimeoutError:
                 acked = {}
             for mark, app in apps.items():
