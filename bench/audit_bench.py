@@ -24,6 +24,7 @@ again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -217,35 +218,49 @@ def _own_cpu() -> dict[int, float]:
     return found
 
 
-def _tree_cpu(proc: psutil.Process, seen: dict[int, float]) -> None:
-    """The CPU seconds of ``proc`` and its children so far, by pid, into ``seen``."""
-    try:
-        family = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for member in family:
+def _tree_cpu(
+    proc: psutil.Process, members: dict[int, psutil.Process], seen: dict[int, float]
+) -> None:
+    """The CPU seconds so far of ``proc``, its children and the ``members`` found before
+    (the JVM outlives ``skmq audit`` by its own exit), by pid, into ``seen``; a member
+    gone leaves ``members``."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for member in [proc, *proc.children(recursive=True)]:
+            members.setdefault(member.pid, member)
+    for pid, member in list(members.items()):
         try:
             times = member.cpu_times()
-        except psutil.NoSuchProcess:
+        except psutil.NoSuchProcess:  # a zombie too
+            del members[pid]
             continue
-        seen[member.pid] = max(seen.get(member.pid, 0.0), times.user + times.system)
+        seen[pid] = max(seen.get(pid, 0.0), times.user + times.system)
 
 
 def _cold_run(logs_dir: Path, out_dir: Path, master: str, conf: list[str]) -> tuple[float, float]:
-    """One ``skmq audit`` in a fresh process: (wall seconds, CPU seconds of its tree)."""
+    """One ``skmq audit`` in a fresh process: (wall seconds to its exit, CPU seconds of its
+    tree, the JVM's until it is gone)."""
     skmq = Path(sys.executable).parent / "skmq"
     command = [str(skmq)] if skmq.exists() else [sys.executable, "-m", "skmq.cli"]
     command += ["audit", "--logs", str(logs_dir), "--out", str(out_dir), "--master", master]
     command += [arg for item in conf for arg in ("--conf", item)]
+    members: dict[int, psutil.Process] = {}
     cpu: dict[int, float] = {}
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watched = psutil.Process(child.pid)
-    while child.poll() is None:
-        _tree_cpu(watched, cpu)
-        time.sleep(0.2)
+    while True:  # the tree's CPU sampled every 0.2 s; the wall clock to the exit itself
+        _tree_cpu(watched, members, cpu)
+        try:
+            child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            continue
     wall = time.perf_counter() - start
     _, err = child.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while members and time.monotonic() < deadline:
+        _tree_cpu(watched, members, cpu)
+        time.sleep(0.05)
     if child.returncode != 0:
         raise RuntimeError(f"skmq audit exited with {child.returncode}: {err[-2000:]}")
     return wall, sum(cpu.values())
@@ -363,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"method: a fresh `skmq audit --master {args.master}` process per run, its wall "
             "clock from start to exit (Python and JVM start, reading, every report section, "
-            "writing the four files); CPU: the process tree's user + system seconds"
+            "writing the four files); CPU: the process tree's user + system seconds, the "
+            "JVM's until it is gone (it ends its Spark session after `skmq audit` exits)"
         )
         print(f"machine: python {sys.version.split()[0]}, {_load()}", flush=True)
         best = [(events, _cold_size(events, args)) for events in sizes]

@@ -201,13 +201,18 @@ def run_audit(
     progress: bool = True,
     stream: TextIO | None = None,
     debug: bool = False,
+    exiting: bool = False,
 ) -> dict[str, Any]:
     """Audit the delivery logs at ``logs``, write the reports into ``out``, return the report.
 
     ``spark``: an existing session to use (left running); otherwise one is built with
-    :func:`build_spark` and stopped at the end.  Raises :class:`AuditInputError` when
-    there is nothing to read, a file cannot be read (unless ``skip_bad_files``), or a
-    line is bad under ``options.strict``.  ``debug``: Spark's log and traces on stderr.
+    :func:`build_spark` and stopped at the end, unless ``exiting``: this process ends
+    next (``skmq audit``), and the JVM stops the session itself as it exits once this
+    process has (its stdin closes, Spark's shutdown hook runs), where PySpark's stop
+    would wait up to half a second more, its accumulator server's poll.  Raises
+    :class:`AuditInputError` when there is nothing to read, a file cannot be read (unless
+    ``skip_bad_files``), or a line is bad under ``options.strict``.  ``debug``: Spark's
+    log and traces on stderr.
     """
     prog = Progress(STAGES, (stream or sys.stderr) if progress else None)
     # spark-submit started the JVM already, with its own --master (none given here)
@@ -267,7 +272,7 @@ def run_audit(
             written = write_outputs(result, out, meta, session)
             notes.append(", ".join(os.path.basename(p) for p in written))
     finally:
-        if spark is None:
+        if spark is None and not exiting:
             session.stop()
     return result.report
 
@@ -360,7 +365,8 @@ def follow_audit(
 
 
 def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int:
-    """Run the audit for parsed arguments: the report, or an exit status after one line."""
+    """Run the audit for parsed arguments, in a process that exits next: the report, or an
+    exit status after one line."""
     if not args.debug:
         # py4j logs a lost JVM's traces on the root logger, which would then configure
         # itself to print them: the one line below says it, the traces come with --debug.
@@ -396,6 +402,7 @@ def audit_from_args(args: argparse.Namespace, prog: str) -> dict[str, Any] | int
             driver_memory=args.driver_memory,
             progress=not args.quiet,
             debug=args.debug,
+            exiting=True,
         )
     except (AuditInputError, ValueError) as exc:
         if args.debug:

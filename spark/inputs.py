@@ -500,11 +500,13 @@ def _simple(data: bytes) -> bool:
     if b"[" in data or b"\r" in data or b"\x00" in data:
         return False
     ends = data.count(b"\n")
-    lines = ends + (not data.endswith(b"\n"))
-    between = ends - data.endswith(b"\n")  # line ends followed by another line
-    if not (data.startswith(b"{") and data.rstrip(b"\n").endswith(b"}")) or b"\n\n" in data:
+    final = data.endswith(b"\n")
+    if not (data.startswith(b"{") and data.endswith(b"}\n" if final else b"}")):
         return False
-    if data.count(b"}") != lines or data.count(b"}\n{") != between:
+    # Each line end but the last is between a "}" and a "{" (so no line is blank), and
+    # the "}" ending each line is its only one: no copy of the data, and no search of
+    # "\n\n", which costs more than any other (1.6 GB of lines: 3.9 s of checks, 2.5 without).
+    if data.count(b"}") != ends + (not final) or data.count(b"}\n{") != ends - final:
         return False
     if not data.isascii():
         try:

@@ -1115,6 +1115,7 @@ def test_simple_files_are_one_object_a_line(
     assert all(_simple(text.encode()) for text in simple)
     not_simple = [
         f"{one}\n\n{two}\n",  # a blank line
+        f"{one}\n{two}\n\n",  # a blank last line
         f"\n{one}\n",
         f"{one}\r\n{two}\r\n",
         f"\ufeff{one}\n",  # a byte order mark
