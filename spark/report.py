@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TextIO, TypeVar
 
-import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -40,6 +39,7 @@ from .deliveries import (
 )
 from .inputs import (
     KEPT_FIELDS,
+    ArrowLines,
     AuditInputError,
     BadLinesError,
     all_simple,
@@ -390,7 +390,7 @@ class _Job:
         pool: ThreadPoolExecutor,
         lines: DataFrame | None = None,
         simple: bool | None = None,
-        parsed: pa.Table | None = None,
+        parsed: ArrowLines | None = None,
     ) -> None:
         self.spark = spark
         self.paths = paths
@@ -472,7 +472,8 @@ class _Job:
             events = 0 if good is None else int(good["lines"])
             valid = lines.where(F.col("reason").isNull()).select(*LOG_FIELDS)
             repeated = 0
-            if events and _has_repeats(valid, events):
+            maybe = self.parsed is None or self.parsed.repeats
+            if events and maybe and _has_repeats(valid, events):
                 # The same lines read twice (a rotated file both as .jsonl and .jsonl.gz
                 # after a crash of the compression, a copy of a file) would count pushes
                 # and acks twice, and time in the dead-letter queue wrongly: once each.
@@ -908,7 +909,7 @@ def compute_report(
     progress: Progress | None = None,
     lines: DataFrame | None = None,
     simple: bool | None = None,
-    parsed: pa.Table | None = None,
+    parsed: ArrowLines | None = None,
 ) -> AuditResult:
     """Run the Spark job over ``paths`` (already resolved) and collect the report.
 

@@ -1339,6 +1339,28 @@ def test_the_same_lines_twice_count_once(spark: SparkSession, tmp_path: Path) ->
     assert report["attempts"] == {"6": 1}
 
 
+def test_lines_arrow_reads_twice_count_once(spark: SparkSession, tmp_path: Path) -> None:
+    """A log file and its copy, both plain: Arrow reads them, finds the repeated lines,
+    and Spark counts each once; a file alone has no repeats, and no check runs."""
+    t = BASE_TS
+    lines = [
+        _line(t, "stored", "m", "a"),
+        _line(t, "pushed", "m", "a", recipient="r", attempt=1),
+        _line(t, "pushed", "m", "a", recipient="q", attempt=1),
+        _line(t + 40, "acked", "m", "a", recipient="r", attempt=1),
+    ]
+    one, copy = tmp_path / "delivery-b1-000000.jsonl", tmp_path / "copy.jsonl"
+    one.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    copy.write_bytes(one.read_bytes())
+    alone = arrow_lines([str(one)])
+    assert alone is not None and not alone.repeats
+    both = arrow_lines([str(one), str(copy)])
+    assert both is not None and both.repeats
+    report = compute_report(spark, [str(one), str(copy)], parsed=both).report
+    assert (report["input"]["events"], report["input"]["repeated_lines"]) == (4, 4)
+    assert report["totals"]["pushes"] == 2 and report["totals"]["acked"] == 1
+
+
 # ----------------------------------------------------------------------- bad input
 
 
