@@ -46,6 +46,7 @@ import pytest
 from skmq.auth import broker_tokens
 from skmq.cli import build_parser
 from skmq.config import Settings
+from skmq.embedded import LISTPACK_ENTRIES, LISTPACK_SETTINGS
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -474,6 +475,15 @@ def test_compose_redis_persists() -> None:
     data = volume_mounts(redis)["/data"]
     assert data in project["volumes"], "Redis keeps /data on a named volume"
     assert redis["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
+
+
+def test_compose_redis_has_the_listpacks_the_broker_asks_for() -> None:
+    """Redis's default listpacks (512, 128) make `skmq serve` warn at its start: the
+    compose file's Redis runs with the embedded one's."""
+    command = load_compose()["services"]["redis"]["command"]
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    for setting in LISTPACK_SETTINGS:
+        assert options[f"--{setting}"] == str(LISTPACK_ENTRIES)
 
 
 @pytest.mark.parametrize("subnet", [None, "192.0.2.0/24"])
