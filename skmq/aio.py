@@ -81,6 +81,12 @@ async def listen_again(
         try:
             await listen()
         except lost as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # A stop that reached redis-py's connect comes out of it as a
+                # ConnectionError: a stop all the same, not a loss (a broker kept
+                # subscribing again after its SIGTERM, and never exited).
+                raise asyncio.CancelledError from exc
             logger.warning(f"{what} lost, subscribing again", error=repr(exc), retry_in=pause)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 2.0)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from skmq.aio import STOP_TRIES, STOP_TRY_S, unless_set
+from skmq.aio import STOP_TRIES, STOP_TRY_S, listen_again, unless_set
 
 
 async def test_a_coroutine_that_loses_the_first_cancel_is_cancelled_again() -> None:
@@ -64,3 +64,25 @@ async def test_a_coroutine_that_ends_first_gives_its_result_or_its_error() -> No
     assert await unless_set(asyncio.Event(), fine()) is True
     with pytest.raises(ValueError, match="no"):
         await unless_set(asyncio.Event(), fails())
+
+
+async def test_a_subscription_whose_cancel_comes_out_as_a_lost_connection_ends() -> None:
+    """listen_again's loop ends on a cancel its listen turned into a lost connection (as
+    redis-py's connect does), instead of subscribing again for ever."""
+    listening = asyncio.Event()
+    calls: list[int] = []
+
+    async def listen() -> None:
+        calls.append(1)
+        listening.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ConnectionError("Connection closed by server.") from None
+
+    task = asyncio.ensure_future(listen_again(listen, (ConnectionError,), "test"))
+    await listening.wait()
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)  # (wait_for would hang on a task that goes on)
+    assert task.cancelled()
+    assert calls == [1]
