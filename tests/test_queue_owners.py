@@ -100,6 +100,19 @@ async def test_a_broker_that_does_not_own_the_app_stores_to_its_inbox(
     assert [c.delivery_id for c in claimed] == ["m1"]
 
 
+async def test_an_app_just_taken_reads_its_inbox_at_its_first_claim(
+    wire: Wire, prefix: str
+) -> None:
+    """A wake-up that came while the new owner loaded (the app not owned yet) was not
+    heard: what another broker appended after the load read the inbox is read at the
+    first claim all the same."""
+    other = await owners(wire, prefix)
+    owner = await owners(wire, prefix, "orders")
+    assert await other.store({"orders": [NewMessage("m1", "queue", b"x")]}, T) == {"orders": [True]}
+    claimed, _, _ = await owner.claim("orders", T, 10, alive("r1"), ["r1"])
+    assert [c.delivery_id for c in claimed] == ["m1"]
+
+
 async def test_a_msgid_held_as_a_dead_letter_is_a_duplicate_on_either_store_path(
     wire: Wire, prefix: str
 ) -> None:

@@ -144,6 +144,9 @@ class Owners:
         )
         await owner.load(now)
         self.owned[app] = owner
+        # (a wake-up that came while it loaded, the app not owned yet, was not heard:
+        # its inbox is read again at its first claim)
+        self.unread.add(app)
         if owner.adopted:  # (for the reaper: logged as timeouts)
             self.timed_out.setdefault(app, []).extend(owner.adopted)
         return owner

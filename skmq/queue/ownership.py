@@ -159,12 +159,14 @@ class Ownership:
         """Whether this broker holds the app now: taken if it is unowned and ours by
         rendezvous among the brokers alive at the last round (or unowned for a lease).
         Callers at the same time (a round, a store) share one attempt: two acquires would
-        give two epochs, the second fencing the first."""
-        if app in self.held:
-            return True
+        give two epochs, the second fencing the first; and a caller while the attempt
+        loads the app's state (its lease already held, for renewals) waits for the load,
+        since the app is not owned before it ends."""
         pending = self.taking.get(app)
         if pending is not None:
             return await asyncio.shield(pending)
+        if app in self.held:
+            return True
         attempt = asyncio.ensure_future(self._take(app, now))
         self.taking[app] = attempt
         attempt.add_done_callback(functools.partial(self._taken, app))
