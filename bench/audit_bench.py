@@ -1,6 +1,6 @@
-"""Benchmark of the Spark delivery-log audit on generated logs of 1M, 5M and 10M events.
+"""Benchmark of the Spark delivery-log audit on generated logs of 100k, 1M, 5M, 10M events.
 
-    python bench/audit_bench.py [--events 1M,5M,10M] [--master 'local[2]']
+    python bench/audit_bench.py [--events 100k,1M,5M,10M] [--master 'local[2]']
                                 [--keep DIR] [--cold [--runs N] [--conf KEY=VALUE ...]]
 
 Generates a realistic log into a temporary directory: about 190k messages over four
@@ -355,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--events",
-        default="1M,5M,10M",
+        default="100k,1M,5M,10M",
         help="comma-separated log sizes, each audited in turn: 1M, 10M, 500k or 1000000 "
-        "(default 1M,5M,10M)",
+        "(default 100k,1M,5M,10M: 100k's Arrow batches are under Spark's local-relation size)",
     )
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--seed", type=int, default=1734)
