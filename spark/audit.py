@@ -10,6 +10,7 @@ input checks, the session, the outputs; the work is in ``report.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -53,7 +54,14 @@ from .report import (
     compute_report,
 )
 from .report_html import render_html
-from .session import build_spark, input_bytes, is_small, local_cores, parse_conf
+from .session import (
+    EndOnSignal,
+    build_spark,
+    input_bytes,
+    is_small,
+    local_cores,
+    parse_conf,
+)
 
 # timezone.utc, not datetime.UTC: the official Spark images run Python 3.10.
 UTC = timezone.utc  # noqa: UP017
@@ -253,25 +261,30 @@ def run_audit(
             prog.note(
                 "Spark settings: " + ", ".join(f"{k}={spark_conf.get(k)}" for k in sorted(asked))
             )
-    # Spark fails on a file it cannot read, so that the file is named (and skipped).
-    for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
-        session.conf.set(f"spark.sql.files.{key}", "false")
+    # A process that exits next, on a JVM of its own: a signal ends the JVM first.
+    interrupts = EndOnSignal() if exiting and spark is None and not submitted else None
     try:
-        simple, parsed = inspected.result()
-        result = _compute(session, paths, skipped, skip_bad_files, options, prog, simple, parsed)
-        result.report["input"]["skipped_files"] = [
-            {"path": b.path, "problem": b.problem} for b in skipped
-        ]
-        with prog.stage(f"writing reports to {out}") as notes:
-            meta = {
-                "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-                "logs": [logs] if isinstance(logs, str) else list(logs),
-                "files": len(paths),
-                "master": session.sparkContext.master,
-                "elapsed_s": round(time.monotonic() - prog.started, 1),
-            }
-            written = write_outputs(result, out, meta, session)
-            notes.append(", ".join(os.path.basename(p) for p in written))
+        with interrupts or contextlib.nullcontext():
+            # Spark fails on a file it cannot read, so that the file is named (and skipped).
+            for key in ("ignoreCorruptFiles", "ignoreMissingFiles"):
+                session.conf.set(f"spark.sql.files.{key}", "false")
+            simple, parsed = inspected.result()
+            result = _compute(
+                session, paths, skipped, skip_bad_files, options, prog, simple, parsed
+            )
+            result.report["input"]["skipped_files"] = [
+                {"path": b.path, "problem": b.problem} for b in skipped
+            ]
+            with prog.stage(f"writing reports to {out}") as notes:
+                meta = {
+                    "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                    "logs": [logs] if isinstance(logs, str) else list(logs),
+                    "files": len(paths),
+                    "master": session.sparkContext.master,
+                    "elapsed_s": round(time.monotonic() - prog.started, 1),
+                }
+                written = write_outputs(result, out, meta, session)
+                notes.append(", ".join(os.path.basename(p) for p in written))
     finally:
         if spark is None and not exiting:
             session.stop()

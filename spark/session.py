@@ -18,10 +18,13 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from types import FrameType, TracebackType
+from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -191,6 +194,64 @@ def _pyspark_jvm() -> psutil.Process | None:
             if "org.apache.spark.deploy.SparkSubmit" in command and "pyspark-shell" in command:
                 return child
     return None
+
+
+# How long an interrupted audit's JVM has to end on SIGTERM (its shutdown hooks) before
+# it is killed.
+_END_WAIT_S = 5.0
+
+
+def end_jvm(wait_s: float = _END_WAIT_S) -> None:
+    """End the JVM PySpark started for this process, if any: SIGTERM (its shutdown hooks
+    run), SIGKILL if it is still there after ``wait_s``."""
+    jvm = _pyspark_jvm()
+    if jvm is None:
+        return
+    with contextlib.suppress(psutil.Error):
+        jvm.terminate()
+        try:
+            jvm.wait(timeout=wait_s)
+        except psutil.TimeoutExpired:
+            jvm.kill()
+            jvm.wait(timeout=wait_s)
+
+
+class EndOnSignal:
+    """While entered (once the session started: PySpark's SparkContext sets a SIGINT
+    handler of its own), SIGINT and SIGTERM end the JVM first, then the process, with
+    status 128 + the signal's number (SystemExit); the handlers before are restored on
+    exit.
+
+    PySpark's handler cancels every job and raises KeyboardInterrupt at once.  Under a
+    query that was running (an adaptive plan waiting for a stage) a thread's
+    ``collect()`` then waited for ever, and the exit with it; a py4j call cut in the
+    middle ended with py4j's error ("Gateway must be connected ..."), status 1.  With
+    the JVM gone first, every call into it fails at once; whatever fails after the
+    signal is its doing, and ends as it does."""
+
+    def __init__(self) -> None:
+        self.status = 0  # 128 + the signal's number, once one came
+        self.saved: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.status:  # (a second Ctrl-C while the first ends the JVM)
+            return
+        self.status = 128 + signum
+        end_jvm()
+        raise SystemExit(self.status)
+
+    def __enter__(self) -> EndOnSignal:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+        if self.status and not isinstance(exc, SystemExit):
+            raise SystemExit(self.status) from exc
 
 
 def _finish_cds_dump(partial: str, archive: str) -> None:

@@ -6,7 +6,8 @@ every figure.  With ``--follow`` it watches a live log directory, rewrites the r
 every ``--interval`` seconds and prints each stuck delivery once, until SIGINT or
 SIGTERM, then writes the final report (local mode only).  Exit status: 0 done, 1
 Spark or storage failed (one line; the trace with ``--debug``), 2 bad arguments or
-unreadable input, 3 bad lines under ``--strict``.  It needs PySpark, psutil and
+unreadable input, 3 bad lines under ``--strict``, 130 or 143 stopped by SIGINT or
+SIGTERM (without ``--follow``).  It needs PySpark, psutil and
 PyArrow (``pip install 'skmq[audit]'``) and Java 17 or 21 (``JAVA_HOME`` or ``java`` on the
 PATH); without either it says what to install and exits with status 2.
 """
